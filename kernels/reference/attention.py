@@ -1,0 +1,167 @@
+"""Paged attention over a flattened batch of decode tokens and prefill chunks.
+
+The batch is one flat run of tokens: first ``num_decodes`` sequences with one query token
+each, then prefill chunks of any length. Every sequence has ``context_len`` tokens already
+in the paged KV cache and ``query_len`` new ones whose K/V are written by
+:func:`write_kv_cache` before :func:`paged_attention` reads the cache. The reference path
+gathers each group's blocks into a padded dense tensor and calls
+``scaled_dot_product_attention`` once per group; the masks are built once per step in
+:meth:`AttentionMetadata.build` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Per-step attention inputs, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # (T,) flat cache slot of each new token
+    num_decodes: int
+    # Decode group: one query per sequence.
+    decode_block_tables: torch.Tensor | None  # (Bd, max_blocks)
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, L) True where the key is attended
+    # Prefill group, padded to the longest chunk.
+    num_prefill_tokens: int
+    prefill_pad_index: torch.Tensor | None  # (S, Q) flat index into the prefill tokens
+    prefill_valid: torch.Tensor | None  # (S, Q) True for real (non-padding) queries
+    prefill_block_tables: torch.Tensor | None  # (S, max_blocks); None: no cached context
+    prefill_mask: torch.Tensor | None  # (S, 1, Q, L); None: one causal chunk, no padding
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        context_lens: list[int],
+        block_table: np.ndarray,
+        num_decodes: int,
+        block_size: int,
+        slot_mapping: torch.Tensor,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Derive the masks and padded indices for one step (decode sequences first).
+
+        ``block_table`` is ``(num_seqs, max_blocks)``, each row a sequence's block ids padded
+        with any valid id (padding is masked out).
+        """
+        decode_tables = decode_mask = None
+        if num_decodes:
+            seq_lens = np.asarray(context_lens[:num_decodes]) + 1
+            max_blocks = -(-int(seq_lens.max()) // block_size)
+            decode_tables = _table(block_table[:num_decodes], max_blocks, device)
+            keys = np.arange(max_blocks * block_size)
+            decode_mask = torch.from_numpy(keys[None, :] < seq_lens[:, None])[:, None, None, :]
+
+        pad_index = valid = prefill_tables = prefill_mask = None
+        q_lens = np.asarray(query_lens[num_decodes:], dtype=np.int64)
+        num_prefill_tokens = int(q_lens.sum())
+        if len(q_lens):
+            ctx = np.asarray(context_lens[num_decodes:], dtype=np.int64)
+            max_q = int(q_lens.max())
+            starts = np.cumsum(q_lens) - q_lens
+            cols = np.arange(max_q)
+            valid_np = cols[None, :] < q_lens[:, None]
+            pad_index = torch.from_numpy(
+                starts[:, None] + np.minimum(cols[None, :], q_lens[:, None] - 1)
+            )
+            valid = torch.from_numpy(valid_np)
+            if ctx.any():
+                max_blocks = -(-int((ctx + q_lens).max()) // block_size)
+                prefill_tables = _table(block_table[num_decodes:], max_blocks, device)
+                keys = np.arange(max_blocks * block_size)
+            else:
+                keys = np.arange(max_q)
+            if ctx.any() or len(q_lens) > 1:
+                # Query j of a sequence sees keys up to its own position ctx + j.
+                causal = keys[None, None, :] <= (ctx[:, None] + cols[None, :])[:, :, None]
+                prefill_mask = torch.from_numpy(causal)[:, None]
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=num_decodes,
+            decode_block_tables=decode_tables,
+            decode_mask=_to(decode_mask, device),
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_pad_index=_to(pad_index, device),
+            prefill_valid=_to(valid, device),
+            prefill_block_tables=prefill_tables,
+            prefill_mask=_to(prefill_mask, device),
+        )
+
+
+def _table(block_table: np.ndarray, width: int, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(block_table[:, :width])).to(device)
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new keys/values ``(T, Hkv, D)`` at ``slot_mapping`` in ``kv_cache``
+    ``(2, num_blocks, block_size, Hkv, D)``."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """``(num_blocks, bs, Hkv, D)`` blocks of ``tables`` ``(B, n)`` → ``(B, Hkv, n * bs, D)``."""
+    blocks = cache[tables]  # (B, n, bs, Hkv, D)
+    b, n, bs, h, d = blocks.shape
+    return blocks.view(b, n * bs, h, d).transpose(1, 2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output ``(T, Hq, D)`` for queries ``q`` ``(T, Hq, D)``.
+
+    ``k``/``v`` ``(T, Hkv, D)`` are this step's new keys and values, already written to
+    ``kv_cache``; a prefill group without cached context attends to them directly instead
+    of gathering them back out of the cache.
+    """
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        keys = _gather(kv_cache[0], meta.decode_block_tables)
+        values = _gather(kv_cache[1], meta.decode_block_tables)
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2),
+            keys,
+            values,
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=True,
+        )  # (Bd, Hq, 1, D)
+        out[:nd] = o.squeeze(2)
+    if meta.num_prefill_tokens:
+        qp = q[nd:][meta.prefill_pad_index].transpose(1, 2)  # (S, Hq, Q, D)
+        if meta.prefill_block_tables is not None:
+            keys = _gather(kv_cache[0], meta.prefill_block_tables)
+            values = _gather(kv_cache[1], meta.prefill_block_tables)
+        else:
+            keys = k[nd:][meta.prefill_pad_index].transpose(1, 2)  # (S, Hkv, Q, D)
+            values = v[nd:][meta.prefill_pad_index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qp,
+            keys,
+            values,
+            attn_mask=meta.prefill_mask,
+            is_causal=meta.prefill_mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )  # (S, Hq, Q, D)
+        out[nd:] = o.transpose(1, 2)[meta.prefill_valid]
+    return out

@@ -1,0 +1,69 @@
+"""The ``lamina`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lamina", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    model = commands.add_parser("model", help="manage local models")
+    model_cmds = model.add_subparsers(dest="model_command", required=True)
+    init = model_cmds.add_parser("init", help="create the default model (no network)")
+    init.add_argument("--preset", default="tiny", help="tiny (default) or small")
+    init.add_argument("--dir", type=Path, help="target directory (default: the cache)")
+    init.add_argument("--force", action="store_true", help="recreate it even if present")
+
+    gen = commands.add_parser("generate", help="run the engine in-process on one prompt")
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--model", type=Path, help="checkpoint directory (default model if unset)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+
+    args = parser.parse_args(argv)
+    if args.command == "model":
+        from lamina.services.engine_worker.default_model import ensure_default_model
+
+        print(ensure_default_model(args.preset, args.dir, args.force))
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenizers import Tokenizer
+
+    from lamina.services.engine_worker.config import EngineConfig
+    from lamina.services.engine_worker.default_model import ensure_default_model
+    from lamina.services.engine_worker.engine import Engine
+    from lamina.services.engine_worker.request import SamplingParams
+
+    model = args.model or ensure_default_model()
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    engine = Engine(EngineConfig(model=model))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
+    engine.add_request("cli", tokenizer.encode(args.prompt).ids, params)
+    started, tokens = time.perf_counter(), []
+    while engine.has_work():
+        for output in engine.step():
+            tokens += output.new_token_ids
+            if output.finished:
+                reason = output.finish_reason
+    elapsed = time.perf_counter() - started
+    print(tokenizer.decode(tokens))
+    print(f"[{len(tokens)} tokens in {elapsed:.2f}s, finish_reason={reason}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""The engine: a synchronous, single-threaded loop of ``step()`` calls.
+
+``Engine.step`` is the whole algorithm: schedule a batch, run the model once over it,
+sample, then advance each request and report what it produced. No asyncio, no I/O: the
+worker service drives it from its own thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lamina.schemas.v1.kv import KvEvent
+from lamina.services.engine_worker.block_manager import BlockManager
+from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.errors import (
+    DuplicateRequestError,
+    EmptyPromptError,
+    PromptTooLongError,
+    TokenOutOfVocabError,
+)
+from lamina.services.engine_worker.loader import CheckpointTensors
+from lamina.services.engine_worker.model import CausalLM
+from lamina.services.engine_worker.model_config import DTYPES, ModelConfig
+from lamina.services.engine_worker.model_runner import ModelRunner, kv_block_bytes
+from lamina.services.engine_worker.request import Request, SamplingParams
+from lamina.services.engine_worker.sampler import Logprobs, Sampler
+from lamina.services.engine_worker.scheduler import Scheduler
+
+_RATE_SMOOTHING = 0.2  # weight of the newest step in the measured token rates
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None
+    finished: bool
+    finish_reason: str | None  # "stop" or "length" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's load and cache state: what placement and admission decide on."""
+
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int
+    block_size: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_queued_prefill_tokens: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+    @property
+    def prefix_cache_hit_ratio(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+class Engine:
+    """Paged-KV, continuously batching engine for one model on one device."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = mc = ModelConfig.from_dir(config.model)
+        dtype = mc.dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        model = CausalLM(mc, CheckpointTensors(config.model), dtype, self.device)
+
+        limits = [mc.max_position_embeddings, config.max_model_len, mc.sliding_window]
+        self.max_model_len = min(n for n in limits if n)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) and chunked prefill is off"
+            )
+        bs = config.block_size
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // kv_block_bytes(
+            model, bs
+        )
+        if num_blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"the KV pool holds {num_blocks} blocks of {bs} tokens, fewer than one "
+                f"max_model_len ({self.max_model_len}) sequence needs; raise "
+                "kv_cache_memory_bytes or lower max_model_len"
+            )
+        self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.blocks,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(model, num_blocks, bs, self.device)
+        self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, config.seed, self.device)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._prefill_rate = 0.0
+        self._decode_rate = 0.0
+
+    # ----------------------------------------------------------------------------- intake
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; raises an :class:`InvalidRequestError` subclass if it cannot run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise DuplicateRequestError(request_id)
+        if not prompt_token_ids:
+            raise EmptyPromptError()
+        vocab = self.model_config.vocab_size
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or high >= vocab:
+            raise TokenOutOfVocabError(low if low < 0 else high, vocab)
+        prompt_len = len(prompt_token_ids)
+        max_tokens = params.max_tokens or max(self.max_model_len - prompt_len, 0)
+        if prompt_len + max(max_tokens, 1) > self.max_model_len:
+            raise PromptTooLongError(prompt_len, max_tokens, self.max_model_len)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            priority=priority,
+            arrival=next(self._arrivals),
+            generator=generator,
+        )
+        request.update_block_hashes(self.config.block_size)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self._prompt_tokens += prompt_len
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks at once; False if it is not in the engine."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.remove(request)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the requests that produced a token (or finished)."""
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        started = time.perf_counter()
+        logits = self.runner.execute(batch)
+
+        finishing_prefill: list[Request] = []
+        for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens:
+                finishing_prefill.append(request)
+            self.blocks.cache_computed_blocks(request)
+        sampled = self.sampler(logits, finishing_prefill)
+
+        outputs = []
+        for request, token, logprobs in zip(
+            finishing_prefill, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            request.token_ids.append(token)
+            request.update_block_hashes(self.config.block_size)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self.requests.pop(request.request_id)
+                self.scheduler.remove(request)
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token],
+                    new_logprobs=None if logprobs is None else [logprobs],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        self._generation_tokens += len(outputs)
+        self._account(batch.num_new_tokens, batch.num_decodes, time.perf_counter() - started)
+        return outputs
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens and (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.model_config.eos_token_ids)
+        ):
+            return "stop"
+        if request.num_output_tokens >= request.max_tokens:
+            return "length"
+        if request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _account(self, num_new: list[int], num_decodes: int, seconds: float) -> None:
+        """Smoothed prefill and decode token rates (a mixed step credits both)."""
+        prefill = sum(num_new) - num_decodes
+        seconds = max(seconds, 1e-9)
+        a = _RATE_SMOOTHING
+        if prefill:
+            self._prefill_rate = (1 - a) * self._prefill_rate + a * prefill / seconds
+        if num_decodes:
+            self._decode_rate = (1 - a) * self._decode_rate + a * num_decodes / seconds
+
+    # ------------------------------------------------------------------------------ state
+    def stats(self) -> EngineStats:
+        blocks = self.blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_total_blocks=blocks.num_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            block_size=blocks.block_size,
+            kv_cache_usage=blocks.usage,
+            prefix_cache_queries=blocks.prefix_queries,
+            prefix_cache_hits=blocks.prefix_hits,
+            num_queued_prefill_tokens=self.scheduler.num_queued_prefill_tokens(),
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            prefill_tokens_per_s=self._prefill_rate,
+            decode_tokens_per_s=self._decode_rate,
+        )
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """Prefix cache events since the last call, numbered without gaps."""
+        return self.blocks.take_events()
+
+    def reset_prefix_cache(self) -> None:
+        self.blocks.reset_prefix_cache()

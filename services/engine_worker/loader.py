@@ -1,0 +1,67 @@
+"""Read checkpoint tensors from one or many ``*.safetensors`` files with exact shape checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lamina.services.engine_worker.errors import ModelLoadError
+
+
+class CheckpointTensors:
+    """Every tensor of a Hugging Face checkpoint directory, taken one by one by name.
+
+    Sharded checkpoints are read through ``model.safetensors.index.json``; a single file
+    needs no index. Errors name the file and tensor at fault.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._source: dict[str, Path] = {}
+        for file in self._files():
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        self._tensors[name] = handle.get_tensor(name)
+                        self._source[name] = file
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise ModelLoadError(str(file), f"cannot read safetensors: {exc}") from exc
+
+    def _files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise ModelLoadError(str(index), f"no readable weight_map: {exc}") from exc
+            files = [self.path / name for name in sorted(set(weight_map.values()))]
+            for file in files:
+                if not file.exists():
+                    raise ModelLoadError(str(file), f"shard listed in {index.name} is missing")
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(str(self.path), "no *.safetensors file in the model directory")
+        return files
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Remove and return tensor ``name``, checked against ``shape`` and cast to ``dtype``."""
+        if name not in self._tensors:
+            raise ModelLoadError(f"{self.path}: tensor {name}", "missing from the checkpoint")
+        tensor = self._tensors.pop(name)
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(
+                f"{self._source[name]}: tensor {name}",
+                f"shape {tuple(tensor.shape)} does not match the config's {shape}",
+            )
+        return tensor.to(dtype)
+
+    def remaining(self) -> list[str]:
+        return sorted(self._tensors)

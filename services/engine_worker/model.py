@@ -1,0 +1,151 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flattened batch.
+
+Every step's tokens, from all sequences, form one ``(T,)`` run; attention finds each
+token's sequence through :class:`AttentionMetadata`. Q/K/V and gate/up projections are
+fused into one matmul each at load time: fewer, larger kernels per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lamina.kernels.reference import (
+    AttentionMetadata,
+    apply_rotary,
+    paged_attention,
+    rms_norm,
+    rotary_cos_sin,
+    silu_and_mul,
+    write_kv_cache,
+)
+from lamina.services.engine_worker.loader import CheckpointTensors
+from lamina.services.engine_worker.model_config import ModelConfig
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor  # (q_size + 2 * kv_size, hidden)
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # (head_dim,) Qwen3
+    k_norm: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor  # (2 * intermediate, hidden)
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class CausalLM:
+    """Weights and forward pass of one supported decoder-only model."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: CheckpointTensors,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        c = config
+        h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
+
+        def take(name: str, *shape: int) -> torch.Tensor:
+            return weights.take(name, shape, dtype).to(device)
+
+        def maybe(flag: bool, name: str, *shape: int) -> torch.Tensor | None:
+            return take(name, *shape) if flag else None
+
+        self.embed = take("model.embed_tokens.weight", c.vocab_size, h)
+        self.layers: list[Layer] = []
+        for n in range(c.num_layers):
+            p = f"model.layers.{n}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            qkv_bias = None
+            if c.qkv_bias:
+                qkv_bias = torch.cat(
+                    [
+                        take(attn + "q_proj.bias", c.q_size),
+                        take(attn + "k_proj.bias", c.kv_size),
+                        take(attn + "v_proj.bias", c.kv_size),
+                    ]
+                )
+            gate_up_bias = None
+            if c.mlp_bias:
+                gate_up_bias = torch.cat(
+                    [take(mlp + "gate_proj.bias", i), take(mlp + "up_proj.bias", i)]
+                )
+            self.layers.append(
+                Layer(
+                    input_norm=take(p + "input_layernorm.weight", h),
+                    qkv_weight=torch.cat(
+                        [
+                            take(attn + "q_proj.weight", c.q_size, h),
+                            take(attn + "k_proj.weight", c.kv_size, h),
+                            take(attn + "v_proj.weight", c.kv_size, h),
+                        ]
+                    ),
+                    qkv_bias=qkv_bias,
+                    q_norm=maybe(c.qk_norm, attn + "q_norm.weight", d),
+                    k_norm=maybe(c.qk_norm, attn + "k_norm.weight", d),
+                    o_weight=take(attn + "o_proj.weight", h, c.q_size),
+                    o_bias=maybe(c.o_bias, attn + "o_proj.bias", h),
+                    post_norm=take(p + "post_attention_layernorm.weight", h),
+                    gate_up_weight=torch.cat(
+                        [take(mlp + "gate_proj.weight", i, h), take(mlp + "up_proj.weight", i, h)]
+                    ),
+                    gate_up_bias=gate_up_bias,
+                    down_weight=take(mlp + "down_proj.weight", h, i),
+                    down_bias=maybe(c.mlp_bias, mlp + "down_proj.bias", h),
+                )
+            )
+        self.norm = take("model.norm.weight", h)
+        if c.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight", c.vocab_size, h)
+        self.cos, self.sin = rotary_cos_sin(
+            d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
+        )
+        self.scale = d**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer (2, num_blocks, block_size, Hkv, D)
+        logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
+    ) -> torch.Tensor:
+        """Logits ``(S, vocab)`` in fp32 for the tokens at ``logits_indices``."""
+        c = self.config
+        num_tokens = input_ids.shape[0]
+        eps = c.rms_norm_eps
+        hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = rms_norm(hidden, layer.input_norm, eps, residual)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = q.view(num_tokens, c.num_heads, c.head_dim)
+            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q, _ = rms_norm(q, layer.q_norm, eps)
+                k, _ = rms_norm(k, layer.k_norm, eps)
+            q, k = apply_rotary(q, k, positions, self.cos, self.sin)
+            write_kv_cache(k, v, kv_cache, attn.slot_mapping)
+            o = paged_attention(q, k, v, kv_cache, attn, self.scale)  # (T, Hq, D)
+            hidden = F.linear(o.view(num_tokens, c.q_size), layer.o_weight, layer.o_bias)
+            x, residual = rms_norm(hidden, layer.post_norm, eps, residual)
+            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+            hidden = F.linear(silu_and_mul(gate_up), layer.down_weight, layer.down_bias)
+        hidden, _ = rms_norm(hidden[logits_indices], self.norm, eps, residual[logits_indices])
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,144 @@
+"""Batched, vectorised sampling: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+One pass over the ``(S, vocab)`` logits for the whole batch; Python loops only over the
+requests that need something special (a seed, an active ``min_tokens``). Sampling uses the
+exponential race (``argmax(p / q)`` with ``q ~ Exp(1)``), which equals drawing from ``p``
+and lets each seeded request draw its noise from its own generator, so its tokens do not
+depend on its batch mates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lamina.services.engine_worker.request import Request
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+"""The sampled token's logprob and the top-N ``(token id, logprob)`` alternatives."""
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+class Sampler:
+    def __init__(
+        self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int, device: torch.device
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Pick one token for each row of ``logits`` ``(S, vocab)`` (fp32)."""
+        params = [r.params for r in requests]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        # ``logits`` is this step's own tensor: it is modified in place from here on.
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, requests)
+        suppress = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        if suppress:
+            for row in suppress:
+                stop = set(requests[row].params.stop_token_ids) | set(self.eos_token_ids)
+                logits[row, list(stop)] = float("-inf")
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests, greedy)
+        token_list = tokens.tolist()
+        out_logprobs: list[Logprobs | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for row, want in enumerate(want_logprobs):
+                if want:
+                    out_logprobs[row] = _logprobs(
+                        raw_logprobs[row], token_list[row], params[row].logprobs or 0
+                    )
+        return SamplerOutput(token_list, out_logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        dev = logits.device
+        rep = torch.tensor([r.params.repetition_penalty for r in requests], device=dev)
+        pres = torch.tensor([r.params.presence_penalty for r in requests], device=dev)
+        freq = torch.tensor([r.params.frequency_penalty for r in requests], device=dev)
+        # Counts over generated tokens drive presence/frequency (OpenAI); the repetition
+        # penalty covers prompt and output (Hugging Face / vLLM).
+        output_counts = _token_counts([r.output_token_ids for r in requests], vocab, dev)
+        seen = output_counts > 0
+        if (rep != 1.0).any():
+            seen_any = seen | (
+                _token_counts([r.prompt_token_ids for r in requests], vocab, dev) > 0
+            )
+            penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+            logits = torch.where(seen_any, penalised, logits)
+        logits -= freq[:, None] * output_counts + pres[:, None] * seen
+        return logits
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]
+    ) -> torch.Tensor:
+        params = [r.params for r in requests]
+        dev = logits.device
+        greedy_rows = torch.tensor(greedy, device=dev)
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+        scaled = logits / temperature[:, None]
+        if any(p.has_filters for p in params):
+            scaled = _filter(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, request in enumerate(requests):
+            if request.generator is not None and not greedy[row]:
+                noise[row].exponential_(generator=request.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``(S, vocab)`` occurrence counts of each row's tokens."""
+    width = max((len(t) for t in token_lists), default=0)
+    index = torch.full((len(token_lists), width + 1), vocab, dtype=torch.int64)
+    for row, tokens in enumerate(token_lists):
+        index[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(
+        1, index.to(device), torch.ones_like(index, dtype=counts.dtype, device=device)
+    )
+    return counts[:, :vocab]
+
+
+def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Mask (to -inf) tokens removed by each row's top-k, top-p and min-p."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    drop = ranks >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the mass strictly before it is below top_p (the first always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop |= probs < (min_p[:, None] * probs[:, :1])
+    drop[:, 0] = False
+    mask = torch.empty_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def _logprobs(row: torch.Tensor, token: int, top_n: int) -> Logprobs:
+    alternatives: list[tuple[int, float]] = []
+    if top_n:
+        values, ids = row.topk(top_n)
+        alternatives = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return float(row[token]), alternatives

@@ -1,0 +1,146 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+There is no prefill phase and no decode phase. Every request has ``num_computed_tokens``
+catching up with ``num_tokens``; a step gives each scheduled request some tokens to compute
+under one token budget: one for a request that is decoding, a chunk of its prompt for one
+that is prefilling. Running requests go first, in priority order; when blocks run out the
+lowest-priority, latest-arriving running request is preempted (its blocks freed, to be
+recomputed later, usually from the prefix cache). Waiting requests are admitted only in a
+step that preempted nothing, so a freed block is never handed straight back.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from lamina.services.engine_worker.block_manager import BlockManager
+from lamina.services.engine_worker.request import Request, Status
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: decodes (one new token each) first, then prefill chunks."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    """Waiting heap and running list over one :class:`BlockManager`."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.blocks = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        heapq.heappush(self.waiting, (request.sort_key, request))
+
+    def remove(self, request: Request) -> None:
+        """Take ``request`` out of the queues and free its blocks (finish or abort)."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING:
+            self.waiting = [entry for entry in self.waiting if entry[1] is not request]
+            heapq.heapify(self.waiting)
+        self.blocks.free_request(request)
+        request.status = Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+
+        self.running.sort(key=lambda r: r.sort_key)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, batch.preempted):
+                break  # the request itself was the lowest-priority one left
+            chosen.append((request, num_new))
+            budget -= num_new
+            index += 1
+
+        while (
+            self.waiting
+            and not batch.preempted
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0][1]
+            hit = self.blocks.match_prefix(request)
+            num_new = request.num_tokens - len(hit) * self.blocks.block_size
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.blocks.allocate(request, num_new, hit):
+                break
+            heapq.heappop(self.waiting)
+            self.blocks.record_prefix_lookup(request, len(hit))
+            request.num_cached_tokens = len(hit) * self.blocks.block_size
+            request.status = Status.RUNNING
+            self.running.append(request)
+            chosen.append((request, num_new))
+            budget -= num_new
+
+        # Decodes first: the attention kernels take the flat batch in that order.
+        chosen.sort(key=lambda item: item[1] != 1)
+        batch.requests = [request for request, _ in chosen]
+        batch.num_new_tokens = [n for _, n in chosen]
+        batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+        return batch
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted: list[Request]
+    ) -> bool:
+        """Allocate for a running request, preempting from the back of ``running`` until it
+        fits; False when ``request`` itself had to go."""
+        while not self.blocks.allocate(request, num_new):
+            victim = self.running.pop()  # sorted: lowest priority, latest arrival
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Drop the request's KV; it will be recomputed (prompt plus output so far)."""
+        self.blocks.free_request(request)
+        self.num_preemptions += 1
+        self.add(request)
+
+    def num_queued_prefill_tokens(self) -> int:
+        """Tokens still to prefill: all of each waiting request, the rest of each running
+        request's prompt (a decoding request has exactly one token to compute)."""
+        waiting = sum(entry[1].num_tokens - entry[1].num_computed_tokens for entry in self.waiting)
+        prefilling = sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in self.running
+            if r.num_tokens - r.num_computed_tokens > 1
+        )
+        return waiting + prefilling

@@ -1,0 +1,76 @@
+"""Drive the engine or its model runner directly in tests."""
+
+from __future__ import annotations
+
+import torch
+
+from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.engine import Engine
+from lamina.services.engine_worker.request import Request, SamplingParams
+from lamina.services.engine_worker.scheduler import ScheduledBatch
+
+
+def make_engine(model, **overrides) -> Engine:
+    config = dict(model=model, max_model_len=256, num_kv_blocks=128, block_size=16)
+    return Engine(EngineConfig(**(config | overrides)))
+
+
+def run_to_completion(
+    engine: Engine, prompts: dict[str, list[int]], params: SamplingParams, max_steps: int = 10_000
+) -> dict[str, list[int]]:
+    """Add all ``prompts`` at once, step until done, return each request's output tokens."""
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    return drain(engine, max_steps)
+
+
+def drain(engine: Engine, max_steps: int = 10_000) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outputs
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def teacher_forced_logits(
+    engine: Engine, sequences: list[list[int]], prompt_lens: list[int]
+) -> list[torch.Tensor]:
+    """Prefill each sequence's prompt together in one step, then feed the rest of each
+    sequence one token per step (all sequences in the same batch). Returns, per sequence,
+    logits ``(len - prompt_len + 1, vocab)`` for positions ``prompt_len - 1`` onwards."""
+    requests = []
+    for n, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+        request = Request(
+            f"tf{n}", seq[:p], SamplingParams(), max_tokens=len(seq), token_ids=list(seq)
+        )
+        assert engine.blocks.allocate(request, len(seq))
+        requests.append(request)
+    collected: list[list[torch.Tensor]] = [[] for _ in sequences]
+    chunk = list(prompt_lens)
+    while True:
+        live = [i for i, r in enumerate(requests) if r.num_computed_tokens < r.num_tokens]
+        if not live:
+            break
+        batch = ScheduledBatch(
+            requests=[requests[i] for i in live],
+            num_new_tokens=[chunk[i] for i in live],
+            num_decodes=sum(1 for i in live if chunk[i] == 1),
+        )
+        order = sorted(range(len(live)), key=lambda j: batch.num_new_tokens[j] != 1)
+        batch.requests = [batch.requests[j] for j in order]
+        batch.num_new_tokens = [batch.num_new_tokens[j] for j in order]
+        logits = engine.runner.execute(batch, sample_all_chunks=True)
+        for row, request in enumerate(batch.requests):
+            i = requests.index(request)
+            collected[i].append(logits[row])
+            request.num_computed_tokens += chunk[i]
+            chunk[i] = 1
+    for request in requests:
+        engine.blocks.free_request(request)
+    return [torch.stack(rows) for rows in collected]

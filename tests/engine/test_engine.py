@@ -1,0 +1,238 @@
+"""Engine behaviour: cache, chunking and preemption leave outputs unchanged; requests are
+validated; blocks all come back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lamina.services.engine_worker.errors import (
+    DuplicateRequestError,
+    EmptyPromptError,
+    InvalidRequestError,
+    PromptTooLongError,
+    TokenOutOfVocabError,
+)
+from lamina.services.engine_worker.request import SamplingParams, Status
+from tests.engine.helpers import drain, greedy, make_engine, run_to_completion
+
+
+@pytest.fixture(scope="module")
+def model(make_checkpoint):
+    return make_checkpoint("llama")
+
+
+def prompts(n: int = 6, shared: int = 40, seed: int = 0) -> dict[str, list[int]]:
+    """Prompts that share a ``shared``-token prefix, then differ, of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 256, (shared,), generator=g).tolist()
+    return {
+        f"r{i}": prefix + torch.randint(3, 256, (3 + 7 * i,), generator=g).tolist()
+        for i in range(n)
+    }
+
+
+def assert_all_blocks_released(engine) -> None:
+    bm = engine.blocks
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(count == 0 for count in bm.ref_counts)
+    assert not engine.requests and not engine.has_work()
+
+
+def test_prefix_caching_and_chunked_prefill_do_not_change_outputs(model):
+    reference = run_to_completion(
+        make_engine(
+            model,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=256,
+        ),
+        prompts(),
+        greedy(24),
+    )
+    for caching, chunk_budget in [(True, 256), (True, 24), (False, 7), (True, 7)]:
+        engine = make_engine(
+            model, enable_prefix_caching=caching, max_num_batched_tokens=chunk_budget
+        )
+        assert run_to_completion(engine, prompts(), greedy(24)) == reference
+        assert_all_blocks_released(engine)
+
+
+def test_prefix_cache_hits_are_counted_and_skip_compute(model):
+    engine = make_engine(model)
+    run_to_completion(engine, {"first": prompts()["r1"]}, greedy(4))
+    stats = engine.stats()
+    assert stats.prefix_cache_hits == 0 and stats.prefix_cache_queries == 50
+    engine.add_request("second", prompts()["r2"], greedy(4))
+    engine.step()
+    assert engine.requests["second"].num_cached_tokens == 32  # two full shared blocks
+    drain(engine)
+    stats = engine.stats()
+    assert stats.prefix_cache_hits == 32 and stats.prefix_cache_queries == 50 + 57
+    assert 0 < stats.prefix_cache_hit_ratio < 1
+    events = engine.take_kv_events()
+    assert [e.event_id for e in events] == list(range(len(events)))
+
+
+def test_preemption_by_recompute_gives_identical_outputs(model):
+    reference = run_to_completion(make_engine(model), prompts(4, shared=0), greedy(40))
+    # 12 blocks of 16 tokens cannot hold four ~80-token sequences at once.
+    tight = make_engine(model, num_kv_blocks=12, max_model_len=128)
+    assert run_to_completion(tight, prompts(4, shared=0), greedy(40)) == reference
+    assert tight.stats().num_preemptions > 0
+    assert_all_blocks_released(tight)
+
+
+def test_preemption_picks_lowest_priority_then_latest_arrival(model):
+    engine = make_engine(model, num_kv_blocks=8, max_model_len=128)
+    for request_id, priority in [("low-early", 1), ("high", 0), ("low-late", 1)]:
+        engine.add_request(request_id, list(range(3, 33)), greedy(60), priority=priority)
+    preempted = []
+    while engine.has_work():
+        running = [r.request_id for r in engine.scheduler.running]
+        engine.step()
+        preempted += [
+            rid
+            for rid in running
+            if rid in engine.requests and engine.requests[rid].status is Status.WAITING
+        ]
+    assert preempted, "the pool was sized to force a preemption"
+    assert preempted[0] == "low-late"
+    assert "high" not in preempted
+    assert_all_blocks_released(engine)
+
+
+def test_priorities_order_admission(model):
+    engine = make_engine(model, max_num_seqs=1)
+    engine.add_request("background", [5, 6, 7], greedy(2), priority=5)
+    engine.add_request("urgent", [5, 6, 8], greedy(2), priority=0)
+    first = engine.step()
+    assert [o.request_id for o in first] == ["urgent"]
+
+
+def test_abort_frees_everything_at_once(model):
+    engine = make_engine(model, max_num_batched_tokens=16)
+    engine.add_request("a", list(range(3, 60)), greedy(50))
+    engine.add_request("b", list(range(3, 60)), greedy(50))
+    engine.step()
+    assert engine.stats().num_free_blocks < engine.blocks.num_blocks
+    assert engine.abort("a") and engine.abort("b")
+    assert not engine.abort("a")
+    assert_all_blocks_released(engine)
+    assert engine.step() == []
+
+
+def test_stop_tokens_min_tokens_and_max_tokens(model):
+    engine = make_engine(model)
+    free_run = run_to_completion(engine, {"x": [9, 10, 11]}, greedy(12))["x"]
+    stop_at = free_run[5]
+    first = free_run.index(stop_at)
+    out = run_to_completion(engine, {"y": [9, 10, 11]}, greedy(12, stop_token_ids=(stop_at,)))
+    assert out["y"] == free_run[: first + 1]
+    # min_tokens suppresses the stop token until it has been reached.
+    out = run_to_completion(
+        engine, {"z": [9, 10, 11]}, greedy(12, stop_token_ids=(stop_at,), min_tokens=first + 2)
+    )
+    assert len(out["z"]) > first + 1 and stop_at not in out["z"][: first + 2]
+    engine.add_request("w", [9, 10, 11], greedy(3))
+    finals = [o for o in _all_outputs(engine) if o.finished]
+    assert finals[0].finish_reason == "length" and finals[0].num_output_tokens == 3
+
+
+def test_eos_finishes_with_stop_unless_ignored(model):
+    engine = make_engine(model)
+    free_run = run_to_completion(engine, {"x": [9, 10, 11]}, greedy(12))["x"]
+    # Any generated token can be declared an extra stop token; EOS is id 2 for this model.
+    engine.add_request(
+        "e",
+        [9, 10, 11],
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(free_run[0],)),
+    )
+    out = _all_outputs(engine)
+    assert out[-1].finished and out[-1].finish_reason == "stop"
+    assert engine.model_config.eos_token_ids == (2,)
+
+
+def test_request_validation_errors_are_typed(model):
+    engine = make_engine(model, max_model_len=64)
+    with pytest.raises(EmptyPromptError):
+        engine.add_request("a", [], greedy(1))
+    with pytest.raises(TokenOutOfVocabError, match="256"):
+        engine.add_request("a", [1, 256], greedy(1))
+    with pytest.raises(TokenOutOfVocabError):
+        engine.add_request("a", [-1], greedy(1))
+    with pytest.raises(PromptTooLongError, match="maximum context length is 64"):
+        engine.add_request("a", list(range(3, 70)), greedy(1))
+    with pytest.raises(PromptTooLongError):
+        engine.add_request("a", [5] * 10, greedy(10_000_000))
+    engine.add_request("a", [5] * 10, SamplingParams(max_tokens=None, temperature=0))
+    with pytest.raises(DuplicateRequestError):
+        engine.add_request("a", [5], greedy(1))
+    assert engine.requests["a"].max_tokens == 54  # None: up to the context length
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+
+
+def test_runs_to_the_context_limit(model):
+    engine = make_engine(model, max_model_len=40)
+    engine.add_request(
+        "a", list(range(3, 33)), SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    )
+    outputs = _all_outputs(engine)
+    assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 10
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(model):
+    params = SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True
+    )
+    alone = run_to_completion(make_engine(model), {"s": [7, 8, 9]}, params)["s"]
+    batch = make_engine(model, seed=123)
+    mates = SamplingParams(max_tokens=20, temperature=1.2, ignore_eos=True)
+    for n in range(4):
+        batch.add_request(f"mate{n}", [7, 8, 9 + n], mates)
+    batch.add_request("s", [7, 8, 9], params)
+    assert drain(batch)["s"] == alone
+    other_seed = run_to_completion(
+        make_engine(model), {"s": [7, 8, 9]}, SamplingParams(max_tokens=16, seed=7, ignore_eos=True)
+    )["s"]
+    assert other_seed != alone
+
+
+def test_logprobs_are_returned_with_top_alternatives(model):
+    engine = make_engine(model)
+    engine.add_request("a", [5, 6, 7], greedy(3, logprobs=4))
+    outputs = _all_outputs(engine)
+    for out in outputs:
+        ((sampled_lp, top),) = out.new_logprobs
+        assert len(top) == 4
+        assert top[0][0] == out.new_token_ids[0]  # greedy: the sampled token is the top one
+        assert sampled_lp == pytest.approx(top[0][1]) and sampled_lp <= 0
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+
+
+def test_stats_report_load(model):
+    engine = make_engine(model, max_num_batched_tokens=32)
+    engine.add_request("a", list(range(3, 103)), greedy(4))
+    engine.add_request("b", list(range(3, 53)), greedy(4))
+    stats = engine.stats()
+    assert (stats.num_waiting, stats.num_running) == (2, 0)
+    assert stats.num_queued_prefill_tokens == 150
+    engine.step()  # 32 tokens of "a"
+    stats = engine.stats()
+    assert (stats.num_waiting, stats.num_running) == (1, 1)
+    assert stats.num_queued_prefill_tokens == 150 - 32
+    assert stats.kv_cache_usage == pytest.approx(2 / 128)  # blocks for a's first 32
+    drain(engine)
+    stats = engine.stats()
+    assert stats.prompt_tokens_total == 150 and stats.generation_tokens_total == 8
+    assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+
+
+def _all_outputs(engine):
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    return outputs

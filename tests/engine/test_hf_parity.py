@@ -1,0 +1,86 @@
+"""The engine against Hugging Face ``transformers`` on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import FAMILIES
+from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
+
+
+def hf_model(path, dtype=torch.float32):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def sequences(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prefill_and_teacher_forced_decode_logits_match(family, make_checkpoint):
+    path = make_checkpoint(family)
+    engine = make_engine(path)
+    hf = hf_model(path)
+    # Different prompt lengths (one spans several blocks, one ends mid-block), then 12
+    # teacher-forced decode steps with all three sequences in the same batch.
+    prompt_lens = [5, 37, 16]
+    seqs = sequences(256, [p + 12 for p in prompt_lens])
+    ours = teacher_forced_logits(engine, seqs, prompt_lens)
+    for seq, p, got in zip(seqs, prompt_lens, ours, strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([seq])).logits[0, p - 1 :].float()
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_greedy_tokens_match_hf_generate(family, make_checkpoint):
+    path = make_checkpoint(family)
+    engine = make_engine(path)
+    hf = hf_model(path)
+    prompts = dict(zip("abcd", sequences(256, [3, 19, 40, 8], seed=1), strict=True))
+    ours = run_to_completion(engine, prompts, greedy(20))
+    for request_id, prompt in prompts.items():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert ours[request_id] == out[0, len(prompt) :].tolist(), request_id
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_load_and_track_hf(dtype, make_checkpoint):
+    path = make_checkpoint("qwen2", dtype=dtype)
+    engine = make_engine(path)
+    assert engine.runner.model.dtype == dtype
+    hf = hf_model(path, dtype=dtype)
+    seq = sequences(256, [24])[0]
+    got = teacher_forced_logits(engine, [seq], [20])[0]
+    with torch.no_grad():
+        want = hf(torch.tensor([seq])).logits[0, 19:].float()
+    # Half precision: same computation, different rounding order; compare directions.
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cos.min() > 0.995, cos
+
+
+def test_half_checkpoint_can_run_in_fp32(make_checkpoint):
+    engine = make_engine(make_checkpoint("llama", dtype=torch.bfloat16), dtype="float32")
+    assert engine.runner.model.dtype == torch.float32
+    assert engine.runner.kv_caches[0].dtype == torch.float32
+
+
+def test_sharded_checkpoint_with_index(make_checkpoint):
+    sharded = make_checkpoint("llama", max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    seqs = sequences(256, [21])
+    got = teacher_forced_logits(make_engine(sharded), seqs, [21])[0]
+    with torch.no_grad():
+        want = hf_model(sharded)(torch.tensor(seqs)).logits[0, 20:]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
