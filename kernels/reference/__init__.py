@@ -7,7 +7,7 @@ engine runs on CPU. Each op here has the signature its Triton replacement will k
 from lamina.kernels.reference.activation import silu_and_mul
 from lamina.kernels.reference.attention import AttentionMetadata, paged_attention, write_kv_cache
 from lamina.kernels.reference.norm import rms_norm
-from lamina.kernels.reference.rotary import apply_rotary, rotary_cos_sin
+from lamina.kernels.reference.rotary import apply_rotary, rotary_cos_sin, rotary_for_positions
 
 __all__ = [
     "AttentionMetadata",
@@ -15,6 +15,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rotary_cos_sin",
+    "rotary_for_positions",
     "silu_and_mul",
     "write_kv_cache",
 ]

@@ -51,19 +51,18 @@ def rotary_cos_sin(
     return freqs.cos().to(device), freqs.sin().to(device)
 
 
-def apply_rotary(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
+def rotary_for_positions(
+    positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q`` ``(T, Hq, D)`` and ``k`` ``(T, Hkv, D)`` by token ``positions`` ``(T,)``."""
-    cos = cos_table[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D/2)
-    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    """Look up ``cos``/``sin`` ``(T, 1, D/2)`` for a step's token ``positions`` ``(T,)``, once
+    per step: every layer rotates by the same angles."""
+    return cos_table[positions].unsqueeze(1).to(dtype), sin_table[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(T, H, D)`` (queries and keys may share one call) by per-token angles.
+
+    Half-split (NeoX / Hugging Face Llama) layout: dimension ``i`` pairs with ``i + D/2``.
+    """
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

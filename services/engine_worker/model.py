@@ -18,6 +18,7 @@ from lamina.kernels.reference import (
     paged_attention,
     rms_norm,
     rotary_cos_sin,
+    rotary_for_positions,
     silu_and_mul,
     write_kv_cache,
 )
@@ -30,8 +31,7 @@ class Layer:
     input_norm: torch.Tensor
     qkv_weight: torch.Tensor  # (q_size + 2 * kv_size, hidden)
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # (head_dim,) Qwen3
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # (Hq + Hkv, head_dim): Qwen3's q_norm/k_norm per head
     o_weight: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
@@ -92,8 +92,7 @@ class CausalLM:
                         ]
                     ),
                     qkv_bias=qkv_bias,
-                    q_norm=maybe(c.qk_norm, attn + "q_norm.weight", d),
-                    k_norm=maybe(c.qk_norm, attn + "k_norm.weight", d),
+                    qk_norm=self._qk_norm(c, take, attn) if c.qk_norm else None,
                     o_weight=take(attn + "o_proj.weight", h, c.q_size),
                     o_bias=maybe(c.o_bias, attn + "o_proj.bias", h),
                     post_norm=take(p + "post_attention_layernorm.weight", h),
@@ -115,6 +114,14 @@ class CausalLM:
         )
         self.scale = d**-0.5
 
+    @staticmethod
+    def _qk_norm(c: ModelConfig, take, prefix: str) -> torch.Tensor:
+        """Qwen3 normalises each query and key head before rotary; stacking the two weights
+        per head lets one RMSNorm call cover the fused ``(T, Hq + Hkv, D)`` view."""
+        q_norm = take(prefix + "q_norm.weight", c.head_dim)
+        k_norm = take(prefix + "k_norm.weight", c.head_dim)
+        return torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
+
     @torch.inference_mode()
     def forward(
         self,
@@ -129,18 +136,18 @@ class CausalLM:
         num_tokens = input_ids.shape[0]
         eps = c.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
+        cos, sin = rotary_for_positions(positions, self.cos, self.sin, self.dtype)
+        heads = c.num_heads + c.num_kv_heads
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = q.view(num_tokens, c.num_heads, c.head_dim)
-            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
-            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                q, _ = rms_norm(q, layer.q_norm, eps)
-                k, _ = rms_norm(k, layer.k_norm, eps)
-            q, k = apply_rotary(q, k, positions, self.cos, self.sin)
+            v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
+            qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, heads, c.head_dim)
+            if layer.qk_norm is not None:
+                qk, _ = rms_norm(qk, layer.qk_norm, eps)
+            qk = apply_rotary(qk, cos, sin)  # queries and keys in one call
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             write_kv_cache(k, v, kv_cache, attn.slot_mapping)
             o = paged_attention(q, k, v, kv_cache, attn, self.scale)  # (T, Hq, D)
             hidden = F.linear(o.view(num_tokens, c.q_size), layer.o_weight, layer.o_bias)

@@ -108,8 +108,9 @@ class Scheduler:
             chosen.append((request, num_new))
             budget -= num_new
 
-        # Decodes first: the attention kernels take the flat batch in that order.
-        chosen.sort(key=lambda item: item[1] != 1)
+        # Decodes first, shortest first: the attention kernels take the flat batch in that
+        # order, and neighbours of similar length share padded attention groups.
+        chosen.sort(key=lambda item: (item[1] != 1, item[0].num_tokens if item[1] == 1 else 0))
         batch.requests = [request for request, _ in chosen]
         batch.num_new_tokens = [n for _, n in chosen]
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)

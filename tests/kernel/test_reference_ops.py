@@ -13,6 +13,7 @@ from lamina.kernels.reference import (
     paged_attention,
     rms_norm,
     rotary_cos_sin,
+    rotary_for_positions,
     silu_and_mul,
     write_kv_cache,
 )
@@ -30,14 +31,19 @@ def naive_attention(q, k, v, context_len):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+# (context, query) per sequence: decodes first (query 1), then prefill chunks, with
+# contexts that end on and off block boundaries, and a chunk with no context.
+MIXED = [(0, 1), (7, 1), (8, 1), (12, 5), (0, 9), (3, 1 + 3)]
+# Enough decodes of spread lengths to be split into several padded groups.
+MANY_DECODES = [(n, 1) for n in (0, 2, 3, 5, 8, 9, 11, 15, 16, 17, 20, 23, 24, 30, 31, 40, 47)]
+
+
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1), (8, 2)])
-def test_paged_attention_mixed_batch_matches_naive(hq, hkv):
+@pytest.mark.parametrize("seqs", [MIXED, MANY_DECODES, [*MANY_DECODES, (5, 6)]])
+def test_paged_attention_mixed_batch_matches_naive(hq, hkv, seqs):
     torch.manual_seed(0)
-    bs, d, num_blocks = 4, 16, 64
-    # (context, query) per sequence: decodes first (query 1), then prefill chunks, with
-    # contexts that end on and off block boundaries, and a chunk with no context.
-    seqs = [(0, 1), (7, 1), (8, 1), (12, 5), (0, 9), (3, 1 + 3)]
-    num_decodes = 3
+    bs, d, num_blocks = 4, 16, 256
+    num_decodes = sum(1 for _, n in seqs if n == 1)
     cache = torch.zeros(2, num_blocks, bs, hkv, d)
     perm = torch.randperm(num_blocks).tolist()  # scattered, non-contiguous blocks
     tables, full_k, full_v, slots, qs, ks, vs = [], [], [], [], [], [], []
@@ -68,6 +74,7 @@ def test_paged_attention_mixed_batch_matches_naive(hq, hkv):
         slot_mapping,
         torch.device("cpu"),
     )
+    assert len(meta.decode_groups) == (2 if num_decodes > 16 else 1)
     write_kv_cache(k, v, cache, slot_mapping)
     out = paged_attention(q, k, v, cache, meta, scale=d**-0.5)
     want = torch.cat(
@@ -101,8 +108,8 @@ def test_rms_norm_with_residual():
 def test_rotary_matches_complex_rotation():
     d, positions = 8, torch.tensor([0, 1, 5, 17])
     cos, sin = rotary_cos_sin(d, 32, theta=10000.0)
-    q, k = torch.randn(4, 2, d), torch.randn(4, 1, d)
-    rq, _ = apply_rotary(q, k, positions, cos, sin)
+    q = torch.randn(4, 2, d)
+    rq = apply_rotary(q, *rotary_for_positions(positions, cos, sin, q.dtype))
     freqs = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
     angle = positions[:, None].float() * freqs[None, :]  # (T, D/2)
     z = (
