@@ -8,9 +8,37 @@ import time
 from pathlib import Path
 
 
+#: ``lamina <name> ...`` runs the service's own entry point with the remaining arguments.
+SERVICES = {
+    "gateway": "lamina.services.gateway.__main__",
+    "scheduler": "lamina.services.scheduler.__main__",
+    "worker": "lamina.services.engine_worker.__main__",
+    "telemetry": "lamina.services.telemetry.__main__",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICES:
+        import importlib
+
+        return importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
+    if argv and argv[0] == "up":
+        from lamina.services.launcher import main as up
+
+        return up(argv[1:])
+    if argv[:2] == ["schemas", "export"]:
+        from lamina.schemas.export import main as export
+
+        return export(argv[2:])
     parser = argparse.ArgumentParser(prog="lamina", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    for name in SERVICES:
+        commands.add_parser(name, help=f"run the {name} service (see `lamina {name} --help`)")
+    commands.add_parser("up", help="run the whole stack locally (see `lamina up --help`)")
+    schemas = commands.add_parser("schemas", help="wire schema tools")
+    schemas.add_subparsers(dest="schemas_command").add_parser(
+        "export", help="write JSON Schema for every wire type (`lamina schemas export DIR`)")
 
     model = commands.add_parser("model", help="manage local models")
     model_cmds = model.add_subparsers(dest="model_command", required=True)

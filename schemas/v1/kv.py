@@ -6,10 +6,10 @@ that it missed something and must resynchronise.
 
 from __future__ import annotations
 
-import msgspec
+from lamina.schemas.v1.base import Message
 
 
-class BlockStored(msgspec.Struct, tag="block_stored", frozen=True):
+class BlockStored(Message, frozen=True):
     """Consecutive full blocks of one sequence became reusable."""
 
     event_id: int
@@ -19,17 +19,25 @@ class BlockStored(msgspec.Struct, tag="block_stored", frozen=True):
     """Chained hashes (``lamina.libs.block_hash``), in sequence order."""
 
 
-class BlockRemoved(msgspec.Struct, tag="block_removed", frozen=True):
+class BlockRemoved(Message, frozen=True):
     """Blocks were evicted and can no longer be hit."""
 
     event_id: int
     block_hashes: list[int]
 
 
-class AllBlocksCleared(msgspec.Struct, tag="all_blocks_cleared", frozen=True):
+class AllBlocksCleared(Message, frozen=True):
     """The whole prefix cache was reset."""
 
     event_id: int
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(Message):
+    """Published on ``worker.<id>.kv``: the events since the last batch, in order."""
+
+    worker_id: str
+    block_size: int
+    events: list[KvEvent]

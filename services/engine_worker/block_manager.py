@@ -103,7 +103,7 @@ class BlockManager:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hash[block_id] = None
-            self._emit(BlockRemoved(self._event_id(), [block_hash]))
+            self._emit(BlockRemoved(event_id=self._event_id(), block_hashes=[block_hash]))
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -152,14 +152,18 @@ class BlockManager:
 
     def _flush_stored(self, parent_hash: int, block_hashes: list[int]) -> None:
         if block_hashes:
-            self._emit(BlockStored(self._event_id(), parent_hash, block_hashes))
+            self._emit(
+                BlockStored(
+                    event_id=self._event_id(), parent_hash=parent_hash, block_hashes=block_hashes
+                )
+            )
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; blocks in use stay with their requests."""
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         # All free blocks are now empty: their order no longer matters.
-        self._emit(AllBlocksCleared(self._event_id()))
+        self._emit(AllBlocksCleared(event_id=self._event_id()))
 
     # ------------------------------------------------------------------------------ events
     def _event_id(self) -> int:

@@ -128,16 +128,8 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)
-        if not prompt_token_ids:
-            raise EmptyPromptError()
-        vocab = self.model_config.vocab_size
-        low, high = min(prompt_token_ids), max(prompt_token_ids)
-        if low < 0 or high >= vocab:
-            raise TokenOutOfVocabError(low if low < 0 else high, vocab)
+        max_tokens = self.validate(prompt_token_ids, params)
         prompt_len = len(prompt_token_ids)
-        max_tokens = params.max_tokens or max(self.max_model_len - prompt_len, 0)
-        if prompt_len + max(max_tokens, 1) > self.max_model_len:
-            raise PromptTooLongError(prompt_len, max_tokens, self.max_model_len)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -155,6 +147,24 @@ class Engine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         self._prompt_tokens += prompt_len
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model; return its resolved ``max_tokens``.
+
+        Reads only immutable configuration, so other threads may call it (the worker
+        validates before handing a request to the engine thread).
+        """
+        if not prompt_token_ids:
+            raise EmptyPromptError()
+        vocab = self.model_config.vocab_size
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or high >= vocab:
+            raise TokenOutOfVocabError(low if low < 0 else high, vocab)
+        prompt_len = len(prompt_token_ids)
+        max_tokens = params.max_tokens or max(self.max_model_len - prompt_len, 0)
+        if prompt_len + max(max_tokens, 1) > self.max_model_len:
+            raise PromptTooLongError(prompt_len, max_tokens, self.max_model_len)
+        return max_tokens
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks at once; False if it is not in the engine."""

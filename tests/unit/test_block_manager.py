@@ -103,10 +103,10 @@ def test_kv_events_are_numbered_without_gaps():
     events = bm.take_events()
     assert [e.event_id for e in events] == [0, 1, 2, 3]
     stored, removed1, removed2, cleared = events
-    assert stored == BlockStored(0, ROOT_HASH, a.block_hashes)
+    assert stored == BlockStored(event_id=0, parent_hash=ROOT_HASH, block_hashes=a.block_hashes)
     assert isinstance(removed1, BlockRemoved) and isinstance(removed2, BlockRemoved)
     assert {removed1.block_hashes[0], removed2.block_hashes[0]} == set(a.block_hashes)
-    assert cleared == AllBlocksCleared(3)
+    assert cleared == AllBlocksCleared(event_id=3)
     assert bm.take_events() == []
 
 
@@ -121,7 +121,9 @@ def test_stored_event_names_its_parent_when_extending_a_sequence():
     bm.cache_computed_blocks(a)
     first, second = bm.take_events()
     assert first.block_hashes == a.block_hashes[:1]
-    assert second == BlockStored(1, a.block_hashes[0], a.block_hashes[1:2])
+    assert second == BlockStored(
+        event_id=1, parent_hash=a.block_hashes[0], block_hashes=a.block_hashes[1:2]
+    )
 
 
 def test_prefix_caching_off_never_caches():

@@ -1,0 +1,226 @@
+"""Typed publish / request / subscribe over NATS, with trace context on every message.
+
+Every payload is a tagged ``msgspec`` struct encoded as JSON. Each subscription owns one
+reusable typed decoder. A message that does not decode is logged with its subject and
+dropped, or answered with a typed :class:`BadMessage` when it expects a reply: it never
+reaches the handler and never crashes the service.
+
+Tracing follows the OpenTelemetry messaging conventions: every publish is a PRODUCER span
+``"<subject> publish"`` whose W3C context travels in the NATS headers; every handler runs
+inside a CONSUMER span ``"<subject> process"`` that continues it. Reply inboxes are
+temporary destinations and are named ``(temporary)`` to keep span names low-cardinality.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import MaxPayloadError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
+
+from lamina.libs.errors import BadReply, NoResponders, PayloadTooLarge, RequestTimeout
+from lamina.schemas.v1.errors import BadMessage
+
+log = logging.getLogger("lamina.bus")
+tracer = trace.get_tracer("lamina.bus")
+
+T = TypeVar("T")
+Handler = Callable[[Any, Msg], Awaitable[None]]
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[Any, msgspec.json.Decoder] = {}
+
+
+def decoder(message_type: Any) -> msgspec.json.Decoder:
+    """The one reusable decoder for ``message_type`` (a struct or a union of structs)."""
+    dec = _decoders.get(message_type)
+    if dec is None:
+        dec = _decoders[message_type] = msgspec.json.Decoder(message_type)
+    return dec
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def _span_subject(subject: str) -> str:
+    return "(temporary)" if subject.startswith("_INBOX.") else subject
+
+
+def _attributes(subject: str, size: int, operation: str) -> dict[str, Any]:
+    return {
+        "messaging.system": "nats",
+        "messaging.operation.type": operation,
+        "messaging.destination.name": subject,
+        "messaging.destination.temporary": subject.startswith("_INBOX."),
+        "messaging.message.body.size": size,
+    }
+
+
+class Bus:
+    """A NATS connection with typed, traced messaging."""
+
+    def __init__(self, nc: Client, name: str) -> None:
+        self.nc = nc
+        self.name = name
+
+    @classmethod
+    async def connect(cls, url: str, name: str, **options: Any) -> Bus:
+        """Connect to ``url``; reconnects forever with the client's default back-off."""
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats error: %s", exc)
+
+        async def on_disconnect() -> None:
+            log.warning("disconnected from nats")
+
+        async def on_reconnect() -> None:
+            log.info("reconnected to nats")
+
+        nc = await nats.connect(
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            **options,
+        )
+        return cls(nc, name)
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    def inbox(self) -> str:
+        return self.nc.new_inbox()
+
+    async def publish(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        reply: str = "",
+        context: otel_context.Context | None = None,
+    ) -> None:
+        """Publish ``message``; raises :class:`PayloadTooLarge` over the server's limit.
+
+        ``context`` parents the PRODUCER span when the caller is not inside the request's
+        span (e.g. a worker publishing a request's tokens from its engine loop).
+        """
+        data = encode(message)
+        self._check_size(subject, data)
+        with tracer.start_as_current_span(
+            f"{_span_subject(subject)} publish",
+            context=context,
+            kind=SpanKind.PRODUCER,
+            attributes=_attributes(subject, len(data), "publish"),
+        ):
+            headers: dict[str, str] = {}
+            propagate.inject(headers)
+            try:
+                await self.nc.publish(subject, data, reply=reply, headers=headers or None)
+            except MaxPayloadError as exc:
+                raise PayloadTooLarge(subject, len(data), self.max_payload) from exc
+
+    async def request(
+        self, subject: str, message: msgspec.Struct, response_type: type[T], timeout: float = 2.0
+    ) -> T:
+        """Send ``message`` and decode the single reply as ``response_type``."""
+        data = encode(message)
+        self._check_size(subject, data)
+        with tracer.start_as_current_span(
+            f"{_span_subject(subject)} publish",
+            kind=SpanKind.PRODUCER,
+            attributes=_attributes(subject, len(data), "send"),
+        ):
+            headers: dict[str, str] = {}
+            propagate.inject(headers)
+            try:
+                reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
+            except NoRespondersError as exc:
+                raise NoResponders(subject) from exc
+            except NatsTimeout as exc:
+                raise RequestTimeout(subject, timeout) from exc
+        try:
+            return decoder(response_type).decode(reply.data)
+        except msgspec.DecodeError as exc:
+            bad = _try_decode_bad_message(reply.data)
+            raise BadReply(subject, bad or str(exc)) from exc
+
+    async def reply(self, msg: Msg, message: msgspec.Struct) -> None:
+        if msg.reply:
+            await self.publish(msg.reply, message)
+
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: Any,
+        handler: Handler,
+        queue: str = "",
+        traced: bool = True,
+    ) -> Subscription:
+        """Call ``handler(decoded, msg)`` for each message on ``subject``.
+
+        ``queue`` joins a queue group (one member gets each message). ``traced=False`` skips
+        the CONSUMER span, for very hot subscriptions whose publishers are already traced.
+        """
+        dec = decoder(message_type)
+
+        async def callback(msg: Msg) -> None:
+            try:
+                decoded = dec.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                log.warning("dropped undecodable message on %s: %s", msg.subject, exc)
+                if msg.reply:
+                    await self.publish(msg.reply, BadMessage(subject=msg.subject, error=str(exc)))
+                return
+            if not traced:
+                await self._run(handler, decoded, msg)
+                return
+            context = propagate.extract(msg.headers or {})
+            with tracer.start_as_current_span(
+                f"{_span_subject(msg.subject)} process",
+                context=context,
+                kind=SpanKind.CONSUMER,
+                attributes=_attributes(msg.subject, len(msg.data), "process"),
+            ):
+                await self._run(handler, decoded, msg)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=callback)
+
+    async def _run(self, handler: Handler, decoded: Any, msg: Msg) -> None:
+        try:
+            await handler(decoded, msg)
+        except Exception:  # a handler bug must not kill the subscription
+            log.exception("handler for %s failed", msg.subject)
+
+    def _check_size(self, subject: str, data: bytes) -> None:
+        if self.nc.is_connected and len(data) > self.max_payload:
+            raise PayloadTooLarge(subject, len(data), self.max_payload)
+
+    async def drain(self) -> None:
+        """Finish in-flight handlers and flush pending publishes, then close."""
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+
+def _try_decode_bad_message(data: bytes) -> str | None:
+    try:
+        return decoder(BadMessage).decode(data).error
+    except msgspec.DecodeError:
+        return None

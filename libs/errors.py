@@ -1,0 +1,40 @@
+"""Bus errors: each carries the data needed to act on it."""
+
+from __future__ import annotations
+
+
+class BusError(Exception):
+    """Base of every error the bus library raises."""
+
+
+class NoResponders(BusError):
+    def __init__(self, subject: str) -> None:
+        super().__init__(f"no service is subscribed to {subject!r}")
+        self.subject = subject
+
+
+class RequestTimeout(BusError):
+    def __init__(self, subject: str, timeout: float) -> None:
+        super().__init__(f"no reply on {subject!r} within {timeout:g}s")
+        self.subject = subject
+        self.timeout = timeout
+
+
+class PayloadTooLarge(BusError):
+    def __init__(self, subject: str, size: int, max_payload: int) -> None:
+        super().__init__(
+            f"message for {subject!r} is {size} bytes, over the server's max_payload "
+            f"({max_payload} bytes)"
+        )
+        self.subject = subject
+        self.size = size
+        self.max_payload = max_payload
+
+
+class BadReply(BusError):
+    """A reply arrived but did not decode as the expected type."""
+
+    def __init__(self, subject: str, error: str) -> None:
+        super().__init__(f"reply on {subject!r} did not decode: {error}")
+        self.subject = subject
+        self.error = error

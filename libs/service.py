@@ -1,0 +1,56 @@
+"""The lifecycle every service shares: uvloop, signals, graceful drain.
+
+A service is an object with ``async start()`` (connect, subscribe, begin serving),
+``async drain()`` (stop taking work, finish in-flight work) and ``async close()``.
+:func:`run` starts it, waits for SIGTERM or SIGINT, drains, closes and returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Protocol
+
+from lamina.libs.telemetry_setup import setup_logging, setup_tracing, shutdown_tracing
+
+log = logging.getLogger("lamina.service")
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def drain(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+def run(name: str, service: Service) -> int:
+    """Run ``service`` until SIGTERM/SIGINT, then drain and exit 0."""
+    setup_logging(name)
+    setup_tracing(name)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        runner = asyncio.run
+    try:
+        return runner(_serve(name, service))
+    finally:
+        shutdown_tracing()
+
+
+async def _serve(name: str, service: Service) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    log.info("%s started", name)
+    await stop.wait()
+    log.info("%s draining", name)
+    with contextlib.suppress(Exception):
+        await service.drain()
+    await service.close()
+    log.info("%s stopped", name)
+    return 0

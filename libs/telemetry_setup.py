@@ -1,0 +1,109 @@
+"""Logging and tracing set-up shared by every service.
+
+Logs are one line each: ``time level service [trace_id] logger: message``; the trace id
+ties a log line to the request's trace. Tracing exports over OTLP/HTTP when the standard
+``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) is set, and to a JSON-lines
+file when ``LAMINA_TRACE_FILE`` is (used by the end-to-end tests to capture spans from
+several processes); with neither, the no-op tracer costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Sequence
+
+from opentelemetry import trace
+
+
+class _TraceFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__(
+            "%(asctime)s %(levelname)s " + service + " [%(trace_id)s] %(name)s: %(message)s"
+        )
+
+    def format(self, record: logging.LogRecord) -> str:
+        ctx = trace.get_current_span().get_span_context()
+        record.trace_id = format(ctx.trace_id, "032x") if ctx.is_valid else "-"
+        return super().format(record)
+
+
+def setup_logging(service: str, level: str | None = None) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_TraceFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel((level or os.environ.get("LAMINA_LOG_LEVEL", "INFO")).upper())
+
+
+def setup_tracing(service: str) -> None:
+    """Install an SDK tracer provider if an exporter is configured; else keep the no-op."""
+    otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    )
+    trace_file = os.environ.get("LAMINA_TRACE_FILE")
+    if not otlp and not trace_file:
+        return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if otlp:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if trace_file:
+        provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(trace_file)))
+    trace.set_tracer_provider(provider)
+
+
+def shutdown_tracing() -> None:
+    provider = trace.get_tracer_provider()
+    shutdown = getattr(provider, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
+class JsonLinesExporter:
+    """Appends each finished span as one JSON object per line (several processes may share
+    the file: each line is written with a single ``write`` under an append-mode handle)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the exporter
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence) -> object:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        lines = []
+        for span in spans:
+            ctx = span.get_span_context()
+            lines.append(
+                json.dumps(
+                    {
+                        "name": span.name,
+                        "service": span.resource.attributes.get("service.name"),
+                        "trace_id": format(ctx.trace_id, "032x"),
+                        "span_id": format(ctx.span_id, "016x"),
+                        "parent_id": format(span.parent.span_id, "016x") if span.parent else None,
+                        "kind": span.kind.name,
+                        "start": span.start_time,
+                        "end": span.end_time,
+                        "attributes": dict(span.attributes or {}),
+                    }
+                )
+            )
+        with self._lock:
+            self._file.write("".join(line + "\n" for line in lines))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self._file.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        self._file.flush()
+        return True

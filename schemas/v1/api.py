@@ -1,0 +1,56 @@
+"""The NATS request API (``lamina.v1.api.generate``) for clients that speak NATS."""
+
+from __future__ import annotations
+
+import msgspec
+
+from lamina.schemas.v1.base import Message
+from lamina.schemas.v1.generate import Sampling, Sla, Usage
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ApiRequest(Message):
+    """Exactly one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat)."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    sla: Sla = msgspec.field(default_factory=Sla)
+    stop: list[str] = []
+    request_id: str | None = None
+
+
+class ApiDelta(Message):
+    """New text (and the tokens behind it) for the request."""
+
+    request_id: str
+    seq: int
+    text: str
+    token_ids: list[int]
+
+
+class ApiFinished(Message):
+    request_id: str
+    seq: int
+    text: str
+    finish_reason: str
+    usage: Usage
+
+
+class ApiError(Message):
+    """The request failed; ``code`` is an HTTP-like status (400, 503, ...)."""
+
+    request_id: str | None
+    code: int
+    error_type: str
+    message: str
+    param: str | None = None
+
+
+ApiEvent = ApiDelta | ApiFinished | ApiError

@@ -1,0 +1,35 @@
+"""Cancellation and worker control."""
+
+from __future__ import annotations
+
+from lamina.schemas.v1.base import Message
+
+
+class Cancel(Message):
+    """gateway → ``worker.<id>.cancel``: the client went away; free everything."""
+
+    request_id: str
+
+
+class Drain(Message):
+    """Stop taking new requests, finish in-flight ones."""
+
+
+class Resume(Message):
+    """Take new requests again after a drain (cordon lifted)."""
+
+
+class ResetPrefixCache(Message):
+    """Forget every cached prefix block."""
+
+
+class ControlAck(Message):
+    """Reply to a control command."""
+
+    worker_id: str
+    ok: bool
+    state: str
+    message: str = ""
+
+
+ControlCommand = Drain | Resume | ResetPrefixCache

@@ -1,0 +1,54 @@
+"""Worker heartbeats: the engine's contract with placement, admission and telemetry."""
+
+from __future__ import annotations
+
+from lamina.schemas.v1.base import Message
+
+WORKER_STATES = ("starting", "ready", "draining", "degraded")
+
+
+class WorkerStats(Message, gc=False):
+    """Published on ``worker.<id>.stats`` every 0.5 s and on state changes."""
+
+    worker_id: str
+    model: str
+    device: str
+    state: str
+    """One of :data:`WORKER_STATES`."""
+    block_size: int
+    total_kv_blocks: int
+    free_kv_blocks: int
+    kv_cache_usage: float
+    prefix_cache_hit_ratio: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_running: int
+    num_waiting: int
+    num_queued_prefill_tokens: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    timestamp_ms: int
+    heartbeat_interval_s: float = 0.5
+
+
+class ClusterStatusRequest(Message):
+    """Ask a scheduler (``sched.status``) for its view of the cluster."""
+
+
+class WorkerView(Message):
+    """A worker as the scheduler sees it."""
+
+    stats: WorkerStats
+    alive: bool
+    last_seen_ms: int
+
+
+class ClusterStatus(Message):
+    scheduler_id: str
+    workers: list[WorkerView]

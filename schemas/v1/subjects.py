@@ -1,0 +1,32 @@
+"""Every v1 subject, in one place."""
+
+from __future__ import annotations
+
+PREFIX = "lamina.v1"
+API_GENERATE = f"{PREFIX}.api.generate"
+SCHED_SUBMIT = f"{PREFIX}.sched.submit"
+SCHED_STATUS = f"{PREFIX}.sched.status"
+EVENTS_REQUEST = f"{PREFIX}.events.request"
+EVENTS_PLACEMENT = f"{PREFIX}.events.placement"
+WORKER_STATS_ALL = f"{PREFIX}.worker.*.stats"
+WORKER_KV_ALL = f"{PREFIX}.worker.*.kv"
+
+
+def worker_generate(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{worker_id}.generate"
+
+
+def worker_cancel(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{worker_id}.cancel"
+
+
+def worker_control(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{worker_id}.control"
+
+
+def worker_stats(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{worker_id}.stats"
+
+
+def worker_kv(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{worker_id}.kv"

@@ -1,0 +1,266 @@
+"""The engine on its own thread, fed by a command queue, reporting through a callback.
+
+The engine is synchronous and not thread-safe, so only this thread touches it (bar
+``Engine.validate``, which reads only configuration). The asyncio side submits commands
+(add, cancel, call) through a thread-safe queue; the thread steps the engine whenever it
+has work and hands each step's wire events, grouped in one list, to ``emit`` (which must
+be thread-safe: the service wraps ``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lamina.schemas.v1.generate import (
+    Failed,
+    Finished,
+    GenerateRequest,
+    TokenLogprob,
+    Tokens,
+    Usage,
+)
+from lamina.schemas.v1.kv import KvEventBatch
+from lamina.services.engine_worker.engine import Engine, EngineStats, RequestOutput
+from lamina.services.engine_worker.errors import InvalidRequestError
+from lamina.services.engine_worker.request import SamplingParams
+
+log = logging.getLogger("lamina.worker.engine")
+
+Outgoing = tuple[str, Any, Any]  # (subject, message, trace context or None)
+_STATS_PERIOD_S = 0.1
+
+
+@dataclass
+class _Stream:
+    """Where one request's events go, and how many have gone."""
+
+    reply: str
+    context: Any
+    seq: int = 1  # 0 was Accepted
+
+
+@dataclass
+class _Add:
+    request: GenerateRequest
+    reply: str
+    context: Any
+
+
+@dataclass
+class _Cancel:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Engine], None]
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def to_sampling_params(request: GenerateRequest) -> SamplingParams:
+    s = request.sampling
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        logprobs=s.logprobs,
+    )
+
+
+class EngineLoop(threading.Thread):
+    """Owns the engine; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        worker_id: str,
+        kv_subject: str,
+        emit: Callable[[list[Outgoing]], None],
+    ) -> None:
+        super().__init__(name="engine", daemon=True)
+        self.engine = engine
+        self.worker_id = worker_id
+        self.kv_subject = kv_subject
+        self.emit = emit
+        self.stats: EngineStats = engine.stats()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._stats_at = 0.0
+
+    # ---------------------------------------------------------------- called from asyncio
+    def submit(self, request: GenerateRequest, reply: str, context: Any = None) -> None:
+        self._commands.put(_Add(request, reply, context))
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(_Cancel(request_id))
+
+    def call(self, fn: Callable[[Engine], None]) -> threading.Event:
+        """Run ``fn(engine)`` on the engine thread; the returned event is set after."""
+        command = _Call(fn)
+        self._commands.put(command)
+        return command.done
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+
+    # ------------------------------------------------------------------ the engine thread
+    def run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_work()
+            self._drain_commands(block=not busy)
+            if self.engine.has_work():
+                try:
+                    outputs = self.engine.step()
+                except Exception:  # a bug in a step must not leave clients hanging
+                    log.exception("engine step failed")
+                    self._fail_all("engine step failed")
+                    continue
+                self._emit_outputs(outputs)
+            self._refresh_stats()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_STATS_PERIOD_S) if block else None
+            while True:
+                if command is not None:
+                    self._apply(command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _apply(self, command: Any) -> None:
+        match command:
+            case _Add(request, reply, context):
+                self._add(request, reply, context)
+            case _Cancel(request_id):
+                if self.engine.abort(request_id):
+                    self._streams.pop(request_id, None)
+            case _Call(fn, done):
+                try:
+                    fn(self.engine)
+                finally:
+                    done.set()
+
+    def _add(self, request: GenerateRequest, reply: str, context: Any) -> None:
+        """Queue a request the service has validated and already answered ``Accepted``."""
+        rid = request.request_id
+        try:
+            self.engine.add_request(
+                rid,
+                request.prompt_token_ids,
+                to_sampling_params(request),
+                priority=request.sla.priority,
+            )
+        except InvalidRequestError as exc:  # only a duplicate id gets here
+            self.emit(
+                [
+                    (
+                        reply,
+                        Failed(
+                            request_id=rid,
+                            seq=1,
+                            message=exc.message,
+                            retryable=False,
+                            tokens_sent=False,
+                        ),
+                        context,
+                    )
+                ]
+            )
+            return
+        self._streams[rid] = _Stream(reply, context)
+
+    def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
+        batch: list[Outgoing] = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            logprobs = None
+            if out.new_logprobs is not None:
+                logprobs = [TokenLogprob(lp, top) for lp, top in out.new_logprobs]
+            if out.finished:
+                del self._streams[out.request_id]
+                message = Finished(
+                    request_id=out.request_id,
+                    seq=stream.seq,
+                    finish_reason=out.finish_reason or "stop",
+                    usage=Usage(
+                        prompt_tokens=out.num_prompt_tokens,
+                        completion_tokens=out.num_output_tokens,
+                        cached_tokens=out.num_cached_tokens,
+                    ),
+                    token_ids=out.new_token_ids,
+                    logprobs=logprobs,
+                )
+            else:
+                message = Tokens(
+                    request_id=out.request_id,
+                    seq=stream.seq,
+                    token_ids=out.new_token_ids,
+                    logprobs=logprobs,
+                )
+            stream.seq += 1
+            batch.append((stream.reply, message, stream.context))
+        events = self.engine.take_kv_events()
+        if events:
+            batch.append(
+                (
+                    self.kv_subject,
+                    KvEventBatch(
+                        worker_id=self.worker_id,
+                        block_size=self.engine.config.block_size,
+                        events=events,
+                    ),
+                    None,
+                )
+            )
+        if batch:
+            self.emit(batch)
+
+    def _fail_all(self, reason: str) -> None:
+        batch: list[Outgoing] = []
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort(rid)
+            batch.append(
+                (
+                    stream.reply,
+                    Failed(
+                        request_id=rid,
+                        seq=stream.seq,
+                        message=reason,
+                        retryable=True,
+                        tokens_sent=stream.seq > 1,
+                    ),
+                    stream.context,
+                )
+            )
+        self._streams.clear()
+        self.emit(batch)
+
+    def _refresh_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._stats_at >= _STATS_PERIOD_S:
+            self.stats = self.engine.stats()  # one reference swap: safe to read elsewhere
+            self._stats_at = now

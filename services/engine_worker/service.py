@@ -1,0 +1,227 @@
+"""The engine-worker service: the engine on its thread, NATS on asyncio.
+
+Subscribes to its own ``generate``, ``cancel`` and ``control`` subjects; streams
+``Accepted`` then token events to each request's reply inbox; publishes ``WorkerStats``
+every ``stats_interval`` seconds (and at once on a state change) and KV events as they
+happen. SIGTERM drains: new requests are rejected as retryable, accepted ones finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+
+from lamina.libs.bus import Bus
+from lamina.libs.config import option
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.control import Cancel, ControlAck, ControlCommand, Drain, ResetPrefixCache
+from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected
+from lamina.schemas.v1.stats import WorkerStats
+from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.default_model import ensure_default_model
+from lamina.services.engine_worker.engine import Engine
+from lamina.services.engine_worker.engine_loop import EngineLoop, Outgoing, to_sampling_params
+from lamina.services.engine_worker.errors import InvalidRequestError
+
+log = logging.getLogger("lamina.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Engine worker: owns one device, its model and KV pool."""
+
+    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    worker_id: str = option("", "unique worker id (default: <host>-<pid>)")
+    model: str = option("", "checkpoint directory (default: the default model)")
+    model_name: str = option("", "served model name (default: the directory name)")
+    device: str = option("cpu", "torch device")
+    dtype: str = option("auto", "auto, float32, bfloat16 or float16")
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory_mb: int = option(256, "KV pool memory budget in MiB")
+    max_num_batched_tokens: int = option(2048, "token budget of one engine step")
+    max_num_seqs: int = option(128, "most sequences in one step")
+    max_model_len: int = option(0, "context length (0: the model's)")
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prefixes")
+    stats_interval: float = option(0.5, "seconds between WorkerStats heartbeats")
+    drain_timeout: float = option(300.0, "most seconds SIGTERM waits for in-flight work")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=Path(self.model) if self.model else ensure_default_model(),
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_mb << 20,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len or None,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+
+class WorkerService:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.state = "starting"
+        self.bus: Bus | None = None
+        self.loop: EngineLoop | None = None
+        self._outbox: asyncio.Queue[list[Outgoing]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.bus = bus = await Bus.connect(cfg.nats_url, f"worker-{self.worker_id}")
+        engine_config = cfg.engine_config()
+        self.model_name = cfg.model_name or engine_config.model.name
+        engine = await asyncio.to_thread(Engine, engine_config)
+        aio = asyncio.get_running_loop()
+        self.loop = EngineLoop(
+            engine,
+            self.worker_id,
+            subjects.worker_kv(self.worker_id),
+            emit=lambda batch: aio.call_soon_threadsafe(self._outbox.put_nowait, batch),
+        )
+        self.loop.start()
+        wid = self.worker_id
+        await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
+        await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
+        await bus.subscribe(subjects.worker_control(wid), ControlCommand, self._on_control)
+        self._tasks = [
+            asyncio.create_task(self._publish_outbox()),
+            asyncio.create_task(self._heartbeat()),
+        ]
+        self.state = "ready"
+        await self._publish_stats()
+        log.info("worker %s ready: model %s on %s", wid, self.model_name, cfg.device)
+
+    # ---------------------------------------------------------------------------- handlers
+    async def _on_generate(self, request: GenerateRequest, msg: Msg) -> None:
+        if not msg.reply:
+            log.warning("generate request %s has no reply subject; dropped", request.request_id)
+            return
+        if self.state != "ready":
+            await self.bus.publish(
+                msg.reply,
+                Rejected(
+                    request_id=request.request_id,
+                    reason="draining",
+                    retryable=True,
+                    message=f"worker {self.worker_id} is {self.state}",
+                ),
+            )
+            return
+        try:
+            to_check = to_sampling_params(request)
+            self.loop.engine.validate(request.prompt_token_ids, to_check)
+        except InvalidRequestError as exc:
+            await self.bus.publish(
+                msg.reply,
+                Rejected(
+                    request_id=request.request_id,
+                    reason="invalid_request",
+                    message=exc.message,
+                    param=exc.field,
+                ),
+            )
+            return
+        # Accept at once: the client learns where to cancel before the engine's next step.
+        await self.bus.publish(
+            msg.reply, Accepted(request_id=request.request_id, worker_id=self.worker_id)
+        )
+        self.loop.submit(request, msg.reply, otel_context.get_current())
+
+    async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
+        self.loop.cancel(cancel.request_id)
+
+    async def _on_control(self, command: ControlCommand, msg: Msg) -> None:
+        match command:
+            case Drain():
+                self.state = "draining"
+            case ResetPrefixCache():
+                done = self.loop.call(lambda engine: engine.reset_prefix_cache())
+                await asyncio.to_thread(done.wait, 5.0)
+            case _:  # Resume
+                self.state = "ready"
+        await self._publish_stats()
+        await self.bus.reply(msg, ControlAck(worker_id=self.worker_id, ok=True, state=self.state))
+
+    # ------------------------------------------------------------------------- publishing
+    async def _publish_outbox(self) -> None:
+        """One task publishes everything in order, so each stream's ``seq`` stays ordered."""
+        while True:
+            batch = await self._outbox.get()
+            for subject, message, context in batch:
+                try:
+                    await self.bus.publish(subject, message, context=context)
+                except Exception:
+                    log.exception("publish to %s failed", subject)
+            self._outbox.task_done()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval)
+            with contextlib.suppress(Exception):
+                await self._publish_stats()
+
+    def worker_stats(self) -> WorkerStats:
+        s = self.loop.stats
+        engine = self.loop.engine
+        return WorkerStats(
+            worker_id=self.worker_id,
+            model=self.model_name,
+            device=self.config.device,
+            state=self.state,
+            block_size=s.block_size,
+            total_kv_blocks=s.num_total_blocks,
+            free_kv_blocks=s.num_free_blocks,
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_hit_ratio=s.prefix_cache_hit_ratio,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_queued_prefill_tokens=s.num_queued_prefill_tokens,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            max_num_seqs=engine.config.max_num_seqs,
+            max_model_len=engine.max_model_len,
+            prefill_tokens_per_s=s.prefill_tokens_per_s,
+            decode_tokens_per_s=s.decode_tokens_per_s,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+            timestamp_ms=int(time.time() * 1000),
+            heartbeat_interval_s=self.config.stats_interval,
+        )
+
+    async def _publish_stats(self) -> None:
+        await self.bus.publish(subjects.worker_stats(self.worker_id), self.worker_stats())
+
+    # -------------------------------------------------------------------------- lifecycle
+    async def drain(self) -> None:
+        """Stop taking requests, let accepted ones finish, flush what they produced."""
+        self.state = "draining"
+        await self._publish_stats()
+        deadline = time.monotonic() + self.config.drain_timeout
+        while (self.loop.num_requests or self.loop.engine.has_work()) and (
+            time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.05)
+        await self._outbox.join()
+
+    async def close(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        for task in self._tasks:
+            task.cancel()
+        if self.bus is not None:
+            await self.bus.drain()

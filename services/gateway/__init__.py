@@ -1,0 +1,1 @@
+"""The gateway: OpenAI HTTP API and NATS request API."""

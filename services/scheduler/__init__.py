@@ -1,0 +1,1 @@
+"""The scheduler service: worker registry, admission and placement."""
