@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-
 #: ``lamina <name> ...`` runs the service's own entry point with the remaining arguments.
 SERVICES = {
     "gateway": "lamina.services.gateway.__main__",
@@ -38,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("up", help="run the whole stack locally (see `lamina up --help`)")
     schemas = commands.add_parser("schemas", help="wire schema tools")
     schemas.add_subparsers(dest="schemas_command").add_parser(
-        "export", help="write JSON Schema for every wire type (`lamina schemas export DIR`)")
+        "export", help="write JSON Schema for every wire type (`lamina schemas export DIR`)"
+    )
 
     model = commands.add_parser("model", help="manage local models")
     model_cmds = model.add_subparsers(dest="model_command", required=True)

@@ -84,7 +84,7 @@ def tiny_model(tmp_path_factory) -> Path:
     """The default model, created fresh in a temporary directory."""
     from lamina.services.engine_worker.default_model import ensure_default_model
 
-    return ensure_default_model("tiny", tmp_path_factory.mktemp("lamina-tiny"))
+    return ensure_default_model("tiny", tmp_path_factory.mktemp("models") / "lamina-tiny")
 
 
 @pytest.fixture(scope="session")

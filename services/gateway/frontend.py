@@ -1,0 +1,128 @@
+"""The gateway's core, shared by the HTTP and NATS APIs: token ids in, text deltas out."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from lamina.libs.bus import Bus
+from lamina.schemas.v1.generate import (
+    Finished,
+    GenerateRequest,
+    Sampling,
+    Sla,
+    TokenLogprob,
+    Usage,
+)
+from lamina.services.gateway.detokenizer import IncrementalDetokenizer
+from lamina.services.gateway.session import Generation, Inbox, SessionSettings
+from lamina.services.gateway.tokenizer import ModelTokenizer
+
+
+@dataclass(slots=True)
+class TextDelta:
+    """New text and the tokens behind it; the last delta has ``finish_reason`` and usage."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class TextStream:
+    """An accepted request, read as text. Always :meth:`close` it (or use ``async with``)."""
+
+    def __init__(self, generation: Generation, detokenizer: IncrementalDetokenizer) -> None:
+        self.generation = generation
+        self.detokenizer = detokenizer
+        self.completion_tokens = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.generation.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.generation.request.prompt_token_ids)
+
+    async def deltas(self) -> AsyncIterator[TextDelta]:
+        detok = self.detokenizer
+        async for event in self.generation.stream():
+            self.completion_tokens += len(event.token_ids)
+            text = detok.add(event.token_ids)
+            if detok.stopped:  # a stop string matched: end here, cancel the rest
+                self.generation.stop_early()
+                yield TextDelta(text, event.token_ids, event.logprobs, "stop", self._usage())
+                return
+            if isinstance(event, Finished):
+                text += detok.flush()  # may still find a stop string in held-back text
+                reason = "stop" if detok.stopped else event.finish_reason
+                yield TextDelta(text, event.token_ids, event.logprobs, reason, event.usage)
+                return
+            yield TextDelta(text, event.token_ids, event.logprobs)
+
+    def _usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
+
+    async def close(self) -> None:
+        await self.generation.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> TextStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class Frontend:
+    """Builds wire requests and opens text streams for both client APIs."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        inbox: Inbox,
+        tokenizer: ModelTokenizer,
+        model_name: str,
+        settings: SessionSettings,
+    ) -> None:
+        self.bus = bus
+        self.inbox = inbox
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.settings = settings
+        self._cleanup: set[asyncio.Task] = set()
+
+    async def open(
+        self,
+        prompt_token_ids: list[int],
+        sampling: Sampling,
+        sla: Sla,
+        stop: list[str],
+        request_id: str | None = None,
+    ) -> TextStream:
+        """Submit and wait until a worker accepts; raises ``GenerationError`` otherwise."""
+        request = GenerateRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            model=self.model_name,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            sla=sla,
+        )
+        generation = Generation(self.bus, self.inbox, request, self.settings)
+        await generation.__aenter__()
+        try:
+            await generation.start()
+        except BaseException:
+            await generation.__aexit__(None, None, None)
+            raise
+        return TextStream(generation, IncrementalDetokenizer(self.tokenizer, stop))
+
+    def close_later(self, stream: TextStream) -> None:
+        """Close ``stream`` from a fresh task: the caller may be inside a cancelled scope
+        (a client disconnect), where awaiting the cancel publish would itself be cancelled."""
+        task = asyncio.get_running_loop().create_task(stream.close())
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)

@@ -1,0 +1,128 @@
+"""The gateway service: OpenAI HTTP on uvicorn and the NATS request API, one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from lamina.libs.bus import Bus
+from lamina.libs.config import option
+from lamina.libs.errors import BusError
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
+from lamina.services.engine_worker.default_model import ensure_default_model
+from lamina.services.gateway.frontend import Frontend
+from lamina.services.gateway.nats_api import NatsApi
+from lamina.services.gateway.openai_http import OpenAIApi
+from lamina.services.gateway.session import Inbox, SessionSettings
+from lamina.services.gateway.tokenizer import ModelTokenizer
+
+log = logging.getLogger("lamina.gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Gateway: OpenAI-compatible HTTP API and NATS request API."""
+
+    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    model: str = option("", "checkpoint directory for the tokenizer (default: default model)")
+    model_name: str = option("", "served model name (default: the directory name)")
+    http_host: str = option("127.0.0.1", "HTTP listen address")
+    http_port: int = option(8000, "HTTP port")
+    accept_timeout: float = option(5.0, "seconds to wait for a worker to accept a request")
+    stall_timeout: float = option(60.0, "seconds without events before a request fails")
+    max_attempts: int = option(3, "submissions per request before giving up")
+    graceful_shutdown: float = option(60.0, "seconds SIGTERM waits for open HTTP requests")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn inside our own loop: signals belong to the service lifecycle, not uvicorn."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.bus: Bus | None = None
+        self.cluster_ready = False
+        self._tasks: list[asyncio.Task] = []
+        self._server: _Server | None = None
+        self._nats_api: NatsApi | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        model_dir = Path(cfg.model) if cfg.model else ensure_default_model()
+        tokenizer = await asyncio.to_thread(ModelTokenizer, model_dir)
+        self.bus = bus = await Bus.connect(cfg.nats_url, "gateway")
+        inbox = Inbox(bus)
+        await inbox.start()
+        settings = SessionSettings(
+            accept_timeout=cfg.accept_timeout,
+            stall_timeout=cfg.stall_timeout,
+            max_attempts=cfg.max_attempts,
+        )
+        frontend = Frontend(bus, inbox, tokenizer, cfg.model_name or model_dir.name, settings)
+        self._nats_api = NatsApi(bus, frontend)
+        await self._nats_api.start()
+        app = OpenAIApi(frontend, ready=lambda: self.cluster_ready).app()
+        self._server = _Server(
+            uvicorn.Config(
+                app,
+                host=cfg.http_host,
+                port=cfg.http_port,
+                lifespan="off",
+                log_level="warning",
+                timeout_graceful_shutdown=int(cfg.graceful_shutdown),
+                access_log=False,
+            )
+        )
+        self._tasks = [
+            asyncio.create_task(self._server.serve()),
+            asyncio.create_task(self._watch_cluster()),
+        ]
+        while not self._server.started:
+            if self._tasks[0].done():  # e.g. the port is taken
+                self._tasks[0].result()
+                raise RuntimeError(f"HTTP server on {cfg.http_host}:{cfg.http_port} stopped")
+            await asyncio.sleep(0.02)
+        log.info(
+            "gateway serving model %s on http://%s:%d",
+            frontend.model_name,
+            cfg.http_host,
+            cfg.http_port,
+        )
+
+    async def _watch_cluster(self) -> None:
+        """Ready means a scheduler answers and knows a live, ready worker."""
+        while True:
+            try:
+                status = await self.bus.request(
+                    subjects.SCHED_STATUS, ClusterStatusRequest(), ClusterStatus, timeout=1.0
+                )
+                self.cluster_ready = any(
+                    w.alive and w.stats.state == "ready" for w in status.workers
+                )
+            except BusError:
+                self.cluster_ready = False
+            await asyncio.sleep(0.5)
+
+    async def drain(self) -> None:
+        """Stop accepting connections and let open requests finish."""
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._tasks[0]
+        if self._nats_api is not None:
+            await self._nats_api.drain()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.bus is not None:
+            await self.bus.drain()

@@ -1,0 +1,307 @@
+"""One request's life on the bus, as seen by the gateway.
+
+``Generation.start()`` submits to the scheduler with a reply subject on this gateway's
+inbox and waits for a worker's ``Accepted``, retrying retryable rejections and silent
+losses (a worker that died before heartbeats said so) with back-off; only then does an
+HTTP response begin, so admission failures get a real status code. ``Generation.stream()``
+yields token events until ``Finished``; closing it early (the client went away) cancels
+the request on its worker. Events arrive through one wildcard subscription per gateway
+(:class:`Inbox`), routed to per-request queues by subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
+
+from lamina.libs.bus import Bus
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.control import Cancel
+from lamina.schemas.v1.errors import BadMessage
+from lamina.schemas.v1.generate import (
+    Accepted,
+    Failed,
+    Finished,
+    GenerateRequest,
+    Rejected,
+    StreamEvent,
+    Tokens,
+)
+from lamina.schemas.v1.records import RequestRecord
+
+log = logging.getLogger("lamina.gateway")
+tracer = trace.get_tracer("lamina.gateway")
+
+# Rejection reasons → HTTP status and OpenAI error type.
+_STATUS = {
+    "invalid_request": (400, "invalid_request_error"),
+    "model_not_found": (404, "not_found_error"),
+    "overloaded": (429, "rate_limit_error"),
+    "no_worker": (503, "service_unavailable"),
+    "draining": (503, "service_unavailable"),
+    "deadline_exceeded": (504, "timeout"),
+}
+
+
+class GenerationError(Exception):
+    """A request that cannot complete, with the HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        error_type: str,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.error_type, self.message = status, error_type, message
+        self.param, self.code = param, code
+
+    @classmethod
+    def from_rejected(cls, rejected: Rejected) -> GenerationError:
+        status, kind = _STATUS.get(rejected.reason, (503, "service_unavailable"))
+        return cls(status, kind, rejected.message, rejected.param, rejected.reason)
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    accept_timeout: float = 5.0
+    """Seconds to wait for a worker to accept before resubmitting."""
+    stall_timeout: float = 60.0
+    """Seconds without any event from an accepted request before giving up on it."""
+    max_attempts: int = 3
+    """Submissions per request (retryable rejections and silent losses are retried)."""
+    retry_backoff: float = 0.2
+    """First retry delay; doubles each attempt."""
+
+
+class Inbox:
+    """This gateway's reply subjects: ``<inbox>.<request_id>``, one subscription for all."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.prefix = bus.inbox()
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    async def start(self) -> None:
+        # Producers (workers) trace their publishes; a CONSUMER span per token is noise.
+        await self.bus.subscribe(
+            f"{self.prefix}.*", StreamEvent | BadMessage, self._route, traced=False
+        )
+
+    def open(self, request_id: str) -> tuple[str, asyncio.Queue]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        return f"{self.prefix}.{request_id}", queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def _route(self, event: StreamEvent | BadMessage, msg: Msg) -> None:
+        queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
+        if queue is not None:
+            queue.put_nowait(event)
+
+
+@dataclass
+class Generation:
+    """One request: submit, accept, stream. Use ``async with`` so it always cleans up."""
+
+    bus: Bus
+    inbox: Inbox
+    request: GenerateRequest
+    settings: SessionSettings
+    worker_id: str | None = None
+    finished: Finished | None = None
+    attempts: int = 0
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    token_gaps: list[float] = field(default_factory=list)
+    outcome: str = "cancelled"
+    local_finish_reason: str | None = None
+    """Set when the gateway itself ends the request (a stop string matched)."""
+    _last_token_at: float | None = None
+    _subject: str = ""
+    _queue: asyncio.Queue | None = None
+    _span: Span | None = None
+
+    async def __aenter__(self) -> Generation:
+        self._subject, self._queue = self.inbox.open(self.request.request_id)
+        r = self.request
+        # The request's root span, with the OpenTelemetry GenAI attributes.
+        self._span = tracer.start_span(
+            f"generate {r.model}",
+            kind=SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.request.model": r.model,
+                "gen_ai.request.max_tokens": r.sampling.max_tokens or 0,
+                "gen_ai.request.temperature": r.sampling.temperature,
+                "lamina.request_id": r.request_id,
+            },
+        )
+        return self
+
+    def stop_early(self, reason: str = "stop") -> None:
+        """The gateway finished the request itself; the worker will be told to cancel."""
+        self.local_finish_reason = reason
+        self.outcome = "finished"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.inbox.close(self.request.request_id)
+        if self.finished is None and self.worker_id is not None:
+            with contextlib.suppress(Exception):
+                await self.bus.publish(
+                    subjects.worker_cancel(self.worker_id),
+                    Cancel(request_id=self.request.request_id),
+                    context=trace.set_span_in_context(self._span),
+                )
+        self._end_span(await self._record())
+
+    def _end_span(self, record: RequestRecord) -> None:
+        span = self._span
+        span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": record.prompt_tokens,
+                "gen_ai.usage.output_tokens": record.completion_tokens,
+                "gen_ai.response.finish_reasons": [record.finish_reason or record.outcome],
+                "lamina.outcome": record.outcome,
+                "lamina.attempts": record.attempts,
+            }
+        )
+        if record.worker_id:
+            span.set_attribute("lamina.worker_id", record.worker_id)
+        if record.ttft_s is not None:
+            span.set_attribute("lamina.time_to_first_token_s", record.ttft_s)
+        if record.outcome in ("failed", "rejected"):
+            span.set_status(trace.StatusCode.ERROR)
+        span.end()
+
+    async def start(self) -> None:
+        """Return once a worker accepted; raise :class:`GenerationError` otherwise."""
+        s = self.settings
+        error = GenerationError(503, "service_unavailable", "no engine worker is available")
+        for attempt in range(s.max_attempts):
+            if attempt:
+                await asyncio.sleep(s.retry_backoff * 2 ** (attempt - 1))
+            self.attempts = attempt + 1
+            request = msgspec.structs.replace(self.request, attempt=attempt)
+            await self.bus.publish(
+                subjects.SCHED_SUBMIT,
+                request,
+                reply=self._subject,
+                context=trace.set_span_in_context(self._span),
+            )
+            try:
+                event = await asyncio.wait_for(self._queue.get(), s.accept_timeout)
+            except TimeoutError:
+                error = GenerationError(
+                    503,
+                    "service_unavailable",
+                    f"no engine worker accepted the request within {s.accept_timeout:g}s",
+                )
+                continue
+            match event:
+                case Accepted(worker_id=worker_id):
+                    self.worker_id = worker_id
+                    return
+                case Rejected(retryable=True):
+                    error = GenerationError.from_rejected(event)
+                case Rejected():
+                    self.outcome = "rejected"
+                    raise GenerationError.from_rejected(event)
+                case _:
+                    raise self._unexpected(event)
+        self.outcome = "rejected"
+        raise error
+
+    async def stream(self) -> AsyncIterator[Tokens | Finished]:
+        """Token events in order, ending with ``Finished``."""
+        expected = 1
+        while True:
+            try:
+                event = await asyncio.wait_for(self._queue.get(), self.settings.stall_timeout)
+            except TimeoutError:
+                self.outcome = "failed"
+                raise GenerationError(
+                    504,
+                    "timeout",
+                    f"worker {self.worker_id} sent nothing for {self.settings.stall_timeout:g}s",
+                ) from None
+            match event:
+                case Tokens() | Finished():
+                    if event.seq != expected:
+                        self.outcome = "failed"
+                        raise GenerationError(
+                            502,
+                            "api_error",
+                            f"token stream lost events (got seq {event.seq}, expected {expected})",
+                        )
+                    expected += 1
+                    self._note_tokens(len(event.token_ids))
+                    if isinstance(event, Finished):
+                        self.finished = event
+                        self.outcome = "finished"
+                    yield event
+                    if self.finished is not None:
+                        return
+                case Failed():
+                    self.outcome = "failed"
+                    raise GenerationError(
+                        503 if event.retryable else 500,
+                        "api_error",
+                        f"generation failed on worker {self.worker_id}: {event.message}",
+                    )
+                case _:
+                    raise self._unexpected(event)
+
+    def _note_tokens(self, count: int) -> None:
+        now = time.monotonic()
+        if count and self.first_token_at is None:
+            self.first_token_at = now
+        elif count and self._last_token_at is not None:
+            self.token_gaps.append((now - self._last_token_at) / count)
+        if count:
+            self._last_token_at = now
+
+    def _unexpected(self, event: object) -> GenerationError:
+        self.outcome = "failed"
+        if isinstance(event, BadMessage):
+            return GenerationError(
+                500, "api_error", f"a service could not decode our message: {event.error}"
+            )
+        return GenerationError(502, "api_error", f"unexpected {type(event).__name__} event")
+
+    async def _record(self) -> RequestRecord:
+        """Publish what happened to this request for telemetry; return the record."""
+        usage = self.finished.usage if self.finished else None
+        record = RequestRecord(
+            request_id=self.request.request_id,
+            model=self.request.model,
+            worker_id=self.worker_id,
+            outcome=self.outcome,
+            finish_reason=self.local_finish_reason
+            or (self.finished.finish_reason if self.finished else None),
+            prompt_tokens=usage.prompt_tokens if usage else len(self.request.prompt_token_ids),
+            completion_tokens=usage.completion_tokens if usage else 0,
+            cached_tokens=usage.cached_tokens if usage else 0,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - self.started,
+            e2e_s=time.monotonic() - self.started,
+            inter_token_s=self.token_gaps,
+            attempts=max(self.attempts, 1),
+        )
+        with contextlib.suppress(Exception):
+            await self.bus.publish(
+                subjects.EVENTS_REQUEST, record, context=trace.set_span_in_context(self._span)
+            )
+        return record

@@ -1,0 +1,77 @@
+"""The model's own tokenizer and chat template, loaded from its checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class TemplateError(ValueError):
+    """The chat template could not render these messages."""
+
+
+def _token_text(value: Any) -> str | None:
+    """``tokenizer_config.json`` stores special tokens as strings or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class ModelTokenizer:
+    """Encode text, decode tokens and render chat prompts exactly as the model expects."""
+
+    def __init__(self, model_dir: Path) -> None:
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: the gateway needs the model's tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.add_bos = bool(config.get("add_bos_token", False))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self.chat_template = env.from_string(template) if template else None
+        self.vocab_size = self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token is not None:
+            bos = self.tokenizer.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        if self.chat_template is None:
+            raise TemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return self.chat_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except Exception as exc:  # template errors are the client's messages' fault
+            raise TemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The rendered template already carries its special tokens (e.g. a BOS).
+        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)

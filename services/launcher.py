@@ -1,0 +1,192 @@
+"""``lamina up``: the whole stack on one machine, each service its own process.
+
+An embedded ``nats-server`` (unless ``--nats-url`` points at one), one scheduler, one
+telemetry, N engine workers and one gateway, all started with the same entry points and
+``LAMINA_*`` environment that ``compose.yaml`` uses. Ctrl-C or SIGTERM stops them in
+order: the gateway first (no new requests), then workers (they drain), then the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lamina.libs.nats_server import NatsServer, free_port
+
+
+@dataclass
+class Stack:
+    """The services as child processes. ``start()`` returns once the gateway is ready."""
+
+    model: Path
+    workers: int = 1
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    metrics_port: int = 9400
+    nats_url: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    worker_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    nats: NatsServer | None = None
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.http_host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.http_host}:{self.metrics_port}/metrics"
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
+        env = {**os.environ, "LAMINA_NATS_URL": self.nats_url or "", **self.extra_env}
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+        )
+        self.procs[name] = proc
+        return proc
+
+    def start_worker(self, index: int) -> subprocess.Popen:
+        return self._spawn(
+            f"worker-{index}",
+            "lamina.services.engine_worker",
+            ["--worker-id", f"worker-{index}", "--model", str(self.model), *self.worker_args],
+        )
+
+    def start(self, timeout: float = 180.0) -> Stack:
+        if self.nats_url is None:
+            self.nats = NatsServer().start()
+            self.nats_url = self.nats.url
+        self._spawn("scheduler", "lamina.services.scheduler", [])
+        self._spawn(
+            "telemetry",
+            "lamina.services.telemetry",
+            ["--http-host", self.http_host, "--http-port", str(self.metrics_port)],
+        )
+        for index in range(self.workers):
+            self.start_worker(index)
+        self._spawn(
+            "gateway",
+            "lamina.services.gateway",
+            [
+                "--model",
+                str(self.model),
+                "--http-host",
+                self.http_host,
+                "--http-port",
+                str(self.http_port),
+                *self.gateway_args,
+            ],
+        )
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(self.base_url + "/ready", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"the stack was not ready within {timeout:g}s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM in order (gateway, workers, scheduler, telemetry), then the NATS server."""
+        order = sorted(self.procs, key=lambda n: (n != "gateway", not n.startswith("worker")))
+        for name in order:
+            self.terminate(name, timeout)
+        if self.nats is not None:
+            self.nats.stop()
+
+    def terminate(self, name: str, timeout: float = 30.0) -> int | None:
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lamina up", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default model)")
+    parser.add_argument("--workers", type=int, default=1, help="engine workers to start")
+    parser.add_argument("--http-host", default="127.0.0.1")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=9400)
+    parser.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
+    args = parser.parse_args(argv)
+
+    from lamina.services.engine_worker.default_model import ensure_default_model
+
+    model = args.model or ensure_default_model()  # once, before workers race to create it
+    stack = Stack(
+        model=model,
+        workers=args.workers,
+        http_host=args.http_host,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        nats_url=args.nats_url,
+    )
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stack.start()
+    print(f"Lamina is up: {args.workers} worker(s) serving {model.name}")
+    print(f"  OpenAI API   {stack.base_url}/v1  (try: curl {stack.base_url}/v1/models)")
+    print(f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate)")
+    print(f"  metrics      {stack.metrics_url}")
+    print("Ctrl-C stops everything.", flush=True)
+    try:
+        while not stopping:
+            dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+            if dead:
+                print(f"{', '.join(dead)} exited; stopping the stack", file=sys.stderr)
+                break
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+    return 0
+
+
+__all__ = ["Stack", "free_port", "main"]

@@ -1,0 +1,1 @@
+"""Telemetry: Prometheus metrics and a cluster view from heartbeats and request records."""

@@ -1,0 +1,357 @@
+"""The telemetry aggregator: wire records in, Prometheus metrics out (pure: no I/O).
+
+Metric names follow vLLM's (``vllm:`` → ``lamina:``). Per-worker series carry ``worker_id``
+and ``model`` labels and come from each worker's latest :class:`WorkerStats`; they are
+computed at scrape time by :class:`WorkerCollector`, so liveness is always current:
+
+* a worker is *live* while its last heartbeat is at most ``MISSED_HEARTBEATS`` heartbeat
+  intervals old; a dead worker keeps only ``lamina:worker_up 0`` and its counters (its load
+  gauges would be stale), and is forgotten ``FORGET_AFTER_S`` seconds after it died;
+* the worker's counters are its own cumulative totals, reported as they are (a worker
+  restart resets them, which Prometheus' ``rate()`` handles as a counter reset);
+* ``lamina:cluster_*`` gauges sum (or, for KV usage, average) over live workers only.
+
+Request metrics come from the gateway's :class:`RequestRecord` (labelled by ``model``) and
+placement counts from the scheduler's :class:`PlacementRecord`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from lamina.schemas.v1.records import PlacementRecord, RequestRecord
+from lamina.schemas.v1.stats import WORKER_STATES, WorkerStats
+
+PREFIX = "lamina:"
+
+#: A worker is dead after this many heartbeat intervals without one.
+MISSED_HEARTBEATS = 3
+#: A dead worker is dropped from the metrics this many seconds after it was declared dead.
+FORGET_AFTER_S = 60.0
+
+Clock = Callable[[], float]
+
+
+def one_two_five_buckets(max_value: int) -> list[float]:
+    """``1, 2, 5, 10, 20, 50, ...`` up to ``max_value`` (vLLM's token-count buckets)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+# vLLM's buckets, with a few finer ones at the low end for small, fast models.
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+    0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
+E2E_BUCKETS = [
+    0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+TOKEN_BUCKETS = one_two_five_buckets(100_000)
+
+WORKER_LABELS = ("worker_id", "model")
+
+#: Per-worker gauges from the latest heartbeat: name → (help, value).
+WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
+    "num_requests_running": ("Requests in the worker's running batch.", lambda s: s.num_running),
+    "num_requests_waiting": ("Requests queued on the worker.", lambda s: s.num_waiting),
+    "kv_cache_usage_perc": (
+        "KV-cache usage as a fraction (1 means 100 percent).",
+        lambda s: s.kv_cache_usage,
+    ),
+    "num_free_kv_blocks": ("Free KV-cache blocks.", lambda s: s.free_kv_blocks),
+    "prefix_cache_hit_ratio": (
+        "Prefix-cache hit ratio reported by the worker.",
+        lambda s: s.prefix_cache_hit_ratio,
+    ),
+    "num_queued_prefill_tokens": (
+        "Prompt tokens waiting to be prefilled.",
+        lambda s: s.num_queued_prefill_tokens,
+    ),
+    "prefill_tokens_per_second": (
+        "Recent prefill throughput in tokens per second.",
+        lambda s: s.prefill_tokens_per_s,
+    ),
+    "decode_tokens_per_second": (
+        "Recent decode throughput in tokens per second.",
+        lambda s: s.decode_tokens_per_s,
+    ),
+}
+
+#: Per-worker counters from the worker's cumulative totals: name → (help, value).
+WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
+    "prefix_cache_queries_total": (
+        "Prefix-cache queries (blocks looked up), cumulative on the worker.",
+        lambda s: s.prefix_cache_queries,
+    ),
+    "prefix_cache_hits_total": (
+        "Prefix-cache hits (blocks found), cumulative on the worker.",
+        lambda s: s.prefix_cache_hits,
+    ),
+    "prompt_tokens_total": ("Prompt tokens processed.", lambda s: s.prompt_tokens_total),
+    "generation_tokens_total": ("Tokens generated.", lambda s: s.generation_tokens_total),
+    "num_preemptions_total": ("Requests preempted.", lambda s: s.num_preemptions),
+}
+
+
+@dataclass
+class WorkerEntry:
+    """A worker's latest heartbeat and when it arrived."""
+
+    stats: WorkerStats
+    last_seen: float
+    """Monotonic seconds (the aggregator's clock)."""
+    last_seen_ms: int
+    """Wall-clock milliseconds since the epoch."""
+
+    def dead_for(self, now: float) -> float:
+        """Seconds since the worker was declared dead; zero or less while it is live."""
+        return now - self.last_seen - MISSED_HEARTBEATS * self.stats.heartbeat_interval_s
+
+    def alive(self, now: float) -> bool:
+        return self.dead_for(now) <= 0
+
+
+@dataclass(frozen=True)
+class ClusterTotals:
+    """Cluster-wide figures over live workers."""
+
+    workers_total: int
+    workers_live: int
+    requests_running: int
+    requests_waiting: int
+    kv_cache_usage_perc: float
+
+
+class WorkerTable:
+    """Every known worker's latest heartbeat, with liveness from an injectable clock."""
+
+    def __init__(self, clock: Clock = time.monotonic, wall_clock: Clock = time.time) -> None:
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.workers: dict[str, WorkerEntry] = {}
+
+    def heartbeat(self, stats: WorkerStats) -> None:
+        """Record ``stats`` as the worker's latest."""
+        self.workers[stats.worker_id] = WorkerEntry(
+            stats, self.clock(), int(self.wall_clock() * 1000)
+        )
+
+    def snapshot(self) -> list[tuple[WorkerEntry, bool]]:
+        """``(entry, alive)`` per worker, sorted by id, after forgetting long-dead ones."""
+        now = self.clock()
+        for worker_id, entry in list(self.workers.items()):
+            if entry.dead_for(now) > FORGET_AFTER_S:
+                del self.workers[worker_id]
+        return [(self.workers[w], self.workers[w].alive(now)) for w in sorted(self.workers)]
+
+    def totals(self, snapshot: list[tuple[WorkerEntry, bool]] | None = None) -> ClusterTotals:
+        """Cluster totals over the live workers of ``snapshot`` (a fresh one by default)."""
+        snapshot = self.snapshot() if snapshot is None else snapshot
+        live = [entry.stats for entry, alive in snapshot if alive]
+        return ClusterTotals(
+            workers_total=len(snapshot),
+            workers_live=len(live),
+            requests_running=sum(s.num_running for s in live),
+            requests_waiting=sum(s.num_waiting for s in live),
+            kv_cache_usage_perc=sum(s.kv_cache_usage for s in live) / len(live) if live else 0.0,
+        )
+
+
+def _gauge(name: str, help_text: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, help_text, labels=list(labels))
+
+
+class WorkerCollector(Collector):
+    """Per-worker gauges and counters and the cluster gauges, computed at scrape time."""
+
+    def __init__(self, table: WorkerTable) -> None:
+        self.table = table
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.table.snapshot()
+        yield from self._liveness(snapshot)
+        live = [entry.stats for entry, alive in snapshot if alive]
+        yield from self._load_gauges(live)
+        yield from self._counters([entry.stats for entry, _ in snapshot])
+        yield from self._cluster(self.table.totals(snapshot))
+
+    def _liveness(self, snapshot: list[tuple[WorkerEntry, bool]]) -> Iterator[Metric]:
+        up = _gauge(
+            "worker_up", "1 while the worker heartbeats, 0 once it missed 3.", WORKER_LABELS
+        )
+        state = _gauge(
+            "worker_state",
+            "1 for the live worker's current state, 0 for the others.",
+            (*WORKER_LABELS, "state"),
+        )
+        for entry, alive in snapshot:
+            stats = entry.stats
+            up.add_metric([stats.worker_id, stats.model], 1.0 if alive else 0.0)
+            if not alive:
+                continue
+            states = (
+                WORKER_STATES if stats.state in WORKER_STATES else (*WORKER_STATES, stats.state)
+            )
+            for name in states:
+                value = 1.0 if name == stats.state else 0.0
+                state.add_metric([stats.worker_id, stats.model, name], value)
+        yield up
+        yield state
+
+    def _load_gauges(self, live: list[WorkerStats]) -> Iterator[Metric]:
+        for name, (help_text, value) in WORKER_GAUGES.items():
+            family = _gauge(name, help_text, WORKER_LABELS)
+            for stats in live:
+                family.add_metric([stats.worker_id, stats.model], float(value(stats)))
+            yield family
+
+    def _counters(self, known: list[WorkerStats]) -> Iterator[Metric]:
+        for name, (help_text, value) in WORKER_COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=list(WORKER_LABELS))
+            for stats in known:
+                family.add_metric([stats.worker_id, stats.model], float(value(stats)))
+            yield family
+
+    def _cluster(self, totals: ClusterTotals) -> Iterator[Metric]:
+        figures = {
+            "cluster_workers_live": ("Live workers.", totals.workers_live),
+            "cluster_requests_running": (
+                "Running requests over live workers.",
+                totals.requests_running,
+            ),
+            "cluster_requests_waiting": (
+                "Waiting requests over live workers.",
+                totals.requests_waiting,
+            ),
+            "cluster_kv_cache_usage_perc": (
+                "Mean KV-cache usage (fraction) over live workers.",
+                totals.kv_cache_usage_perc,
+            ),
+        }
+        for name, (help_text, value) in figures.items():
+            family = _gauge(name, help_text)
+            family.add_metric([], float(value))
+            yield family
+
+
+class RequestMetrics:
+    """Histograms and outcome counters from the gateway's request records."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def histogram(name: str, help_text: str, buckets: list[float]) -> Histogram:
+            return Histogram(
+                PREFIX + name, help_text, ["model"], buckets=buckets, registry=registry
+            )
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token, in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end latency of finished requests.", E2E_BUCKETS
+        )
+        self.prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS
+        )
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Tokens generated by finished requests.", TOKEN_BUCKETS
+        )
+        self.success = Counter(
+            PREFIX + "request_success_total",
+            "Finished requests, by finish reason.",
+            ["model", "finished_reason"],
+            registry=registry,
+        )
+        self.outcome = Counter(
+            PREFIX + "request_outcome_total",
+            "Ended requests, by outcome (finished, rejected, failed, cancelled).",
+            ["model", "outcome"],
+            registry=registry,
+        )
+
+    def observe(self, record: RequestRecord) -> None:
+        """Count ``record``; latency and token histograms take only what it measured.
+
+        TTFT and inter-token gaps are observed whenever present (a cancelled request that
+        streamed did see its first token); end-to-end latency and token counts only for
+        finished requests, so rejections do not drag the distributions down.
+        """
+        model = record.model
+        self.outcome.labels(model, record.outcome).inc()
+        if record.ttft_s is not None:
+            self.ttft.labels(model).observe(record.ttft_s)
+        itl = self.itl.labels(model)
+        for gap in record.inter_token_s:
+            itl.observe(gap)
+        if record.outcome != "finished":
+            return
+        self.success.labels(model, record.finish_reason or "unknown").inc()
+        self.e2e.labels(model).observe(record.e2e_s)
+        self.prompt_tokens.labels(model).observe(record.prompt_tokens)
+        self.generation_tokens.labels(model).observe(record.completion_tokens)
+
+
+class Aggregator:
+    """Everything telemetry knows, in its own :class:`CollectorRegistry`."""
+
+    def __init__(self, clock: Clock = time.monotonic, wall_clock: Clock = time.time) -> None:
+        self.registry = CollectorRegistry()
+        self.workers = WorkerTable(clock, wall_clock)
+        self.registry.register(WorkerCollector(self.workers))
+        self.requests = RequestMetrics(self.registry)
+        self.placements = Counter(
+            PREFIX + "placements_total",
+            "Placement decisions, by reason (placed or the rejection reason).",
+            ["reason"],
+            registry=self.registry,
+        )
+
+    def observe_stats(self, stats: WorkerStats) -> None:
+        """A worker heartbeat."""
+        self.workers.heartbeat(stats)
+
+    def observe_request(self, record: RequestRecord) -> None:
+        """A request ended at the gateway."""
+        self.requests.observe(record)
+
+    def observe_placement(self, record: PlacementRecord) -> None:
+        """The scheduler decided where (or whether) to place a request."""
+        self.placements.labels(record.reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def cluster(self) -> dict[str, Any]:
+        """Every worker's latest stats with ``alive`` and ``last_seen_ms``, and the totals."""
+        snapshot = self.workers.snapshot()
+        workers = [
+            msgspec.structs.asdict(entry.stats)
+            | {"alive": alive, "last_seen_ms": entry.last_seen_ms}
+            for entry, alive in snapshot
+        ]
+        totals = self.workers.totals(snapshot)
+        return {"workers": workers, "totals": dataclasses.asdict(totals)}

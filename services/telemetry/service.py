@@ -1,0 +1,217 @@
+"""The telemetry service: listens to heartbeats and records, serves Prometheus metrics.
+
+Never on the request path: it hears every worker heartbeat (``worker.*.stats``), every
+ended request (``events.request``) and every placement (``events.placement``) without a
+queue group, so each replica sees everything, and it only ever answers HTTP:
+
+* ``GET /metrics``: Prometheus text exposition of the aggregator's own registry;
+* ``GET /v1/cluster``: each worker's latest stats with ``alive`` and ``last_seen_ms``, and
+  the cluster totals, as JSON;
+* ``GET /health``: 200 while the process runs; ``GET /ready``: 200 once connected to NATS.
+
+The HTTP server is uvicorn running inside the service's own event loop, with its signal
+handling disabled so that :func:`lamina.libs.service.run` keeps SIGTERM and SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from litestar import Litestar, Response, get
+from nats.aio.msg import Msg
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from lamina.libs.bus import Bus
+from lamina.libs.config import option
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.records import PlacementRecord, RequestRecord
+from lamina.schemas.v1.stats import WorkerStats
+from lamina.services.telemetry.metrics import Aggregator
+
+log = logging.getLogger("lamina.telemetry")
+
+#: How long start() waits for the HTTP server to listen, and close() for it to stop.
+HTTP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Telemetry: Prometheus metrics and a cluster view from heartbeats and records."""
+
+    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    http_host: str = option("127.0.0.1", "address to serve /metrics, /v1/cluster, /health on")
+    http_port: int = option(9400, "HTTP port (0: any free port)")
+
+
+def build_app(aggregator: Aggregator, is_ready: Callable[[], bool]) -> Litestar:
+    """The HTTP API over ``aggregator``; ``is_ready`` answers ``/ready``."""
+
+    @get("/metrics", sync_to_thread=False)
+    def metrics() -> Response[bytes]:
+        # An explicit header: Litestar would append a second charset to a text/ media type.
+        return Response(aggregator.render(), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    @get("/v1/cluster", sync_to_thread=False)
+    def cluster() -> dict[str, Any]:
+        return aggregator.cluster()
+
+    @get("/health", sync_to_thread=False)
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @get("/ready", sync_to_thread=False)
+    def ready() -> Response[dict[str, bool]]:
+        ok = is_ready()
+        return Response({"ready": ok}, status_code=200 if ok else 503)
+
+    return Litestar(
+        route_handlers=[metrics, cluster, health, ready],
+        openapi_config=None,
+        logging_config=None,
+    )
+
+
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn that leaves signal handling to the service lifecycle."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (raises ``OSError`` if it is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+class TelemetryService:
+    def __init__(self, config: TelemetryConfig, aggregator: Aggregator | None = None) -> None:
+        self.config = config
+        self.aggregator = aggregator or Aggregator()
+        self.bus: Bus | None = None
+        self.http_port = config.http_port
+        """The bound port, once started (differs from the config's when that is 0)."""
+        self._server: EmbeddedServer | None = None
+        self._serving: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
+        self._connecting: asyncio.Task[None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Connected to NATS (and so hearing heartbeats and records)."""
+        return self.bus is not None and self.bus.nc.is_connected
+
+    async def start(self) -> None:
+        """Serve HTTP, then connect to NATS in the background.
+
+        ``/health`` answers at once and ``/ready`` turns 200 once subscribed, so a NATS
+        server that is not up yet delays readiness, not startup, and SIGTERM still works.
+        """
+        await self._start_http()
+        self._connecting = asyncio.create_task(self._connect())
+        log.info("telemetry on http://%s:%d/metrics", self.config.http_host, self.http_port)
+
+    async def _connect(self) -> None:
+        """Connect (retrying forever), subscribe, and only then publish ``self.bus``."""
+        name = f"telemetry-{socket.gethostname()}-{os.getpid()}"
+        try:
+            bus = await Bus.connect(self.config.nats_url, name)
+        except Exception:
+            log.exception("telemetry could not connect to %s", self.config.nats_url)
+            return
+        try:
+            await self._subscribe(bus)
+        except asyncio.CancelledError:
+            await bus.close()
+            raise
+        except Exception:
+            log.exception("telemetry could not subscribe")
+            await bus.close()
+            return
+        self.bus = bus
+        log.info("telemetry connected to %s", self.config.nats_url)
+
+    async def _subscribe(self, bus: Bus) -> None:
+        """Hear heartbeats and records (no queue group: every replica hears everything)."""
+        await bus.subscribe(subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False)
+        await bus.subscribe(subjects.EVENTS_REQUEST, RequestRecord, self._on_request)
+        await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, self._on_placement)
+        await bus.nc.flush()  # the server has our subscriptions before we say ready
+
+    async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
+        self.aggregator.observe_stats(stats)
+
+    async def _on_request(self, record: RequestRecord, msg: Msg) -> None:
+        self.aggregator.observe_request(record)
+
+    async def _on_placement(self, record: PlacementRecord, msg: Msg) -> None:
+        self.aggregator.observe_placement(record)
+
+    async def _start_http(self) -> None:
+        """Bind, start uvicorn in a task and wait until it accepts connections."""
+        self._socket = sock = listen(self.config.http_host, self.config.http_port)
+        self.http_port = sock.getsockname()[1]
+        app = build_app(self.aggregator, lambda: self.ready)
+        server_config = uvicorn.Config(
+            app,
+            host=self.config.http_host,
+            port=self.http_port,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
+        self._server = server = EmbeddedServer(server_config)
+        self._serving = serving = asyncio.create_task(server.serve(sockets=[sock]))
+        deadline = asyncio.get_running_loop().time() + HTTP_TIMEOUT_S
+        while not server.started:
+            if serving.done() or asyncio.get_running_loop().time() > deadline:
+                await self._stop_http()
+                raise RuntimeError(f"telemetry HTTP server did not start on port {self.http_port}")
+            await asyncio.sleep(0.01)
+
+    async def _stop_http(self) -> None:
+        """Ask uvicorn to exit and wait (bounded) for it; idempotent."""
+        server, serving, sock = self._server, self._serving, self._socket
+        self._server = self._serving = self._socket = None
+        if server is not None:
+            server.should_exit = True
+        if serving is not None:
+            try:
+                await asyncio.wait_for(serving, HTTP_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("telemetry HTTP server did not stop in %.0fs", HTTP_TIMEOUT_S)
+            except Exception:
+                log.exception("telemetry HTTP server failed")
+        if sock is not None:
+            sock.close()
+
+    async def _stop_connecting(self) -> None:
+        """Give up a connection attempt still in progress."""
+        connecting, self._connecting = self._connecting, None
+        if connecting is None:
+            return
+        connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await connecting
+
+    async def drain(self) -> None:
+        """Stop hearing the bus (finishing in-flight handlers); HTTP stays up until close."""
+        await self._stop_connecting()
+        if self.bus is not None:
+            await self.bus.drain()
+
+    async def close(self) -> None:
+        await self._stop_connecting()
+        await self._stop_http()
+        if self.bus is not None:
+            await self.bus.close()

@@ -1,0 +1,129 @@
+"""The bus library against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from lamina.libs.bus import Bus
+from lamina.libs.errors import NoResponders, PayloadTooLarge, RequestTimeout
+from lamina.schemas.v1.control import Cancel, ControlAck, Drain
+from lamina.schemas.v1.errors import BadMessage
+
+EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tracing():
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+    trace.set_tracer_provider(provider)
+    yield
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_typed_publish_subscribe_and_queue_groups(nats_url):
+    async def main():
+        bus = await Bus.connect(nats_url, "test")
+        got: list[tuple[str, str]] = []
+
+        async def member(name):
+            async def handler(msg, raw):
+                got.append((name, msg.request_id))
+
+            await bus.subscribe("t.cancel", Cancel, handler, queue="q")
+
+        await member("a")
+        await member("b")
+        for i in range(20):
+            await bus.publish("t.cancel", Cancel(request_id=str(i)))
+        await bus.nc.flush()
+        await asyncio.sleep(0.2)
+        await bus.drain()
+        return got
+
+    got = run(main())
+    assert sorted(int(rid) for _, rid in got) == list(range(20))  # each delivered once
+
+
+def test_request_reply_and_errors(nats_url):
+    async def main():
+        bus = await Bus.connect(nats_url, "test")
+
+        async def control(cmd, msg):
+            await bus.reply(msg, ControlAck(worker_id="w", ok=True, state="draining"))
+
+        await bus.subscribe("t.control", Drain, control)
+        ack = await bus.request("t.control", Drain(), ControlAck)
+        with pytest.raises(NoResponders):
+            await bus.request("t.nobody", Drain(), ControlAck, timeout=1)
+        await bus.subscribe("t.silent", Drain, lambda c, m: asyncio.sleep(0))
+        with pytest.raises(RequestTimeout):
+            await bus.request("t.silent", Drain(), ControlAck, timeout=0.2)
+        with pytest.raises(PayloadTooLarge) as too_big:
+            await bus.publish("t.cancel", Cancel(request_id="x" * (bus.max_payload + 1)))
+        await bus.drain()
+        return ack, too_big.value
+
+    ack, too_big = run(main())
+    assert ack == ControlAck(worker_id="w", ok=True, state="draining")
+    assert too_big.size > too_big.max_payload
+
+
+def test_undecodable_message_is_answered_with_a_typed_error_and_dropped(nats_url):
+    async def main():
+        bus = await Bus.connect(nats_url, "test")
+        handled = []
+
+        async def handler(msg, raw):
+            handled.append(msg)
+
+        await bus.subscribe("t.typed", Cancel, handler)
+        reply = await bus.nc.request("t.typed", b'{"type":"Cancel","request_id":5}', timeout=2)
+        bad = await bus.nc.request("t.typed", b"not json", timeout=2)
+        await bus.publish("t.typed", Cancel(request_id="ok"))  # still subscribed
+        await bus.nc.flush()
+        await asyncio.sleep(0.1)
+        await bus.drain()
+        return reply, bad, handled
+
+    reply, bad, handled = run(main())
+    from lamina.libs.bus import decoder
+
+    error = decoder(BadMessage).decode(reply.data)
+    assert error.subject == "t.typed" and "request_id" in error.error
+    assert decoder(BadMessage).decode(bad.data).subject == "t.typed"
+    assert handled == [Cancel(request_id="ok")]
+
+
+def test_trace_context_crosses_the_bus(nats_url):
+    EXPORTER.clear()
+
+    async def main():
+        bus = await Bus.connect(nats_url, "test")
+        done = asyncio.Event()
+
+        async def handler(msg, raw):
+            done.set()
+
+        await bus.subscribe("t.traced", Cancel, handler)
+        await bus.publish("t.traced", Cancel(request_id="r"))
+        await done.wait()
+        await bus.drain()
+
+    run(main())
+    spans = {s.name: s for s in EXPORTER.get_finished_spans()}
+    producer, consumer = spans["t.traced publish"], spans["t.traced process"]
+    assert producer.kind == trace.SpanKind.PRODUCER and consumer.kind == trace.SpanKind.CONSUMER
+    assert consumer.context.trace_id == producer.context.trace_id
+    assert consumer.parent.span_id == producer.context.span_id
+    assert producer.attributes["messaging.system"] == "nats"
+    assert producer.attributes["messaging.destination.name"] == "t.traced"

@@ -1,0 +1,46 @@
+"""The four services as separate processes on a real nats-server, driven by real clients.
+
+The NATS server is the embedded ``nats-server`` binary (the CI path). Where a Docker
+engine is reachable, ``test_compose.py`` additionally brings up ``compose.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lamina.libs.nats_server import free_port
+from lamina.services.launcher import Stack
+
+
+def make_stack(model: Path, tmp: Path, **kwargs) -> Stack:
+    return Stack(
+        model=model, http_port=free_port(), metrics_port=free_port(), log_dir=tmp / "logs", **kwargs
+    )
+
+
+@pytest.fixture(scope="session")
+def trace_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("traces") / "spans.jsonl"
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model, tmp_path_factory, trace_file):
+    """One shared stack: scheduler, telemetry, one worker, gateway; spans to a file."""
+    tmp = tmp_path_factory.mktemp("stack")
+    s = make_stack(
+        tiny_model,
+        tmp,
+        extra_env={"LAMINA_TRACE_FILE": str(trace_file)},
+        worker_args=["--kv-cache-memory-mb", "64", "--max-model-len", "1024"],
+    )
+    with s:
+        yield s
+
+
+def read_spans(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,79 @@
+"""Worker loss and worker drain, each on its own stack."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import openai
+
+from tests.e2e.conftest import make_stack
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def test_killing_the_only_worker_fails_new_requests_fast_with_503(tiny_model, tmp_path):
+    stack = make_stack(
+        tiny_model, tmp_path, gateway_args=["--accept-timeout", "1", "--max-attempts", "2"]
+    )
+    with stack:
+        worker = stack.procs["worker-0"]
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        started = time.monotonic()
+        response = httpx.post(
+            stack.base_url + "/v1/completions",
+            timeout=30,
+            json={"prompt": "anyone there?", "max_tokens": 4},
+        )
+        elapsed = time.monotonic() - started
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["type"] == "service_unavailable"
+        assert elapsed < 10, f"took {elapsed:.1f}s"
+        # Once the scheduler has declared the worker dead, rejection is immediate.
+        time.sleep(2)
+        started = time.monotonic()
+        response = httpx.post(
+            stack.base_url + "/v1/completions",
+            timeout=30,
+            json={"prompt": "anyone there?", "max_tokens": 4},
+        )
+        assert response.status_code == 503
+        assert time.monotonic() - started < 1.0
+        assert httpx.get(stack.base_url + "/ready").status_code == 503
+
+
+def test_sigterm_to_a_worker_under_load_finishes_every_accepted_request(tiny_model, tmp_path):
+    stack = make_stack(tiny_model, tmp_path)
+    with stack:
+        client = openai.AsyncOpenAI(
+            base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        first_tokens = asyncio.Event()
+
+        async def one(i: int) -> int:
+            stream = await client.completions.create(
+                model="lamina-tiny",
+                prompt=f"load {i}",
+                max_tokens=48,
+                stream=True,
+                stream_options={"include_usage": True},
+                **GREEDY,
+            )
+            usage = None
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    first_tokens.set()
+                usage = chunk.usage or usage
+            return usage.completion_tokens
+
+        async def main():
+            tasks = [asyncio.create_task(one(i)) for i in range(12)]
+            await asyncio.wait_for(first_tokens.wait(), 60)
+            stack.procs["worker-0"].send_signal(signal.SIGTERM)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+        assert asyncio.run(main()) == [48] * 12
+        assert stack.procs["worker-0"].wait(30) == 0  # drained, then exited cleanly

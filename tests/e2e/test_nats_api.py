@@ -1,0 +1,54 @@
+"""The NATS request API, with a plain nats-py client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import nats
+
+from lamina.schemas.v1.api import ApiDelta, ApiError, ApiEvent, ApiFinished, ApiRequest
+from lamina.schemas.v1.generate import Sampling
+
+
+def call(url: str, request: ApiRequest) -> list:
+    async def main():
+        nc = await nats.connect(url)
+        inbox = nc.new_inbox()
+        events, done = [], asyncio.Event()
+
+        async def on_event(msg):
+            event = msgspec.json.decode(msg.data, type=ApiEvent)
+            events.append(event)
+            if isinstance(event, ApiFinished | ApiError):
+                done.set()
+
+        await nc.subscribe(inbox, cb=on_event)
+        await nc.publish("lamina.v1.api.generate", msgspec.json.encode(request), reply=inbox)
+        await asyncio.wait_for(done.wait(), 30)
+        await nc.drain()
+        return events
+
+    return asyncio.run(main())
+
+
+def test_nats_request_api_streams_text(stack):
+    events = call(
+        stack.nats_url,
+        ApiRequest(
+            prompt="Hello over NATS",
+            sampling=Sampling(max_tokens=6, temperature=0, ignore_eos=True),
+        ),
+    )
+    assert all(isinstance(e, ApiDelta) for e in events[:-1])
+    final = events[-1]
+    assert isinstance(final, ApiFinished) and final.finish_reason == "length"
+    assert final.usage.completion_tokens == 6
+    assert [e.seq for e in events] == list(range(len(events)))
+
+
+def test_nats_request_api_errors_are_typed(stack):
+    (error,) = call(stack.nats_url, ApiRequest(prompt="x", prompt_token_ids=[1]))
+    assert isinstance(error, ApiError) and error.code == 400 and error.param == "prompt"
+    (error,) = call(stack.nats_url, ApiRequest(prompt="x", sampling=Sampling(max_tokens=10**9)))
+    assert isinstance(error, ApiError) and error.code == 400

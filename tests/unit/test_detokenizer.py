@@ -1,0 +1,44 @@
+"""Incremental detokenization: never broken UTF-8 mid-stream, stop strings never leak."""
+
+from __future__ import annotations
+
+import pytest
+
+from lamina.services.gateway.detokenizer import IncrementalDetokenizer
+from lamina.services.gateway.tokenizer import ModelTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return ModelTokenizer(tiny_model)
+
+
+def stream(tokenizer, ids, stop=None, step=1):
+    d = IncrementalDetokenizer(tokenizer, stop)
+    pieces = [d.add(ids[i : i + step]) for i in range(0, len(ids), step)]
+    pieces.append(d.flush())
+    return pieces, d
+
+
+@pytest.mark.parametrize("text", ["plain words here", "déjà vu 🙂 ok", "🙂🙂", "a\nb  c"])
+def test_streamed_text_equals_full_decode_and_is_valid_utf8(tokenizer, text):
+    ids = tokenizer.encode(text)
+    pieces, _ = stream(tokenizer, ids)
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_split_across_tokens_is_never_streamed(tokenizer):
+    ids = tokenizer.encode("the model is great and the cache is warm")
+    pieces, d = stream(tokenizer, ids, stop=["great and"])
+    assert "".join(pieces) == "the model is "
+    assert d.stopped
+    assert not any("great" in p for p in pieces)
+
+
+def test_incomplete_utf8_at_the_end_is_released_on_flush(tokenizer):
+    ids = tokenizer.encode("ok 🙂")[:-1]  # cut inside the emoji's bytes
+    pieces, _ = stream(tokenizer, ids)
+    assert all("\ufffd" not in p for p in pieces[:-1])  # held back while incomplete
+    assert pieces[-1].endswith("\ufffd")  # released as U+FFFD when the request ends
+    assert "".join(pieces) == tokenizer.decode(ids)
