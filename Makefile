@@ -14,11 +14,10 @@ $(STAMP): pyproject.toml setup.py
 
 install: $(STAMP)
 
-## up: create the default model if missing and run one generation on the in-process engine.
-## (The four-service stack over NATS replaces this once it lands; see README.)
+## up: the whole stack on this machine: embedded NATS, scheduler, gateway on :8000,
+## telemetry on :9400, one worker on the default model (created on first run).
 up: install
-	$(VENV)/bin/lamina model init
-	$(VENV)/bin/lamina generate "The engine reads a prompt and" --max-tokens 24
+	$(VENV)/bin/lamina up $(ARGS)
 
 ## test: lint, then the whole test suite (unit, kernel, engine parity).
 test: install

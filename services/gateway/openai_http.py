@@ -168,7 +168,7 @@ class OpenAIApi:
         finally:
             await stream.close()
         delta = TextDelta("".join(text), ids, lps or None, last.finish_reason, last.usage)
-        return Response(build(delta, response_id, created, final=True, streaming=False))
+        return Response(build(delta, response_id, created, streaming=False))
 
     async def _sse(
         self,
@@ -190,7 +190,7 @@ class OpenAIApi:
             async for delta in stream.deltas():
                 usage = delta.usage or usage
                 if delta.text or delta.finish_reason or delta.logprobs:
-                    yield _sse(build(delta, response_id, created, final=False, streaming=True))
+                    yield _sse(build(delta, response_id, created, streaming=True))
             if body.include_usage:
                 yield _sse(
                     {
@@ -227,7 +227,7 @@ class OpenAIApi:
 
     # ----------------------------------------------------------------------- body builders
     def build_completion(
-        self, d: TextDelta, response_id: str, created: int, final: bool, streaming: bool
+        self, d: TextDelta, response_id: str, created: int, streaming: bool
     ) -> dict[str, Any]:
         body = {
             "id": response_id,
@@ -248,7 +248,7 @@ class OpenAIApi:
         return body
 
     def build_chat(
-        self, d: TextDelta, response_id: str, created: int, final: bool, streaming: bool
+        self, d: TextDelta, response_id: str, created: int, streaming: bool
     ) -> dict[str, Any]:
         logprobs = self._chat_logprobs(d.token_ids, d.logprobs)
         if streaming:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -197,3 +198,32 @@ def test_one_trace_spans_gateway_scheduler_and_worker(client, trace_file):
     assert "lamina.v1.sched.submit process" in names
     assert "lamina.v1.worker.worker-0.generate process" in names
     assert "(temporary) publish" in names  # the worker's token events
+
+
+def test_vllm_bench_serve_payload(stack):
+    """The exact request ``vllm bench serve --backend openai`` sends, parsed as it parses."""
+    payload = {
+        "model": "lamina-tiny",
+        "prompt": "benchmark prompt",
+        "temperature": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 7,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "best_of": 1,
+    }
+    text, usage = "", None
+    with httpx.stream("POST", stack.base_url + "/v1/completions", json=payload) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line.removeprefix("data: "))
+        if chunk["choices"]:
+            text += chunk["choices"][0]["text"]
+        elif chunk.get("usage"):
+            usage = chunk["usage"]
+    assert usage["completion_tokens"] == 7 and text

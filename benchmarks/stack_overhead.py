@@ -1,0 +1,179 @@
+"""What the distributed stack costs: HTTP → gateway → scheduler → worker vs the same
+engine called in-process, on the same model and workload, in one run.
+
+* throughput: N concurrent streaming requests (greedy, ``ignore_eos``), output tokens/s.
+* TTFT: sequential single requests (an idle system), time to the first streamed token;
+  the stack's p50/p99 minus the in-process engine's is the added latency.
+
+Prints medians of ``--runs`` runs and the ratios. Not a test: run it by hand.
+
+    .venv/bin/python benchmarks/stack_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from lamina.libs.bus import Bus
+from lamina.libs.nats_server import free_port
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.control import ControlAck, ResetPrefixCache
+from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.default_model import ensure_default_model
+from lamina.services.engine_worker.engine import Engine
+from lamina.services.engine_worker.request import SamplingParams
+from lamina.services.launcher import Stack
+
+Workload = list[tuple[list[int], int]]
+
+
+def workload(n: int, vocab: int, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))], rng.randint(32, 128))
+        for _ in range(n)
+    ]
+
+
+def engine_throughput(engine: Engine, work: Workload) -> float:
+    started = time.perf_counter()
+    for i, (prompt, n) in enumerate(work):
+        engine.add_request(
+            f"t{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        )
+    produced = 0
+    while engine.has_work():
+        produced += len(engine.step())
+    return produced / (time.perf_counter() - started)
+
+
+def engine_ttft(engine: Engine, prompt: list[int]) -> float:
+    started = time.perf_counter()
+    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    while engine.has_work():
+        if engine.step():
+            break
+    return time.perf_counter() - started
+
+
+async def http_stream(client: httpx.AsyncClient, prompt: list[int], n: int) -> tuple[float, int]:
+    """One streaming completion: (seconds to the first token, completion tokens)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started, first, usage = time.perf_counter(), None, 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = msgspec.json.decode(line[6:])
+            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.perf_counter() - started
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+    return first if first is not None else time.perf_counter() - started, usage
+
+
+async def stack_throughput(base_url: str, work: Workload) -> float:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=600, limits=httpx.Limits(max_connections=1000)
+    ) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(http_stream(client, p, n) for p, n in work))
+        elapsed = time.perf_counter() - started
+    produced = sum(tokens for _, tokens in results)
+    assert produced == sum(n for _, n in work), (produced, sum(n for _, n in work))
+    return produced / elapsed
+
+
+async def stack_ttfts(base_url: str, prompts: list[list[int]]) -> list[float]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        return [(await http_stream(client, p, 1))[0] for p in prompts]
+
+
+async def reset_worker_cache(nats_url: str) -> None:
+    """The worker's ``ResetPrefixCache`` control command, over the bus."""
+    bus = await Bus.connect(nats_url, "benchmark")
+    ack = await bus.request(
+        subjects.worker_control("worker-0"), ResetPrefixCache(), ControlAck, timeout=10
+    )
+    assert ack.ok, ack
+    await bus.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="checkpoint (default: the default model)")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--ttft-requests", type=int, default=40)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+
+    model = args.model or ensure_default_model()
+    config = EngineConfig(model=model, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+    engine = Engine(config)
+    vocab = engine.model_config.vocab_size
+    work = workload(args.requests, vocab)
+    rng = random.Random(1)
+    ttft_prompts = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(args.ttft_requests)]
+    print(
+        f"model {model.name}; {len(work)} concurrent requests, prompts 32-256, outputs "
+        f"32-128 ({sum(n for _, n in work)} output tokens); TTFT over "
+        f"{len(ttft_prompts)} sequential 64-token prompts"
+    )
+
+    engine_throughput(engine, work[:4])  # warm-up
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        Stack(
+            model=model,
+            http_port=free_port(),
+            metrics_port=free_port(),
+            log_dir=Path(logs),
+            worker_args=["--max-model-len", "1024", "--kv-cache-memory-mb", "256"],
+        ) as stack,
+    ):
+        asyncio.run(stack_throughput(stack.base_url, work[:4]))  # warm-up
+        ours, theirs, ttft_local, ttft_stack = [], [], [], []
+        for run in range(args.runs):
+            engine.reset_prefix_cache()
+            theirs.append(engine_throughput(engine, work))
+            asyncio.run(reset_worker_cache(stack.nats_url))  # every run computes every prompt
+            ours.append(asyncio.run(stack_throughput(stack.base_url, work)))
+            engine.reset_prefix_cache()
+            ttft_local += [engine_ttft(engine, p) for p in ttft_prompts]
+            asyncio.run(reset_worker_cache(stack.nats_url))
+            ttft_stack += asyncio.run(stack_ttfts(stack.base_url, ttft_prompts))
+            print(f"  run {run + 1}: in-process {theirs[-1]:.1f} tok/s, stack {ours[-1]:.1f} tok/s")
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(
+        f"throughput (median of {args.runs}): stack {a:.1f} tok/s vs in-process {b:.1f} "
+        f"-> ratio {a / b:.3f} ({(1 - a / b) * 100:+.1f}% loss)"
+    )
+    for q, name in ((0.5, "p50"), (0.99, "p99")):
+        s, e = pct(ttft_stack, q) * 1e3, pct(ttft_local, q) * 1e3
+        print(f"TTFT {name}: stack {s:.2f} ms vs in-process {e:.2f} ms -> added {s - e:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
