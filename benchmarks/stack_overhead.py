@@ -127,6 +127,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--ttft-requests", type=int, default=40)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--service-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the stack's services (repeatable)",
+    )
     args = parser.parse_args()
 
     model = args.model or ensure_default_model()

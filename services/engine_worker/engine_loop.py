@@ -102,9 +102,13 @@ class EngineLoop(threading.Thread):
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._stats_at = 0.0
+        self._lock = threading.Lock()
+        self._pending_adds = 0
 
     # ---------------------------------------------------------------- called from asyncio
     def submit(self, request: GenerateRequest, reply: str, context: Any = None) -> None:
+        with self._lock:
+            self._pending_adds += 1
         self._commands.put(_Add(request, reply, context))
 
     def cancel(self, request_id: str) -> None:
@@ -118,7 +122,9 @@ class EngineLoop(threading.Thread):
 
     @property
     def num_requests(self) -> int:
-        return len(self._streams)
+        """Requests submitted and not yet finished (queued commands included)."""
+        with self._lock:
+            return self._pending_adds + len(self._streams)
 
     def stop(self) -> None:
         self._stop.set()
@@ -152,7 +158,9 @@ class EngineLoop(threading.Thread):
     def _apply(self, command: Any) -> None:
         match command:
             case _Add(request, reply, context):
-                self._add(request, reply, context)
+                with self._lock:
+                    self._add(request, reply, context)
+                    self._pending_adds -= 1
             case _Cancel(request_id):
                 if self.engine.abort(request_id):
                     self._streams.pop(request_id, None)

@@ -80,6 +80,7 @@ class GatewayService:
                 lifespan="off",
                 log_level="warning",
                 timeout_graceful_shutdown=int(cfg.graceful_shutdown),
+                http="httptools",
                 access_log=False,
             )
         )

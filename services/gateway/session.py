@@ -37,9 +37,13 @@ from lamina.schemas.v1.generate import (
     Tokens,
 )
 from lamina.schemas.v1.records import RequestRecord
+from lamina.schemas.v1.stats import WorkerStats
+from lamina.services.scheduler.registry import MISSED_HEARTBEATS
 
 log = logging.getLogger("lamina.gateway")
 tracer = trace.get_tracer("lamina.gateway")
+
+_LIVENESS_CHECK_S = 0.5  # how often a waiting stream checks its worker's heartbeats
 
 # Rejection reasons → HTTP status and OpenAI error type.
 _STATUS = {
@@ -78,7 +82,8 @@ class SessionSettings:
     accept_timeout: float = 5.0
     """Seconds to wait for a worker to accept before resubmitting."""
     stall_timeout: float = 60.0
-    """Seconds without any event from an accepted request before giving up on it."""
+    """Seconds without any event from an accepted request (whose worker still sends
+    heartbeats) before giving up on it."""
     max_attempts: int = 3
     """Submissions per request (retryable rejections and silent losses are retried)."""
     retry_backoff: float = 0.2
@@ -86,18 +91,35 @@ class SessionSettings:
 
 
 class Inbox:
-    """This gateway's reply subjects: ``<inbox>.<request_id>``, one subscription for all."""
+    """This gateway's reply subjects: ``<inbox>.<request_id>``, one subscription for all;
+    and the workers' heartbeats, so a request on a dead worker fails (or moves) in seconds
+    rather than after ``stall_timeout``."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.prefix = bus.inbox()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._heartbeats: dict[str, tuple[float, float]] = {}  # id -> (last seen, interval)
 
     async def start(self) -> None:
         # Producers (workers) trace their publishes; a CONSUMER span per token is noise.
         await self.bus.subscribe(
             f"{self.prefix}.*", StreamEvent | BadMessage, self._route, traced=False
         )
+        await self.bus.subscribe(
+            subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False
+        )
+
+    async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
+        self._heartbeats[stats.worker_id] = (time.monotonic(), stats.heartbeat_interval_s)
+
+    def worker_alive(self, worker_id: str | None) -> bool:
+        """False once a worker missed 3 heartbeats (True if never heard of: no evidence)."""
+        seen = self._heartbeats.get(worker_id or "")
+        if seen is None:
+            return True
+        last, interval = seen
+        return time.monotonic() - last <= MISSED_HEARTBEATS * interval
 
     def open(self, request_id: str) -> tuple[str, asyncio.Queue]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -187,11 +209,11 @@ class Generation:
             span.set_status(trace.StatusCode.ERROR)
         span.end()
 
-    async def start(self) -> None:
+    async def start(self, first_attempt: int = 0) -> None:
         """Return once a worker accepted; raise :class:`GenerationError` otherwise."""
         s = self.settings
         error = GenerationError(503, "service_unavailable", "no engine worker is available")
-        for attempt in range(s.max_attempts):
+        for attempt in range(first_attempt, s.max_attempts):
             if attempt:
                 await asyncio.sleep(s.retry_backoff * 2 ** (attempt - 1))
             self.attempts = attempt + 1
@@ -228,16 +250,35 @@ class Generation:
     async def stream(self) -> AsyncIterator[Tokens | Finished]:
         """Token events in order, ending with ``Finished``."""
         expected = 1
+        silent_since = time.monotonic()
         while True:
             try:
-                event = await asyncio.wait_for(self._queue.get(), self.settings.stall_timeout)
+                # asyncio.timeout, not wait_for: no task per event on the hot path.
+                async with asyncio.timeout(_LIVENESS_CHECK_S):
+                    event = await self._queue.get()
             except TimeoutError:
-                self.outcome = "failed"
-                raise GenerationError(
-                    504,
-                    "timeout",
-                    f"worker {self.worker_id} sent nothing for {self.settings.stall_timeout:g}s",
-                ) from None
+                if not self.inbox.worker_alive(self.worker_id):
+                    if expected == 1 and self.attempts < self.settings.max_attempts:
+                        # Nothing streamed yet: run it elsewhere as if it were new.
+                        await self.start(first_attempt=self.attempts)
+                        silent_since = time.monotonic()
+                        continue
+                    self.outcome = "failed"
+                    raise GenerationError(
+                        503,
+                        "service_unavailable",
+                        f"worker {self.worker_id} stopped sending heartbeats mid-request",
+                    ) from None
+                if time.monotonic() - silent_since > self.settings.stall_timeout:
+                    self.outcome = "failed"
+                    raise GenerationError(
+                        504,
+                        "timeout",
+                        f"worker {self.worker_id} sent nothing for "
+                        f"{self.settings.stall_timeout:g}s",
+                    ) from None
+                continue
+            silent_since = time.monotonic()
             match event:
                 case Tokens() | Finished():
                     if event.seq != expected:

@@ -77,3 +77,24 @@ def test_sigterm_to_a_worker_under_load_finishes_every_accepted_request(tiny_mod
 
         assert asyncio.run(main()) == [48] * 12
         assert stack.procs["worker-0"].wait(30) == 0  # drained, then exited cleanly
+
+
+def test_a_worker_dying_mid_stream_ends_the_stream_in_seconds(tiny_model, tmp_path):
+    stack = make_stack(tiny_model, tmp_path, worker_args=["--max-model-len", "2048"])
+    with stack:
+        body = {"prompt": "keep going", "max_tokens": 2000, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", stack.base_url + "/v1/completions", json=body,
+                          timeout=60) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break  # tokens are flowing
+            stack.procs["worker-0"].kill()
+            killed = time.monotonic()
+            events = [line for line in lines if line.startswith("data: ")]
+        elapsed = time.monotonic() - killed
+        assert events[-1] == "data: [DONE]"
+        assert '"error"' in events[-2] and "heartbeats" in events[-2]
+        assert elapsed < 10, f"took {elapsed:.1f}s"  # not the 60 s stall timeout
