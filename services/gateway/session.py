@@ -44,6 +44,12 @@ log = logging.getLogger("lamina.gateway")
 tracer = trace.get_tracer("lamina.gateway")
 
 _LIVENESS_CHECK_S = 0.5  # how often a waiting stream checks its worker's heartbeats
+_DEFAULT_HEARTBEAT_S = 0.5  # WorkerConfig.stats_interval's default
+
+
+class _Expired:
+    """Queued by a timer when a wait for the next event runs out."""
+
 
 # Rejection reasons → HTTP status and OpenAI error type.
 _STATUS = {
@@ -113,12 +119,11 @@ class Inbox:
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         self._heartbeats[stats.worker_id] = (time.monotonic(), stats.heartbeat_interval_s)
 
-    def worker_alive(self, worker_id: str | None) -> bool:
-        """False once a worker missed 3 heartbeats (True if never heard of: no evidence)."""
-        seen = self._heartbeats.get(worker_id or "")
-        if seen is None:
-            return True
-        last, interval = seen
+    def worker_alive(self, worker_id: str | None, since: float) -> bool:
+        """False once a worker missed 3 heartbeats. A worker never heard from counts from
+        ``since`` (when it accepted the request) with the default interval: a live worker
+        heartbeats every half second, so silence that long is evidence enough."""
+        last, interval = self._heartbeats.get(worker_id or "", (since, _DEFAULT_HEARTBEAT_S))
         return time.monotonic() - last <= MISSED_HEARTBEATS * interval
 
     def open(self, request_id: str) -> tuple[str, asyncio.Queue]:
@@ -156,6 +161,7 @@ class Generation:
     _subject: str = ""
     _queue: asyncio.Queue | None = None
     _span: Span | None = None
+    _accepted_at: float = 0.0
 
     async def __aenter__(self) -> Generation:
         self._subject, self._queue = self.inbox.open(self.request.request_id)
@@ -224,9 +230,8 @@ class Generation:
                 reply=self._subject,
                 context=trace.set_span_in_context(self._span),
             )
-            try:
-                event = await asyncio.wait_for(self._queue.get(), s.accept_timeout)
-            except TimeoutError:
+            event = await self._next_event(s.accept_timeout)
+            if event is None:
                 error = GenerationError(
                     503,
                     "service_unavailable",
@@ -236,6 +241,7 @@ class Generation:
             match event:
                 case Accepted(worker_id=worker_id):
                     self.worker_id = worker_id
+                    self._accepted_at = time.monotonic()
                     return
                 case Rejected(retryable=True):
                     error = GenerationError.from_rejected(event)
@@ -252,12 +258,9 @@ class Generation:
         expected = 1
         silent_since = time.monotonic()
         while True:
-            try:
-                # asyncio.timeout, not wait_for: no task per event on the hot path.
-                async with asyncio.timeout(_LIVENESS_CHECK_S):
-                    event = await self._queue.get()
-            except TimeoutError:
-                if not self.inbox.worker_alive(self.worker_id):
+            event = await self._next_event(_LIVENESS_CHECK_S)
+            if event is None:
+                if not self.inbox.worker_alive(self.worker_id, self._accepted_at):
                     if expected == 1 and self.attempts < self.settings.max_attempts:
                         # Nothing streamed yet: run it elsewhere as if it were new.
                         await self.start(first_attempt=self.attempts)
@@ -268,7 +271,7 @@ class Generation:
                         503,
                         "service_unavailable",
                         f"worker {self.worker_id} stopped sending heartbeats mid-request",
-                    ) from None
+                    )
                 if time.monotonic() - silent_since > self.settings.stall_timeout:
                     self.outcome = "failed"
                     raise GenerationError(
@@ -276,7 +279,7 @@ class Generation:
                         "timeout",
                         f"worker {self.worker_id} sent nothing for "
                         f"{self.settings.stall_timeout:g}s",
-                    ) from None
+                    )
                 continue
             silent_since = time.monotonic()
             match event:
@@ -305,6 +308,26 @@ class Generation:
                     )
                 case _:
                     raise self._unexpected(event)
+
+    async def _next_event(self, timeout: float) -> object | None:
+        """The next event, or None after ``timeout`` seconds.
+
+        Implemented with a timer that enqueues a marker rather than by cancelling the wait
+        (``wait_for``/``asyncio.timeout``): this runs inside the HTTP server's anyio cancel
+        scopes, where a cancellation-based timeout was seen to wedge a stream, and it costs
+        one timer per event instead of a task.
+        """
+        marker = _Expired()
+        timer = asyncio.get_running_loop().call_later(timeout, self._queue.put_nowait, marker)
+        try:
+            while True:
+                event = await self._queue.get()
+                if event is marker:
+                    return None
+                if not isinstance(event, _Expired):  # a marker left by an earlier wait
+                    return event
+        finally:
+            timer.cancel()
 
     def _note_tokens(self, count: int) -> None:
         now = time.monotonic()

@@ -82,11 +82,17 @@ def test_sigterm_to_a_worker_under_load_finishes_every_accepted_request(tiny_mod
 def test_a_worker_dying_mid_stream_ends_the_stream_in_seconds(tiny_model, tmp_path):
     stack = make_stack(tiny_model, tmp_path, worker_args=["--max-model-len", "2048"])
     with stack:
-        body = {"prompt": "keep going", "max_tokens": 2000, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+        body = {
+            "prompt": "keep going",
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         events = []
-        with httpx.stream("POST", stack.base_url + "/v1/completions", json=body,
-                          timeout=60) as response:
+        with httpx.stream(
+            "POST", stack.base_url + "/v1/completions", json=body, timeout=60
+        ) as response:
             lines = response.iter_lines()
             for line in lines:
                 if line.startswith("data: {"):
