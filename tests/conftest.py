@@ -3,11 +3,17 @@ default model, and the trained ``stories260K`` fixture when it is present."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run on CPU through Triton's interpreter; it must be chosen before the
+# first `import triton`, so it is set here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "stories260K"
 

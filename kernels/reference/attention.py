@@ -46,6 +46,11 @@ class AttentionMetadata:
     prefill_valid: torch.Tensor | None  # (S, Q) True for real (non-padding) queries
     prefill_block_tables: torch.Tensor | None  # (S, max_blocks); None: no cached context
     prefill_mask: torch.Tensor | None  # (S, 1, Q, L); None: one causal chunk, no padding
+    # Flat per-sequence view, for kernels that walk block tables themselves (Triton).
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) offsets of each sequence's tokens
+    context_lens: torch.Tensor  # (num_seqs,) tokens already in the cache
+    block_table: torch.Tensor  # (num_seqs, max_blocks)
+    max_query_len: int
 
     @staticmethod
     def build(
@@ -108,6 +113,12 @@ class AttentionMetadata:
             prefill_valid=_to(valid, device),
             prefill_block_tables=prefill_tables,
             prefill_mask=_to(prefill_mask, device),
+            query_start_loc=torch.from_numpy(
+                np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+            ).to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
+            block_table=torch.from_numpy(block_table).to(device),
+            max_query_len=max(query_lens),
         )
 
 

@@ -12,16 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lamina.kernels.reference import (
-    AttentionMetadata,
-    apply_rotary,
-    paged_attention,
-    rms_norm,
-    rotary_cos_sin,
-    rotary_for_positions,
-    silu_and_mul,
-    write_kv_cache,
-)
+from lamina.kernels.dispatch import load_ops
+from lamina.kernels.reference import AttentionMetadata, rotary_cos_sin, rotary_for_positions
 from lamina.services.engine_worker.loader import CheckpointTensors
 from lamina.services.engine_worker.model_config import ModelConfig
 
@@ -113,6 +105,7 @@ class CausalLM:
             d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
         )
         self.scale = d**-0.5
+        self.ops = load_ops(device)
 
     @staticmethod
     def _qk_norm(c: ModelConfig, take, prefix: str) -> torch.Tensor:
@@ -138,21 +131,22 @@ class CausalLM:
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
         cos, sin = rotary_for_positions(positions, self.cos, self.sin, self.dtype)
         heads = c.num_heads + c.num_kv_heads
+        ops = self.ops
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = rms_norm(hidden, layer.input_norm, eps, residual)
+            x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
             v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
             qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, heads, c.head_dim)
             if layer.qk_norm is not None:
-                qk, _ = rms_norm(qk, layer.qk_norm, eps)
-            qk = apply_rotary(qk, cos, sin)  # queries and keys in one call
+                qk, _ = ops.rms_norm(qk, layer.qk_norm, eps)
+            qk = ops.apply_rotary(qk, cos, sin)  # queries and keys in one call
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            write_kv_cache(k, v, kv_cache, attn.slot_mapping)
-            o = paged_attention(q, k, v, kv_cache, attn, self.scale)  # (T, Hq, D)
+            ops.write_kv_cache(k, v, kv_cache, attn.slot_mapping)
+            o = ops.paged_attention(q, k, v, kv_cache, attn, self.scale)  # (T, Hq, D)
             hidden = F.linear(o.view(num_tokens, c.q_size), layer.o_weight, layer.o_bias)
-            x, residual = rms_norm(hidden, layer.post_norm, eps, residual)
+            x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
-            hidden = F.linear(silu_and_mul(gate_up), layer.down_weight, layer.down_bias)
-        hidden, _ = rms_norm(hidden[logits_indices], self.norm, eps, residual[logits_indices])
+            hidden = F.linear(ops.silu_and_mul(gate_up), layer.down_weight, layer.down_bias)
+        hidden, _ = ops.rms_norm(hidden[logits_indices], self.norm, eps, residual[logits_indices])
         return F.linear(hidden, self.lm_head).float()
