@@ -1,0 +1,149 @@
+"""GPU kernel benchmark: decode paged attention, Triton vs the torch reference (gather +
+``scaled_dot_product_attention``), as achieved memory bandwidth and a fraction of the
+device's peak; then the engine's end-to-end decode tokens/s with each backend.
+
+Needs a CUDA device. Not yet run on one: see docs/performance.md.
+
+    .venv/bin/python benchmarks/kernels.py --peak-gbs 4800    # H200 HBM3e: ~4.8 TB/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from lamina.kernels import reference as ref
+from lamina.kernels.reference import AttentionMetadata
+
+
+def time_cuda(fn, iters: int = 20) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs, after warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def decode_case(
+    batch: int, context: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype
+) -> tuple:
+    blocks_per_seq = -(-context // bs)
+    num_blocks = batch * blocks_per_seq + 1
+    dev = torch.device("cuda")
+    cache = torch.randn(2, num_blocks, bs, hkv, d, device=dev, dtype=dtype)
+    table = np.random.default_rng(0).permutation(num_blocks - 1)[: batch * blocks_per_seq]
+    table = table.reshape(batch, blocks_per_seq)
+    q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
+    k = torch.randn(batch, hkv, d, device=dev, dtype=dtype)
+    slots = torch.tensor(
+        [table[i, (context - 1) // bs] * bs + (context - 1) % bs for i in range(batch)], device=dev
+    )
+    meta = AttentionMetadata.build([1] * batch, [context - 1] * batch, table, batch, bs, slots, dev)
+    bytes_read = batch * context * hkv * d * 2 * cache.element_size()  # K and V once
+    return q, k, cache, meta, bytes_read
+
+
+def attention_table(args: argparse.Namespace) -> None:
+    print(
+        f"decode attention, bf16, {args.hq} query / {args.hkv} KV heads, head_dim "
+        f"{args.head_dim}, block {args.block_size}; peak {args.peak_gbs:.0f} GB/s"
+    )
+    print(
+        f"{'batch':>5} {'context':>7} {'triton GB/s':>12} {'% peak':>7} "
+        f"{'torch GB/s':>11} {'speed-up':>8}"
+    )
+    for batch in args.batches:
+        for context in args.contexts:
+            t_tri, t_ref, nbytes = measure(batch, context, args)
+            gbs, ref_gbs = nbytes / t_tri / 1e9, nbytes / t_ref / 1e9
+            print(
+                f"{batch:>5} {context:>7} {gbs:>12.0f} {100 * gbs / args.peak_gbs:>6.1f}% "
+                f"{ref_gbs:>11.0f} {t_ref / t_tri:>7.2f}x",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+
+
+def measure(batch: int, context: int, args: argparse.Namespace) -> tuple[float, float, int]:
+    """(Triton seconds, reference seconds, bytes of K/V read) for one decode batch."""
+    from lamina.kernels import triton as tri
+
+    q, k, cache, meta, nbytes = decode_case(
+        batch, context, args.hq, args.hkv, args.head_dim, args.block_size, torch.bfloat16
+    )
+    scale = args.head_dim**-0.5
+    t_tri = time_cuda(lambda: tri.paged_attention(q, k, k, cache, meta, scale))
+    t_ref = time_cuda(lambda: ref.paged_attention(q, k, k, cache, meta, scale))
+    return t_tri, t_ref, nbytes
+
+
+def engine_decode(args: argparse.Namespace) -> None:
+    from lamina.services.engine_worker.config import EngineConfig
+    from lamina.services.engine_worker.default_model import ensure_default_model
+    from lamina.services.engine_worker.engine import Engine
+    from lamina.services.engine_worker.request import SamplingParams
+
+    model = ensure_default_model("small")
+    for backend in ("reference", "triton"):
+        os.environ["LAMINA_KERNELS"] = backend
+        engine = Engine(
+            EngineConfig(
+                model=model,
+                device="cuda",
+                dtype="bfloat16",
+                max_model_len=2048,
+                kv_cache_memory_bytes=4 << 30,
+            )
+        )
+        for i in range(args.engine_requests):
+            engine.add_request(
+                f"r{i}",
+                list(range(3, 3 + 128)),
+                SamplingParams(max_tokens=256, temperature=0, ignore_eos=True),
+            )
+        engine.step()  # prefill
+        torch.cuda.synchronize()
+        started, produced = time.perf_counter(), 0
+        while engine.has_work():
+            produced += len(engine.step())
+        torch.cuda.synchronize()
+        rate = produced / (time.perf_counter() - started)
+        print(
+            f"engine decode, {backend}: {rate:.0f} tok/s ({args.engine_requests} requests, "
+            "small preset, bf16)",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peak-gbs", type=float, default=4800.0)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--hq", type=int, default=32)
+    parser.add_argument("--hkv", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--engine-requests", type=int, default=64)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA device")
+    attention_table(args)
+    engine_decode(args)
+
+
+if __name__ == "__main__":
+    main()
