@@ -35,6 +35,7 @@ from lamina.schemas.v1.generate import (
     Rejected,
     StreamEvent,
     Tokens,
+    Usage,
 )
 from lamina.schemas.v1.records import RequestRecord
 from lamina.schemas.v1.stats import WorkerStats
@@ -162,6 +163,9 @@ class Generation:
     _queue: asyncio.Queue | None = None
     _span: Span | None = None
     _accepted_at: float = 0.0
+    streamed: list[int] = field(default_factory=list)
+    """Every token id received so far (across migrations)."""
+    _submitted: GenerateRequest | None = None
 
     async def __aenter__(self) -> Generation:
         self._subject, self._queue = self.inbox.open(self.request.request_id)
@@ -187,13 +191,8 @@ class Generation:
 
     async def __aexit__(self, *exc: object) -> None:
         self.inbox.close(self.request.request_id)
-        if self.finished is None and self.worker_id is not None:
-            with contextlib.suppress(Exception):
-                await self.bus.publish(
-                    subjects.worker_cancel(self.worker_id),
-                    Cancel(request_id=self.request.request_id),
-                    context=trace.set_span_in_context(self._span),
-                )
+        if self.finished is None:
+            await self._cancel(self.worker_id)
         self._end_span(await self._record())
 
     def _end_span(self, record: RequestRecord) -> None:
@@ -215,15 +214,17 @@ class Generation:
             span.set_status(trace.StatusCode.ERROR)
         span.end()
 
-    async def start(self, first_attempt: int = 0) -> None:
-        """Return once a worker accepted; raise :class:`GenerationError` otherwise."""
+    async def start(self, first_attempt: int = 0, request: GenerateRequest | None = None) -> None:
+        """Return once a worker accepted ``request`` (default: the original one); raise
+        :class:`GenerationError` otherwise."""
+        self._submitted = request or self.request
         s = self.settings
         error = GenerationError(503, "service_unavailable", "no engine worker is available")
         for attempt in range(first_attempt, s.max_attempts):
             if attempt:
                 await asyncio.sleep(s.retry_backoff * 2 ** (attempt - 1))
             self.attempts = attempt + 1
-            request = msgspec.structs.replace(self.request, attempt=attempt)
+            request = msgspec.structs.replace(self._submitted, attempt=attempt)
             await self.bus.publish(
                 subjects.SCHED_SUBMIT,
                 request,
@@ -261,9 +262,14 @@ class Generation:
             event = await self._next_event(_LIVENESS_CHECK_S)
             if event is None:
                 if not self.inbox.worker_alive(self.worker_id, self._accepted_at):
-                    if expected == 1 and self.attempts < self.settings.max_attempts:
-                        # Nothing streamed yet: run it elsewhere as if it were new.
-                        await self.start(first_attempt=self.attempts)
+                    if self.attempts < self.settings.max_attempts:
+                        # Migrate: replay the prompt plus what was streamed on another
+                        # worker; its tokens continue this stream where it stopped.
+                        await self._cancel(self.worker_id)
+                        await self.start(
+                            first_attempt=self.attempts, request=self._resume_request()
+                        )
+                        expected = 1
                         silent_since = time.monotonic()
                         continue
                     self.outcome = "failed"
@@ -293,7 +299,17 @@ class Generation:
                         )
                     expected += 1
                     self._note_tokens(len(event.token_ids))
+                    self.streamed += event.token_ids
                     if isinstance(event, Finished):
+                        if self._submitted is not self.request:  # migrated: count it all
+                            event = msgspec.structs.replace(
+                                event,
+                                usage=Usage(
+                                    prompt_tokens=len(self.request.prompt_token_ids),
+                                    completion_tokens=len(self.streamed),
+                                    cached_tokens=event.usage.cached_tokens,
+                                ),
+                            )
                         self.finished = event
                         self.outcome = "finished"
                     yield event
@@ -308,6 +324,32 @@ class Generation:
                     )
                 case _:
                     raise self._unexpected(event)
+
+    def _resume_request(self) -> GenerateRequest:
+        """The original request continued after the tokens already streamed."""
+        done = len(self.streamed)
+        if not done:
+            return self.request
+        s = self.request.sampling
+        sampling = msgspec.structs.replace(
+            s,
+            max_tokens=None if s.max_tokens is None else s.max_tokens - done,
+            min_tokens=max(0, s.min_tokens - done),
+        )
+        return msgspec.structs.replace(
+            self.request,
+            prompt_token_ids=self.request.prompt_token_ids + self.streamed,
+            sampling=sampling,
+        )
+
+    async def _cancel(self, worker_id: str | None) -> None:
+        if worker_id is not None:
+            with contextlib.suppress(Exception):
+                await self.bus.publish(
+                    subjects.worker_cancel(worker_id),
+                    Cancel(request_id=self.request.request_id),
+                    context=trace.set_span_in_context(self._span),
+                )
 
     async def _next_event(self, timeout: float) -> object | None:
         """The next event, or None after ``timeout`` seconds.

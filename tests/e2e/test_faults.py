@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -102,5 +103,42 @@ def test_a_worker_dying_mid_stream_ends_the_stream_in_seconds(tiny_model, tmp_pa
             events = [line for line in lines if line.startswith("data: ")]
         elapsed = time.monotonic() - killed
         assert events[-1] == "data: [DONE]"
-        assert '"error"' in events[-2] and "heartbeats" in events[-2]
+        # Its only worker is gone: migration finds no other, so the stream ends with a 503.
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == "no_worker"
         assert elapsed < 10, f"took {elapsed:.1f}s"  # not the 60 s stall timeout
+
+
+def test_a_stream_migrates_when_its_worker_dies(tiny_model, tmp_path):
+    stack = make_stack(tiny_model, tmp_path, workers=2, worker_args=["--max-model-len", "2048"])
+    with stack:
+        body = {
+            "prompt": "keep going",
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
+        chunks = []
+        with httpx.stream(
+            "POST", stack.base_url + "/v1/completions", json=body, timeout=120
+        ) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            serving = None
+            deadline = time.monotonic() + 10
+            while serving is None and time.monotonic() < deadline:
+                chunks.append(next(lines))
+                workers = httpx.get(cluster).json()["workers"]
+                busy = [w["worker_id"] for w in workers if w["num_running"] > 0]
+                serving = busy[0] if busy else None
+            assert serving is not None, "no worker reported the request as running"
+            stack.procs[serving].kill()
+            chunks += list(lines)
+        assert chunks[-1] == "data: [DONE]"
+        assert not any('"error"' in c for c in chunks)
+        usage = json.loads(chunks[-2].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 1500
+        finish = [json.loads(c.removeprefix("data: "))["choices"] for c in chunks[:-2]]
+        assert [c[0]["finish_reason"] for c in finish if c][-1] == "length"
