@@ -5,7 +5,11 @@ queries for every query head sharing that KV head (``BLOCK_Q * GROUP`` rows, so 
 each K/V block once for the whole group), walks the sequence's blocks through its block
 table up to the tile's last causal position, and keeps an online softmax. Decode tokens
 are tiles of one query; prefill chunks with cached context read the cache the same way.
-Not built yet: split-K (flash-decoding) for long-context decode, quantized caches.
+
+A batch of decodes only, with long contexts, would give too few programs to fill a GPU,
+so it takes the split-K (flash-decoding) path instead: each program covers one slice of a
+sequence's blocks for one KV head's group and writes a partial result with its softmax
+max and sum; a second kernel combines the slices. Not built yet: quantized caches.
 """
 
 from __future__ import annotations
@@ -140,6 +144,176 @@ def _paged_attention_kernel(
     )
 
 
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    cache_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    block_table_ptr,
+    context_len_ptr,
+    scale,
+    v_offset,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    blocks_per_split,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_len_ptr + seq)  # the query sits at position ``context``
+    g = tl.arange(0, G_PAD)
+    g_valid = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, D_PAD)
+    d_valid = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=g_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    t = tl.arange(0, BLOCK_SIZE)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(context + 1, BLOCK_SIZE))
+    for j in range(first, last):
+        block = tl.load(block_table_ptr + seq * stride_bt + j)
+        kv_off = ((block * BLOCK_SIZE + t)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[
+            None, :
+        ]
+        k = tl.load(cache_ptr + kv_off, mask=d_valid[None, :], other=0.0)
+        v = tl.load(cache_ptr + v_offset + kv_off, mask=d_valid[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+        s = tl.where((j * BLOCK_SIZE + t)[None, :] <= context, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    # One partial per (sequence, head, split): normalised output, its max and its sum.
+    part = (seq * NUM_KV_HEADS * GROUP + head) * num_splits + split
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(part_out_ptr + part[:, None] * D_PAD + d[None, :], out, mask=g_valid[:, None])
+    tl.store(part_max_ptr + part, m_i, mask=g_valid)
+    tl.store(part_sum_ptr + part, l_i, mask=g_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    out_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, S_PAD)
+    sp_valid = sp < num_splits
+    d = tl.arange(0, D_PAD)
+    base = (seq * NUM_HEADS + head) * num_splits
+    m = tl.load(part_max_ptr + base + sp, mask=sp_valid, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + base + sp, mask=sp_valid, other=0.0)
+    o = tl.load(
+        part_out_ptr + (base + sp)[:, None] * D_PAD + d[None, :], mask=sp_valid[:, None], other=0.0
+    )
+    m_all = tl.max(m, axis=0)
+    w = tl.where(sp_valid & (l_s > 0), l_s * tl.exp(m - m_all), 0.0)  # empty splits: 0
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+def _split_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    d_pad = triton.next_power_of_2(head_dim)
+    blocks_per_split = triton.cdiv(meta.block_table.shape[1], num_splits)
+    parts = num_seqs * num_heads * num_splits
+    part_out = torch.empty(parts, d_pad, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        kv_cache,
+        part_out,
+        part_max,
+        part_sum,
+        meta.block_table,
+        meta.context_lens,
+        scale,
+        kv_cache[0].numel(),
+        q.stride(0),
+        q.stride(1),
+        meta.block_table.stride(0),
+        blocks_per_split,
+        num_splits,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_max,
+        part_sum,
+        out,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        S_PAD=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+_TARGET_PROGRAMS = 264  # about two waves of programs on a 132-SM H100/H200
+_MIN_BLOCKS_PER_SPLIT = 16
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
+    """How many KV slices a decode-only batch is cut into (1: no split): enough programs
+    to fill the device, each with at least ``_MIN_BLOCKS_PER_SPLIT`` blocks of work."""
+    programs = num_seqs * num_kv_heads
+    if programs >= _TARGET_PROGRAMS:
+        return 1
+    by_work = max_blocks // _MIN_BLOCKS_PER_SPLIT
+    return max(1, min(by_work, triton.cdiv(_TARGET_PROGRAMS, programs)))
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,13 +321,21 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """See :func:`lamina.kernels.reference.paged_attention`; reads everything (this step's
-    keys too) from ``kv_cache``, which :func:`write_kv_cache` has already filled."""
+    keys too) from ``kv_cache``, which :func:`write_kv_cache` has already filled.
+    ``num_splits`` forces the split-K decode path (tests); by default it is chosen from
+    the batch's shape and used only for decode-only batches."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if meta.max_query_len == 1:
+        if num_splits is None:
+            num_splits = decode_splits(num_tokens, num_kv_heads, meta.block_table.shape[1])
+        if num_splits > 1:
+            return _split_decode(q, kv_cache, meta, scale, num_splits, out)
     block_q = max(1, 16 // group)  # at least 16 rows per tile, as tl.dot needs on GPUs
     num_seqs = meta.context_lens.shape[0]
     grid = (num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)

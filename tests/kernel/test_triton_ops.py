@@ -122,3 +122,41 @@ def test_engine_greedy_outputs_equal_on_both_backends(tiny_model, monkeypatch):
         assert engine.runner.model.ops.backend == backend
         outputs[backend] = run_to_completion(engine, prompts, greedy(6))
     assert outputs["triton"] == outputs["reference"]
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (8, 1, 80)])
+def test_split_k_decode_matches_reference(num_splits, hq, hkv, d):
+    torch.manual_seed(1)
+    bs = 16
+    contexts = [0, 5, 47, 130, 200]  # more splits than blocks for the short ones
+    num_blocks = sum(-(-(c + 1) // bs) for c in contexts) + 1
+    cache = torch.randn(2, num_blocks, bs, hkv, d)
+    perm = torch.randperm(num_blocks).tolist()
+    tables = [[perm.pop() for _ in range(-(-(c + 1) // bs))] for c in contexts]
+    width = max(len(t) for t in tables)
+    table = np.array([t + [0] * (width - len(t)) for t in tables])
+    slots = torch.tensor([t[c // bs] * bs + c % bs for t, c in zip(tables, contexts, strict=True)])
+    q, k, v = torch.randn(5, hq, d), torch.randn(5, hkv, d), torch.randn(5, hkv, d)
+    meta = AttentionMetadata.build([1] * 5, contexts, table, 5, bs, slots, torch.device("cpu"))
+    ref.write_kv_cache(k, v, cache, slots)
+    want = ref.paged_attention(q, k, v, cache, meta, d**-0.5)
+    dev = AttentionMetadata.build([1] * 5, contexts, table, 5, bs, slots.to(DEVICE), DEVICE)
+    got = tri.paged_attention(
+        q.to(DEVICE),
+        k.to(DEVICE),
+        v.to(DEVICE),
+        cache.to(DEVICE),
+        dev,
+        d**-0.5,
+        num_splits=num_splits,
+    )
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_split_count_fills_the_device_only_when_needed():
+    from lamina.kernels.triton.attention import decode_splits
+
+    assert decode_splits(num_seqs=256, num_kv_heads=8, max_blocks=2048) == 1  # enough work
+    assert decode_splits(num_seqs=1, num_kv_heads=8, max_blocks=2048) == 33  # long context
+    assert decode_splits(num_seqs=1, num_kv_heads=8, max_blocks=8) == 1  # nothing to split
