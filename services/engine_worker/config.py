@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -19,8 +21,12 @@ class EngineConfig:
     """Torch device the model and KV pool live on."""
     block_size: int = 16
     """Tokens per KV block."""
-    kv_cache_memory_bytes: int = 256 << 20
-    """Memory budget for the KV pool; the number of blocks is derived from it."""
+    kv_cache_memory_bytes: int | None = None
+    """Memory budget for the KV pool; the number of blocks is derived from it. ``None``:
+    256 MiB on CPU; on CUDA, what is free after loading the weights, less the headroom
+    that ``gpu_memory_utilization`` leaves for activations."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA with no explicit budget: the fraction of device memory the engine may use."""
     num_kv_blocks: int | None = None
     """Exact number of KV blocks, overriding ``kv_cache_memory_bytes`` (tests, tiny pools)."""
     max_num_batched_tokens: int = 2048
@@ -36,6 +42,15 @@ class EngineConfig:
     seed: int = 0
     """Seed of the generator used by requests that carry no seed of their own."""
 
+    def kv_budget_bytes(self, device: torch.device) -> int:
+        """The KV pool's memory budget on ``device`` (call after the weights are loaded)."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return max(0, int(free - (1 - self.gpu_memory_utilization) * total))
+        return 256 << 20
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -45,5 +60,9 @@ class EngineConfig:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]"
+            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be positive")

@@ -91,8 +91,8 @@ class Engine:
                 f"max_model_len ({self.max_model_len}) and chunked prefill is off"
             )
         bs = config.block_size
-        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // kv_block_bytes(
-            model, bs
+        num_blocks = config.num_kv_blocks or config.kv_budget_bytes(self.device) // (
+            kv_block_bytes(model, bs)
         )
         if num_blocks * bs < self.max_model_len:
             raise ValueError(

@@ -46,7 +46,10 @@ class WorkerConfig:
     device: str = option("cpu", "torch device")
     dtype: str = option("auto", "auto, float32, bfloat16 or float16")
     block_size: int = option(16, "tokens per KV block")
-    kv_cache_memory_mb: int = option(256, "KV pool memory budget in MiB")
+    kv_cache_memory_mb: int = option(
+        0, "KV pool memory budget in MiB (0: 256 on CPU; on CUDA, free memory after weights)"
+    )
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use")
     max_num_batched_tokens: int = option(2048, "token budget of one engine step")
     max_num_seqs: int = option(128, "most sequences in one step")
     max_model_len: int = option(0, "context length (0: the model's)")
@@ -60,7 +63,8 @@ class WorkerConfig:
             dtype=self.dtype,
             device=self.device,
             block_size=self.block_size,
-            kv_cache_memory_bytes=self.kv_cache_memory_mb << 20,
+            kv_cache_memory_bytes=(self.kv_cache_memory_mb << 20) or None,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len or None,
