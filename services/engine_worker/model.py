@@ -2,7 +2,9 @@
 
 Every step's tokens, from all sequences, form one ``(T,)`` run; attention finds each
 token's sequence through :class:`AttentionMetadata`. Q/K/V and gate/up projections are
-fused into one matmul each at load time: fewer, larger kernels per layer.
+fused into one matmul each at load time: fewer, larger kernels per layer. Under tensor
+parallelism (``parallel.py``) each rank holds its heads' and MLP columns' share of those
+fused weights and ``self.local`` describes its shapes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from lamina.kernels.dispatch import load_ops
 from lamina.kernels.reference import AttentionMetadata, rotary_cos_sin, rotary_for_positions
 from lamina.services.engine_worker.loader import CheckpointTensors
 from lamina.services.engine_worker.model_config import ModelConfig
+from lamina.services.engine_worker.parallel import SINGLE, TensorParallel
 
 
 @dataclass
@@ -42,17 +45,30 @@ class CausalLM:
         weights: CheckpointTensors,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.config = config
+        self.tp = tp
+        self.local = tp.local_config(config)
+        """This rank's shapes (heads and MLP width divided across tensor-parallel ranks)."""
         self.dtype = dtype
         c = config
         h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
 
-        def take(name: str, *shape: int) -> torch.Tensor:
-            return weights.take(name, shape, dtype).to(device)
+        def take(name: str, *shape: int, shard_dim: int | None = None) -> torch.Tensor:
+            """Load ``name`` (checked against its full shape), keep this rank's slice."""
+            tensor = weights.take(name, shape, dtype)
+            return (tensor if shard_dim is None else tp.shard(tensor, shard_dim)).to(device)
 
-        def maybe(flag: bool, name: str, *shape: int) -> torch.Tensor | None:
-            return take(name, *shape) if flag else None
+        def rows(name: str, *shape: int) -> torch.Tensor:  # column-parallel output rows
+            return take(name, *shape, shard_dim=0)
+
+        def cols(name: str, *shape: int) -> torch.Tensor:  # row-parallel input columns
+            return take(name, *shape, shard_dim=1)
+
+        def rank0_bias(name: str, *shape: int) -> torch.Tensor | None:
+            bias = take(name, *shape)  # added once, before the all-reduce sums the ranks
+            return bias if tp.rank == 0 else None
 
         self.embed = take("model.embed_tokens.weight", c.vocab_size, h)
         self.layers: list[Layer] = []
@@ -63,37 +79,37 @@ class CausalLM:
             if c.qkv_bias:
                 qkv_bias = torch.cat(
                     [
-                        take(attn + "q_proj.bias", c.q_size),
-                        take(attn + "k_proj.bias", c.kv_size),
-                        take(attn + "v_proj.bias", c.kv_size),
+                        rows(attn + "q_proj.bias", c.q_size),
+                        rows(attn + "k_proj.bias", c.kv_size),
+                        rows(attn + "v_proj.bias", c.kv_size),
                     ]
                 )
             gate_up_bias = None
             if c.mlp_bias:
                 gate_up_bias = torch.cat(
-                    [take(mlp + "gate_proj.bias", i), take(mlp + "up_proj.bias", i)]
+                    [rows(mlp + "gate_proj.bias", i), rows(mlp + "up_proj.bias", i)]
                 )
             self.layers.append(
                 Layer(
                     input_norm=take(p + "input_layernorm.weight", h),
                     qkv_weight=torch.cat(
                         [
-                            take(attn + "q_proj.weight", c.q_size, h),
-                            take(attn + "k_proj.weight", c.kv_size, h),
-                            take(attn + "v_proj.weight", c.kv_size, h),
+                            rows(attn + "q_proj.weight", c.q_size, h),
+                            rows(attn + "k_proj.weight", c.kv_size, h),
+                            rows(attn + "v_proj.weight", c.kv_size, h),
                         ]
                     ),
                     qkv_bias=qkv_bias,
-                    qk_norm=self._qk_norm(c, take, attn) if c.qk_norm else None,
-                    o_weight=take(attn + "o_proj.weight", h, c.q_size),
-                    o_bias=maybe(c.o_bias, attn + "o_proj.bias", h),
+                    qk_norm=self._qk_norm(self.local, take, attn) if c.qk_norm else None,
+                    o_weight=cols(attn + "o_proj.weight", h, c.q_size),
+                    o_bias=rank0_bias(attn + "o_proj.bias", h) if c.o_bias else None,
                     post_norm=take(p + "post_attention_layernorm.weight", h),
                     gate_up_weight=torch.cat(
-                        [take(mlp + "gate_proj.weight", i, h), take(mlp + "up_proj.weight", i, h)]
+                        [rows(mlp + "gate_proj.weight", i, h), rows(mlp + "up_proj.weight", i, h)]
                     ),
                     gate_up_bias=gate_up_bias,
-                    down_weight=take(mlp + "down_proj.weight", h, i),
-                    down_bias=maybe(c.mlp_bias, mlp + "down_proj.bias", h),
+                    down_weight=cols(mlp + "down_proj.weight", h, i),
+                    down_bias=rank0_bias(mlp + "down_proj.bias", h) if c.mlp_bias else None,
                 )
             )
         self.norm = take("model.norm.weight", h)
@@ -125,7 +141,8 @@ class CausalLM:
         logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
     ) -> torch.Tensor:
         """Logits ``(S, vocab)`` in fp32 for the tokens at ``logits_indices``."""
-        c = self.config
+        c = self.local  # this rank's heads and MLP width
+        tp = self.tp
         num_tokens = input_ids.shape[0]
         eps = c.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
@@ -144,9 +161,13 @@ class CausalLM:
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             ops.write_kv_cache(k, v, kv_cache, attn.slot_mapping)
             o = ops.paged_attention(q, k, v, kv_cache, attn, self.scale)  # (T, Hq, D)
-            hidden = F.linear(o.view(num_tokens, c.q_size), layer.o_weight, layer.o_bias)
+            hidden = tp.all_reduce(
+                F.linear(o.view(num_tokens, c.q_size), layer.o_weight, layer.o_bias)
+            )
             x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
-            hidden = F.linear(ops.silu_and_mul(gate_up), layer.down_weight, layer.down_bias)
+            hidden = tp.all_reduce(
+                F.linear(ops.silu_and_mul(gate_up), layer.down_weight, layer.down_bias)
+            )
         hidden, _ = ops.rms_norm(hidden[logits_indices], self.norm, eps, residual[logits_indices])
         return F.linear(hidden, self.lm_head).float()

@@ -12,7 +12,7 @@ from lamina.services.engine_worker.scheduler import ScheduledBatch
 
 def kv_block_bytes(model: CausalLM, block_size: int) -> int:
     """Bytes one KV block takes across all layers (keys and values)."""
-    c = model.config
+    c = model.local
     itemsize = torch.empty((), dtype=model.dtype).element_size()
     return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * itemsize
 
@@ -26,7 +26,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        c = model.config
+        c = model.local  # this rank's KV heads
         shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(c.num_layers)
