@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -98,14 +99,16 @@ class SessionSettings:
 
 
 class Inbox:
-    """This gateway's reply subjects: ``<inbox>.<request_id>``, one subscription for all;
-    and the workers' heartbeats, so a request on a dead worker fails (or moves) in seconds
+    """This gateway's reply subjects, ``<inbox>.<n>`` with a fresh ``n`` per submission
+    (late events of an abandoned attempt land nowhere), one subscription for all; and the
+    workers' heartbeats, so a request on a dead worker fails (or moves) in seconds
     rather than after ``stall_timeout``."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.prefix = bus.inbox()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._keys = itertools.count()
         self._heartbeats: dict[str, tuple[float, float]] = {}  # id -> (last seen, interval)
 
     async def start(self) -> None:
@@ -127,13 +130,14 @@ class Inbox:
         last, interval = self._heartbeats.get(worker_id or "", (since, _DEFAULT_HEARTBEAT_S))
         return time.monotonic() - last <= MISSED_HEARTBEATS * interval
 
-    def open(self, request_id: str) -> tuple[str, asyncio.Queue]:
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        return f"{self.prefix}.{request_id}", queue
+    def open(self, queue: asyncio.Queue) -> str:
+        """A new reply subject whose events go to ``queue``."""
+        key = str(next(self._keys))
+        self._queues[key] = queue
+        return f"{self.prefix}.{key}"
 
-    def close(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    def close(self, subject: str) -> None:
+        self._queues.pop(subject.rsplit(".", 1)[-1], None)
 
     async def _route(self, event: StreamEvent | BadMessage, msg: Msg) -> None:
         queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
@@ -168,7 +172,6 @@ class Generation:
     _submitted: GenerateRequest | None = None
 
     async def __aenter__(self) -> Generation:
-        self._subject, self._queue = self.inbox.open(self.request.request_id)
         r = self.request
         # The request's root span, with the OpenTelemetry GenAI attributes.
         self._span = tracer.start_span(
@@ -190,7 +193,7 @@ class Generation:
         self.outcome = "finished"
 
     async def __aexit__(self, *exc: object) -> None:
-        self.inbox.close(self.request.request_id)
+        self.inbox.close(self._subject)
         if self.finished is None:
             await self._cancel(self.worker_id)
         self._end_span(await self._record())
@@ -225,6 +228,10 @@ class Generation:
                 await asyncio.sleep(s.retry_backoff * 2 ** (attempt - 1))
             self.attempts = attempt + 1
             request = msgspec.structs.replace(self._submitted, attempt=attempt)
+            # A fresh subject and queue: whatever an earlier attempt still sends is dropped.
+            self.inbox.close(self._subject)
+            self._queue = asyncio.Queue()
+            self._subject = self.inbox.open(self._queue)
             await self.bus.publish(
                 subjects.SCHED_SUBMIT,
                 request,
