@@ -17,7 +17,8 @@ from lamina.schemas.v1.generate import (
     Usage,
 )
 from lamina.services.gateway.detokenizer import IncrementalDetokenizer
-from lamina.services.gateway.session import Generation, Inbox, SessionSettings
+from lamina.services.gateway.inbox import Inbox
+from lamina.services.gateway.session import Generation, SessionSettings
 from lamina.services.gateway.tokenizer import ModelTokenizer
 
 

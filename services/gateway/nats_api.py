@@ -15,9 +15,9 @@ from nats.aio.msg import Msg
 from lamina.libs.bus import Bus
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.api import ApiDelta, ApiError, ApiFinished, ApiRequest
+from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.frontend import Frontend
 from lamina.services.gateway.protocol import InvalidRequest
-from lamina.services.gateway.session import GenerationError
 from lamina.services.gateway.tokenizer import TemplateError
 
 log = logging.getLogger("lamina.gateway.nats")

@@ -14,6 +14,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
 
 from lamina.schemas.v1.generate import TokenLogprob, Usage
+from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.frontend import Frontend, TextDelta, TextStream
 from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
@@ -21,7 +22,6 @@ from lamina.services.gateway.protocol import (
     InvalidRequest,
     decode_body,
 )
-from lamina.services.gateway.session import GenerationError
 from lamina.services.gateway.tokenizer import TemplateError
 
 _json = msgspec.json.Encoder()

@@ -17,9 +17,10 @@ from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.gateway.frontend import Frontend
+from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.nats_api import NatsApi
 from lamina.services.gateway.openai_http import OpenAIApi
-from lamina.services.gateway.session import Inbox, SessionSettings
+from lamina.services.gateway.session import SessionSettings
 from lamina.services.gateway.tokenizer import ModelTokenizer
 
 log = logging.getLogger("lamina.gateway")

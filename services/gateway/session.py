@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
-from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
@@ -34,55 +32,21 @@ from lamina.schemas.v1.generate import (
     Finished,
     GenerateRequest,
     Rejected,
-    StreamEvent,
     Tokens,
     Usage,
 )
 from lamina.schemas.v1.records import RequestRecord
-from lamina.schemas.v1.stats import WorkerStats
-from lamina.services.scheduler.registry import MISSED_HEARTBEATS
+from lamina.services.gateway.errors import GenerationError
+from lamina.services.gateway.inbox import Inbox
 
 log = logging.getLogger("lamina.gateway")
 tracer = trace.get_tracer("lamina.gateway")
 
 _LIVENESS_CHECK_S = 0.5  # how often a waiting stream checks its worker's heartbeats
-_DEFAULT_HEARTBEAT_S = 0.5  # WorkerConfig.stats_interval's default
 
 
 class _Expired:
     """Queued by a timer when a wait for the next event runs out."""
-
-
-# Rejection reasons → HTTP status and OpenAI error type.
-_STATUS = {
-    "invalid_request": (400, "invalid_request_error"),
-    "model_not_found": (404, "not_found_error"),
-    "overloaded": (429, "rate_limit_error"),
-    "no_worker": (503, "service_unavailable"),
-    "draining": (503, "service_unavailable"),
-    "deadline_exceeded": (504, "timeout"),
-}
-
-
-class GenerationError(Exception):
-    """A request that cannot complete, with the HTTP status and OpenAI error fields."""
-
-    def __init__(
-        self,
-        status: int,
-        error_type: str,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.error_type, self.message = status, error_type, message
-        self.param, self.code = param, code
-
-    @classmethod
-    def from_rejected(cls, rejected: Rejected) -> GenerationError:
-        status, kind = _STATUS.get(rejected.reason, (503, "service_unavailable"))
-        return cls(status, kind, rejected.message, rejected.param, rejected.reason)
 
 
 @dataclass(frozen=True)
@@ -96,53 +60,6 @@ class SessionSettings:
     """Submissions per request (retryable rejections and silent losses are retried)."""
     retry_backoff: float = 0.2
     """First retry delay; doubles each attempt."""
-
-
-class Inbox:
-    """This gateway's reply subjects, ``<inbox>.<n>`` with a fresh ``n`` per submission
-    (late events of an abandoned attempt land nowhere), one subscription for all; and the
-    workers' heartbeats, so a request on a dead worker fails (or moves) in seconds
-    rather than after ``stall_timeout``."""
-
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
-        self.prefix = bus.inbox()
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._keys = itertools.count()
-        self._heartbeats: dict[str, tuple[float, float]] = {}  # id -> (last seen, interval)
-
-    async def start(self) -> None:
-        # Producers (workers) trace their publishes; a CONSUMER span per token is noise.
-        await self.bus.subscribe(
-            f"{self.prefix}.*", StreamEvent | BadMessage, self._route, traced=False
-        )
-        await self.bus.subscribe(
-            subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False
-        )
-
-    async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
-        self._heartbeats[stats.worker_id] = (time.monotonic(), stats.heartbeat_interval_s)
-
-    def worker_alive(self, worker_id: str | None, since: float) -> bool:
-        """False once a worker missed 3 heartbeats. A worker never heard from counts from
-        ``since`` (when it accepted the request) with the default interval: a live worker
-        heartbeats every half second, so silence that long is evidence enough."""
-        last, interval = self._heartbeats.get(worker_id or "", (since, _DEFAULT_HEARTBEAT_S))
-        return time.monotonic() - last <= MISSED_HEARTBEATS * interval
-
-    def open(self, queue: asyncio.Queue) -> str:
-        """A new reply subject whose events go to ``queue``."""
-        key = str(next(self._keys))
-        self._queues[key] = queue
-        return f"{self.prefix}.{key}"
-
-    def close(self, subject: str) -> None:
-        self._queues.pop(subject.rsplit(".", 1)[-1], None)
-
-    async def _route(self, event: StreamEvent | BadMessage, msg: Msg) -> None:
-        queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
-        if queue is not None:
-            queue.put_nowait(event)
 
 
 @dataclass
