@@ -4,9 +4,11 @@
 inbox and waits for a worker's ``Accepted``, retrying retryable rejections and silent
 losses (a worker that died before heartbeats said so) with back-off; only then does an
 HTTP response begin, so admission failures get a real status code. ``Generation.stream()``
-yields token events until ``Finished``; closing it early (the client went away) cancels
-the request on its worker. Events arrive through one wildcard subscription per gateway
-(:class:`Inbox`), routed to per-request queues by subject.
+yields token events until ``Finished``; if the worker stops heartbeating mid-request, the
+request migrates (prompt plus streamed tokens, resubmitted) and the stream continues;
+closing it early (the client went away) cancels the request on its worker. Events arrive
+through one wildcard subscription per gateway (:class:`Inbox`), a fresh subject per
+submission.
 """
 
 from __future__ import annotations
