@@ -6,36 +6,15 @@ from lamina.schemas.v1.generate import GenerateRequest, Sampling
 from lamina.schemas.v1.stats import WorkerStats
 from lamina.services.scheduler.placement import REQUEST_WEIGHT_TOKENS, place
 from lamina.services.scheduler.registry import Registry
+from tests.telemetry.helpers import make_stats
 
 
 def stats(worker_id: str, **kw) -> WorkerStats:
-    base = dict(
-        worker_id=worker_id,
-        model="m",
-        device="cpu",
-        state="ready",
-        block_size=16,
-        total_kv_blocks=100,
-        free_kv_blocks=100,
-        kv_cache_usage=0.0,
-        prefix_cache_hit_ratio=0.0,
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
-        num_running=0,
-        num_waiting=0,
-        num_queued_prefill_tokens=0,
-        max_num_batched_tokens=2048,
-        max_num_seqs=128,
-        max_model_len=1024,
-        prefill_tokens_per_s=0.0,
-        decode_tokens_per_s=0.0,
-        num_preemptions=0,
-        prompt_tokens_total=0,
-        generation_tokens_total=0,
-        timestamp_ms=0,
-        heartbeat_interval_s=0.5,
+    """An idle worker serving model ``m`` with a 1024-token context, plus ``kw``."""
+    idle = dict(
+        model="m", num_running=0, num_waiting=0, num_queued_prefill_tokens=0, max_model_len=1024
     )
-    return WorkerStats(**(base | kw))
+    return make_stats(worker_id, **(idle | kw))
 
 
 def request(prompt_len: int = 10, max_tokens: int = 10, model: str = "m") -> GenerateRequest:
