@@ -24,7 +24,7 @@ COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 
 #: Services that run someone else's image, not ours.
-THIRD_PARTY = {"nats", "prometheus"}
+THIRD_PARTY = {"nats", "prometheus", "grafana"}
 #: The stack: each runs ``lamina <service>``.
 LAMINA_SERVICES = {"scheduler", "gateway", "worker", "telemetry"}
 #: ``LAMINA_*`` variables read process-wide (libs, default model), not config fields.
@@ -189,3 +189,14 @@ def test_dockerfile_installs_the_project_and_runs_lamina_unprivileged() -> None:
     assert 'ENTRYPOINT ["lamina"]' in lines
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_grafana_is_provisioned_from_the_repo() -> None:
+    mounts = dict(v.rsplit(":", 2)[:2] for v in SERVICES["grafana"]["volumes"])
+    for local in mounts:
+        assert (ROOT / local).is_dir(), local
+    assert (ROOT / "deploy/grafana/dashboards/lamina.json").exists()
+    source = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
