@@ -61,12 +61,35 @@ class AttentionMetadata:
         block_size: int,
         slot_mapping: torch.Tensor,
         device: torch.device,
+        dense: bool = True,
     ) -> AttentionMetadata:
         """Derive the masks and padded indices for one step (decode sequences first).
 
         ``block_table`` is ``(num_seqs, max_blocks)``, each row a sequence's block ids padded
-        with any valid id (padding is masked out).
+        with any valid id (padding is masked out). ``dense=False`` skips the padded groups
+        and masks, which only the reference path reads: kernels that walk block tables
+        themselves need just the flat per-sequence view.
         """
+        flat = dict(
+            slot_mapping=slot_mapping,
+            num_decodes=num_decodes,
+            num_prefill_tokens=sum(query_lens[num_decodes:]),
+            query_start_loc=torch.from_numpy(
+                np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+            ).to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
+            block_table=torch.from_numpy(block_table).to(device),
+            max_query_len=max(query_lens),
+        )
+        if not dense:
+            return AttentionMetadata(
+                decode_groups=(),
+                prefill_pad_index=None,
+                prefill_valid=None,
+                prefill_block_tables=None,
+                prefill_mask=None,
+                **flat,
+            )
         decode_groups = []
         seq_lens = np.asarray(context_lens[:num_decodes]) + 1
         num_groups = max(1, min(_DECODE_GROUPS, num_decodes // _MIN_GROUP))
@@ -83,7 +106,6 @@ class AttentionMetadata:
 
         pad_index = valid = prefill_tables = prefill_mask = None
         q_lens = np.asarray(query_lens[num_decodes:], dtype=np.int64)
-        num_prefill_tokens = int(q_lens.sum())
         if len(q_lens):
             ctx = np.asarray(context_lens[num_decodes:], dtype=np.int64)
             max_q = int(q_lens.max())
@@ -105,20 +127,12 @@ class AttentionMetadata:
                 causal = keys[None, None, :] <= (ctx[:, None] + cols[None, :])[:, :, None]
                 prefill_mask = torch.from_numpy(causal)[:, None]
         return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            num_decodes=num_decodes,
             decode_groups=tuple(decode_groups),
-            num_prefill_tokens=num_prefill_tokens,
             prefill_pad_index=_to(pad_index, device),
             prefill_valid=_to(valid, device),
             prefill_block_tables=prefill_tables,
             prefill_mask=_to(prefill_mask, device),
-            query_start_loc=torch.from_numpy(
-                np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
-            ).to(device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
-            block_table=torch.from_numpy(block_table).to(device),
-            max_query_len=max(query_lens),
+            **flat,
         )
 
 

@@ -48,6 +48,7 @@ class _Stream:
 @dataclass
 class _Add:
     request: GenerateRequest
+    params: SamplingParams
     reply: str
     context: Any
 
@@ -106,10 +107,13 @@ class EngineLoop(threading.Thread):
         self._pending_adds = 0
 
     # ---------------------------------------------------------------- called from asyncio
-    def submit(self, request: GenerateRequest, reply: str, context: Any = None) -> None:
+    def submit(
+        self, request: GenerateRequest, params: SamplingParams, reply: str, context: Any = None
+    ) -> None:
+        """Queue ``request`` (already validated, with its engine ``params``)."""
         with self._lock:
             self._pending_adds += 1
-        self._commands.put(_Add(request, reply, context))
+        self._commands.put(_Add(request, params, reply, context))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))
@@ -157,9 +161,9 @@ class EngineLoop(threading.Thread):
 
     def _apply(self, command: Any) -> None:
         match command:
-            case _Add(request, reply, context):
+            case _Add(request, params, reply, context):
                 with self._lock:
-                    self._add(request, reply, context)
+                    self._add(request, params, reply, context)
                     self._pending_adds -= 1
             case _Cancel(request_id):
                 if self.engine.abort(request_id):
@@ -170,14 +174,16 @@ class EngineLoop(threading.Thread):
                 finally:
                     done.set()
 
-    def _add(self, request: GenerateRequest, reply: str, context: Any) -> None:
+    def _add(
+        self, request: GenerateRequest, params: SamplingParams, reply: str, context: Any
+    ) -> None:
         """Queue a request the service has validated and already answered ``Accepted``."""
         rid = request.request_id
         try:
             self.engine.add_request(
                 rid,
                 request.prompt_token_ids,
-                to_sampling_params(request),
+                params,
                 priority=request.sla.priority,
             )
         except InvalidRequestError as exc:  # only a duplicate id gets here

@@ -63,7 +63,14 @@ class ModelRunner:
         dev = self.device
         slot_mapping = torch.from_numpy(slots).to(dev)
         meta = AttentionMetadata.build(
-            num_new, context, table, batch.num_decodes, self.block_size, slot_mapping, dev
+            num_new,
+            context,
+            table,
+            batch.num_decodes,
+            self.block_size,
+            slot_mapping,
+            dev,
+            dense=self.model.ops.backend == "reference",
         )
         return self.model.forward(
             torch.tensor(ids, dtype=torch.int64, device=dev),

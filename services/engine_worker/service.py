@@ -125,8 +125,8 @@ class WorkerService:
             )
             return
         try:
-            to_check = to_sampling_params(request)
-            self.loop.engine.validate(request.prompt_token_ids, to_check)
+            params = to_sampling_params(request)
+            self.loop.engine.validate(request.prompt_token_ids, params)
         except InvalidRequestError as exc:
             await self.bus.publish(
                 msg.reply,
@@ -142,7 +142,7 @@ class WorkerService:
         await self.bus.publish(
             msg.reply, Accepted(request_id=request.request_id, worker_id=self.worker_id)
         )
-        self.loop.submit(request, msg.reply, otel_context.get_current())
+        self.loop.submit(request, params, msg.reply, otel_context.get_current())
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         self.loop.cancel(cancel.request_id)

@@ -160,3 +160,19 @@ def test_split_count_fills_the_device_only_when_needed():
     assert decode_splits(num_seqs=256, num_kv_heads=8, max_blocks=2048) == 1  # enough work
     assert decode_splits(num_seqs=1, num_kv_heads=8, max_blocks=2048) == 33  # long context
     assert decode_splits(num_seqs=1, num_kv_heads=8, max_blocks=8) == 1  # nothing to split
+
+
+def test_flat_metadata_skips_the_dense_masks():
+    meta = AttentionMetadata.build(
+        [1, 1, 5],
+        [3, 9, 0],
+        np.array([[0], [1], [2]]),
+        2,
+        16,
+        torch.tensor([3, 25, 32, 33, 34, 35, 36]),
+        torch.device("cpu"),
+        dense=False,
+    )
+    assert meta.decode_groups == () and meta.prefill_mask is None
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 7] and meta.max_query_len == 5
+    assert meta.num_prefill_tokens == 5
