@@ -1,6 +1,7 @@
 """GPU kernel benchmark: decode paged attention, Triton vs the torch reference (gather +
 ``scaled_dot_product_attention``), as achieved memory bandwidth and a fraction of the
-device's peak; then the engine's end-to-end decode tokens/s with each backend.
+device's peak, for bf16 and quantized (fp8, int8) caches; then the engine's end-to-end
+decode tokens/s with each backend.
 
 Needs a CUDA device. Not yet run on one: see docs/performance.md.
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from lamina.kernels import reference as ref
-from lamina.kernels.reference import AttentionMetadata
+from lamina.kernels.reference import AttentionMetadata, kv_quant
 
 
 def time_cuda(fn, iters: int = 20) -> float:
@@ -37,13 +38,26 @@ def time_cuda(fn, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def quantized(cache: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``cache`` stored as ``kind`` (``auto``: as is), with its scales, as the engine would."""
+    if kind == "auto":
+        return cache, None
+    hkv = cache.shape[3]
+    if kind == "fp8":
+        stored = cache.clamp(-kv_quant.FP8_MAX, kv_quant.FP8_MAX).to(torch.float8_e4m3fn)
+        return stored, torch.ones(2, hkv, device=cache.device)
+    scales = cache.abs().amax(dim=(2, 4)).float().clamp_min(1e-8) / kv_quant.INT8_MAX
+    stored = torch.floor(cache / scales[:, :, None, :, None] + 0.5).clamp(-127, 127)
+    return stored.to(torch.int8), scales
+
+
 def decode_case(
-    batch: int, context: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype
+    batch: int, context: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, kind: str
 ) -> tuple:
     blocks_per_seq = -(-context // bs)
     num_blocks = batch * blocks_per_seq + 1
     dev = torch.device("cuda")
-    cache = torch.randn(2, num_blocks, bs, hkv, d, device=dev, dtype=dtype)
+    cache, scales = quantized(torch.randn(2, num_blocks, bs, hkv, d, device=dev, dtype=dtype), kind)
     table = np.random.default_rng(0).permutation(num_blocks - 1)[: batch * blocks_per_seq]
     table = table.reshape(batch, blocks_per_seq)
     q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
@@ -53,40 +67,43 @@ def decode_case(
     )
     meta = AttentionMetadata.build([1] * batch, [context - 1] * batch, table, batch, bs, slots, dev)
     bytes_read = batch * context * hkv * d * 2 * cache.element_size()  # K and V once
-    return q, k, cache, meta, bytes_read
+    return q, k, cache, scales, meta, bytes_read
 
 
 def attention_table(args: argparse.Namespace) -> None:
     print(
-        f"decode attention, bf16, {args.hq} query / {args.hkv} KV heads, head_dim "
+        f"decode attention, bf16 queries, {args.hq} query / {args.hkv} KV heads, head_dim "
         f"{args.head_dim}, block {args.block_size}; peak {args.peak_gbs:.0f} GB/s"
     )
     print(
-        f"{'batch':>5} {'context':>7} {'triton GB/s':>12} {'% peak':>7} "
+        f"{'cache':>5} {'batch':>5} {'context':>7} {'triton GB/s':>12} {'% peak':>7} "
         f"{'torch GB/s':>11} {'speed-up':>8}"
     )
-    for batch in args.batches:
-        for context in args.contexts:
-            t_tri, t_ref, nbytes = measure(batch, context, args)
-            gbs, ref_gbs = nbytes / t_tri / 1e9, nbytes / t_ref / 1e9
-            print(
-                f"{batch:>5} {context:>7} {gbs:>12.0f} {100 * gbs / args.peak_gbs:>6.1f}% "
-                f"{ref_gbs:>11.0f} {t_ref / t_tri:>7.2f}x",
-                flush=True,
-            )
-            torch.cuda.empty_cache()
+    for kind in args.kv_cache_dtypes:
+        for batch in args.batches:
+            for context in args.contexts:
+                t_tri, t_ref, nbytes = measure(batch, context, kind, args)
+                gbs, ref_gbs = nbytes / t_tri / 1e9, nbytes / t_ref / 1e9
+                print(
+                    f"{kind:>5} {batch:>5} {context:>7} {gbs:>12.0f} "
+                    f"{100 * gbs / args.peak_gbs:>6.1f}% {ref_gbs:>11.0f} {t_ref / t_tri:>7.2f}x",
+                    flush=True,
+                )
+                torch.cuda.empty_cache()
 
 
-def measure(batch: int, context: int, args: argparse.Namespace) -> tuple[float, float, int]:
+def measure(
+    batch: int, context: int, kind: str, args: argparse.Namespace
+) -> tuple[float, float, int]:
     """(Triton seconds, reference seconds, bytes of K/V read) for one decode batch."""
     from lamina.kernels import triton as tri
 
-    q, k, cache, meta, nbytes = decode_case(
-        batch, context, args.hq, args.hkv, args.head_dim, args.block_size, torch.bfloat16
+    q, k, cache, scales, meta, nbytes = decode_case(
+        batch, context, args.hq, args.hkv, args.head_dim, args.block_size, torch.bfloat16, kind
     )
     scale = args.head_dim**-0.5
-    t_tri = time_cuda(lambda: tri.paged_attention(q, k, k, cache, meta, scale))
-    t_ref = time_cuda(lambda: ref.paged_attention(q, k, k, cache, meta, scale))
+    t_tri = time_cuda(lambda: tri.paged_attention(q, k, k, cache, meta, scale, scales))
+    t_ref = time_cuda(lambda: ref.paged_attention(q, k, k, cache, meta, scale, scales))
     return t_tri, t_ref, nbytes
 
 
@@ -138,6 +155,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--engine-requests", type=int, default=64)
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        nargs="+",
+        default=["auto", "fp8", "int8"],
+        choices=kv_quant.KV_CACHE_DTYPES,
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")

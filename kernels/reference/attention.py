@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.reference import kv_quant
+
 _DECODE_GROUPS = 4  # at most this many decode groups per step
 _MIN_GROUP = 8  # ... of at least this many sequences each
 
@@ -51,6 +53,8 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # (num_seqs,) tokens already in the cache
     block_table: torch.Tensor  # (num_seqs, max_blocks)
     max_query_len: int
+    # int8 caches only: the blocks this step writes (see ``kv_quant.block_writes``).
+    block_writes: torch.Tensor | None = None  # (W, 4)
 
     @staticmethod
     def build(
@@ -62,14 +66,20 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         device: torch.device,
         dense: bool = True,
+        with_block_writes: bool = False,
     ) -> AttentionMetadata:
         """Derive the masks and padded indices for one step (decode sequences first).
 
         ``block_table`` is ``(num_seqs, max_blocks)``, each row a sequence's block ids padded
         with any valid id (padding is masked out). ``dense=False`` skips the padded groups
         and masks, which only the reference path reads: kernels that walk block tables
-        themselves need just the flat per-sequence view.
+        themselves need just the flat per-sequence view. ``with_block_writes`` adds the
+        per-block write plan that int8 caches need.
         """
+        writes = None
+        if with_block_writes:
+            writes = kv_quant.block_writes(query_lens, context_lens, block_table, block_size)
+            writes = torch.from_numpy(writes).to(device)
         flat = dict(
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,
@@ -80,6 +90,7 @@ class AttentionMetadata:
             context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
             block_table=torch.from_numpy(block_table).to(device),
             max_query_len=max(query_lens),
+            block_writes=writes,
         )
         if not dense:
             return AttentionMetadata(
@@ -145,22 +156,55 @@ def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+    block_writes: torch.Tensor | None = None,
 ) -> None:
     """Store new keys/values ``(T, Hkv, D)`` at ``slot_mapping`` in ``kv_cache``
-    ``(2, num_blocks, block_size, Hkv, D)``."""
+    ``(2, num_blocks, block_size, Hkv, D)``; quantized if the cache is (see
+    :mod:`~lamina.kernels.reference.kv_quant`: fp8 needs ``kv_scales``, int8 also the
+    step's ``block_writes``)."""
+    kind = kv_quant.quant_kind(kv_cache)
+    if kind == "fp8":
+        kv_quant.write_fp8(k, v, kv_cache, slot_mapping, kv_scales)
+        return
+    if kind == "int8":
+        kv_quant.write_int8(k, v, kv_cache, kv_scales, block_writes)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """``(num_blocks, bs, Hkv, D)`` blocks of ``tables`` ``(B, n)`` → ``(B, Hkv, n * bs, D)``."""
+def _gather(
+    kv_cache: torch.Tensor,
+    which: int,
+    tables: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Keys (``which=0``) or values of blocks ``tables`` ``(B, n)`` → ``(B, Hkv, n * bs, D)``."""
     b, n = tables.shape
-    _, bs, h, d = cache.shape
+    _, _, bs, h, d = kv_cache.shape
+    flat = tables.reshape(-1)
     # index_select copies whole blocks; measured ~3x faster than advanced indexing on CPU.
-    blocks = torch.index_select(cache, 0, tables.reshape(-1))  # (B * n, bs, Hkv, D)
+    blocks = torch.index_select(kv_cache[which], 0, flat)  # (B * n, bs, Hkv, D)
+    if kv_scales is not None:
+        blocks = kv_quant.dequantize_blocks(blocks, which, flat, kv_scales, dtype)
     return blocks.view(b, n * bs, h, d).transpose(1, 2)
+
+
+def _stored(
+    kv_cache: torch.Tensor, which: int, slot_mapping: torch.Tensor, kv_scales: torch.Tensor
+) -> torch.Tensor:
+    """This step's keys or values as the quantized cache holds them, ``(T, Hkv, D)``."""
+    _, _, bs, h, d = kv_cache.shape
+    block_ids = torch.div(slot_mapping, bs, rounding_mode="floor")
+    stored = kv_cache[which].view(-1, h, d)[slot_mapping][:, None]  # (T, 1, Hkv, D)
+    return kv_quant.dequantize_blocks(stored, which, block_ids, kv_scales, torch.float32)[:, 0]
 
 
 def paged_attention(
@@ -170,22 +214,28 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output ``(T, Hq, D)`` for queries ``q`` ``(T, Hq, D)``.
 
     ``k``/``v`` ``(T, Hkv, D)`` are this step's new keys and values, already written to
     ``kv_cache``; a prefill group without cached context attends to them directly instead
-    of gathering them back out of the cache.
+    of gathering them back out of the cache (as the cache holds them, if it is quantized:
+    ``kv_scales`` as for :func:`write_kv_cache`).
     """
     nd = meta.num_decodes
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[-2]
+    dtype = q.dtype
+    if kv_scales is not None and meta.num_prefill_tokens and meta.prefill_block_tables is None:
+        k = _stored(kv_cache, 0, meta.slot_mapping, kv_scales).to(dtype)
+        v = _stored(kv_cache, 1, meta.slot_mapping, kv_scales).to(dtype)
     out = None
     if len(meta.decode_groups) > 1 or (nd and meta.num_prefill_tokens):
         out = q.new_empty(q.shape)
     for group in meta.decode_groups:
-        keys = _gather(kv_cache[0], group.block_tables)  # (B, Hkv, L, D)
-        values = _gather(kv_cache[1], group.block_tables)
+        keys = _gather(kv_cache, 0, group.block_tables, kv_scales, dtype)  # (B, Hkv, L, D)
+        values = _gather(kv_cache, 1, group.block_tables, kv_scales, dtype)
         # The query heads sharing a KV head act as that head's queries: no K/V expansion.
         b = group.end - group.start
         queries = q[group.start : group.end].reshape(b, num_kv_heads, -1, head_dim)
@@ -198,8 +248,8 @@ def paged_attention(
     if meta.num_prefill_tokens:
         qp = q[nd:][meta.prefill_pad_index].transpose(1, 2)  # (S, Hq, Q, D)
         if meta.prefill_block_tables is not None:
-            keys = _gather(kv_cache[0], meta.prefill_block_tables)
-            values = _gather(kv_cache[1], meta.prefill_block_tables)
+            keys = _gather(kv_cache, 0, meta.prefill_block_tables, kv_scales, dtype)
+            values = _gather(kv_cache, 1, meta.prefill_block_tables, kv_scales, dtype)
         else:
             keys = k[nd:][meta.prefill_pad_index].transpose(1, 2)  # (S, Hkv, Q, D)
             values = v[nd:][meta.prefill_pad_index].transpose(1, 2)

@@ -9,7 +9,12 @@ are tiles of one query; prefill chunks with cached context read the cache the sa
 A batch of decodes only, with long contexts, would give too few programs to fill a GPU,
 so it takes the split-K (flash-decoding) path instead: each program covers one slice of a
 sequence's blocks for one KV head's group and writes a partial result with its softmax
-max and sum; a second kernel combines the slices. Not built yet: quantized caches.
+max and sum; a second kernel combines the slices.
+
+Quantized caches (:mod:`lamina.kernels.reference.kv_quant` defines them) are written by
+the same store kernel for fp8 (scale, clamp, cast) and by a per-block kernel for int8
+(rescale the touched block to its new maximum); attention dequantizes each block as it
+loads it, so only the quantized bytes cross memory.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import triton
 import triton.language as tl
 
 from lamina.kernels.reference.attention import AttentionMetadata
+from lamina.kernels.reference.kv_quant import FP8_MAX, INT8_MAX, quant_kind
+
+_QUANT = {None: 0, "fp8": 1, "int8": 2}  # the kernels' QUANT switch
 
 
 @triton.jit
@@ -26,6 +34,7 @@ def _write_kv_kernel(
     k_ptr,
     v_ptr,
     cache_ptr,
+    scales_ptr,
     slots_ptr,
     v_offset,
     stride_kt,
@@ -35,6 +44,7 @@ def _write_kv_kernel(
     num_kv_heads,
     head_dim,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -44,21 +54,167 @@ def _write_kv_kernel(
     dst = (slot * num_kv_heads + head) * head_dim + d
     k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + d, mask=mask)
-    tl.store(cache_ptr + dst, k, mask=mask)
-    tl.store(cache_ptr + v_offset + dst, v, mask=mask)
+    if FP8:  # per-head static scales: keys at [head], values at [num_kv_heads + head]
+        k = k.to(tl.float32) / tl.load(scales_ptr + head)
+        v = v.to(tl.float32) / tl.load(scales_ptr + num_kv_heads + head)
+        k = _round_to_e4m3(tl.clamp(k, -FP8_MAX, FP8_MAX))
+        v = _round_to_e4m3(tl.clamp(v, -FP8_MAX, FP8_MAX))
+    tl.store(cache_ptr + dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + v_offset + dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """``x`` (fp32, within ±448) rounded to the nearest e4m3 value, ties to even, so the
+    cast that follows is exact (the interpreter's own fp32→fp8 cast mis-rounds across
+    powers of two; on GPUs this matches the hardware's rounding)."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)  # subnormals: one step of 2^-9
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    y = x / step
+    r = tl.floor(y + 0.5)
+    r = tl.where(((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0), r - 1.0, r)
+    return tl.where(r == 0.0, x * 0.0, r * step)  # x * 0.0 keeps the sign of zero
+
+
+@triton.jit
+def _write_int8_block(
+    x_ptr,
+    stride_xt,
+    stride_xh,
+    cache_ptr,
+    scale_ptr,
+    block,
+    start,
+    count,
+    token0,
+    head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One block's keys or values for one head: what it holds plus the new tokens,
+    requantized to the block's new maximum."""
+    r = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, D_PAD)
+    d_valid = d < HEAD_DIM
+    held = r < start
+    new = (r >= start) & (r < start + count)
+    off = ((block * BLOCK_SIZE + r)[:, None] * NUM_KV_HEADS + head) * HEAD_DIM + d[None, :]
+    old_scale = tl.load(scale_ptr)
+    old = tl.load(cache_ptr + off, mask=held[:, None] & d_valid[None, :], other=0)
+    x = tl.load(
+        x_ptr + (token0 + r - start)[:, None] * stride_xt + head * stride_xh + d[None, :],
+        mask=new[:, None] & d_valid[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    x = tl.where(held[:, None], old.to(tl.float32) * old_scale, x)
+    scale = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-8) / INT8_MAX
+    stored = tl.clamp(tl.floor(x / scale + 0.5), -INT8_MAX, INT8_MAX)
+    stored = tl.where((held | new)[:, None], stored, 0.0)  # rows past the tokens: zero
+    tl.store(cache_ptr + off, stored.to(tl.int8), mask=d_valid[None, :])
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _write_kv_int8_kernel(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    scales_ptr,
+    writes_ptr,
+    v_offset,
+    scale_v_offset,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # One program per (touched block, KV head); a block is written by one sequence only.
+    w = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.load(writes_ptr + w * 4)
+    start = tl.load(writes_ptr + w * 4 + 1)
+    count = tl.load(writes_ptr + w * 4 + 2)
+    token0 = tl.load(writes_ptr + w * 4 + 3)
+    scale_off = block * NUM_KV_HEADS + head
+    _write_int8_block(
+        k_ptr,
+        stride_kt,
+        stride_kh,
+        cache_ptr,
+        scales_ptr + scale_off,
+        block,
+        start,
+        count,
+        token0,
+        head,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        D_PAD,
+        BLOCK_SIZE,
+    )
+    _write_int8_block(
+        v_ptr,
+        stride_vt,
+        stride_vh,
+        cache_ptr + v_offset,
+        scales_ptr + scale_v_offset + scale_off,
+        block,
+        start,
+        count,
+        token0,
+        head,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        D_PAD,
+        BLOCK_SIZE,
+    )
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+    block_writes: torch.Tensor | None = None,
 ) -> None:
     """See :func:`lamina.kernels.reference.write_kv_cache` (``k``/``v`` may be strided views
     with a contiguous head dimension)."""
     t, h, d = k.shape
     assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.is_contiguous()
+    kind = quant_kind(kv_cache)
+    if kind == "int8":
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        _write_kv_int8_kernel[(block_writes.shape[0], h)](
+            k,
+            v,
+            kv_cache,
+            kv_scales,
+            block_writes,
+            kv_cache[0].numel(),
+            num_blocks * h,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            NUM_KV_HEADS=h,
+            HEAD_DIM=d,
+            D_PAD=triton.next_power_of_2(d),
+            BLOCK_SIZE=block_size,
+        )
+        return
     _write_kv_kernel[(t, h)](
         k,
         v,
         kv_cache,
+        kv_scales if kind == "fp8" else slot_mapping,  # unread unless FP8
         slot_mapping,
         kv_cache[0].numel(),
         k.stride(0),
@@ -68,19 +224,75 @@ def write_kv_cache(
         h,
         d,
         BLOCK_D=triton.next_power_of_2(d),
+        FP8=kind == "fp8",
     )
+
+
+@triton.jit
+def _attend_block(
+    q,
+    q_pos,
+    m_i,
+    l_i,
+    acc,
+    j,
+    seq,
+    block_table_ptr,
+    stride_bt,
+    cache_ptr,
+    scales_ptr,
+    v_offset,
+    scale_v_offset,
+    kv_head,
+    scale,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    """Fold the sequence's ``j``-th cache block into the online softmax of the query rows
+    ``q`` (at positions ``q_pos``): load its keys and values for ``kv_head`` (dequantized
+    with the head's scales for fp8, the block's for int8), mask keys after each row's
+    position, return the updated running max, sum and output."""
+    t = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, D_PAD)
+    d_valid = d < HEAD_DIM
+    block = tl.load(block_table_ptr + seq * stride_bt + j)
+    kv_off = ((block * BLOCK_SIZE + t)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
+    k = tl.load(cache_ptr + kv_off, mask=d_valid[None, :], other=0.0)  # (BS, D_PAD)
+    v = tl.load(cache_ptr + v_offset + kv_off, mask=d_valid[None, :], other=0.0)
+    if QUANT == 1:
+        k = k.to(tl.float32) * tl.load(scales_ptr + kv_head)
+        v = v.to(tl.float32) * tl.load(scales_ptr + scale_v_offset + kv_head)
+    elif QUANT == 2:
+        at = block * NUM_KV_HEADS + kv_head
+        k = k.to(tl.float32) * tl.load(scales_ptr + at)
+        v = v.to(tl.float32) * tl.load(scales_ptr + scale_v_offset + at)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+    s = tl.where((j * BLOCK_SIZE + t)[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr,
     cache_ptr,
+    scales_ptr,
     out_ptr,
     block_table_ptr,
     query_start_ptr,
     context_len_ptr,
     scale,
     v_offset,
+    scale_v_offset,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -91,6 +303,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -119,23 +332,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP, D_PAD], dtype=tl.float32)
     last_pos = context + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
-    t = tl.arange(0, BLOCK_SIZE)
     for j in range(0, tl.cdiv(last_pos + 1, BLOCK_SIZE)):
-        block = tl.load(block_table_ptr + seq * stride_bt + j)
-        kv_off = ((block * BLOCK_SIZE + t)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[
-            None, :
-        ]
-        k = tl.load(cache_ptr + kv_off, mask=d_valid[None, :], other=0.0)  # (BS, D)
-        v = tl.load(cache_ptr + v_offset + kv_off, mask=d_valid[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
-        key_pos = j * BLOCK_SIZE + t
-        s = tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, q_pos, m_i, l_i, acc, j, seq, block_table_ptr, stride_bt, cache_ptr,
+            scales_ptr, v_offset, scale_v_offset, kv_head, scale,
+            NUM_KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, QUANT,
+        )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -148,6 +350,7 @@ def _paged_attention_kernel(
 def _decode_split_kernel(
     q_ptr,
     cache_ptr,
+    scales_ptr,
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
@@ -155,6 +358,7 @@ def _decode_split_kernel(
     context_len_ptr,
     scale,
     v_offset,
+    scale_v_offset,
     stride_qt,
     stride_qh,
     stride_bt,
@@ -166,6 +370,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -184,24 +389,15 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    t = tl.arange(0, BLOCK_SIZE)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(context + 1, BLOCK_SIZE))
+    q_pos = context + tl.zeros([G_PAD], dtype=tl.int64)  # every row: the query at ``context``
     for j in range(first, last):
-        block = tl.load(block_table_ptr + seq * stride_bt + j)
-        kv_off = ((block * BLOCK_SIZE + t)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[
-            None, :
-        ]
-        k = tl.load(cache_ptr + kv_off, mask=d_valid[None, :], other=0.0)
-        v = tl.load(cache_ptr + v_offset + kv_off, mask=d_valid[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
-        s = tl.where((j * BLOCK_SIZE + t)[None, :] <= context, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, q_pos, m_i, l_i, acc, j, seq, block_table_ptr, stride_bt, cache_ptr,
+            scales_ptr, v_offset, scale_v_offset, kv_head, scale,
+            NUM_KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, QUANT,
+        )  # fmt: skip
     # One partial per (sequence, head, split): normalised output, its max and its sum.
     part = (seq * NUM_KV_HEADS * GROUP + head) * num_splits + split
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -245,6 +441,14 @@ def _decode_reduce_kernel(
     )
 
 
+def _quant_args(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple:
+    """(scales tensor, offset of the values' scales in it, QUANT) for the attention kernels."""
+    kind = quant_kind(kv_cache)
+    if kind is None:
+        return kv_cache, 0, 0  # the scales pointer is never read
+    return kv_scales, kv_scales[0].numel(), _QUANT[kind]
+
+
 def _split_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -252,6 +456,7 @@ def _split_decode(
     scale: float,
     num_splits: int,
     out: torch.Tensor,
+    kv_scales: torch.Tensor | None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -262,9 +467,11 @@ def _split_decode(
     part_out = torch.empty(parts, d_pad, dtype=torch.float32, device=q.device)
     part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
+    scales, scale_v_offset, quant = _quant_args(kv_cache, kv_scales)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         kv_cache,
+        scales,
         part_out,
         part_max,
         part_sum,
@@ -272,6 +479,7 @@ def _split_decode(
         meta.context_lens,
         scale,
         kv_cache[0].numel(),
+        scale_v_offset,
         q.stride(0),
         q.stride(1),
         meta.block_table.stride(0),
@@ -283,6 +491,7 @@ def _split_decode(
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
+        QUANT=quant,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out,
@@ -321,6 +530,7 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """See :func:`lamina.kernels.reference.paged_attention`; reads everything (this step's
@@ -335,19 +545,22 @@ def paged_attention(
         if num_splits is None:
             num_splits = decode_splits(num_tokens, num_kv_heads, meta.block_table.shape[1])
         if num_splits > 1:
-            return _split_decode(q, kv_cache, meta, scale, num_splits, out)
+            return _split_decode(q, kv_cache, meta, scale, num_splits, out, kv_scales)
     block_q = max(1, 16 // group)  # at least 16 rows per tile, as tl.dot needs on GPUs
     num_seqs = meta.context_lens.shape[0]
     grid = (num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
+    scales, scale_v_offset, quant = _quant_args(kv_cache, kv_scales)
     _paged_attention_kernel[grid](
         q,
         kv_cache,
+        scales,
         out,
         meta.block_table,
         meta.query_start_loc,
         meta.context_lens,
         scale,
         kv_cache[0].numel(),
+        scale_v_offset,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -359,5 +572,6 @@ def paged_attention(
         D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
+        QUANT=quant,
     )
     return out

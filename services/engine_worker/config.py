@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from lamina.kernels.reference.kv_quant import KV_CACHE_DTYPES
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +27,10 @@ class EngineConfig:
     """Memory budget for the KV pool; the number of blocks is derived from it. ``None``:
     256 MiB on CPU; on CUDA, what is free after loading the weights, less the headroom
     that ``gpu_memory_utilization`` leaves for activations."""
+    kv_cache_dtype: str = "auto"
+    """KV cache storage: ``auto`` (the model's dtype), ``fp8`` (e4m3 with the checkpoint's
+    per-tensor or per-head ``k_scale``/``v_scale``, else 1.0) or ``int8`` (a scale per
+    block and KV head). Quantized caches hold 2-4x the tokens in the same memory."""
     gpu_memory_utilization: float = 0.9
     """On CUDA with no explicit budget: the fraction of device memory the engine may use."""
     num_kv_blocks: int | None = None
@@ -53,6 +59,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype ({self.kv_cache_dtype!r}) must be one of "
+                + ", ".join(KV_CACHE_DTYPES)
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype ({self.dtype!r}) must be auto, float32, bfloat16 or float16")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

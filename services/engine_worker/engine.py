@@ -92,7 +92,7 @@ class Engine:
             )
         bs = config.block_size
         num_blocks = config.num_kv_blocks or config.kv_budget_bytes(self.device) // (
-            kv_block_bytes(model, bs)
+            kv_block_bytes(model, bs, config.kv_cache_dtype)
         )
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
@@ -107,7 +107,7 @@ class Engine:
             config.max_num_seqs,
             config.enable_chunked_prefill,
         )
-        self.runner = ModelRunner(model, num_blocks, bs, self.device)
+        self.runner = ModelRunner(model, num_blocks, bs, self.device, config.kv_cache_dtype)
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, config.seed, self.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()

@@ -63,5 +63,20 @@ class CheckpointTensors:
             )
         return tensor.to(dtype)
 
+    def take_per_head(self, name: str, num_heads: int) -> torch.Tensor:
+        """Remove and return ``name``, a scalar or one value per head, as ``(num_heads,)``
+        float32 (a scalar is repeated: per-tensor scales such as fp8 ``k_scale``)."""
+        if name not in self._tensors:
+            raise ModelLoadError(f"{self.path}: tensor {name}", "missing from the checkpoint")
+        tensor = self._tensors.pop(name).to(torch.float32)
+        if tensor.numel() == 1:
+            return tensor.reshape(1).expand(num_heads).clone()
+        if tuple(tensor.shape) != (num_heads,):
+            raise ModelLoadError(
+                f"{self._source[name]}: tensor {name}",
+                f"shape {tuple(tensor.shape)}: expected a scalar or ({num_heads},)",
+            )
+        return tensor
+
     def remaining(self) -> list[str]:
         return sorted(self._tensors)

@@ -112,6 +112,11 @@ class CausalLM:
                     down_bias=rank0_bias(mlp + "down_proj.bias", h) if c.mlp_bias else None,
                 )
             )
+        self.checkpoint_kv_scales = [
+            self._kv_scales(weights, f"model.layers.{n}.self_attn.", c.num_kv_heads, tp, device)
+            for n in range(c.num_layers)
+        ]
+        """Per layer, the checkpoint's fp8 KV scales ``(2, local Hkv)`` or None."""
         self.norm = take("model.norm.weight", h)
         if c.tie_word_embeddings:
             self.lm_head = self.embed
@@ -131,6 +136,22 @@ class CausalLM:
         k_norm = take(prefix + "k_norm.weight", c.head_dim)
         return torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
 
+    @staticmethod
+    def _kv_scales(
+        weights: CheckpointTensors,
+        prefix: str,
+        num_kv_heads: int,
+        tp: TensorParallel,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """``k_scale``/``v_scale`` (vLLM's names for fp8 KV scales), per tensor or per KV
+        head, as ``(2, this rank's KV heads)``; None when the checkpoint has none."""
+        names = (prefix + "k_scale", prefix + "v_scale")
+        if not all(name in weights for name in names):
+            return None
+        scales = torch.stack([weights.take_per_head(name, num_kv_heads) for name in names])
+        return tp.shard(scales, 1).to(device)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -139,6 +160,7 @@ class CausalLM:
         attn: AttentionMetadata,
         kv_caches: list[torch.Tensor],  # per layer (2, num_blocks, block_size, Hkv, D)
         logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
+        kv_scales: list[torch.Tensor | None] | None = None,  # per layer, quantized caches
     ) -> torch.Tensor:
         """Logits ``(S, vocab)`` in fp32 for the tokens at ``logits_indices``."""
         c = self.local  # this rank's heads and MLP width
@@ -150,7 +172,8 @@ class CausalLM:
         heads = c.num_heads + c.num_kv_heads
         ops = self.ops
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        scales = kv_scales or [None] * len(kv_caches)
+        for layer, kv_cache, kv_scale in zip(self.layers, kv_caches, scales, strict=True):
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
             v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -159,8 +182,8 @@ class CausalLM:
                 qk, _ = ops.rms_norm(qk, layer.qk_norm, eps)
             qk = ops.apply_rotary(qk, cos, sin)  # queries and keys in one call
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            ops.write_kv_cache(k, v, kv_cache, attn.slot_mapping)
-            o = ops.paged_attention(q, k, v, kv_cache, attn, self.scale)  # (T, Hq, D)
+            ops.write_kv_cache(k, v, kv_cache, attn.slot_mapping, kv_scale, attn.block_writes)
+            o = ops.paged_attention(q, k, v, kv_cache, attn, self.scale, kv_scale)  # (T, Hq, D)
             hidden = tp.all_reduce(
                 F.linear(o.view(num_tokens, c.q_size), layer.o_weight, layer.o_bias)
             )

@@ -5,32 +5,53 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lamina.kernels.reference import AttentionMetadata
+from lamina.kernels.reference import AttentionMetadata, kv_quant
 from lamina.services.engine_worker.model import CausalLM
 from lamina.services.engine_worker.scheduler import ScheduledBatch
 
 
-def kv_block_bytes(model: CausalLM, block_size: int) -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
+def kv_block_bytes(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one KV block takes across all layers (keys and values, and int8's scales)."""
     c = model.local
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * itemsize
+    dtype = kv_quant.cache_torch_dtype(kv_cache_dtype, model.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * c.num_kv_heads * c.head_dim * itemsize
+    if kv_cache_dtype == "int8":
+        per_layer += 2 * c.num_kv_heads * 4  # one fp32 scale per block, KV head, K and V
+    return c.num_layers * per_layer
 
 
 class ModelRunner:
     """Runs one flattened step of the model over the paged KV pool."""
 
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         c = model.local  # this rank's KV heads
         shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        dtype = kv_quant.cache_torch_dtype(kv_cache_dtype, model.dtype)
         self.kv_caches = [
-            torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(c.num_layers)
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)
         ]
+        kind = kv_quant.quant_kind(self.kv_caches[0])
+        self.kv_scales: list[torch.Tensor | None] = [
+            kv_quant.new_scales(kind, num_blocks, c.num_kv_heads, device)
+            for _ in range(c.num_layers)
+        ]
+        """Per layer: fp8 ``(2, Hkv)`` static scales, int8 ``(2, num_blocks, Hkv)``."""
+        if kind == "fp8":
+            for layer, scales in enumerate(model.checkpoint_kv_scales):
+                if scales is not None:
+                    self.kv_scales[layer].copy_(scales)
+        self._block_writes = kind == "int8"
 
     def execute(self, batch: ScheduledBatch, sample_all_chunks: bool = False) -> torch.Tensor:
         """Logits ``(S, vocab)`` for each request of ``batch`` that finishes its tokens this
@@ -71,6 +92,7 @@ class ModelRunner:
             slot_mapping,
             dev,
             dense=self.model.ops.backend == "reference",
+            with_block_writes=self._block_writes,
         )
         return self.model.forward(
             torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -78,4 +100,5 @@ class ModelRunner:
             meta,
             self.kv_caches,
             torch.from_numpy(sampled).to(dev),
+            self.kv_scales,
         )

@@ -49,6 +49,7 @@ class WorkerConfig:
     kv_cache_memory_mb: int = option(
         0, "KV pool memory budget in MiB (0: 256 on CPU; on CUDA, free memory after weights)"
     )
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto (model dtype), fp8 or int8")
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use")
     max_num_batched_tokens: int = option(2048, "token budget of one engine step")
     max_num_seqs: int = option(128, "most sequences in one step")
@@ -64,6 +65,7 @@ class WorkerConfig:
             device=self.device,
             block_size=self.block_size,
             kv_cache_memory_bytes=(self.kv_cache_memory_mb << 20) or None,
+            kv_cache_dtype=self.kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,

@@ -63,17 +63,6 @@ class SchedulerService:
         now = time.monotonic()
         self.registry.forget_dead(now)
         decision = place(request, self.registry.live(now))
-        await self.bus.publish(
-            subjects.EVENTS_PLACEMENT,
-            PlacementRecord(
-                request_id=request.request_id,
-                worker_id=decision.worker_id,
-                reason=decision.reason,
-                candidates=decision.candidates,
-                score=decision.score,
-                attempt=request.attempt,
-            ),
-        )
         if decision.worker_id is None:
             await self.bus.publish(
                 msg.reply,
@@ -84,13 +73,25 @@ class SchedulerService:
                     retryable=decision.retryable,
                 ),
             )
-            return
-        entry = self.registry.workers[decision.worker_id]
-        entry.pending += 1
-        entry.pending_tokens += len(request.prompt_token_ids)
-        forwarded = msgspec.structs.replace(request, worker_id=decision.worker_id)
+        else:
+            entry = self.registry.workers[decision.worker_id]
+            entry.pending += 1
+            entry.pending_tokens += len(request.prompt_token_ids)
+            forwarded = msgspec.structs.replace(request, worker_id=decision.worker_id)
+            await self.bus.publish(
+                subjects.worker_generate(decision.worker_id), forwarded, reply=msg.reply
+            )
+        # The record is for telemetry: off the request's critical path, after forwarding.
         await self.bus.publish(
-            subjects.worker_generate(decision.worker_id), forwarded, reply=msg.reply
+            subjects.EVENTS_PLACEMENT,
+            PlacementRecord(
+                request_id=request.request_id,
+                worker_id=decision.worker_id,
+                reason=decision.reason,
+                candidates=decision.candidates,
+                score=decision.score,
+                attempt=request.attempt,
+            ),
         )
 
     async def _on_status(self, _: ClusterStatusRequest, msg: Msg) -> None:
