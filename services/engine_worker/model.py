@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.dispatch import load_ops
+from lamina.kernels.linear import Linear, linear_factory
 from lamina.kernels.reference import AttentionMetadata, rotary_cos_sin, rotary_for_positions
 from lamina.services.engine_worker.loader import CheckpointTensors
 from lamina.services.engine_worker.model_config import ModelConfig
@@ -24,16 +25,12 @@ from lamina.services.engine_worker.parallel import SINGLE, TensorParallel
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor  # (q_size + 2 * kv_size, hidden)
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # hidden -> q_size + 2 * kv_size
     qk_norm: torch.Tensor | None  # (Hq + Hkv, head_dim): Qwen3's q_norm/k_norm per head
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: Linear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # (2 * intermediate, hidden)
-    gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
 
 
 class CausalLM:
@@ -70,6 +67,8 @@ class CausalLM:
             bias = take(name, *shape)  # added once, before the all-reduce sums the ranks
             return bias if tp.rank == 0 else None
 
+        linear = linear_factory(device, dtype)
+
         self.embed = take("model.embed_tokens.weight", c.vocab_size, h)
         self.layers: list[Layer] = []
         for n in range(c.num_layers):
@@ -92,24 +91,35 @@ class CausalLM:
             self.layers.append(
                 Layer(
                     input_norm=take(p + "input_layernorm.weight", h),
-                    qkv_weight=torch.cat(
-                        [
-                            rows(attn + "q_proj.weight", c.q_size, h),
-                            rows(attn + "k_proj.weight", c.kv_size, h),
-                            rows(attn + "v_proj.weight", c.kv_size, h),
-                        ]
+                    qkv=linear(
+                        torch.cat(
+                            [
+                                rows(attn + "q_proj.weight", c.q_size, h),
+                                rows(attn + "k_proj.weight", c.kv_size, h),
+                                rows(attn + "v_proj.weight", c.kv_size, h),
+                            ]
+                        ),
+                        qkv_bias,
                     ),
-                    qkv_bias=qkv_bias,
                     qk_norm=self._qk_norm(self.local, take, attn) if c.qk_norm else None,
-                    o_weight=cols(attn + "o_proj.weight", h, c.q_size),
-                    o_bias=rank0_bias(attn + "o_proj.bias", h) if c.o_bias else None,
-                    post_norm=take(p + "post_attention_layernorm.weight", h),
-                    gate_up_weight=torch.cat(
-                        [rows(mlp + "gate_proj.weight", i, h), rows(mlp + "up_proj.weight", i, h)]
+                    o=linear(
+                        cols(attn + "o_proj.weight", h, c.q_size),
+                        rank0_bias(attn + "o_proj.bias", h) if c.o_bias else None,
                     ),
-                    gate_up_bias=gate_up_bias,
-                    down_weight=cols(mlp + "down_proj.weight", h, i),
-                    down_bias=rank0_bias(mlp + "down_proj.bias", h) if c.mlp_bias else None,
+                    post_norm=take(p + "post_attention_layernorm.weight", h),
+                    gate_up=linear(
+                        torch.cat(
+                            [
+                                rows(mlp + "gate_proj.weight", i, h),
+                                rows(mlp + "up_proj.weight", i, h),
+                            ]
+                        ),
+                        gate_up_bias,
+                    ),
+                    down=linear(
+                        cols(mlp + "down_proj.weight", h, i),
+                        rank0_bias(mlp + "down_proj.bias", h) if c.mlp_bias else None,
+                    ),
                 )
             )
         self.checkpoint_kv_scales = [
@@ -118,10 +128,8 @@ class CausalLM:
         ]
         """Per layer, the checkpoint's fp8 KV scales ``(2, local Hkv)`` or None."""
         self.norm = take("model.norm.weight", h)
-        if c.tie_word_embeddings:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = take("lm_head.weight", c.vocab_size, h)
+        tied = c.tie_word_embeddings
+        self.lm_head = linear(self.embed if tied else take("lm_head.weight", c.vocab_size, h), None)
         self.cos, self.sin = rotary_cos_sin(
             d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
         )
@@ -175,7 +183,7 @@ class CausalLM:
         scales = kv_scales or [None] * len(kv_caches)
         for layer, kv_cache, kv_scale in zip(self.layers, kv_caches, scales, strict=True):
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv(x)
             v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
             qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, heads, c.head_dim)
             if layer.qk_norm is not None:
@@ -184,13 +192,8 @@ class CausalLM:
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             ops.write_kv_cache(k, v, kv_cache, attn.slot_mapping, kv_scale, attn.block_writes)
             o = ops.paged_attention(q, k, v, kv_cache, attn, self.scale, kv_scale)  # (T, Hq, D)
-            hidden = tp.all_reduce(
-                F.linear(o.view(num_tokens, c.q_size), layer.o_weight, layer.o_bias)
-            )
+            hidden = tp.all_reduce(layer.o(o.view(num_tokens, c.q_size)))
             x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
-            hidden = tp.all_reduce(
-                F.linear(ops.silu_and_mul(gate_up), layer.down_weight, layer.down_bias)
-            )
+            hidden = tp.all_reduce(layer.down(ops.silu_and_mul(layer.gate_up(x))))
         hidden, _ = ops.rms_norm(hidden[logits_indices], self.norm, eps, residual[logits_indices])
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

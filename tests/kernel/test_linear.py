@@ -1,0 +1,34 @@
+"""Linear layers: oneDNN's packed matmul against ``F.linear``, and which one runs where."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lamina.kernels.linear import OneDnnLinear, TorchLinear, linear_factory
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 700])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_linear_matches_f_linear(rows, with_bias):
+    if linear_factory(CPU, torch.float32) is not OneDnnLinear:
+        pytest.skip("no oneDNN in this torch build")
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 80), torch.randn(rows, 80)
+    bias = torch.randn(96) if with_bias else None
+    got = OneDnnLinear(weight, bias)(x)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_onednn_only_for_fp32_on_cpu_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("LAMINA_CPU_LINEAR", raising=False)
+    assert linear_factory(CPU, torch.bfloat16) is TorchLinear
+    assert linear_factory(torch.device("cuda"), torch.float32) is TorchLinear
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "torch")
+    assert linear_factory(CPU, torch.float32) is TorchLinear
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "mkl")
+    with pytest.raises(ValueError, match="LAMINA_CPU_LINEAR"):
+        linear_factory(CPU, torch.float32)
