@@ -137,3 +137,11 @@ def test_llama3_scaling_keeps_high_and_divides_low_frequencies():
 def test_silu_and_mul():
     x = torch.randn(3, 10)
     torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_rms_norm_fp32_fast_path_matches_the_explicit_formula(rows):
+    x, res, w = torch.randn(rows, 512), torch.randn(rows, 512), torch.randn(512)
+    s = x + res
+    want = w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(rms_norm(x, w, 1e-5, res)[0], want, atol=1e-6, rtol=1e-6)
