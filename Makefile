@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint format bench clean
+.PHONY: install up test lint format bench gpu-wheels clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ format: install
 
 bench: install
 	$(PY) benchmarks/engine_vs_hf.py
+
+## gpu-wheels: what benchmarks/gpu_check.sh carries to a GPU machine that lacks it.
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_17_x86_64 -d .whl "msgspec==0.23.0"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

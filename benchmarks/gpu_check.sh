@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 4's GPU checks as one script for a lent H200 (device tool), within a few minutes:
+# the kernel tests natively on CUDA, the engine's greedy equality across backends, then
+# benchmarks/kernels.py. Everything it prints lands in $OUT.
+#
+# Prepare here (the device has torch, triton, numpy, safetensors, tokenizers, jinja2 but
+# no msgspec, and no network):   make gpu-wheels
+# Then run with the device tool:  command "bash benchmarks/gpu_check.sh", carry [".whl"],
+#                                 timeout_s 540.
+set -uo pipefail
+OUT=${OUT:-/tmp/lamina-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+# The repository's folders as the ``lamina`` package, without installing it (setup.py maps
+# them the same way), plus the carried wheels.
+pkg=$(mktemp -d)
+mkdir "$pkg/lamina" && touch "$pkg/lamina/__init__.py"
+for d in services libs kernels schemas; do ln -s "$PWD/$d" "$pkg/lamina/$d"; done
+python3 -m pip install -q --no-index --no-deps --target "$pkg" .whl/*.whl || exit 1
+export PYTHONPATH="$pkg:$PWD"
+
+{ nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
+    > "$OUT/machine.txt" 2>&1
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernel 2>&1 | tee "$OUT/kernel-tests.log"
+timeout 240 python3 benchmarks/kernels.py --peak-gbs 4800 --contexts 1024 8192 32768 \
+    2>&1 | tee "$OUT/kernels-bench.log"
