@@ -108,7 +108,16 @@ class WorkerService:
         ]
         self.state = "ready"
         await self._publish_stats()
-        log.info("worker %s ready: model %s on %s", wid, self.model_name, cfg.device)
+        blocks = engine.blocks  # fixed at construction: safe to read from this thread
+        log.info(
+            "worker %s ready: model %s on %s; KV pool %d blocks of %d tokens (%s cache)",
+            wid,
+            self.model_name,
+            cfg.device,
+            blocks.num_blocks,
+            blocks.block_size,
+            cfg.kv_cache_dtype,
+        )
 
     # ---------------------------------------------------------------------------- handlers
     async def _on_generate(self, request: GenerateRequest, msg: Msg) -> None:
