@@ -198,13 +198,17 @@ def _gather(
 
 
 def _stored(
-    kv_cache: torch.Tensor, which: int, slot_mapping: torch.Tensor, kv_scales: torch.Tensor
+    kv_cache: torch.Tensor,
+    which: int,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """This step's keys or values as the quantized cache holds them, ``(T, Hkv, D)``."""
     _, _, bs, h, d = kv_cache.shape
     block_ids = torch.div(slot_mapping, bs, rounding_mode="floor")
     stored = kv_cache[which].view(-1, h, d)[slot_mapping][:, None]  # (T, 1, Hkv, D)
-    return kv_quant.dequantize_blocks(stored, which, block_ids, kv_scales, torch.float32)[:, 0]
+    return kv_quant.dequantize_blocks(stored, which, block_ids, kv_scales, dtype)[:, 0]
 
 
 def paged_attention(
@@ -228,8 +232,8 @@ def paged_attention(
     num_kv_heads = kv_cache.shape[-2]
     dtype = q.dtype
     if kv_scales is not None and meta.num_prefill_tokens and meta.prefill_block_tables is None:
-        k = _stored(kv_cache, 0, meta.slot_mapping, kv_scales).to(dtype)
-        v = _stored(kv_cache, 1, meta.slot_mapping, kv_scales).to(dtype)
+        k = _stored(kv_cache, 0, meta.slot_mapping, kv_scales, dtype)
+        v = _stored(kv_cache, 1, meta.slot_mapping, kv_scales, dtype)
     out = None
     if len(meta.decode_groups) > 1 or (nd and meta.num_prefill_tokens):
         out = q.new_empty(q.shape)

@@ -23,10 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.reference import kv_quant
 from lamina.kernels.reference.attention import AttentionMetadata
-from lamina.kernels.reference.kv_quant import FP8_MAX, INT8_MAX, quant_kind
 
 _QUANT = {None: 0, "fp8": 1, "int8": 2}  # the kernels' QUANT switch
+# Globals a kernel reads must be constexpr (GPU compilation refuses plain floats).
+FP8_MAX = tl.constexpr(kv_quant.FP8_MAX)
+INT8_MAX = tl.constexpr(kv_quant.INT8_MAX)
 
 
 @triton.jit
@@ -189,7 +192,7 @@ def write_kv_cache(
     with a contiguous head dimension)."""
     t, h, d = k.shape
     assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.is_contiguous()
-    kind = quant_kind(kv_cache)
+    kind = kv_quant.quant_kind(kv_cache)
     if kind == "int8":
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         _write_kv_int8_kernel[(block_writes.shape[0], h)](
@@ -443,7 +446,7 @@ def _decode_reduce_kernel(
 
 def _quant_args(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple:
     """(scales tensor, offset of the values' scales in it, QUANT) for the attention kernels."""
-    kind = quant_kind(kv_cache)
+    kind = kv_quant.quant_kind(kv_cache)
     if kind is None:
         return kv_cache, 0, 0  # the scales pointer is never read
     return kv_scales, kv_scales[0].numel(), _QUANT[kind]

@@ -1,0 +1,92 @@
+"""Compile every Triton kernel for the H100/H200 (sm_90) down to a cubin, without a GPU:
+Triton's NVIDIA backend (with its bundled ptxas) runs on any x86 machine.
+
+Run as a script (``python -m tests.kernel.sm90_compile``) in a process *without*
+``TRITON_INTERPRET``: under the interpreter ``@triton.jit`` yields interpreted functions,
+which cannot be compiled. Prints ``ok <case>`` per case; exits non-zero on the first that
+fails. Signatures are those the engine launches with on bf16 models, for each KV cache
+dtype."""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lamina.kernels.triton import activation, attention, norm, rotary
+
+SM90 = GPUTarget("cuda", 90, 32)
+FLOAT_ARGS = {"scale", "eps"}
+CACHE = {0: "bf16", 1: "fp8e4nv", 2: "i8"}  # by the kernels' QUANT switch
+INDEX = {"block_table_ptr", "query_start_ptr", "context_len_ptr", "slots_ptr", "writes_ptr"}
+PARTIALS = {"part_out_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32"}
+
+
+def compile_sm90(kernel, constexprs: dict, pointers: dict[str, str] | None = None) -> None:
+    """Compile ``kernel`` for sm_90: pointers are bf16 unless named in ``pointers`` (index
+    arrays int64), scalars int32 (``scale``/``eps`` fp32)."""
+    pointers = pointers or {}
+    signature = {}
+    for param in kernel.params:
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + pointers.get(name, "i64" if name in INDEX else "bf16")
+        else:
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=SM90)
+    assert compiled.asm["cubin"], kernel
+
+
+def cases():
+    """(name, kernel, constexprs, pointer types) for every kernel and configuration."""
+    for residual in (False, True):
+        yield (
+            f"rms_norm residual={residual}",
+            norm._rms_norm_kernel,
+            {
+                "HAS_RESIDUAL": residual,
+                "BLOCK": 4096,
+            },
+            {},
+        )
+    yield "rotary", rotary._rotary_kernel, {"BLOCK": 64}, {}
+    yield "silu_and_mul", activation._silu_and_mul_kernel, {"BLOCK": 1024}, {}
+    for quant, cache_type in CACHE.items():
+        cache = {"cache_ptr": cache_type, "scales_ptr": "fp32"}
+        if quant == 2:
+            shape = {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16}
+            yield "write_kv int8", attention._write_kv_int8_kernel, shape, cache
+        else:
+            flags = {"BLOCK_D": 128, "FP8": quant == 1}
+            yield f"write_kv {cache_type}", attention._write_kv_kernel, flags, cache
+        for group, head_dim in ((4, 128), (8, 80)):
+            d_pad = triton.next_power_of_2(head_dim)
+            shape = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim, "D_PAD": d_pad}
+            shape |= {"BLOCK_SIZE": 16, "QUANT": quant}
+            tag = f"{cache_type} group={group} head_dim={head_dim}"
+            yield (
+                f"paged_attention {tag}",
+                attention._paged_attention_kernel,
+                shape | {"BLOCK_Q": 16 // group},
+                cache,
+            )
+            yield (
+                f"decode_split {tag}",
+                attention._decode_split_kernel,
+                shape | {"G_PAD": 16},
+                cache | PARTIALS,
+            )
+    reduce = {"NUM_HEADS": 32, "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16}
+    yield "decode_reduce", attention._decode_reduce_kernel, reduce, PARTIALS
+
+
+def main() -> None:
+    for name, kernel, constexprs, pointers in cases():
+        compile_sm90(kernel, constexprs, pointers)
+        print("ok", name, flush=True)
+
+
+if __name__ == "__main__":
+    main()
