@@ -217,7 +217,7 @@ def write_kv_cache(
         k,
         v,
         kv_cache,
-        kv_scales if kind == "fp8" else slot_mapping,  # unread unless FP8
+        _quant_args(kv_cache, kv_scales)[0],  # the scales, or a placeholder never read
         slot_mapping,
         kv_cache[0].numel(),
         k.stride(0),

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lamina.kernels import reference as ref
-from lamina.kernels.reference import AttentionMetadata, kv_quant
+from lamina.kernels.reference import kv_quant
+from tests.kernel.layout import metadata, paged_layout
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BS = 16
@@ -36,29 +37,12 @@ def test_block_writes_lists_each_touched_block_in_batch_order():
 
 
 def _layout(num_blocks: int, seed: int = 0):
-    """Random block tables and slots for SEQS, and a full-block write plan for the pool."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, slots = [], []
-    for ctx, n in SEQS:
-        tables.append([perm.pop() for _ in range(-(-(ctx + n) // BS))])
-        slots += [tables[-1][p // BS] * BS + p % BS for p in range(ctx, ctx + n)]
-    width = max(len(t) for t in tables)
-    table = np.array([t + [0] * (width - len(t)) for t in tables])
-    return table, torch.tensor(slots)
+    """Random block tables and slots for SEQS."""
+    return paged_layout(SEQS, num_blocks, BS, torch.Generator().manual_seed(seed))
 
 
 def _meta(table, slots, device, seqs=SEQS):
-    return AttentionMetadata.build(
-        [n for _, n in seqs],
-        [c for c, _ in seqs],
-        table,
-        sum(1 for _, n in seqs if n == 1),
-        BS,
-        slots.to(device),
-        device,
-        with_block_writes=True,
-    )
+    return metadata(seqs, table, slots, BS, device, with_block_writes=True)
 
 
 def _filled(kind, num_blocks, hkv, d, base):

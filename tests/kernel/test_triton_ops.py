@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 from lamina.kernels import reference as ref
 from lamina.kernels import triton as tri
 from lamina.kernels.reference import AttentionMetadata
+from tests.kernel.layout import metadata, paged_layout
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -74,37 +75,13 @@ def test_paged_attention_matches_reference(hq, hkv, d, seqs):
     torch.manual_seed(0)
     bs, num_blocks = 16, 64
     cache = torch.randn(2, num_blocks, bs, hkv, d)  # garbage everywhere not written
-    perm = torch.randperm(num_blocks).tolist()
-    tables, slots = [], []
-    for ctx, n in seqs:
-        tables.append([perm.pop() for _ in range(-(-(ctx + n) // bs))])
-        slots += [tables[-1][p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
-    width = max(len(t) for t in tables)
-    table = np.array([t + [0] * (width - len(t)) for t in tables])
+    table, slot_mapping = paged_layout(seqs, num_blocks, bs)
     total = sum(n for _, n in seqs)
     q, k, v = (torch.randn(total, h, d) for h in (hq, hkv, hkv))
-    num_decodes = sum(1 for _, n in seqs if n == 1)
-    slot_mapping = torch.tensor(slots)
-    meta = AttentionMetadata.build(
-        [n for _, n in seqs],
-        [c for c, _ in seqs],
-        table,
-        num_decodes,
-        bs,
-        slot_mapping,
-        torch.device("cpu"),
-    )
+    meta = metadata(seqs, table, slot_mapping, bs, torch.device("cpu"))
     ref.write_kv_cache(k, v, cache, slot_mapping)
     want = ref.paged_attention(q, k, v, cache, meta, d**-0.5)
-    dev_meta = AttentionMetadata.build(
-        [n for _, n in seqs],
-        [c for c, _ in seqs],
-        table,
-        num_decodes,
-        bs,
-        slot_mapping.to(DEVICE),
-        DEVICE,
-    )
+    dev_meta = metadata(seqs, table, slot_mapping, bs, DEVICE)
     got = tri.paged_attention(
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache.to(DEVICE), dev_meta, d**-0.5
     )
@@ -138,16 +115,13 @@ def test_split_k_decode_matches_reference(num_splits, hq, hkv, d):
     contexts = [0, 5, 47, 130, 200]  # more splits than blocks for the short ones
     num_blocks = sum(-(-(c + 1) // bs) for c in contexts) + 1
     cache = torch.randn(2, num_blocks, bs, hkv, d)
-    perm = torch.randperm(num_blocks).tolist()
-    tables = [[perm.pop() for _ in range(-(-(c + 1) // bs))] for c in contexts]
-    width = max(len(t) for t in tables)
-    table = np.array([t + [0] * (width - len(t)) for t in tables])
-    slots = torch.tensor([t[c // bs] * bs + c % bs for t, c in zip(tables, contexts, strict=True)])
+    seqs = [(c, 1) for c in contexts]
+    table, slots = paged_layout(seqs, num_blocks, bs)
     q, k, v = torch.randn(5, hq, d), torch.randn(5, hkv, d), torch.randn(5, hkv, d)
-    meta = AttentionMetadata.build([1] * 5, contexts, table, 5, bs, slots, torch.device("cpu"))
+    meta = metadata(seqs, table, slots, bs, torch.device("cpu"))
     ref.write_kv_cache(k, v, cache, slots)
     want = ref.paged_attention(q, k, v, cache, meta, d**-0.5)
-    dev = AttentionMetadata.build([1] * 5, contexts, table, 5, bs, slots.to(DEVICE), DEVICE)
+    dev = metadata(seqs, table, slots, bs, DEVICE)
     got = tri.paged_attention(
         q.to(DEVICE),
         k.to(DEVICE),
