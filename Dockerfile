@@ -15,6 +15,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu \
     LAMINA_HOME=/opt/lamina/home
 
+# g++ compiles the native CPU attention kernel (kernels/cpu/) on first use; without it
+# the worker logs why and runs the torch reference ops instead.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin lamina
 
 WORKDIR /opt/lamina/src
@@ -36,7 +41,8 @@ RUN pip install --no-deps . \
 # The default model (seeded, no network), owned by the runtime user.
 RUN mkdir -p "$LAMINA_HOME" && chown lamina:lamina "$LAMINA_HOME"
 USER lamina
-RUN lamina model init
+RUN lamina model init \
+    && python -c "from lamina.kernels.cpu import load_library; load_library()"
 
 WORKDIR /home/lamina
 ENTRYPOINT ["lamina"]

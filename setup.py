@@ -16,4 +16,7 @@ for folder in TOP_LEVEL:
     package_dir[f"lamina.{folder}"] = folder
     packages += [f"lamina.{folder}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=package_dir)
+# The native CPU kernels are compiled from their source on first use.
+package_data = {"lamina.kernels.cpu": ["*.cpp"]}
+
+setup(packages=packages, package_dir=package_dir, package_data=package_data)

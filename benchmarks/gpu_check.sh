@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 4's GPU checks as one script for a lent H200 (device tool), within a few minutes:
-# the kernel tests natively on CUDA, the engine's greedy equality across backends, then
-# benchmarks/kernels.py. Everything it prints lands in $OUT.
+# the kernel tests natively on CUDA, the engine's greedy equality across backends and with
+# CUDA graphs on and off, then benchmarks/kernels.py. Everything it prints lands in $OUT.
 #
 # Prepare here (the device has torch, triton, numpy, safetensors, tokenizers, jinja2 but
 # no msgspec, and no network):   make gpu-wheels
@@ -22,6 +22,6 @@ export PYTHONPATH="$pkg:$PWD"
 
 { nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
     > "$OUT/machine.txt" 2>&1
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernel 2>&1 | tee "$OUT/kernel-tests.log"
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernel tests/engine/test_cuda_graphs.py 2>&1 | tee "$OUT/kernel-tests.log"
 timeout 240 python3 benchmarks/kernels.py --peak-gbs 4800 --contexts 1024 8192 32768 \
     2>&1 | tee "$OUT/kernels-bench.log"

@@ -1,7 +1,7 @@
 """GPU kernel benchmark: decode paged attention, Triton vs the torch reference (gather +
 ``scaled_dot_product_attention``), as achieved memory bandwidth and a fraction of the
 device's peak, for bf16 and quantized (fp8, int8) caches; then the engine's end-to-end
-decode tokens/s with each backend.
+decode tokens/s with each backend, and with CUDA graphs on and off.
 
 Needs a CUDA device. Not yet run on one: see docs/performance.md.
 
@@ -108,39 +108,48 @@ def measure(
 
 
 def engine_decode(args: argparse.Namespace) -> None:
+    """Decode tokens/s of the whole engine (small preset, bf16) at each batch size: the
+    reference ops, Triton eager, and Triton replayed from CUDA graphs."""
     from lamina.services.engine_worker.config import EngineConfig
     from lamina.services.engine_worker.default_model import ensure_default_model
     from lamina.services.engine_worker.engine import Engine
     from lamina.services.engine_worker.request import SamplingParams
 
     model = ensure_default_model("small")
-    for backend in ("reference", "triton"):
-        os.environ["LAMINA_KERNELS"] = backend
-        engine = Engine(
-            EngineConfig(
-                model=model,
-                device="cuda",
-                dtype="bfloat16",
-                max_model_len=2048,
-                kv_cache_memory_bytes=4 << 30,
+    setups = [("reference", False), ("triton", False), ("triton", True)]
+    for batch in args.engine_batches:
+        rates = {}
+        for backend, graphs in setups:
+            os.environ["LAMINA_KERNELS"] = backend
+            engine = Engine(
+                EngineConfig(
+                    model=model,
+                    device="cuda",
+                    dtype="bfloat16",
+                    max_model_len=2048,
+                    max_num_seqs=max(args.engine_batches),
+                    kv_cache_memory_bytes=4 << 30,
+                    cuda_graphs=graphs,
+                )
             )
-        )
-        for i in range(args.engine_requests):
-            engine.add_request(
-                f"r{i}",
-                list(range(3, 3 + 128)),
-                SamplingParams(max_tokens=256, temperature=0, ignore_eos=True),
-            )
-        engine.step()  # prefill
-        torch.cuda.synchronize()
-        started, produced = time.perf_counter(), 0
-        while engine.has_work():
-            produced += len(engine.step())
-        torch.cuda.synchronize()
-        rate = produced / (time.perf_counter() - started)
+            for i in range(batch):
+                engine.add_request(
+                    f"r{i}",
+                    list(range(3 + i, 3 + i + 128)),
+                    SamplingParams(max_tokens=256, temperature=0, ignore_eos=True),
+                )
+            engine.step()  # prefill
+            torch.cuda.synchronize()
+            started, produced = time.perf_counter(), 0
+            while engine.has_work():
+                produced += len(engine.step())
+            torch.cuda.synchronize()
+            name = f"{backend}{' + graphs' if graphs else ''}"
+            rates[name] = produced / (time.perf_counter() - started)
+        base = rates["triton"]
         print(
-            f"engine decode, {backend}: {rate:.0f} tok/s ({args.engine_requests} requests, "
-            "small preset, bf16)",
+            f"engine decode, batch {batch} (small preset, bf16): "
+            + ", ".join(f"{k} {v:.0f} tok/s ({v / base:.2f}x)" for k, v in rates.items()),
             flush=True,
         )
 
@@ -154,7 +163,7 @@ def main() -> None:
     parser.add_argument("--hkv", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--engine-requests", type=int, default=64)
+    parser.add_argument("--engine-batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument(
         "--kv-cache-dtypes",
         nargs="+",

@@ -1,8 +1,13 @@
 """Which implementation of the device ops the engine runs.
 
-Triton on CUDA, the torch reference elsewhere; ``LAMINA_KERNELS=triton|reference``
-overrides (``triton`` on CPU needs ``TRITON_INTERPRET=1``: slow, for tests and debugging).
-The choice is logged once per process.
+* ``triton`` on CUDA (on CPU only under ``TRITON_INTERPRET=1``: slow, for tests).
+* ``cpu`` on CPU for fp32 models: the torch reference ops, with decode attention by the
+  native kernel of :mod:`lamina.kernels.cpu` (compiled on first use; if that fails, the
+  reason is logged and the engine runs ``reference``).
+* ``reference``: the torch reference ops, everywhere else.
+
+``LAMINA_KERNELS=triton|cpu|reference`` overrides the choice. It is logged once per
+process.
 """
 
 from __future__ import annotations
@@ -15,34 +20,71 @@ import torch
 
 log = logging.getLogger("lamina.kernels")
 _logged: set[str] = set()
-BACKENDS = ("triton", "reference")
+BACKENDS = ("triton", "cpu", "reference")
 
 
-def choose_backend(device: torch.device) -> str:
+def _cpu_kernels_build() -> str | None:
+    """None if the native CPU kernels load, else why not."""
+    from lamina.kernels.cpu import BuildError, load_library
+
+    try:
+        load_library()
+    except BuildError as exc:
+        return str(exc)
+    return None
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     requested = os.environ.get("LAMINA_KERNELS", "").strip().lower()
     if requested and requested not in BACKENDS:
         raise ValueError(f"LAMINA_KERNELS={requested!r}: choose one of {', '.join(BACKENDS)}")
-    backend = requested or ("triton" if device.type == "cuda" else "reference")
-    if backend not in _logged:
-        _logged.add(backend)
-        reason = "LAMINA_KERNELS" if requested else f"device {device.type}"
-        log.info("kernels: %s (%s)", backend, reason)
+    if requested:
+        backend, reason = requested, "LAMINA_KERNELS"
+    elif device.type == "cuda":
+        backend, reason = "triton", "device cuda"
+    elif dtype != torch.float32:
+        backend, reason = "reference", f"device {device.type}, {dtype}"
+    else:
+        backend, reason = "cpu", f"device {device.type}, {dtype}"
+    if backend == "cpu":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"the cpu kernels run fp32 on the CPU, not {dtype} on {device}")
+        failure = _cpu_kernels_build()
+        if failure is not None:
+            if requested:
+                raise RuntimeError(f"LAMINA_KERNELS=cpu: {failure}")
+            backend, reason = "reference", f"native CPU kernels unavailable: {failure}"
+    key = f"{backend} ({reason})"
+    if key not in _logged:
+        _logged.add(key)
+        log.info("kernels: %s", key)
     return backend
 
 
-def load_ops(device: torch.device) -> SimpleNamespace:
+def load_ops(device: torch.device, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
     """The five ops (``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``write_kv_cache``,
-    ``paged_attention``) of the backend chosen for ``device``."""
-    backend = choose_backend(device)
+    ``paged_attention``) of the backend chosen for ``device`` and the model's ``dtype``,
+    and which padded views of :class:`~lamina.kernels.reference.AttentionMetadata` their
+    attention reads (``dense_decodes``, ``dense_prefill``)."""
+    from lamina.kernels import reference
+
+    backend = choose_backend(device, dtype)
     if backend == "triton":
         from lamina.kernels import triton as impl
     else:
-        from lamina.kernels import reference as impl
+        impl = reference
+    attention = impl.paged_attention
+    if backend == "cpu":
+        from lamina.kernels import cpu
+
+        attention = cpu.paged_attention
     return SimpleNamespace(
         backend=backend,
         rms_norm=impl.rms_norm,
         apply_rotary=impl.apply_rotary,
         silu_and_mul=impl.silu_and_mul,
         write_kv_cache=impl.write_kv_cache,
-        paged_attention=impl.paged_attention,
+        paged_attention=attention,
+        dense_decodes=backend == "reference",
+        dense_prefill=backend != "triton",
     )

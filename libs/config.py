@@ -8,11 +8,18 @@ import dataclasses
 import os
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
 C = TypeVar("C")
 
 ENV_PREFIX = "LAMINA_"
+
+
+def lamina_home() -> Path:
+    """Lamina's cache root (default models, compiled kernels): ``$LAMINA_HOME``, by default
+    ``~/.cache/lamina``."""
+    return Path(os.environ.get("LAMINA_HOME", Path.home() / ".cache" / "lamina"))
 
 
 def _base_type(annotation: Any) -> Any:

@@ -65,16 +65,17 @@ class AttentionMetadata:
         block_size: int,
         slot_mapping: torch.Tensor,
         device: torch.device,
-        dense: bool = True,
+        dense_decodes: bool = True,
+        dense_prefill: bool = True,
         with_block_writes: bool = False,
     ) -> AttentionMetadata:
         """Derive the masks and padded indices for one step (decode sequences first).
 
         ``block_table`` is ``(num_seqs, max_blocks)``, each row a sequence's block ids padded
-        with any valid id (padding is masked out). ``dense=False`` skips the padded groups
-        and masks, which only the reference path reads: kernels that walk block tables
-        themselves need just the flat per-sequence view. ``with_block_writes`` adds the
-        per-block write plan that int8 caches need.
+        with any valid id (padding is masked out). The padded groups and masks are for the
+        reference path; kernels that walk block tables themselves need just the flat
+        per-sequence view, so ``dense_decodes=False`` / ``dense_prefill=False`` skip them.
+        ``with_block_writes`` adds the per-block write plan that int8 caches need.
         """
         writes = None
         if with_block_writes:
@@ -92,21 +93,12 @@ class AttentionMetadata:
             max_query_len=max(query_lens),
             block_writes=writes,
         )
-        if not dense:
-            return AttentionMetadata(
-                decode_groups=(),
-                prefill_pad_index=None,
-                prefill_valid=None,
-                prefill_block_tables=None,
-                prefill_mask=None,
-                **flat,
-            )
         decode_groups = []
         seq_lens = np.asarray(context_lens[:num_decodes]) + 1
         num_groups = max(1, min(_DECODE_GROUPS, num_decodes // _MIN_GROUP))
         bounds = np.linspace(0, num_decodes, num_groups + 1).astype(int)
         for start, end in itertools.pairwise(bounds):
-            if start == end:
+            if start == end or not dense_decodes:
                 continue
             lens = seq_lens[start:end]
             max_blocks = -(-int(lens.max()) // block_size)
@@ -117,7 +109,7 @@ class AttentionMetadata:
 
         pad_index = valid = prefill_tables = prefill_mask = None
         q_lens = np.asarray(query_lens[num_decodes:], dtype=np.int64)
-        if len(q_lens):
+        if len(q_lens) and dense_prefill:
             ctx = np.asarray(context_lens[num_decodes:], dtype=np.int64)
             max_q = int(q_lens.max())
             starts = np.cumsum(q_lens) - q_lens
@@ -223,23 +215,17 @@ def paged_attention(
     """Attention output ``(T, Hq, D)`` for queries ``q`` ``(T, Hq, D)``.
 
     ``k``/``v`` ``(T, Hkv, D)`` are this step's new keys and values, already written to
-    ``kv_cache``; a prefill group without cached context attends to them directly instead
-    of gathering them back out of the cache (as the cache holds them, if it is quantized:
-    ``kv_scales`` as for :func:`write_kv_cache`).
+    ``kv_cache`` (quantized if it is: ``kv_scales`` as for :func:`write_kv_cache`).
     """
     nd = meta.num_decodes
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[-2]
-    dtype = q.dtype
-    if kv_scales is not None and meta.num_prefill_tokens and meta.prefill_block_tables is None:
-        k = _stored(kv_cache, 0, meta.slot_mapping, kv_scales, dtype)
-        v = _stored(kv_cache, 1, meta.slot_mapping, kv_scales, dtype)
     out = None
     if len(meta.decode_groups) > 1 or (nd and meta.num_prefill_tokens):
         out = q.new_empty(q.shape)
     for group in meta.decode_groups:
-        keys = _gather(kv_cache, 0, group.block_tables, kv_scales, dtype)  # (B, Hkv, L, D)
-        values = _gather(kv_cache, 1, group.block_tables, kv_scales, dtype)
+        keys = _gather(kv_cache, 0, group.block_tables, kv_scales, q.dtype)  # (B, Hkv, L, D)
+        values = _gather(kv_cache, 1, group.block_tables, kv_scales, q.dtype)
         # The query heads sharing a KV head act as that head's queries: no K/V expansion.
         b = group.end - group.start
         queries = q[group.start : group.end].reshape(b, num_kv_heads, -1, head_dim)
@@ -250,24 +236,46 @@ def paged_attention(
             return o
         out[group.start : group.end] = o
     if meta.num_prefill_tokens:
-        qp = q[nd:][meta.prefill_pad_index].transpose(1, 2)  # (S, Hq, Q, D)
-        if meta.prefill_block_tables is not None:
-            keys = _gather(kv_cache, 0, meta.prefill_block_tables, kv_scales, dtype)
-            values = _gather(kv_cache, 1, meta.prefill_block_tables, kv_scales, dtype)
-        else:
-            keys = k[nd:][meta.prefill_pad_index].transpose(1, 2)  # (S, Hkv, Q, D)
-            values = v[nd:][meta.prefill_pad_index].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qp,
-            keys,
-            values,
-            attn_mask=meta.prefill_mask,
-            is_causal=meta.prefill_mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )  # (S, Hq, Q, D)
-        o = o.transpose(1, 2)[meta.prefill_valid]  # (prefill tokens, Hq, D)
+        o = prefill_attention(q[nd:], k[nd:], v[nd:], kv_cache, meta, scale, kv_scales)
         if out is None:
             return o
         out[nd:] = o
     return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention output ``(P, Hq, D)`` of the step's prefill tokens (``q``, ``k``, ``v``
+    are the batch's rows after its decodes), through the metadata's padded prefill group.
+
+    A group without cached context attends to the new keys and values directly instead of
+    gathering them back out of the cache (as the cache holds them, if it is quantized).
+    """
+    if meta.prefill_block_tables is not None:
+        keys = _gather(kv_cache, 0, meta.prefill_block_tables, kv_scales, q.dtype)
+        values = _gather(kv_cache, 1, meta.prefill_block_tables, kv_scales, q.dtype)
+    else:
+        if kv_scales is not None:
+            slots = meta.slot_mapping[meta.num_decodes :]
+            k = _stored(kv_cache, 0, slots, kv_scales, q.dtype)
+            v = _stored(kv_cache, 1, slots, kv_scales, q.dtype)
+        keys = k[meta.prefill_pad_index].transpose(1, 2)  # (S, Hkv, Q, D)
+        values = v[meta.prefill_pad_index].transpose(1, 2)
+    queries = q[meta.prefill_pad_index].transpose(1, 2)  # (S, Hq, Q, D)
+    o = F.scaled_dot_product_attention(
+        queries,
+        keys,
+        values,
+        attn_mask=meta.prefill_mask,
+        is_causal=meta.prefill_mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )  # (S, Hq, Q, D)
+    return o.transpose(1, 2)[meta.prefill_valid]

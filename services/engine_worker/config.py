@@ -45,6 +45,11 @@ class EngineConfig:
     """Reuse KV blocks of identical prefixes across requests."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps; when off a prompt must fit one step's budget."""
+    cuda_graphs: bool | None = None
+    """Replay decode-only steps from CUDA graphs captured per batch-size bucket
+    (``cuda_graphs.py``). ``None``: on CUDA with the Triton kernels, unless the KV cache is
+    int8. ``False``: always eager. ``True`` also on other devices, where the same padded
+    static-buffer decode path runs eagerly (tests)."""
     seed: int = 0
     """Seed of the generator used by requests that carry no seed of their own."""
 

@@ -9,13 +9,14 @@ produces fluent-looking nonsense), but every file is a real Hugging Face artefac
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from lamina.libs.config import lamina_home
 
 SEED = 0
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -78,8 +79,7 @@ VOCAB_SIZE = 1024
 def default_model_dir(preset: str = "tiny") -> Path:
     """Where the preset's checkpoint lives: ``$LAMINA_HOME/models/lamina-<preset>``
     (``LAMINA_HOME`` defaults to ``~/.cache/lamina``)."""
-    home = Path(os.environ.get("LAMINA_HOME", Path.home() / ".cache" / "lamina"))
-    return home / "models" / f"lamina-{preset}"
+    return lamina_home() / "models" / f"lamina-{preset}"
 
 
 def ensure_default_model(

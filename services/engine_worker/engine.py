@@ -16,6 +16,7 @@ import torch
 from lamina.schemas.v1.kv import KvEvent
 from lamina.services.engine_worker.block_manager import BlockManager
 from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.cuda_graphs import DecodeGraphs
 from lamina.services.engine_worker.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -100,7 +101,15 @@ class Engine:
                 f"max_model_len ({self.max_model_len}) sequence needs; raise "
                 "kv_cache_memory_bytes or lower max_model_len"
             )
-        self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        graphs = config.cuda_graphs
+        if graphs is None:
+            graphs = (
+                self.device.type == "cuda"
+                and model.ops.backend == "triton"
+                and config.kv_cache_dtype != "int8"
+            )
+        # Decode graphs pad their batches into a block of their own: the pool's last.
+        self.blocks = BlockManager(num_blocks - graphs, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_batched_tokens,
@@ -108,6 +117,17 @@ class Engine:
             config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(model, num_blocks, bs, self.device, config.kv_cache_dtype)
+        if graphs:
+            self.runner.decode_graphs = DecodeGraphs(
+                model,
+                self.runner.kv_caches,
+                self.runner.kv_scales,
+                bs,
+                self.max_model_len,
+                config.max_num_seqs,
+                pad_block=num_blocks - 1,
+                capture=self.device.type == "cuda",
+            )
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, config.seed, self.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()

@@ -134,7 +134,7 @@ class CausalLM:
             d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
         )
         self.scale = d**-0.5
-        self.ops = load_ops(device)
+        self.ops = load_ops(device, dtype)
 
     @staticmethod
     def _qk_norm(c: ModelConfig, take, prefix: str) -> torch.Tensor:

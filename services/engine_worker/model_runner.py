@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from lamina.kernels.reference import AttentionMetadata, kv_quant
+from lamina.services.engine_worker.cuda_graphs import DecodeGraphs
 from lamina.services.engine_worker.model import CausalLM
 from lamina.services.engine_worker.scheduler import ScheduledBatch
 
@@ -52,6 +53,8 @@ class ModelRunner:
                 if scales is not None:
                     self.kv_scales[layer].copy_(scales)
         self._block_writes = kind == "int8"
+        self.decode_graphs: DecodeGraphs | None = None
+        """Set by the engine when decode-only steps run from CUDA graphs."""
 
     def execute(self, batch: ScheduledBatch, sample_all_chunks: bool = False) -> torch.Tensor:
         """Logits ``(S, vocab)`` for each request of ``batch`` that finishes its tokens this
@@ -81,6 +84,9 @@ class ModelRunner:
             done = (ctx_arr + n_arr) == np.asarray([r.num_tokens for r in requests])
             sampled = (ends - 1)[done]
 
+        graphs = self.decode_graphs
+        if graphs is not None and batch.num_decodes == len(requests) and graphs.bucket(len(ids)):
+            return graphs.run(np.asarray(ids), positions, slots, ctx_arr, table)
         dev = self.device
         slot_mapping = torch.from_numpy(slots).to(dev)
         meta = AttentionMetadata.build(
@@ -91,7 +97,8 @@ class ModelRunner:
             self.block_size,
             slot_mapping,
             dev,
-            dense=self.model.ops.backend == "reference",
+            dense_decodes=self.model.ops.dense_decodes,
+            dense_prefill=self.model.ops.dense_prefill,
             with_block_writes=self._block_writes,
         )
         return self.model.forward(

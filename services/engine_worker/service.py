@@ -55,6 +55,7 @@ class WorkerConfig:
     max_num_seqs: int = option(128, "most sequences in one step")
     max_model_len: int = option(0, "context length (0: the model's)")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prefixes")
+    cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA only)")
     stats_interval: float = option(0.5, "seconds between WorkerStats heartbeats")
     drain_timeout: float = option(300.0, "most seconds SIGTERM waits for in-flight work")
 
@@ -71,6 +72,7 @@ class WorkerConfig:
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len or None,
             enable_prefix_caching=self.enable_prefix_caching,
+            cuda_graphs=None if self.cuda_graphs else False,
         )
 
 

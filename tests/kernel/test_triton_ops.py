@@ -151,7 +151,8 @@ def test_flat_metadata_skips_the_dense_masks():
         16,
         torch.tensor([3, 25, 32, 33, 34, 35, 36]),
         torch.device("cpu"),
-        dense=False,
+        dense_decodes=False,
+        dense_prefill=False,
     )
     assert meta.decode_groups == () and meta.prefill_mask is None
     assert meta.query_start_loc.tolist() == [0, 1, 2, 7] and meta.max_query_len == 5

@@ -1,0 +1,104 @@
+"""Paged attention on the CPU: decodes by the native kernel, prefill by the reference.
+
+Decode tokens read their keys and values in place from the paged cache
+(``paged_attention.cpp``): the reference path instead copies every block of every
+sequence into a padded tensor and runs ``scaled_dot_product_attention`` on the copy, which
+on a decode-heavy step spends most of attention's time moving memory. Prefill chunks are
+compute-bound and keep the reference path's batched SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from lamina.kernels.cpu.build import load_library
+from lamina.kernels.reference import AttentionMetadata, kv_quant
+from lamina.kernels.reference.attention import prefill_attention
+
+_CACHE_KINDS = {None: 0, "fp8": 1, "int8": 2}
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_scales: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one fp32 query ``(Hq, D)`` per sequence over its first ``seq_lens``
+    cached tokens: ``q`` ``(S, Hq, D)`` (rows may be strided; heads contiguous),
+    ``block_table`` ``(S, W)`` int64, ``seq_lens`` ``(S,)`` int64. Returns ``(S, Hq, D)``
+    (written into ``out`` if given)."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
+        raise ValueError("decode_attention needs fp32 queries with contiguous heads")
+    if not (kv_cache.is_contiguous() and block_table.stride(1) == 1 and seq_lens.is_contiguous()):
+        raise ValueError("decode_attention needs a contiguous cache, table rows and lengths")
+    if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+        raise ValueError("decode_attention needs int64 block tables and lengths")
+    kind = kv_quant.quant_kind(kv_cache)
+    if kind is None and kv_cache.dtype != torch.float32:
+        raise ValueError(f"decode_attention reads fp32, fp8 or int8 caches, not {kv_cache.dtype}")
+    if out is None:
+        out = q.new_empty((num_seqs, num_heads, head_dim))
+    status = load_library().lamina_paged_decode_attention(
+        _ptr(q),
+        ctypes.c_int64(q.stride(0)),
+        _ptr(kv_cache),
+        ctypes.c_int(_CACHE_KINDS[kind]),
+        _ptr(kv_scales.contiguous() if kv_scales is not None else None),
+        _ptr(block_table),
+        ctypes.c_int64(block_table.stride(0)),
+        _ptr(seq_lens),
+        ctypes.c_int64(num_seqs),
+        ctypes.c_int64(num_blocks),
+        ctypes.c_int64(block_size),
+        ctypes.c_int64(num_heads),
+        ctypes.c_int64(num_kv_heads),
+        ctypes.c_int64(head_dim),
+        ctypes.c_float(scale),
+        _ptr(out),
+    )
+    if status:
+        raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Drop-in for :func:`lamina.kernels.reference.paged_attention` (fp32 queries), with
+    metadata built with ``dense_decodes=False``."""
+    nd = meta.num_decodes
+    if not meta.num_prefill_tokens:
+        return decode_attention(
+            q, kv_cache, meta.block_table, meta.context_lens + 1, scale, kv_scales
+        )
+    out = q.new_empty(q.shape)
+    if nd:
+        decode_attention(
+            q[:nd],
+            kv_cache,
+            meta.block_table[:nd],
+            meta.context_lens[:nd] + 1,
+            scale,
+            kv_scales,
+            out=out[:nd],
+        )
+    out[nd:] = prefill_attention(q[nd:], k[nd:], v[nd:], kv_cache, meta, scale, kv_scales)
+    return out

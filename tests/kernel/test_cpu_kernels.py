@@ -1,0 +1,133 @@
+"""The native CPU decode attention (``kernels/cpu``) against the torch reference: GQA
+ratios 1-8, head dims 64-256, lengths 1 to several blocks with partial last blocks,
+strided queries, fp8 and int8 caches; then the engine's greedy outputs on the ``cpu``
+backend against ``reference``, and how the backend is chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lamina.kernels import cpu
+from lamina.kernels import reference as ref
+from lamina.kernels.cpu import build
+from lamina.kernels.dispatch import choose_backend
+from lamina.kernels.reference import kv_quant
+from tests.kernel.layout import metadata, paged_layout
+
+CPU = torch.device("cpu")
+TOL = dict(atol=2e-5, rtol=2e-5)
+DECODES = [(n, 1) for n in (0, 1, 15, 16, 17, 31, 47, 80)]  # context before the new token
+MIXED = [(0, 1), (15, 1), (16, 1), (12, 5), (0, 9), (33, 20)]
+
+
+def _case(seqs, hq, hkv, d, bs=16, kind=None, seed=0):
+    """A cache holding random keys/values (garbage wherever unwritten), this step's new
+    tokens written into it, and the reference's output."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // bs) for c, n in seqs) + 4
+    table, slots = paged_layout(seqs, num_blocks, bs, g)
+    total = sum(n for _, n in seqs)
+    # Queries as the model makes them: a strided view of the fused (T, Hq + Hkv, D) rows.
+    q = torch.randn(total, hq + hkv, d, generator=g)[:, :hq]
+    k, v = torch.randn(total, hkv, d, generator=g), torch.randn(total, hkv, d, generator=g)
+    dtype = kv_quant.cache_torch_dtype(kind or "auto", torch.float32)
+    base = torch.randn(2, num_blocks, bs, hkv, d, generator=g)
+    cache = torch.zeros(2, num_blocks, bs, hkv, d, dtype=dtype)
+    scales = kv_quant.new_scales(kind, num_blocks, hkv, CPU)
+    if kind == "fp8":
+        scales.copy_(torch.linspace(0.5, 2.0, 2 * hkv).view(2, hkv))
+    quant = kind is not None
+    if quant:  # fill every block first, as earlier steps would have
+        every = torch.tensor([[b, 0, bs, b * bs] for b in range(num_blocks)])
+        ref.write_kv_cache(
+            base[0].reshape(-1, hkv, d), base[1].reshape(-1, hkv, d),
+            cache, torch.arange(num_blocks * bs), scales, every,
+        )  # fmt: skip
+    else:
+        cache.copy_(base)
+    meta = metadata(seqs, table, slots, bs, CPU, with_block_writes=quant)
+    ref.write_kv_cache(k, v, cache, slots, scales, meta.block_writes)
+    want = ref.paged_attention(q, k, v, cache, meta, d**-0.5, scales)
+    flat = metadata(seqs, table, slots, bs, CPU, dense_decodes=False, with_block_writes=quant)
+    return (q, k, v, cache, scales, flat), want
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(4, 4, 64), (8, 1, 64), (8, 2, 80), (6, 2, 96), (16, 2, 128), (2, 1, 256)]
+)
+def test_decode_attention_matches_reference(hq, hkv, d):
+    (q, k, v, cache, _, meta), want = _case(DECODES, hq, hkv, d)
+    assert meta.decode_groups == ()
+    got = cpu.paged_attention(q, k, v, cache, meta, d**-0.5)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32])
+def test_mixed_batch_matches_reference(bs):
+    (q, k, v, cache, _, meta), want = _case(MIXED, 8, 2, 64, bs=bs, seed=bs)
+    got = cpu.paged_attention(q, k, v, cache, meta, 64**-0.5)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("seqs", [DECODES, MIXED], ids=["decodes", "mixed"])
+def test_quantized_caches_match_reference(kind, seqs):
+    (q, k, v, cache, scales, meta), want = _case(seqs, 8, 2, 80, kind=kind, seed=3)
+    got = cpu.paged_attention(q, k, v, cache, meta, 80**-0.5, scales)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_long_context_decode():
+    (q, k, v, cache, _, meta), want = _case([(2047, 1), (1000, 1)], 8, 2, 64)
+    torch.testing.assert_close(cpu.paged_attention(q, k, v, cache, meta, 0.125), want, **TOL)
+
+
+def test_bad_inputs_are_refused():
+    (q, _, _, cache, _, meta), _ = _case([(3, 1)], 4, 2, 64)
+    lens = meta.context_lens + 1
+    with pytest.raises(ValueError, match="fp32 queries"):
+        cpu.decode_attention(q.bfloat16(), cache, meta.block_table, lens, 0.1)
+    with pytest.raises(ValueError, match="caches, not"):
+        cpu.decode_attention(q, cache.bfloat16(), meta.block_table, lens, 0.1)
+    with pytest.raises(ValueError, match="evenly"):
+        cpu.decode_attention(q[:, :3], cache, meta.block_table, lens, 0.1)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
+def test_engine_greedy_outputs_equal_on_cpu_and_reference(tiny_model, monkeypatch, kv_cache_dtype):
+    from tests.engine.helpers import greedy, make_engine, run_to_completion
+
+    prompts = {"a": list(range(40, 61)), "b": [7, 8, 9], "c": list(range(100, 140))}
+    outputs = {}
+    for backend in ("reference", "cpu"):
+        monkeypatch.setenv("LAMINA_KERNELS", backend)
+        engine = make_engine(tiny_model, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
+        assert engine.runner.model.ops.backend == backend
+        outputs[backend] = run_to_completion(engine, prompts, greedy(12))
+    assert outputs["cpu"] == outputs["reference"]
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    assert choose_backend(CPU, torch.float32) == "cpu"
+    assert choose_backend(CPU, torch.bfloat16) == "reference"  # the kernel reads fp32
+    monkeypatch.setenv("LAMINA_KERNELS", "cpu")
+    with pytest.raises(ValueError, match="fp32"):
+        choose_backend(CPU, torch.bfloat16)
+
+
+def test_a_failed_build_falls_back_to_reference_unless_asked_for(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAMINA_HOME", str(tmp_path))  # nothing cached here
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.delenv("LAMINA_KERNELS", raising=False)
+    build.load_library.cache_clear()
+    try:
+        with pytest.raises(build.BuildError, match="no C\\+\\+ compiler"):
+            build.load_library()
+        assert choose_backend(CPU, torch.float32) == "reference"
+        monkeypatch.setenv("LAMINA_KERNELS", "cpu")
+        with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+            choose_backend(CPU, torch.float32)
+    finally:
+        build.load_library.cache_clear()
