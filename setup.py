@@ -17,6 +17,6 @@ for folder in TOP_LEVEL:
     packages += [f"lamina.{folder}.{sub}" for sub in find_packages(folder)]
 
 # The native CPU kernels are compiled from their source on first use.
-package_data = {"lamina.kernels.cpu": ["*.cpp"]}
+package_data = {"lamina.kernels.cpu": ["*.cpp", "*.h"]}
 
 setup(packages=packages, package_dir=package_dir, package_data=package_data)

@@ -1,9 +1,9 @@
 """Which implementation of the device ops the engine runs.
 
 * ``triton`` on CUDA (on CPU only under ``TRITON_INTERPRET=1``: slow, for tests).
-* ``cpu`` on CPU for fp32 models: the torch reference ops, with decode attention by the
-  native kernel of :mod:`lamina.kernels.cpu` (compiled on first use; if that fails, the
-  reason is logged and the engine runs ``reference``).
+* ``cpu`` on CPU for fp32 models: the native kernels of :mod:`lamina.kernels.cpu` (decode
+  attention, fused RMSNorm, SiLU-and-mul, rotary; compiled on first use; if that fails,
+  the reason is logged and the engine runs ``reference``), the reference for the rest.
 * ``reference``: the torch reference ops, everywhere else.
 
 ``LAMINA_KERNELS=triton|cpu|reference`` overrides the choice. It is logged once per
@@ -71,20 +71,17 @@ def load_ops(device: torch.device, dtype: torch.dtype = torch.float32) -> Simple
     backend = choose_backend(device, dtype)
     if backend == "triton":
         from lamina.kernels import triton as impl
+    elif backend == "cpu":
+        from lamina.kernels import cpu as impl
     else:
         impl = reference
-    attention = impl.paged_attention
-    if backend == "cpu":
-        from lamina.kernels import cpu
-
-        attention = cpu.paged_attention
     return SimpleNamespace(
         backend=backend,
         rms_norm=impl.rms_norm,
         apply_rotary=impl.apply_rotary,
         silu_and_mul=impl.silu_and_mul,
         write_kv_cache=impl.write_kv_cache,
-        paged_attention=attention,
+        paged_attention=impl.paged_attention,
         dense_decodes=backend == "reference",
         dense_prefill=backend != "triton",
     )

@@ -13,15 +13,11 @@ import ctypes
 
 import torch
 
-from lamina.kernels.cpu.build import load_library
+from lamina.kernels.cpu.build import load_library, ptr
 from lamina.kernels.reference import AttentionMetadata, kv_quant
 from lamina.kernels.reference.attention import prefill_attention
 
 _CACHE_KINDS = {None: 0, "fp8": 1, "int8": 2}
-
-
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
 def decode_attention(
@@ -51,14 +47,14 @@ def decode_attention(
     if out is None:
         out = q.new_empty((num_seqs, num_heads, head_dim))
     status = load_library().lamina_paged_decode_attention(
-        _ptr(q),
+        ptr(q),
         ctypes.c_int64(q.stride(0)),
-        _ptr(kv_cache),
+        ptr(kv_cache),
         ctypes.c_int(_CACHE_KINDS[kind]),
-        _ptr(kv_scales.contiguous() if kv_scales is not None else None),
-        _ptr(block_table),
+        ptr(kv_scales.contiguous() if kv_scales is not None else None),
+        ptr(block_table),
         ctypes.c_int64(block_table.stride(0)),
-        _ptr(seq_lens),
+        ptr(seq_lens),
         ctypes.c_int64(num_seqs),
         ctypes.c_int64(num_blocks),
         ctypes.c_int64(block_size),
@@ -66,7 +62,7 @@ def decode_attention(
         ctypes.c_int64(num_kv_heads),
         ctypes.c_int64(head_dim),
         ctypes.c_float(scale),
-        _ptr(out),
+        ptr(out),
     )
     if status:
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
@@ -85,20 +81,21 @@ def paged_attention(
     """Drop-in for :func:`lamina.kernels.reference.paged_attention` (fp32 queries), with
     metadata built with ``dense_decodes=False``."""
     nd = meta.num_decodes
+    if not nd:
+        return prefill_attention(q, k, v, kv_cache, meta, scale, kv_scales)
     if not meta.num_prefill_tokens:
         return decode_attention(
             q, kv_cache, meta.block_table, meta.context_lens + 1, scale, kv_scales
         )
     out = q.new_empty(q.shape)
-    if nd:
-        decode_attention(
-            q[:nd],
-            kv_cache,
-            meta.block_table[:nd],
-            meta.context_lens[:nd] + 1,
-            scale,
-            kv_scales,
-            out=out[:nd],
-        )
+    decode_attention(
+        q[:nd],
+        kv_cache,
+        meta.block_table[:nd],
+        meta.context_lens[:nd] + 1,
+        scale,
+        kv_scales,
+        out=out[:nd],
+    )
     out[nd:] = prefill_attention(q[nd:], k[nd:], v[nd:], kv_cache, meta, scale, kv_scales)
     return out

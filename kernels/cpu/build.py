@@ -1,12 +1,13 @@
 """Compile the native CPU kernels on first use and load them with ctypes.
 
-The C++ source is compiled with the system's ``g++`` against torch's own headers and
-libraries (ATen's ``parallel_for`` runs on torch's OpenMP threads, so the kernels share
-torch's thread pool instead of competing with it). The shared library is cached under
-``$LAMINA_HOME/kernels/`` by a hash of the source, the flags and the torch version, and is
-written atomically, so concurrent workers on one machine compile at most once each and
-never load a half-written file. Instruction-set flags follow torch's own CPU capability
-(AVX2 or AVX-512), not ``-march=native``, so a cache shared between machines stays valid.
+The C++ sources of this folder are compiled into one shared library with the system's
+``g++`` against torch's own headers and libraries (ATen's ``parallel_for`` runs on torch's
+OpenMP threads, so the kernels share torch's thread pool instead of competing with it).
+The library is cached under ``$LAMINA_HOME/kernels/`` by a hash of the sources, the flags
+and the torch version, and is written atomically, so concurrent workers on one machine
+compile at most once each and never load a half-written file. Instruction-set flags
+follow torch's own CPU capability (AVX2 or AVX-512), not ``-march=native``, so a cache
+shared between machines stays valid.
 """
 
 from __future__ import annotations
@@ -27,18 +28,25 @@ from lamina.libs.config import lamina_home
 
 log = logging.getLogger("lamina.kernels")
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_HERE = Path(__file__).parent
+SOURCES = sorted(_HERE.glob("*.cpp"))
+HEADERS = sorted(_HERE.glob("*.h"))
 _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
 }
 
 
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    """A tensor's data pointer for a kernel argument (NULL for None)."""
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
 class BuildError(RuntimeError):
     """The native kernels could not be compiled or loaded (the message says why)."""
 
 
-def _command(source: Path, output: Path) -> list[str]:
+def _command(sources: list[Path], output: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     isa = _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability().split()[0], [])
     return [
@@ -53,7 +61,7 @@ def _command(source: Path, output: Path) -> list[str]:
         *isa,
         "-D_GLIBCXX_USE_CXX11_ABI=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
         f"-I{torch_dir / 'include'}",
-        str(source),
+        *map(str, sources),
         "-o",
         str(output),
         f"-L{torch_dir / 'lib'}",
@@ -67,10 +75,11 @@ def _command(source: Path, output: Path) -> list[str]:
 def load_library() -> ctypes.CDLL:
     """The compiled kernels (built now if the cache lacks them); :class:`BuildError` if
     there is no compiler or the build fails."""
-    placeholder = Path("/in.cpp"), Path("/out.so")
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(_command(*placeholder)).encode() + torch.__version__.encode()
-    ).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join(_command(SOURCES, Path("out.so"))).encode())
+    digest.update(torch.__version__.encode())
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    key = digest.hexdigest()[:16]
     target = lamina_home() / "kernels" / f"cpu-{key}.so"
     if not target.exists():
         _compile(target)
@@ -81,16 +90,16 @@ def load_library() -> ctypes.CDLL:
 
 
 def _compile(target: Path) -> None:
-    compiler = _command(SOURCE, target)[0]
+    compiler = _command(SOURCES, target)[0]
     if shutil.which(compiler) is None:
         raise BuildError(f"no C++ compiler ({compiler!r} not found; set CXX)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         result = subprocess.run(
-            _command(SOURCE, partial), capture_output=True, text=True, check=False
+            _command(SOURCES, partial), capture_output=True, text=True, check=False
         )
         if result.returncode != 0:
-            raise BuildError(f"compiling {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+            raise BuildError(f"compiling the CPU kernels failed:\n{result.stderr[-4000:]}")
         os.replace(partial, target)  # atomic: a concurrent loader sees all of it or nothing
     log.info("compiled native CPU kernels to %s", target)

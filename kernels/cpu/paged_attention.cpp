@@ -18,14 +18,13 @@
 //   out      (num_seqs, num_heads, head_dim) fp32
 
 #include <ATen/Parallel.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
+
+#include "vec.h"
 
 namespace {
 
@@ -82,7 +81,7 @@ inline float dot(const float* x, const float* y, int64_t d) {
   return sum;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if LAMINA_AVX2
 // Four dot products x_j . y_j of length d (a multiple of 8), summed across lanes at once.
 inline void dot4(const float* x0, const float* x1, const float* x2, const float* x3,
                  const float* y0, const float* y1, const float* y2, const float* y3,
@@ -103,7 +102,7 @@ inline void dot4(const float* x0, const float* x1, const float* x2, const float*
 inline void block_scores(const float* qs, int64_t group, const float* k, int64_t stride,
                          int64_t n, int64_t d, int64_t bs, float* score) {
   int64_t g_done = 0, t_done = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if LAMINA_AVX2
   float four[4];
   if (d % 8 == 0 && group >= 4) {  // four query heads against one key row
     g_done = group - group % 4;
@@ -140,7 +139,7 @@ inline void block_values(const float* p, int64_t group, const float* v, int64_t 
     float* ag = acc + g * d;
     const float* pg = p + g * bs;
     int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if LAMINA_AVX2
     // Accumulators stay in registers across the block; four of them side by side keep
     // four FMA chains in flight (one alone waits out each FMA's latency).
     for (; i + 32 <= d; i += 32) {
@@ -179,38 +178,15 @@ inline void block_values(const float* p, int64_t group, const float* v, int64_t 
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp of 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5
-// polynomial, 2^n by exponent bits); within 2 ulp, and 0 below -87.3.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-}
-#endif
-
 // x[t] = exp(x[t] - shift) for t < n; returns their sum.
 inline float exp_shifted(float* x, int64_t n, float shift) {
   int64_t t = 0;
   float sum = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__)
+#if LAMINA_AVX2
   const __m256 m = _mm256_set1_ps(shift);
   __m256 total = _mm256_setzero_ps();
   for (; t + 8 <= n; t += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), m));
+    const __m256 e = lamina::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), m));
     _mm256_storeu_ps(x + t, e);
     total = _mm256_add_ps(total, e);
   }

@@ -42,12 +42,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) flat cache slot of each new token
     num_decodes: int
     decode_groups: tuple[DecodeGroup, ...]  # one query per sequence
-    # Prefill group, padded to the longest chunk.
+    # Prefill chunks. With cached context they form one group padded to the longest chunk;
+    # fresh prompts (no context) are attended one by one with the causal fast path.
     num_prefill_tokens: int
     prefill_pad_index: torch.Tensor | None  # (S, Q) flat index into the prefill tokens
     prefill_valid: torch.Tensor | None  # (S, Q) True for real (non-padding) queries
     prefill_block_tables: torch.Tensor | None  # (S, max_blocks); None: no cached context
-    prefill_mask: torch.Tensor | None  # (S, 1, Q, L); None: one causal chunk, no padding
+    prefill_mask: torch.Tensor | None  # (S, 1, Q, L); None: fresh prompts only
     # Flat per-sequence view, for kernels that walk block tables themselves (Triton).
     query_start_loc: torch.Tensor  # (num_seqs + 1,) offsets of each sequence's tokens
     context_lens: torch.Tensor  # (num_seqs,) tokens already in the cache
@@ -55,6 +56,7 @@ class AttentionMetadata:
     max_query_len: int
     # int8 caches only: the blocks this step writes (see ``kv_quant.block_writes``).
     block_writes: torch.Tensor | None = None  # (W, 4)
+    prefill_lens: tuple[int, ...] = ()  # each prefill chunk's length, in batch order
 
     @staticmethod
     def build(
@@ -92,6 +94,7 @@ class AttentionMetadata:
             block_table=torch.from_numpy(block_table).to(device),
             max_query_len=max(query_lens),
             block_writes=writes,
+            prefill_lens=tuple(int(n) for n in query_lens[num_decodes:]),
         )
         decode_groups = []
         seq_lens = np.asarray(context_lens[:num_decodes]) + 1
@@ -109,8 +112,8 @@ class AttentionMetadata:
 
         pad_index = valid = prefill_tables = prefill_mask = None
         q_lens = np.asarray(query_lens[num_decodes:], dtype=np.int64)
-        if len(q_lens) and dense_prefill:
-            ctx = np.asarray(context_lens[num_decodes:], dtype=np.int64)
+        ctx = np.asarray(context_lens[num_decodes:], dtype=np.int64)
+        if len(q_lens) and dense_prefill and ctx.any():
             max_q = int(q_lens.max())
             starts = np.cumsum(q_lens) - q_lens
             cols = np.arange(max_q)
@@ -119,16 +122,12 @@ class AttentionMetadata:
                 starts[:, None] + np.minimum(cols[None, :], q_lens[:, None] - 1)
             )
             valid = torch.from_numpy(valid_np)
-            if ctx.any():
-                max_blocks = -(-int((ctx + q_lens).max()) // block_size)
-                prefill_tables = _table(block_table[num_decodes:], max_blocks, device)
-                keys = np.arange(max_blocks * block_size)
-            else:
-                keys = np.arange(max_q)
-            if ctx.any() or len(q_lens) > 1:
-                # Query j of a sequence sees keys up to its own position ctx + j.
-                causal = keys[None, None, :] <= (ctx[:, None] + cols[None, :])[:, :, None]
-                prefill_mask = torch.from_numpy(causal)[:, None]
+            max_blocks = -(-int((ctx + q_lens).max()) // block_size)
+            prefill_tables = _table(block_table[num_decodes:], max_blocks, device)
+            keys = np.arange(max_blocks * block_size)
+            # Query j of a sequence sees keys up to its own position ctx + j.
+            causal = keys[None, None, :] <= (ctx[:, None] + cols[None, :])[:, :, None]
+            prefill_mask = torch.from_numpy(causal)[:, None]
         return AttentionMetadata(
             decode_groups=tuple(decode_groups),
             prefill_pad_index=_to(pad_index, device),
@@ -253,29 +252,36 @@ def prefill_attention(
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output ``(P, Hq, D)`` of the step's prefill tokens (``q``, ``k``, ``v``
-    are the batch's rows after its decodes), through the metadata's padded prefill group.
+    are the batch's rows after its decodes).
 
-    A group without cached context attends to the new keys and values directly instead of
-    gathering them back out of the cache (as the cache holds them, if it is quantized).
+    Chunks with cached context gather it and run as one group padded to the longest chunk.
+    Fresh prompts attend to their own new keys and values directly (as the cache holds
+    them, if it is quantized), one SDPA call each with the causal fast path: no padding,
+    and no work on the masked half.
     """
     if meta.prefill_block_tables is not None:
         keys = _gather(kv_cache, 0, meta.prefill_block_tables, kv_scales, q.dtype)
         values = _gather(kv_cache, 1, meta.prefill_block_tables, kv_scales, q.dtype)
-    else:
-        if kv_scales is not None:
-            slots = meta.slot_mapping[meta.num_decodes :]
-            k = _stored(kv_cache, 0, slots, kv_scales, q.dtype)
-            v = _stored(kv_cache, 1, slots, kv_scales, q.dtype)
-        keys = k[meta.prefill_pad_index].transpose(1, 2)  # (S, Hkv, Q, D)
-        values = v[meta.prefill_pad_index].transpose(1, 2)
-    queries = q[meta.prefill_pad_index].transpose(1, 2)  # (S, Hq, Q, D)
-    o = F.scaled_dot_product_attention(
-        queries,
-        keys,
-        values,
-        attn_mask=meta.prefill_mask,
-        is_causal=meta.prefill_mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )  # (S, Hq, Q, D)
-    return o.transpose(1, 2)[meta.prefill_valid]
+        queries = q[meta.prefill_pad_index].transpose(1, 2)  # (S, Hq, Q, D)
+        o = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True
+        )  # (S, Hq, Q, D)
+        return o.transpose(1, 2)[meta.prefill_valid]
+    if kv_scales is not None:
+        slots = meta.slot_mapping[meta.num_decodes :]
+        k = _stored(kv_cache, 0, slots, kv_scales, q.dtype)
+        v = _stored(kv_cache, 1, slots, kv_scales, q.dtype)
+    out = q.new_empty(q.shape)
+    start = 0
+    for n in meta.prefill_lens:
+        rows = slice(start, start + n)
+        out[rows] = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1),  # (Hq, n, D)
+            k[rows].transpose(0, 1),
+            v[rows].transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(0, 1)
+        start += n
+    return out

@@ -1,7 +1,9 @@
-"""The native CPU decode attention (``kernels/cpu``) against the torch reference: GQA
-ratios 1-8, head dims 64-256, lengths 1 to several blocks with partial last blocks,
-strided queries, fp8 and int8 caches; then the engine's greedy outputs on the ``cpu``
-backend against ``reference``, and how the backend is chosen."""
+"""The native CPU kernels (``kernels/cpu``) against the torch reference: decode attention
+(GQA ratios 1-8, head dims 64-256, lengths 1 to several blocks with partial last blocks,
+strided queries, fp8 and int8 caches) and the fused elementwise ops (odd sizes that
+leave SIMD tails, strided rows, the inputs they hand back to the reference); then the
+engine's greedy outputs on the ``cpu`` backend against ``reference``, and how the backend
+is chosen."""
 
 from __future__ import annotations
 
@@ -92,6 +94,40 @@ def test_bad_inputs_are_refused():
         cpu.decode_attention(q, cache.bfloat16(), meta.block_table, lens, 0.1)
     with pytest.raises(ValueError, match="evenly"):
         cpu.decode_attention(q[:, :3], cache, meta.block_table, lens, 0.1)
+
+
+@pytest.mark.parametrize("dim", [8, 130, 512])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dim, with_residual):
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(37, dim + 6, generator=g)[:, 3 : 3 + dim]  # strided rows
+    residual = torch.randn(37, dim, generator=g) if with_residual else None
+    weight = torch.randn(dim, generator=g)
+    got, got_res = cpu.rms_norm(x, weight, 1e-5, residual)
+    want, want_res = ref.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_res, want_res, atol=0, rtol=0)
+
+
+def test_rms_norm_per_head_weights_use_the_reference():
+    x, weight = torch.randn(5, 6, 16), torch.randn(6, 16)
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-6)[0], ref.rms_norm(x, weight, 1e-6)[0])
+
+
+@pytest.mark.parametrize("half", [1, 37, 1024])
+def test_silu_and_mul_matches_reference(half):
+    x = torch.randn(9, 2 * half) * 6  # large magnitudes: exp's range ends
+    x[0, :half] = torch.tensor([-200.0, 200.0, 0.0] * half)[:half]
+    torch.testing.assert_close(cpu.silu_and_mul(x), ref.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [8, 64, 80, 128])
+def test_rotary_matches_reference(d):
+    cos, sin = ref.rotary_cos_sin(d, 64, 10000.0)
+    positions = torch.tensor([0, 5, 63, 17])
+    c, s = ref.rotary_for_positions(positions, cos, sin, torch.float32)
+    qk = torch.randn(4, 6 + 3, d)[:, :6]  # queries and keys of fused QKV rows: strided
+    torch.testing.assert_close(cpu.apply_rotary(qk, c, s), ref.apply_rotary(qk, c, s))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])

@@ -1,0 +1,81 @@
+"""Fused fp32 RMSNorm (with the residual add), SiLU-and-mul and rotary embedding on CPU,
+by the native kernels of ``elementwise.cpp``: one pass over the data each, where the
+torch reference makes several. Same signatures as the reference ops; inputs these
+kernels do not take (other dtypes, per-head norm weights, strided rows) go to the
+reference."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from lamina.kernels import reference
+from lamina.kernels.cpu.build import load_library, ptr
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """fp32, 2-D, unit stride along the row: what the kernels index."""
+    return t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`lamina.kernels.reference.rms_norm`."""
+    if not (_rows(x) and weight.dim() == 1 and (residual is None or _rows(residual))):
+        return reference.rms_norm(x, weight, eps, residual)
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    new_residual = x if residual is None else torch.empty((rows, dim), dtype=x.dtype)
+    load_library().lamina_rms_norm(
+        ptr(x),
+        ctypes.c_int64(x.stride(0)),
+        ptr(residual),
+        ctypes.c_int64(0 if residual is None else residual.stride(0)),
+        ptr(weight.contiguous()),
+        ctypes.c_float(eps),
+        ctypes.c_int64(rows),
+        ctypes.c_int64(dim),
+        ptr(out),
+        ptr(None if residual is None else new_residual),
+    )
+    return out, new_residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See :func:`lamina.kernels.reference.silu_and_mul`."""
+    if not (_rows(gate_up) and gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0):
+        return reference.silu_and_mul(gate_up)
+    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, half), dtype=gate_up.dtype)
+    load_library().lamina_silu_and_mul(
+        ptr(gate_up), ctypes.c_int64(rows), ctypes.c_int64(half), ptr(out)
+    )
+    return out
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """See :func:`lamina.kernels.reference.apply_rotary` (``cos``/``sin`` ``(T, 1, D/2)``)."""
+    tokens, heads, dim = x.shape
+    if not (
+        x.dtype == cos.dtype == sin.dtype == torch.float32
+        and x.stride(2) == 1
+        and x.stride(1) == dim
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == (tokens, 1, dim // 2)
+    ):
+        return reference.apply_rotary(x, cos, sin)
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+    load_library().lamina_rotary(
+        ptr(x),
+        ctypes.c_int64(x.stride(0)),
+        ptr(cos),
+        ptr(sin),
+        ctypes.c_int64(tokens),
+        ctypes.c_int64(heads),
+        ctypes.c_int64(dim),
+        ptr(out),
+    )
+    return out
