@@ -10,7 +10,10 @@ One run, same machine, same weights, same requests:
 * batch-1 decode: one request; decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)),
   which removes prefill from both sides.
 
-Prints medians of ``--runs`` runs and the ratios. Not a test: run it by hand.
+Prints medians of ``--runs`` runs and the ratios: of the medians, and, for throughput, the
+median of each run's own ratio (both sides of a run share the machine's state of the
+moment, which on a shared 2-vCPU machine drifts by ±20% between runs). Not a test: run
+it by hand.
 
     .venv/bin/python benchmarks/engine_vs_hf.py            # the full workload
     .venv/bin/python benchmarks/engine_vs_hf.py --quick    # a smoke run in about a minute
@@ -186,10 +189,11 @@ def main() -> None:
             f"  run {run + 1}: lamina {lamina_runs[-1]:.1f} tok/s; transformers {hf_runs[-1]:.1f}"
         )
     ours, theirs = statistics.median(lamina_runs), statistics.median(hf_runs)
+    paired = statistics.median(a / b for a, b in zip(lamina_runs, hf_runs, strict=True))
     print(
         f"throughput (median of {args.runs}): lamina {ours:.1f} output tok/s, transformers "
         f"{theirs:.1f} (best: batch {best_bs}{', sorted by length' if best_sort else ''}) "
-        f"-> ratio {ours / theirs:.2f}x"
+        f"-> ratio {ours / theirs:.2f}x (median of the runs' own ratios {paired:.2f}x)"
     )
 
     prompt = work[0][0][:32]
