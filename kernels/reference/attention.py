@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.reference import kv_quant
+from lamina.kernels.transfer import upload
 
 _DECODE_GROUPS = 4  # at most this many decode groups per step
 _MIN_GROUP = 8  # ... of at least this many sequences each
@@ -82,16 +83,14 @@ class AttentionMetadata:
         writes = None
         if with_block_writes:
             writes = kv_quant.block_writes(query_lens, context_lens, block_table, block_size)
-            writes = torch.from_numpy(writes).to(device)
+            writes = upload(writes, torch.int64, device)
         flat = dict(
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,
             num_prefill_tokens=sum(query_lens[num_decodes:]),
-            query_start_loc=torch.from_numpy(
-                np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
-            ).to(device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int64, device=device),
-            block_table=torch.from_numpy(block_table).to(device),
+            query_start_loc=upload(np.cumsum([0, *query_lens]), torch.int64, device),
+            context_lens=upload(context_lens, torch.int64, device),
+            block_table=upload(block_table, torch.int64, device),
             max_query_len=max(query_lens),
             block_writes=writes,
             prefill_lens=tuple(int(n) for n in query_lens[num_decodes:]),
@@ -108,7 +107,7 @@ class AttentionMetadata:
             keys = np.arange(max_blocks * block_size)
             mask = torch.from_numpy(keys[None, :] < lens[:, None])[:, None, None, :]
             tables = _table(block_table[start:end], max_blocks, device)
-            decode_groups.append(DecodeGroup(int(start), int(end), tables, mask.to(device)))
+            decode_groups.append(DecodeGroup(int(start), int(end), tables, _to(mask, device)))
 
         pad_index = valid = prefill_tables = prefill_mask = None
         q_lens = np.asarray(query_lens[num_decodes:], dtype=np.int64)
@@ -139,11 +138,11 @@ class AttentionMetadata:
 
 
 def _table(block_table: np.ndarray, width: int, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(block_table[:, :width])).to(device)
+    return upload(np.ascontiguousarray(block_table[:, :width]), torch.int64, device)
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
+    return None if t is None else upload(t, t.dtype, device)
 
 
 def write_kv_cache(

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from lamina.kernels.reference import AttentionMetadata, kv_quant
+from lamina.kernels.transfer import upload
 from lamina.services.engine_worker.cuda_graphs import DecodeGraphs
 from lamina.services.engine_worker.model import CausalLM
 from lamina.services.engine_worker.scheduler import ScheduledBatch
@@ -88,7 +89,7 @@ class ModelRunner:
         if graphs is not None and batch.num_decodes == len(requests) and graphs.bucket(len(ids)):
             return graphs.run(np.asarray(ids), positions, slots, ctx_arr, table)
         dev = self.device
-        slot_mapping = torch.from_numpy(slots).to(dev)
+        slot_mapping = upload(slots, torch.int64, dev)
         meta = AttentionMetadata.build(
             num_new,
             context,
@@ -102,10 +103,10 @@ class ModelRunner:
             with_block_writes=self._block_writes,
         )
         return self.model.forward(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.from_numpy(positions).to(dev),
+            upload(ids, torch.int64, dev),
+            upload(positions, torch.int64, dev),
             meta,
             self.kv_caches,
-            torch.from_numpy(sampled).to(dev),
+            upload(sampled, torch.int64, dev),
             self.kv_scales,
         )

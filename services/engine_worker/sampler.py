@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lamina.kernels.transfer import upload
 from lamina.services.engine_worker.request import Request
 
 Logprobs = tuple[float, list[tuple[int, float]]]
@@ -48,7 +49,7 @@ class Sampler:
         if suppress:
             for row in suppress:
                 stop = set(requests[row].params.stop_token_ids) | set(self.eos_token_ids)
-                logits[row, list(stop)] = float("-inf")
+                logits[row, upload(sorted(stop), torch.int64, logits.device)] = float("-inf")
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -68,14 +69,15 @@ class Sampler:
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         vocab = logits.shape[1]
         dev = logits.device
-        rep = torch.tensor([r.params.repetition_penalty for r in requests], device=dev)
-        pres = torch.tensor([r.params.presence_penalty for r in requests], device=dev)
-        freq = torch.tensor([r.params.frequency_penalty for r in requests], device=dev)
+        reps = [r.params.repetition_penalty for r in requests]
+        rep = upload(reps, torch.float32, dev)
+        pres = upload([r.params.presence_penalty for r in requests], torch.float32, dev)
+        freq = upload([r.params.frequency_penalty for r in requests], torch.float32, dev)
         # Counts over generated tokens drive presence/frequency (OpenAI); the repetition
         # penalty covers prompt and output (Hugging Face / vLLM).
         output_counts = _token_counts([r.output_token_ids for r in requests], vocab, dev)
         seen = output_counts > 0
-        if (rep != 1.0).any():
+        if any(r != 1.0 for r in reps):
             seen_any = seen | (
                 _token_counts([r.prompt_token_ids for r in requests], vocab, dev) > 0
             )
@@ -89,8 +91,8 @@ class Sampler:
     ) -> torch.Tensor:
         params = [r.params for r in requests]
         dev = logits.device
-        greedy_rows = torch.tensor(greedy, device=dev)
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+        greedy_rows = upload(greedy, torch.bool, dev)
+        temperature = upload([p.temperature or 1.0 for p in params], torch.float32, dev)
         scaled = logits / temperature[:, None]
         if any(p.has_filters for p in params):
             scaled = _filter(scaled, params)
@@ -111,7 +113,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
         index[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
     counts.scatter_add_(
-        1, index.to(device), torch.ones_like(index, dtype=counts.dtype, device=device)
+        1, upload(index, torch.int64, device), torch.ones(index.shape, device=device)
     )
     return counts[:, :vocab]
 
@@ -120,9 +122,9 @@ def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Mask (to -inf) tokens removed by each row's top-k, top-p and min-p."""
     dev = logits.device
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    top_k = upload([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, dev)
+    top_p = upload([p.top_p for p in params], torch.float32, dev)
+    min_p = upload([p.min_p for p in params], torch.float32, dev)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=dev)[None, :]
     drop = ranks >= top_k[:, None]

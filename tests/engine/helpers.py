@@ -34,6 +34,21 @@ def drain(engine: Engine, max_steps: int = 10_000) -> dict[str, list[int]]:
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
 
+def greedy_by_backend(
+    model, monkeypatch, backends: tuple[str, ...], max_tokens: int = 6, **overrides
+) -> dict[str, dict[str, list[int]]]:
+    """The same mixed batch (chunked prefill, then decodes) run greedily on each kernel
+    backend (``LAMINA_KERNELS``): each backend's outputs by request."""
+    prompts = {"a": list(range(40, 61)), "b": [7, 8, 9], "c": list(range(100, 140))}
+    outputs = {}
+    for backend in backends:
+        monkeypatch.setenv("LAMINA_KERNELS", backend)
+        engine = make_engine(model, max_num_batched_tokens=32, **overrides)
+        assert engine.runner.model.ops.backend == backend
+        outputs[backend] = run_to_completion(engine, prompts, greedy(max_tokens))
+    return outputs
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 

@@ -132,15 +132,11 @@ def test_rotary_matches_reference(d):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_engine_greedy_outputs_equal_on_cpu_and_reference(tiny_model, monkeypatch, kv_cache_dtype):
-    from tests.engine.helpers import greedy, make_engine, run_to_completion
+    from tests.engine.helpers import greedy_by_backend
 
-    prompts = {"a": list(range(40, 61)), "b": [7, 8, 9], "c": list(range(100, 140))}
-    outputs = {}
-    for backend in ("reference", "cpu"):
-        monkeypatch.setenv("LAMINA_KERNELS", backend)
-        engine = make_engine(tiny_model, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
-        assert engine.runner.model.ops.backend == backend
-        outputs[backend] = run_to_completion(engine, prompts, greedy(12))
+    outputs = greedy_by_backend(
+        tiny_model, monkeypatch, ("reference", "cpu"), 12, kv_cache_dtype=kv_cache_dtype
+    )
     assert outputs["cpu"] == outputs["reference"]
 
 

@@ -90,20 +90,15 @@ def test_paged_attention_matches_reference(hq, hkv, d, seqs):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_engine_greedy_outputs_equal_on_both_backends(tiny_model, monkeypatch, kv_cache_dtype):
-    from tests.engine.helpers import greedy, make_engine, run_to_completion
+    from tests.engine.helpers import greedy_by_backend
 
-    prompts = {"a": list(range(40, 61)), "b": [7, 8, 9], "c": list(range(100, 140))}
-    outputs = {}
-    for backend in ("reference", "triton"):
-        monkeypatch.setenv("LAMINA_KERNELS", backend)
-        engine = make_engine(
-            tiny_model,
-            device=str(DEVICE),
-            max_num_batched_tokens=32,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        assert engine.runner.model.ops.backend == backend
-        outputs[backend] = run_to_completion(engine, prompts, greedy(6))
+    outputs = greedy_by_backend(
+        tiny_model,
+        monkeypatch,
+        ("reference", "triton"),
+        device=str(DEVICE),
+        kv_cache_dtype=kv_cache_dtype,
+    )
     assert outputs["triton"] == outputs["reference"]
 
 
