@@ -5,6 +5,12 @@ The engine is synchronous and not thread-safe, so only this thread touches it (b
 (add, cancel, call) through a thread-safe queue; the thread steps the engine whenever it
 has work and hands each step's wire events, grouped in one list, to ``emit`` (which must
 be thread-safe: the service wraps ``loop.call_soon_threadsafe``).
+
+The thread also builds the engine. Torch's OpenMP runtime keeps a pool of worker threads
+for every thread that ever ran a parallel op, and once pools and their owners outnumber
+the cores it stops spinning between parallel regions and sleeps instead (libgomp's
+throttled spin): with the engine built on an executor thread and stepped on this one,
+each parallel op ran 10-20% slower on the 2-core benchmark machine.
 """
 
 from __future__ import annotations
@@ -88,20 +94,24 @@ class EngineLoop(threading.Thread):
 
     def __init__(
         self,
-        engine: Engine,
+        make_engine: Callable[[], Engine],
         worker_id: str,
         kv_subject: str,
         emit: Callable[[list[Outgoing]], None],
     ) -> None:
         super().__init__(name="engine", daemon=True)
-        self.engine = engine
+        self._make_engine = make_engine
+        self.engine: Engine | None = None
+        """Set by the thread once built (see :meth:`wait_ready`)."""
         self.worker_id = worker_id
         self.kv_subject = kv_subject
         self.emit = emit
-        self.stats: EngineStats = engine.stats()
+        self.stats: EngineStats | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._stats_at = 0.0
         self._lock = threading.Lock()
         self._pending_adds = 0
@@ -124,6 +134,14 @@ class EngineLoop(threading.Thread):
         self._commands.put(command)
         return command.done
 
+    def wait_ready(self) -> Engine:
+        """Block until the thread has built the engine; re-raise what stopped it if not."""
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+        assert self.engine is not None
+        return self.engine
+
     @property
     def num_requests(self) -> int:
         """Requests submitted and not yet finished (queued commands included)."""
@@ -131,12 +149,20 @@ class EngineLoop(threading.Thread):
             return self._pending_adds + len(self._streams)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self._commands.put(None)
 
     # ------------------------------------------------------------------ the engine thread
     def run(self) -> None:
-        while not self._stop.is_set():
+        try:
+            self.engine = self._make_engine()
+            self.stats = self.engine.stats()
+        except BaseException as exc:  # handed to wait_ready's caller
+            self._startup_error = exc
+            return
+        finally:
+            self._ready.set()
+        while not self._stopping.is_set():
             busy = self.engine.has_work()
             self._drain_commands(block=not busy)
             if self.engine.has_work():

@@ -91,15 +91,15 @@ class WorkerService:
         self.bus = bus = await Bus.connect(cfg.nats_url, f"worker-{self.worker_id}")
         engine_config = cfg.engine_config()
         self.model_name = cfg.model_name or engine_config.model.name
-        engine = await asyncio.to_thread(Engine, engine_config)
         aio = asyncio.get_running_loop()
         self.loop = EngineLoop(
-            engine,
+            lambda: Engine(engine_config),  # built on the thread that steps it
             self.worker_id,
             subjects.worker_kv(self.worker_id),
             emit=lambda batch: aio.call_soon_threadsafe(self._outbox.put_nowait, batch),
         )
         self.loop.start()
+        engine = await asyncio.to_thread(self.loop.wait_ready)
         wid = self.worker_id
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
