@@ -32,8 +32,8 @@ _HERE = Path(__file__).parent
 SOURCES = sorted(_HERE.glob("*.cpp"))
 HEADERS = sorted(_HERE.glob("*.h"))
 _ISA_FLAGS = {
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
 }
 
 
