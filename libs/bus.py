@@ -22,7 +22,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import MaxPayloadError, NoRespondersError
+from nats.errors import ConnectionReconnectingError, MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -210,9 +210,18 @@ class Bus:
             raise PayloadTooLarge(subject, len(data), self.max_payload)
 
     async def drain(self) -> None:
-        """Finish in-flight handlers and flush pending publishes, then close."""
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        """Finish in-flight handlers and flush pending publishes, then close. Without a
+        server to flush to (it went away first), just close."""
+        if self.nc.is_closed:
+            return
+        if self.nc.is_connected:
+            try:
+                await self.nc.drain()
+                return
+            except ConnectionReconnectingError:  # lost between the check and the drain
+                pass
+        log.warning("draining with no NATS server connected: closing instead")
+        await self.nc.close()
 
     async def close(self) -> None:
         if not self.nc.is_closed:

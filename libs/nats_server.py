@@ -55,7 +55,12 @@ class NatsServer:
         if self.jetstream:
             self._store = tempfile.TemporaryDirectory(prefix="lamina-nats-")
             args += ["-js", "-sd", self._store.name]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # A session of its own: a terminal's Ctrl-C (SIGINT to the whole foreground process
+        # group) must not take the bus away while the services are still draining over it;
+        # whoever started the server stops it, after them.
+        self._proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

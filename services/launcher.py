@@ -171,7 +171,14 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    stack.start()
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError):
+        if not stopping:
+            raise
+        # Ctrl-C during start-up: the services got it too and stopped; not a failure.
+        print("stopped during start-up", file=sys.stderr)
+        return 0
     print(f"Lamina is up: {args.workers} worker(s) serving {model.name}")
     print(f"  OpenAI API   {stack.base_url}/v1  (try: curl {stack.base_url}/v1/models)")
     print(f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate)")

@@ -127,3 +127,21 @@ def test_trace_context_crosses_the_bus(nats_url):
     assert consumer.parent.span_id == producer.context.span_id
     assert producer.attributes["messaging.system"] == "nats"
     assert producer.attributes["messaging.destination.name"] == "t.traced"
+
+
+def test_draining_after_the_server_went_away_closes_promptly():
+    from lamina.libs.nats_server import NatsServer
+
+    server = NatsServer().start()
+
+    async def main():
+        bus = await Bus.connect(server.url, "test")
+        server.stop()
+        await asyncio.sleep(0.2)  # the client notices and starts reconnecting
+        await asyncio.wait_for(bus.drain(), timeout=5)
+        return bus.nc.is_closed
+
+    try:
+        assert run(main())
+    finally:
+        server.stop()

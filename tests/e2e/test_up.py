@@ -1,0 +1,48 @@
+"""`lamina up` as a user runs it: Ctrl-C in the terminal sends SIGINT to the whole
+foreground process group at once (launcher, services and nats-server alike); everything
+must still drain over the bus and exit cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from lamina.libs.nats_server import free_port
+
+
+def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
+    port = free_port()
+    command = [sys.executable, "-c", "from lamina.services.cli import main; main()", "up"]
+    options = ["--model", str(tiny_model), "--http-port", str(port)]
+    proc = subprocess.Popen(
+        [*command, *options, "--metrics-port", str(free_port())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # a process group of its own, like a terminal's job
+        env={**os.environ, "LAMINA_HOME": str(tmp_path)},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError("the stack never became ready")
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = output.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert "Traceback" not in text, text
+    for service in ("gateway", "engine-worker", "scheduler", "telemetry"):
+        assert f"{service} stopped" in text, text
