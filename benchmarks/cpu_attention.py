@@ -10,26 +10,14 @@ bandwidth over the K/V bytes it reads, and the ratio.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
+from timing import median_ms
 
 from lamina.kernels import cpu
 from lamina.kernels import reference as ref
 from lamina.kernels.reference import AttentionMetadata
-
-
-def median_ms(fn, runs: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
 
 
 def case(batch: int, context: int, args: argparse.Namespace) -> tuple[float, float, float]:
@@ -51,8 +39,8 @@ def case(batch: int, context: int, args: argparse.Namespace) -> tuple[float, flo
 
     dense, flat = meta(True), meta(False)
     scale = d**-0.5
-    t_ref = median_ms(lambda: ref.paged_attention(q, kv, kv, cache, dense, scale), args.runs)
-    t_cpu = median_ms(lambda: cpu.paged_attention(q, kv, kv, cache, flat, scale), args.runs)
+    t_ref = median_ms(lambda: ref.paged_attention(q, kv, kv, cache, dense, scale), args.runs, 3)
+    t_cpu = median_ms(lambda: cpu.paged_attention(q, kv, kv, cache, flat, scale), args.runs, 3)
     return t_ref, t_cpu, batch * (context + 1) * hkv * d * 4 * 2 / 1e6
 
 

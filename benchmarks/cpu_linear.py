@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from timing import median_ms
 
 from lamina.kernels.linear import OneDnnLinear, TorchLinear
 from lamina.services.engine_worker.default_model import ensure_default_model
@@ -27,16 +26,6 @@ def layer_shapes(model: Path) -> list[tuple[int, int]]:
     d = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * c["num_hidden_layers"]
-
-
-def median_ms(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
 
 
 def run_all(layers: list, inputs: list[torch.Tensor]):

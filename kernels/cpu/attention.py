@@ -24,22 +24,24 @@ def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
     scale: float,
     kv_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one fp32 query ``(Hq, D)`` per sequence over its first ``seq_lens``
-    cached tokens: ``q`` ``(S, Hq, D)`` (rows may be strided; heads contiguous),
-    ``block_table`` ``(S, W)`` int64, ``seq_lens`` ``(S,)`` int64. Returns ``(S, Hq, D)``
-    (written into ``out`` if given)."""
+    """Attention of one fp32 query ``(Hq, D)`` per sequence over its cached context and
+    its own new token (already written): ``context_lens[s] + 1`` tokens. ``q`` ``(S, Hq,
+    D)`` (rows may be strided; heads contiguous), ``block_table`` ``(S, W)`` int64,
+    ``context_lens`` ``(S,)`` int64, as in :class:`AttentionMetadata`. Returns ``(S, Hq,
+    D)`` (written into ``out`` if given)."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
         raise ValueError("decode_attention needs fp32 queries with contiguous heads")
-    if not (kv_cache.is_contiguous() and block_table.stride(1) == 1 and seq_lens.is_contiguous()):
+    contiguous = kv_cache.is_contiguous() and context_lens.is_contiguous()
+    if not (contiguous and block_table.stride(1) == 1):
         raise ValueError("decode_attention needs a contiguous cache, table rows and lengths")
-    if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+    if block_table.dtype != torch.int64 or context_lens.dtype != torch.int64:
         raise ValueError("decode_attention needs int64 block tables and lengths")
     kind = kv_quant.quant_kind(kv_cache)
     if kind is None and kv_cache.dtype != torch.float32:
@@ -54,7 +56,7 @@ def decode_attention(
         ptr(kv_scales.contiguous() if kv_scales is not None else None),
         ptr(block_table),
         ctypes.c_int64(block_table.stride(0)),
-        ptr(seq_lens),
+        ptr(context_lens),
         ctypes.c_int64(num_seqs),
         ctypes.c_int64(num_blocks),
         ctypes.c_int64(block_size),
@@ -84,15 +86,13 @@ def paged_attention(
     if not nd:
         return prefill_attention(q, k, v, kv_cache, meta, scale, kv_scales)
     if not meta.num_prefill_tokens:
-        return decode_attention(
-            q, kv_cache, meta.block_table, meta.context_lens + 1, scale, kv_scales
-        )
+        return decode_attention(q, kv_cache, meta.block_table, meta.context_lens, scale, kv_scales)
     out = q.new_empty(q.shape)
     decode_attention(
         q[:nd],
         kv_cache,
         meta.block_table[:nd],
-        meta.context_lens[:nd] + 1,
+        meta.context_lens[:nd],
         scale,
         kv_scales,
         out=out[:nd],

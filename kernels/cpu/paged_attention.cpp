@@ -14,7 +14,8 @@
 //   cache    (2, num_blocks, block_size, num_kv_heads, head_dim) fp32, fp8 bytes or int8
 //   scales   fp8: (2, num_kv_heads); int8: (2, num_blocks, num_kv_heads); fp32: unused
 //   tables   (num_seqs, table_stride) int64 block ids
-//   seq_lens (num_seqs,) int64 tokens to attend (the new token included)
+//   contexts (num_seqs,) int64 tokens cached before this step's one new token (which
+//            is already written: each sequence attends to contexts[s] + 1 tokens)
 //   out      (num_seqs, num_heads, head_dim) fp32
 
 #include <ATen/Parallel.h>
@@ -301,7 +302,7 @@ void attend(const float* q, const void* cache, const float* scales, const int64_
 
 template <int Kind>
 void decode_attention(const float* q, int64_t q_stride, const void* cache, const float* scales,
-                      const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
+                      const int64_t* tables, int64_t table_stride, const int64_t* contexts,
                       int64_t num_seqs, int64_t num_blocks, int64_t block_size,
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, float sm_scale,
                       float* out) {
@@ -316,7 +317,7 @@ void decode_attention(const float* q, int64_t q_stride, const void* cache, const
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / split, h0 = (item % split) * kv_heads;
       attend<Kind>(q + s * q_stride + h0 * group * d, cache, scales,
-                   tables + s * table_stride, seq_lens[s], h0, kv_heads, num_blocks,
+                   tables + s * table_stride, contexts[s] + 1, h0, kv_heads, num_blocks,
                    block_size, num_kv_heads, group, d, sm_scale,
                    out + (s * num_heads + h0 * group) * d, buf);
     }
@@ -327,23 +328,23 @@ void decode_attention(const float* q, int64_t q_stride, const void* cache, const
 
 extern "C" int lamina_paged_decode_attention(
     const float* q, int64_t q_stride, const void* cache, int cache_kind, const float* scales,
-    const int64_t* tables, int64_t table_stride, const int64_t* seq_lens, int64_t num_seqs,
+    const int64_t* tables, int64_t table_stride, const int64_t* contexts, int64_t num_seqs,
     int64_t num_blocks, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, float sm_scale, float* out) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
   switch (cache_kind) {
     case kFloat32:
-      decode_attention<kFloat32>(q, q_stride, cache, scales, tables, table_stride, seq_lens,
+      decode_attention<kFloat32>(q, q_stride, cache, scales, tables, table_stride, contexts,
                                  num_seqs, num_blocks, block_size, num_heads, num_kv_heads,
                                  head_dim, sm_scale, out);
       return 0;
     case kFp8E4M3:
-      decode_attention<kFp8E4M3>(q, q_stride, cache, scales, tables, table_stride, seq_lens,
+      decode_attention<kFp8E4M3>(q, q_stride, cache, scales, tables, table_stride, contexts,
                                  num_seqs, num_blocks, block_size, num_heads, num_kv_heads,
                                  head_dim, sm_scale, out);
       return 0;
     case kInt8:
-      decode_attention<kInt8>(q, q_stride, cache, scales, tables, table_stride, seq_lens,
+      decode_attention<kInt8>(q, q_stride, cache, scales, tables, table_stride, contexts,
                               num_seqs, num_blocks, block_size, num_heads, num_kv_heads,
                               head_dim, sm_scale, out);
       return 0;

@@ -109,7 +109,8 @@ class Engine:
                 and config.kv_cache_dtype != "int8"
             )
         # Decode graphs pad their batches into a block of their own: the pool's last.
-        self.blocks = BlockManager(num_blocks - graphs, bs, config.enable_prefix_caching)
+        usable = num_blocks - 1 if graphs else num_blocks
+        self.blocks = BlockManager(usable, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_batched_tokens,
