@@ -1,12 +1,18 @@
 """Linear layers, with their weights prepared once at load.
 
-On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs in fp32 the
-engine packs each weight for oneDNN at load and calls oneDNN's matmul on it: on the
-small-batch shapes that decoding makes, ``F.linear`` goes to MKL's sgemm, which on the
-AMD EPYC this project is measured on streams a 38M-parameter model's weights at 5-8 GB/s
-for one row and slows down sharply for a few; oneDNN's packed matmul is 1.15-1.9x faster
-from 1 to 2048 rows (``benchmarks/cpu_linear.py``, ``docs/performance.md``).
-``LAMINA_CPU_LINEAR=torch`` turns it off.
+On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs in fp32:
+
+* ``onednn``: each weight is packed for oneDNN at load and oneDNN's matmul runs on it. On
+  the small-batch shapes that decoding makes, ``F.linear`` goes to MKL's sgemm, which on
+  the AMD EPYC this project is measured on slows down sharply for a few rows; oneDNN's
+  packed matmul is 1.15-1.9x faster from 1 to 2048 rows (``benchmarks/cpu_linear.py``).
+* ``native`` (the default with the ``cpu`` kernel backend): oneDNN as above, except that
+  up to :data:`SKINNY_ROWS` rows go to the native skinny kernel
+  (``kernels/cpu/skinny_linear.cpp``), which streams the weight once at close to the
+  machine's read bandwidth where oneDNN reaches about 80% of it. It keeps the plain
+  weight next to the packed one: twice the weight memory.
+
+``LAMINA_CPU_LINEAR=native|onednn|torch`` overrides the choice.
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ log = logging.getLogger("lamina.kernels")
 
 _PACK_ROWS = 512
 """The row count oneDNN packs for: measured best across 1-2048 rows of all hints tried."""
+
+SKINNY_ROWS = 4
+"""Up to this many rows the native skinny kernel beats oneDNN's packed matmul (measured
+with ``benchmarks/cpu_linear.py``; past it the kernel turns compute-bound)."""
+
+CHOICES = ("native", "onednn", "torch")
 
 
 class TorchLinear:
@@ -46,26 +58,49 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-Linear = TorchLinear | OneDnnLinear
+class CpuLinear(OneDnnLinear):
+    """:class:`OneDnnLinear`, with the native skinny kernel for up to
+    :data:`SKINNY_ROWS` rows (on the plain weight, kept as well)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.weight = weight.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= SKINNY_ROWS:
+            from lamina.kernels.cpu import skinny_linear
+
+            return skinny_linear(x, self.weight, self.bias)
+        return super().__call__(x)
+
+
+Linear = TorchLinear | OneDnnLinear | CpuLinear
 _logged: set[str] = set()
 
 
 def linear_factory(
-    device: torch.device, dtype: torch.dtype
+    device: torch.device, dtype: torch.dtype, backend: str = "reference"
 ) -> Callable[[torch.Tensor, torch.Tensor | None], Linear]:
-    """The linear implementation for weights of ``dtype`` on ``device`` (logged once)."""
+    """The linear implementation for weights of ``dtype`` on ``device`` next to the kernel
+    ``backend`` (see :mod:`lamina.kernels.dispatch`); logged once."""
     requested = os.environ.get("LAMINA_CPU_LINEAR", "").strip().lower()
-    if requested not in ("", "onednn", "torch"):
-        raise ValueError(f"LAMINA_CPU_LINEAR={requested!r}: choose onednn or torch")
+    if requested and requested not in CHOICES:
+        raise ValueError(f"LAMINA_CPU_LINEAR={requested!r}: choose one of {', '.join(CHOICES)}")
     onednn = (
         device.type == "cpu"
         and dtype == torch.float32
-        and requested != "torch"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
-    choice = "onednn" if onednn else "torch"
+    if requested == "native" and not (onednn and backend == "cpu"):
+        raise ValueError("LAMINA_CPU_LINEAR=native needs fp32 on the CPU with the cpu kernels")
+    if requested == "torch" or not onednn:
+        choice, cls = "torch", TorchLinear
+    elif requested == "onednn" or backend != "cpu":
+        choice, cls = "onednn", OneDnnLinear
+    else:
+        choice, cls = "native", CpuLinear
     if choice not in _logged:
         _logged.add(choice)
         log.info("linear layers: %s (%s, %s)", choice, device.type, dtype)
-    return OneDnnLinear if onednn else TorchLinear
+    return cls

@@ -4,6 +4,7 @@ torch reference op leaves real speed behind. Each keeps its reference op's signa
 from lamina.kernels.cpu.attention import decode_attention, paged_attention
 from lamina.kernels.cpu.build import BuildError, load_library
 from lamina.kernels.cpu.elementwise import apply_rotary, rms_norm, silu_and_mul
+from lamina.kernels.cpu.linear import skinny_linear
 from lamina.kernels.reference import write_kv_cache  # the reference's scatter is enough
 
 __all__ = [
@@ -14,5 +15,6 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "silu_and_mul",
+    "skinny_linear",
     "write_kv_cache",
 ]

@@ -274,13 +274,15 @@ def prefill_attention(
     start = 0
     for n in meta.prefill_lens:
         rows = slice(start, start + n)
+        # 4-D (a batch of one): on CPU, 3-D inputs take SDPA's math path (a materialised
+        # score matrix), 4-D ones its flash kernel, 3-4x faster on 300-500 tokens.
         out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1),  # (Hq, n, D)
-            k[rows].transpose(0, 1),
-            v[rows].transpose(0, 1),
+            q[rows].transpose(0, 1)[None],  # (1, Hq, n, D)
+            k[rows].transpose(0, 1)[None],
+            v[rows].transpose(0, 1)[None],
             is_causal=True,
             scale=scale,
             enable_gqa=True,
-        ).transpose(0, 1)
+        )[0].transpose(0, 1)
         start += n
     return out

@@ -67,7 +67,8 @@ class CausalLM:
             bias = take(name, *shape)  # added once, before the all-reduce sums the ranks
             return bias if tp.rank == 0 else None
 
-        linear = linear_factory(device, dtype)
+        self.ops = load_ops(device, dtype)
+        linear = linear_factory(device, dtype, self.ops.backend)
 
         self.embed = take("model.embed_tokens.weight", c.vocab_size, h)
         self.layers: list[Layer] = []
@@ -134,7 +135,6 @@ class CausalLM:
             d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
         )
         self.scale = d**-0.5
-        self.ops = load_ops(device, dtype)
 
     @staticmethod
     def _qk_norm(c: ModelConfig, take, prefix: str) -> torch.Tensor:

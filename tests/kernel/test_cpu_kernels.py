@@ -1,9 +1,9 @@
 """The native CPU kernels (``kernels/cpu``) against the torch reference: decode attention
 (GQA ratios 1-8, head dims 64-256, lengths 1 to several blocks with partial last blocks,
-strided queries, fp8 and int8 caches) and the fused elementwise ops (odd sizes that
-leave SIMD tails, strided rows, the inputs they hand back to the reference); then the
-engine's greedy outputs on the ``cpu`` backend against ``reference``, and how the backend
-is chosen."""
+strided queries, fp8 and int8 caches), the fused elementwise ops (odd sizes that leave
+SIMD tails, strided rows, the inputs they hand back to the reference) and the skinny
+linear; then the engine's greedy outputs on the ``cpu`` backend against ``reference``,
+and how the backend is chosen."""
 
 from __future__ import annotations
 
@@ -130,6 +130,18 @@ def test_rotary_matches_reference(d):
     torch.testing.assert_close(cpu.apply_rotary(qk, c, s), ref.apply_rotary(qk, c, s))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("k", [16, 37, 512])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_matches_f_linear(rows, k, with_bias):
+    g = torch.Generator().manual_seed(rows * k)
+    weight = torch.randn(13, k, generator=g)  # 13 outputs: threads split unevenly
+    bias = torch.randn(13, generator=g) if with_bias else None
+    x = torch.randn(rows, k + 3, generator=g)[:, :k]  # strided rows, as views hand over
+    want = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(cpu.skinny_linear(x, weight, bias), want, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_engine_greedy_outputs_equal_on_cpu_and_reference(tiny_model, monkeypatch, kv_cache_dtype):
     from tests.engine.helpers import greedy_by_backend
@@ -163,3 +175,20 @@ def test_a_failed_build_falls_back_to_reference_unless_asked_for(monkeypatch, tm
             choose_backend(CPU, torch.float32)
     finally:
         build.load_library.cache_clear()
+
+
+def test_kernels_without_avx2(tmp_path):
+    """The portable (non-SIMD) code of every kernel: this file's kernel tests again, in a
+    process where torch reports no AVX2, so the library is compiled without it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", LAMINA_HOME=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "match or long_context or refused"],
+        env=env, capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert list((tmp_path / "kernels").glob("cpu-*.so")), "the kernels were not rebuilt"

@@ -1,4 +1,5 @@
-"""Linear layers: oneDNN's packed matmul against ``F.linear``, and which one runs where."""
+"""Linear layers: oneDNN's packed matmul and the native skinny kernel against ``F.linear``,
+and which one runs where."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lamina.kernels.linear import OneDnnLinear, TorchLinear, linear_factory
+from lamina.kernels.linear import (
+    SKINNY_ROWS,
+    CpuLinear,
+    OneDnnLinear,
+    TorchLinear,
+    linear_factory,
+)
 
 CPU = torch.device("cpu")
 
@@ -21,12 +28,27 @@ def test_onednn_linear_matches_f_linear(rows, with_bias):
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
-def test_onednn_only_for_fp32_on_cpu_unless_turned_off(monkeypatch):
+@pytest.mark.parametrize("rows", [1, SKINNY_ROWS, SKINNY_ROWS + 1, 64])
+def test_cpu_linear_matches_f_linear_on_both_sides_of_the_switch(rows):
+    torch.manual_seed(0)
+    weight, x, bias = torch.randn(96, 80), torch.randn(rows, 80), torch.randn(96)
+    got = CpuLinear(weight, bias)(x)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_which_linear_runs_where(monkeypatch):
     monkeypatch.delenv("LAMINA_CPU_LINEAR", raising=False)
-    assert linear_factory(CPU, torch.bfloat16) is TorchLinear
-    assert linear_factory(torch.device("cuda"), torch.float32) is TorchLinear
+    assert linear_factory(CPU, torch.float32, "cpu") is CpuLinear
+    assert linear_factory(CPU, torch.float32, "reference") is OneDnnLinear
+    assert linear_factory(CPU, torch.bfloat16, "reference") is TorchLinear
+    assert linear_factory(torch.device("cuda"), torch.float32, "triton") is TorchLinear
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "onednn")
+    assert linear_factory(CPU, torch.float32, "cpu") is OneDnnLinear
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")
+    with pytest.raises(ValueError, match="native"):
+        linear_factory(CPU, torch.float32, "reference")
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "torch")
-    assert linear_factory(CPU, torch.float32) is TorchLinear
+    assert linear_factory(CPU, torch.float32, "cpu") is TorchLinear
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "mkl")
     with pytest.raises(ValueError, match="LAMINA_CPU_LINEAR"):
         linear_factory(CPU, torch.float32)
