@@ -4,10 +4,11 @@ The batch is one flat run of tokens: first ``num_decodes`` sequences with one qu
 each (best sorted by length), then prefill chunks of any length. Every sequence has
 ``context_len`` tokens already in the paged KV cache and ``query_len`` new ones whose
 K/V are written by :func:`write_kv_cache` before :func:`paged_attention` reads the cache.
-The reference path gathers each group's blocks into a padded dense tensor and calls
-``scaled_dot_product_attention`` once per group; the masks are built once per step in
-:meth:`AttentionMetadata.build` and shared by every layer. Decodes are split into a few
-groups of similar length so that short sequences do not pay for the longest one's padding.
+The reference path gathers decodes' blocks into padded dense tensors, in a few groups of
+similar length so that short sequences do not pay for the longest one's padding, and calls
+``scaled_dot_product_attention`` once per group; prefill chunks get one call each (see
+:func:`prefill_attention`). Masks and tables are built once per step in
+:meth:`AttentionMetadata.build` and shared by every layer.
 """
 
 from __future__ import annotations
@@ -37,19 +38,22 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillContext:
+    """A prefill chunk that continues a sequence: the blocks holding its context and its
+    own new tokens, and which of those keys each of its queries sees."""
+
+    block_table: torch.Tensor  # (1, blocks)
+    mask: torch.Tensor  # (1, 1, Q, blocks * block_size): query j sees keys <= context + j
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Per-step attention inputs, shared by all layers."""
 
     slot_mapping: torch.Tensor  # (T,) flat cache slot of each new token
     num_decodes: int
     decode_groups: tuple[DecodeGroup, ...]  # one query per sequence
-    # Prefill chunks. With cached context they form one group padded to the longest chunk;
-    # fresh prompts (no context) are attended one by one with the causal fast path.
     num_prefill_tokens: int
-    prefill_pad_index: torch.Tensor | None  # (S, Q) flat index into the prefill tokens
-    prefill_valid: torch.Tensor | None  # (S, Q) True for real (non-padding) queries
-    prefill_block_tables: torch.Tensor | None  # (S, max_blocks); None: no cached context
-    prefill_mask: torch.Tensor | None  # (S, 1, Q, L); None: fresh prompts only
     # Flat per-sequence view, for kernels that walk block tables themselves (Triton).
     query_start_loc: torch.Tensor  # (num_seqs + 1,) offsets of each sequence's tokens
     context_lens: torch.Tensor  # (num_seqs,) tokens already in the cache
@@ -58,6 +62,9 @@ class AttentionMetadata:
     # int8 caches only: the blocks this step writes (see ``kv_quant.block_writes``).
     block_writes: torch.Tensor | None = None  # (W, 4)
     prefill_lens: tuple[int, ...] = ()  # each prefill chunk's length, in batch order
+    # The reference path's view of each prefill chunk (aligned with ``prefill_lens``):
+    # None for a fresh prompt, its cached context for a chunk that continues one.
+    prefill_contexts: tuple[PrefillContext | None, ...] = ()
 
     @staticmethod
     def build(
@@ -109,31 +116,24 @@ class AttentionMetadata:
             tables = _table(block_table[start:end], max_blocks, device)
             decode_groups.append(DecodeGroup(int(start), int(end), tables, _to(mask, device)))
 
-        pad_index = valid = prefill_tables = prefill_mask = None
-        q_lens = np.asarray(query_lens[num_decodes:], dtype=np.int64)
-        ctx = np.asarray(context_lens[num_decodes:], dtype=np.int64)
-        if len(q_lens) and dense_prefill and ctx.any():
-            max_q = int(q_lens.max())
-            starts = np.cumsum(q_lens) - q_lens
-            cols = np.arange(max_q)
-            valid_np = cols[None, :] < q_lens[:, None]
-            pad_index = torch.from_numpy(
-                starts[:, None] + np.minimum(cols[None, :], q_lens[:, None] - 1)
+        contexts: list[PrefillContext | None] = []
+        prefills = range(num_decodes, len(query_lens)) if dense_prefill else range(0)
+        for i in prefills:
+            ctx, n = int(context_lens[i]), int(query_lens[i])
+            if ctx == 0:
+                contexts.append(None)
+                continue
+            num_blocks = -(-(ctx + n) // block_size)
+            keys = np.arange(num_blocks * block_size)
+            mask = keys[None, :] <= ctx + np.arange(n)[:, None]
+            contexts.append(
+                PrefillContext(
+                    _table(block_table[i : i + 1], num_blocks, device),
+                    _to(torch.from_numpy(mask)[None, None], device),
+                )
             )
-            valid = torch.from_numpy(valid_np)
-            max_blocks = -(-int((ctx + q_lens).max()) // block_size)
-            prefill_tables = _table(block_table[num_decodes:], max_blocks, device)
-            keys = np.arange(max_blocks * block_size)
-            # Query j of a sequence sees keys up to its own position ctx + j.
-            causal = keys[None, None, :] <= (ctx[:, None] + cols[None, :])[:, :, None]
-            prefill_mask = torch.from_numpy(causal)[:, None]
         return AttentionMetadata(
-            decode_groups=tuple(decode_groups),
-            prefill_pad_index=_to(pad_index, device),
-            prefill_valid=_to(valid, device),
-            prefill_block_tables=prefill_tables,
-            prefill_mask=_to(prefill_mask, device),
-            **flat,
+            decode_groups=tuple(decode_groups), prefill_contexts=tuple(contexts), **flat
         )
 
 
@@ -251,38 +251,33 @@ def prefill_attention(
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output ``(P, Hq, D)`` of the step's prefill tokens (``q``, ``k``, ``v``
-    are the batch's rows after its decodes).
+    are the batch's rows after its decodes), one SDPA call per chunk, 4-D (a batch of one:
+    on CPU, 3-D inputs take SDPA's math path with a materialised score matrix, 4-D ones its
+    flash kernel, 3-4x faster on 300-500 tokens).
 
-    Chunks with cached context gather it and run as one group padded to the longest chunk.
-    Fresh prompts attend to their own new keys and values directly (as the cache holds
-    them, if it is quantized), one SDPA call each with the causal fast path: no padding,
-    and no work on the masked half.
+    A fresh prompt attends to its own new keys and values directly (as the cache holds
+    them, if it is quantized) with the causal fast path. A chunk that continues a sequence
+    gathers its blocks and applies its mask; no chunk is padded to another's length.
     """
-    if meta.prefill_block_tables is not None:
-        keys = _gather(kv_cache, 0, meta.prefill_block_tables, kv_scales, q.dtype)
-        values = _gather(kv_cache, 1, meta.prefill_block_tables, kv_scales, q.dtype)
-        queries = q[meta.prefill_pad_index].transpose(1, 2)  # (S, Hq, Q, D)
-        o = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True
-        )  # (S, Hq, Q, D)
-        return o.transpose(1, 2)[meta.prefill_valid]
+    assert len(meta.prefill_contexts) == len(meta.prefill_lens), "built with dense_prefill"
     if kv_scales is not None:
         slots = meta.slot_mapping[meta.num_decodes :]
         k = _stored(kv_cache, 0, slots, kv_scales, q.dtype)
         v = _stored(kv_cache, 1, slots, kv_scales, q.dtype)
     out = q.new_empty(q.shape)
     start = 0
-    for n in meta.prefill_lens:
+    for n, context in zip(meta.prefill_lens, meta.prefill_contexts, strict=True):
         rows = slice(start, start + n)
-        # 4-D (a batch of one): on CPU, 3-D inputs take SDPA's math path (a materialised
-        # score matrix), 4-D ones its flash kernel, 3-4x faster on 300-500 tokens.
+        queries = q[rows].transpose(0, 1)[None]  # (1, Hq, n, D)
+        if context is None:
+            keys, values = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+            mask, causal = None, True
+        else:
+            keys = _gather(kv_cache, 0, context.block_table, kv_scales, q.dtype)
+            values = _gather(kv_cache, 1, context.block_table, kv_scales, q.dtype)
+            mask, causal = context.mask, False
         out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None],  # (1, Hq, n, D)
-            k[rows].transpose(0, 1)[None],
-            v[rows].transpose(0, 1)[None],
-            is_causal=True,
-            scale=scale,
-            enable_gqa=True,
+            queries, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )[0].transpose(0, 1)
         start += n
     return out

@@ -91,7 +91,7 @@ def test_single_fresh_prefill_uses_causal_path():
     meta = AttentionMetadata.build(
         [11], [0], np.array([[0, 1, 2]]), 0, 4, slots, torch.device("cpu")
     )
-    assert meta.prefill_mask is None and meta.prefill_block_tables is None
+    assert meta.prefill_contexts == (None,)
     write_kv_cache(k, v, cache, slots)
     out = paged_attention(q, k, v, cache, meta, scale=8**-0.5)
     torch.testing.assert_close(out, naive_attention(q, k, v, 0), atol=1e-5, rtol=1e-5)

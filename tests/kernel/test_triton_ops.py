@@ -149,6 +149,6 @@ def test_flat_metadata_skips_the_dense_masks():
         dense_decodes=False,
         dense_prefill=False,
     )
-    assert meta.decode_groups == () and meta.prefill_mask is None
+    assert meta.decode_groups == () and meta.prefill_contexts == ()
     assert meta.query_start_loc.tolist() == [0, 1, 2, 7] and meta.max_query_len == 5
     assert meta.num_prefill_tokens == 5
