@@ -2,12 +2,14 @@
 // in place from the paged KV cache (no gather into a padded copy), online softmax.
 //
 // Work is split over sequences (and over KV heads when there are few sequences) with
-// ATen's parallel_for, so it runs on torch's own OpenMP threads. For each KV head, a
-// block's key rows are scored against all the query heads that share it (GQA), the
-// running maximum and sum are rescaled once per block, and the block's value rows are
-// accumulated. Quantized caches are read as
-// stored (fp8 e4m3 through a 256-entry table, int8 as is) and their scales are folded
-// into the scores and the softmax weights, which is exact up to fp32 rounding.
+// ATen's parallel_for, so it runs on torch's own OpenMP threads. A sequence is walked in
+// tiles of about 64 tokens (whole blocks). For each KV head, the tile's key rows are
+// scored against all the query heads that share them (GQA) eight dot products at a
+// time (eight independent FMA chains: fewer leave the FMA units waiting on latency),
+// the running maximum and sum are rescaled once per tile, and the value rows are
+// accumulated into 64 output lanes at a time held in registers. Quantized caches are
+// converted row by row as the tile is gathered (fp8 e4m3 through a 256-entry table, int8
+// as is), with their scale applied.
 //
 // Layouts (all contiguous unless a stride is given):
 //   q        (num_seqs, num_heads, head_dim) fp32, token stride q_stride
@@ -50,28 +52,53 @@ struct Fp8Table {
 };
 const Fp8Table kFp8;
 
-// Rows of a block as fp32 (unscaled): the cache itself when it is fp32, else `n` rows
-// of `d` converted into `scratch`. Returns the rows and sets `stride` between them.
+// The tile's key and value rows of KV head h as fp32, scaled: pointers into the cache
+// when it is fp32, else rows converted into `scratch` (2 * tile rows of d).
 template <int Kind>
-inline const float* block_rows(const void* cache, int64_t offset, int64_t token_stride,
-                               int64_t n, int64_t d, float* scratch, int64_t* stride) {
-  if constexpr (Kind == kFloat32) {
-    *stride = token_stride;
-    return static_cast<const float*>(cache) + offset;
-  } else {
-    for (int64_t t = 0; t < n; ++t) {
-      float* row = scratch + t * d;
-      if constexpr (Kind == kFp8E4M3) {
-        const uint8_t* src = static_cast<const uint8_t*>(cache) + offset + t * token_stride;
-        for (int64_t i = 0; i < d; ++i) row[i] = kFp8.value[src[i]];
-      } else {
-        const int8_t* src = static_cast<const int8_t*>(cache) + offset + t * token_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(src[i]);
-      }
+inline void tile_rows(const void* cache, const float* scales, const int64_t* table,
+                      int64_t first_block, int64_t n, int64_t block_size, int64_t block_stride,
+                      int64_t values_offset, int64_t token_stride, int64_t num_blocks,
+                      int64_t num_kv_heads, int64_t h, int64_t d, int64_t tile, float* scratch,
+                      const float** keys, const float** values) {
+  for (int64_t j0 = 0; j0 < n; j0 += block_size) {  // whole blocks (the last may be partial)
+    const int64_t block = table[first_block + j0 / block_size];
+    const int64_t block_offset = block * block_stride + h * d;
+    float k_scale = 1.0f, v_scale = 1.0f;
+    if constexpr (Kind == kFp8E4M3) {
+      k_scale = scales[h];
+      v_scale = scales[num_kv_heads + h];
+    } else if constexpr (Kind == kInt8) {
+      k_scale = scales[block * num_kv_heads + h];
+      v_scale = scales[(num_blocks + block) * num_kv_heads + h];
     }
-    *stride = d;
-    return scratch;
+    for (int64_t j = j0; j < std::min(n, j0 + block_size); ++j) {
+      const int64_t offset = block_offset + (j - j0) * token_stride;
+      if constexpr (Kind == kFloat32) {
+        keys[j] = static_cast<const float*>(cache) + offset;
+        values[j] = static_cast<const float*>(cache) + values_offset + offset;
+        continue;
+      }
+      float* k_row = scratch + j * d;
+      float* v_row = scratch + (tile + j) * d;
+      if constexpr (Kind == kFp8E4M3) {
+        const uint8_t* k_src = static_cast<const uint8_t*>(cache) + offset;
+        const uint8_t* v_src = k_src + values_offset;
+        for (int64_t i = 0; i < d; ++i) {
+          k_row[i] = kFp8.value[k_src[i]] * k_scale;
+          v_row[i] = kFp8.value[v_src[i]] * v_scale;
+        }
+      } else if constexpr (Kind == kInt8) {
+        const int8_t* k_src = static_cast<const int8_t*>(cache) + offset;
+        const int8_t* v_src = k_src + values_offset;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) {
+          k_row[i] = static_cast<float>(k_src[i]) * k_scale;
+          v_row[i] = static_cast<float>(v_src[i]) * v_scale;
+        }
+      }
+      keys[j] = k_row;
+      values[j] = v_row;
+    }
   }
 }
 
@@ -83,96 +110,98 @@ inline float dot(const float* x, const float* y, int64_t d) {
 }
 
 #if LAMINA_AVX2
-// Four dot products x_j . y_j of length d (a multiple of 8), summed across lanes at once.
-inline void dot4(const float* x0, const float* x1, const float* x2, const float* x3,
-                 const float* y0, const float* y1, const float* y2, const float* y3,
-                 int64_t d, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// Lane j = the sum of a[j]'s eight lanes.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// out[g * T + t] = q_g . k_t for G query heads (rows of q) and T key rows, G * T = 8, d a
+// multiple of 8.
+template <int G, int T>
+inline void dots(const float* q, int64_t d, const float* const* k, float* out) {
+  static_assert(G * T == 8, "eight accumulators");
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i), _mm256_loadu_ps(y0 + i), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i), _mm256_loadu_ps(y1 + i), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i), _mm256_loadu_ps(y2 + i), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + i), _mm256_loadu_ps(y3 + i), a3);
+    __m256 kv[T];
+    for (int t = 0; t < T; ++t) kv[t] = _mm256_loadu_ps(k[t] + i);
+    for (int g = 0; g < G; ++g) {
+      const __m256 qv = _mm256_loadu_ps(q + g * d + i);
+      for (int t = 0; t < T; ++t) a[g * T + t] = _mm256_fmadd_ps(qv, kv[t], a[g * T + t]);
+    }
   }
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+  _mm256_storeu_ps(out, hsum8(a));
+}
+
+// score[g * tile + t] for t < n - n % T (the rest is left to the caller).
+template <int G, int T>
+inline int64_t tile_dots(const float* qs, int64_t group, const float* const* k, int64_t n,
+                         int64_t d, int64_t tile, float* score) {
+  const int64_t done = n - n % T;
+  float s[8];
+  for (int64_t g0 = 0; g0 < group; g0 += G) {
+    for (int64_t t = 0; t < done; t += T) {
+      dots<G, T>(qs + g0 * d, d, k + t, s);
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < T; ++j) score[(g0 + g) * tile + t + j] = s[g * T + j];
+    }
+  }
+  return done;
 }
 #endif
 
-// score[g * bs + t] = q_g . k_t for the block's n tokens and the group's query heads.
-inline void block_scores(const float* qs, int64_t group, const float* k, int64_t stride,
-                         int64_t n, int64_t d, int64_t bs, float* score) {
-  int64_t g_done = 0, t_done = 0;
+// score[g * tile + t] = q_g . k_t for the tile's n key rows and the group's query heads.
+inline void tile_scores(const float* qs, int64_t group, const float* const* k, int64_t n,
+                        int64_t d, int64_t tile, float* score) {
+  int64_t done = 0;
 #if LAMINA_AVX2
-  float four[4];
-  if (d % 8 == 0 && group >= 4) {  // four query heads against one key row
-    g_done = group - group % 4;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* kt = k + t * stride;
-      for (int64_t g = 0; g < g_done; g += 4) {
-        const float* q = qs + g * d;
-        dot4(q, q + d, q + 2 * d, q + 3 * d, kt, kt, kt, kt, d, four);
-        for (int j = 0; j < 4; ++j) score[(g + j) * bs + t] = four[j];
-      }
-    }
-  } else if (d % 8 ==0) {  // one query head against four key rows
-    t_done = n - n % 4;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* q = qs + g * d;
-      for (int64_t t = 0; t < t_done; t += 4) {
-        const float* kt = k + t * stride;
-        dot4(q, q, q, q, kt, kt + stride, kt + 2 * stride, kt + 3 * stride, d, four);
-        for (int j = 0; j < 4; ++j) score[g * bs + t + j] = four[j];
-      }
+  if (d % 8 == 0) {
+    if (group % 4 == 0) {
+      done = tile_dots<4, 2>(qs, group, k, n, d, tile, score);
+    } else if (group % 2 == 0) {
+      done = tile_dots<2, 4>(qs, group, k, n, d, tile, score);
+    } else {
+      done = tile_dots<1, 8>(qs, group, k, n, d, tile, score);
     }
   }
 #endif
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t t_start = g < g_done ? n : t_done;
-    for (int64_t t = t_start; t < n; ++t) score[g * bs + t] = dot(qs + g * d, k + t * stride, d);
-  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t t = done; t < n; ++t) score[g * tile + t] = dot(qs + g * d, k[t], d);
 }
 
-// acc_g += sum_t p[g * bs + t] * v_t over the block's n tokens.
-inline void block_values(const float* p, int64_t group, const float* v, int64_t stride,
-                         int64_t n, int64_t d, int64_t bs, float* acc) {
+#if LAMINA_AVX2
+// acc[0 : 8 * R] += sum_t p[t] * v_t[0 : 8 * R], the accumulators in registers.
+template <int R>
+inline void weighted_rows(const float* p, const float* const* v, int64_t n, int64_t offset,
+                          float* acc) {
+  __m256 r[R];
+  for (int j = 0; j < R; ++j) r[j] = _mm256_loadu_ps(acc + 8 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const float* vt = v[t] + offset;
+    for (int j = 0; j < R; ++j) r[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), r[j]);
+  }
+  for (int j = 0; j < R; ++j) _mm256_storeu_ps(acc + 8 * j, r[j]);
+}
+#endif
+
+// acc_g += sum_t p[g * tile + t] * v_t over the tile's n value rows.
+inline void tile_values(const float* p, int64_t group, const float* const* v, int64_t n,
+                        int64_t d, int64_t tile, float* acc) {
   for (int64_t g = 0; g < group; ++g) {
     float* ag = acc + g * d;
-    const float* pg = p + g * bs;
+    const float* pg = p + g * tile;
     int64_t i = 0;
 #if LAMINA_AVX2
-    // Accumulators stay in registers across the block; four of them side by side keep
-    // four FMA chains in flight (one alone waits out each FMA's latency).
-    for (; i + 32 <= d; i += 32) {
-      __m256 r0 = _mm256_loadu_ps(ag + i), r1 = _mm256_loadu_ps(ag + i + 8);
-      __m256 r2 = _mm256_loadu_ps(ag + i + 16), r3 = _mm256_loadu_ps(ag + i + 24);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* vt = v + t * stride + i;
-        const __m256 w = _mm256_set1_ps(pg[t]);
-        r0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt), r0);
-        r1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8), r1);
-        r2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 16), r2);
-        r3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 24), r3);
-      }
-      _mm256_storeu_ps(ag + i, r0);
-      _mm256_storeu_ps(ag + i + 8, r1);
-      _mm256_storeu_ps(ag + i + 16, r2);
-      _mm256_storeu_ps(ag + i + 24, r3);
-    }
-    for (; i + 8 <= d; i += 8) {  // even and odd tokens in two chains
-      __m256 r0 = _mm256_loadu_ps(ag + i), r1 = _mm256_setzero_ps();
-      int64_t t = 0;
-      for (; t + 2 <= n; t += 2) {
-        const float* vt = v + t * stride + i;
-        r0 = _mm256_fmadd_ps(_mm256_set1_ps(pg[t]), _mm256_loadu_ps(vt), r0);
-        r1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[t + 1]), _mm256_loadu_ps(vt + stride), r1);
-      }
-      if (t < n) r0 = _mm256_fmadd_ps(_mm256_set1_ps(pg[t]), _mm256_loadu_ps(v + t * stride + i), r0);
-      _mm256_storeu_ps(ag + i, _mm256_add_ps(r0, r1));
-    }
+    for (; i + 64 <= d; i += 64) weighted_rows<8>(pg, v, n, i, ag + i);
+    for (; i + 32 <= d; i += 32) weighted_rows<4>(pg, v, n, i, ag + i);
+    for (; i + 8 <= d; i += 8) weighted_rows<1>(pg, v, n, i, ag + i);
 #endif
     for (int64_t t = 0; t < n; ++t) {
-      const float* vt = v + t * stride;
+      const float* vt = v[t];
 #pragma omp simd
       for (int64_t j = i; j < d; ++j) ag[j] += pg[t] * vt[j];
     }
@@ -202,16 +231,29 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   return sum;
 }
 
-// Prefetch n rows of `width` elements (keys and values) of a block into the cache.
+inline float max_of(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, x[t]);
+  return m;
+}
+
+// Prefetch (into L2) the key and value rows of KV heads h0.. (width floats of each token
+// row) for tokens [start, end) of a sequence.
 template <int Kind>
-inline void prefetch_block(const void* cache, int64_t k_offset, int64_t values_offset,
-                           int64_t token_stride, int64_t n, int64_t width) {
+inline void prefetch_tokens(const void* cache, const int64_t* table, int64_t start,
+                            int64_t end, int64_t block_size, int64_t block_stride,
+                            int64_t values_offset, int64_t token_stride, int64_t h0, int64_t d,
+                            int64_t width) {
   const int64_t size = Kind == kFloat32 ? 4 : 1;
   const char* base = static_cast<const char*>(cache);
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t byte = 0; byte < width * size; byte += 64) {
-      __builtin_prefetch(base + (k_offset + t * token_stride) * size + byte);
-      __builtin_prefetch(base + (values_offset + k_offset + t * token_stride) * size + byte);
+  for (int64_t j0 = start; j0 < end; j0 += block_size) {  // start is a block boundary
+    const char* k = base + (table[j0 / block_size] * block_stride + h0 * d) * size;
+    for (int64_t t = 0; t < std::min(block_size, end - j0); ++t, k += token_stride * size) {
+      for (int64_t byte = 0; byte < width * size; byte += 64) {
+        __builtin_prefetch(k + byte, 0, 2);
+        __builtin_prefetch(k + values_offset * size + byte, 0, 2);
+      }
     }
   }
 }
@@ -221,19 +263,23 @@ template <int Kind>
 void attend(const float* q, const void* cache, const float* scales, const int64_t* table,
             int64_t len, int64_t h0, int64_t kv_heads, int64_t num_blocks, int64_t block_size,
             int64_t num_kv_heads, int64_t group, int64_t d, float sm_scale, float* out,
-            std::vector<float>& buf) {
+            std::vector<float>& buf, std::vector<const float*>& rows) {
   const int64_t heads = kv_heads * group;  // query heads, consecutive from h0 * group
   const int64_t token_stride = num_kv_heads * d;
   const int64_t block_stride = block_size * token_stride;
   const int64_t values_offset = num_blocks * block_stride;
-  const int64_t scratch_rows = Kind == kFloat32 ? 0 : block_size;
-  buf.resize(heads * d * 2 + heads * block_size + heads * 2 + scratch_rows * d);
+  const int64_t tile = block_size * std::max<int64_t>(1, 64 / block_size);
+  const int64_t scratch_rows = Kind == kFloat32 ? 0 : 2 * tile;
+  buf.resize(heads * d * 2 + heads * tile + heads * 2 + scratch_rows * d);
+  rows.resize(2 * tile);
   float* qs = buf.data();  // scaled queries
   float* acc = qs + heads * d;
-  float* score = acc + heads * d;  // one block's scores (then weights) per head
-  float* run_max = score + heads * block_size;
+  float* score = acc + heads * d;  // one tile's scores (then weights) per head
+  float* run_max = score + heads * tile;
   float* run_sum = run_max + heads;
-  float* scratch = run_sum + heads;  // quantized caches: one block's rows in fp32
+  float* scratch = run_sum + heads;  // quantized caches: the tile's rows in fp32
+  const float** keys = rows.data();
+  const float** values = keys + tile;
   for (int64_t i = 0; i < heads * d; ++i) {
     qs[i] = q[i] * sm_scale;
     acc[i] = 0.0f;
@@ -242,56 +288,33 @@ void attend(const float* q, const void* cache, const float* scales, const int64_
     run_max[g] = -std::numeric_limits<float>::infinity();
     run_sum[g] = 0.0f;
   }
-  for (int64_t start = 0; start < len; start += block_size) {
-    const int64_t n = std::min(block_size, len - start);
-    const int64_t block = table[start / block_size];
-    if (start + block_size < len) {  // blocks lie anywhere: fetch the next while on this one
-      prefetch_block<Kind>(cache, table[start / block_size + 1] * block_stride + h0 * d,
-                           values_offset, token_stride, std::min(block_size, len - start - block_size),
-                           kv_heads * d);
-    }
+  for (int64_t start = 0; start < len; start += tile) {
+    const int64_t n = std::min(tile, len - start);
+    // Blocks lie anywhere in the pool: fetch the next tile's while working on this one.
+    prefetch_tokens<Kind>(cache, table, start + n, std::min(len, start + n + tile), block_size,
+                          block_stride, values_offset, token_stride, h0, d, kv_heads * d);
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      const int64_t h = h0 + kh;
-      const int64_t k_offset = block * block_stride + h * d;
-      float* hq = qs + kh * group * d;
+      tile_rows<Kind>(cache, scales, table, start / block_size, n, block_size, block_stride,
+                      values_offset, token_stride, num_blocks, num_kv_heads, h0 + kh, d, tile,
+                      scratch, keys, values);
       float* hacc = acc + kh * group * d;
-      float* hscore = score + kh * group * block_size;
-      float k_scale = 1.0f, v_scale = 1.0f;
-      if constexpr (Kind == kFp8E4M3) {
-        k_scale = scales[h];
-        v_scale = scales[num_kv_heads + h];
-      } else if constexpr (Kind == kInt8) {
-        k_scale = scales[block * num_kv_heads + h];
-        v_scale = scales[(num_blocks + block) * num_kv_heads + h];
-      }
-      int64_t stride;
-      const float* keys = block_rows<Kind>(cache, k_offset, token_stride, n, d, scratch, &stride);
-      block_scores(hq, group, keys, stride, n, d, block_size, hscore);
+      float* hscore = score + kh * group * tile;
+      tile_scores(qs + kh * group * d, group, keys, n, d, tile, hscore);
       for (int64_t g = 0; g < group; ++g) {
-        float* sg = hscore + g * block_size;
+        float* sg = hscore + g * tile;
         float& m = run_max[kh * group + g];
-        float block_max = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) {
-          sg[t] *= k_scale;
-          block_max = std::max(block_max, sg[t]);
-        }
-        const float new_max = std::max(m, block_max);
-        const float correction = std::exp(m - new_max);
+        const float new_max = std::max(m, max_of(sg, n));
+        const float correction = std::exp(m - new_max);  // 0 on the first tile
         run_sum[kh * group + g] = run_sum[kh * group + g] * correction +
                                   exp_shifted(sg, n, new_max);
         m = new_max;
-        if (v_scale != 1.0f) {
-          for (int64_t t = 0; t < n; ++t) sg[t] *= v_scale;
-        }
         if (correction != 1.0f) {
           float* ag = hacc + g * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) ag[i] *= correction;
         }
       }
-      const float* values = block_rows<Kind>(cache, values_offset + k_offset, token_stride, n,
-                                             d, scratch, &stride);
-      block_values(hscore, group, values, stride, n, d, block_size, hacc);
+      tile_values(hscore, group, values, n, d, tile, hacc);
     }
   }
   for (int64_t g = 0; g < heads; ++g) {
@@ -314,12 +337,13 @@ void decode_attention(const float* q, int64_t q_stride, const void* cache, const
   const int64_t kv_heads = num_kv_heads / split;
   at::parallel_for(0, num_seqs * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
+    std::vector<const float*> rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / split, h0 = (item % split) * kv_heads;
       attend<Kind>(q + s * q_stride + h0 * group * d, cache, scales,
                    tables + s * table_stride, contexts[s] + 1, h0, kv_heads, num_blocks,
                    block_size, num_kv_heads, group, d, sm_scale,
-                   out + (s * num_heads + h0 * group) * d, buf);
+                   out + (s * num_heads + h0 * group) * d, buf, rows);
     }
   });
 }
