@@ -6,11 +6,12 @@ On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs i
   the small-batch shapes that decoding makes, ``F.linear`` goes to MKL's sgemm, which on
   the AMD EPYC this project is measured on slows down sharply for a few rows; oneDNN's
   packed matmul is 1.15-1.9x faster from 1 to 2048 rows (``benchmarks/cpu_linear.py``).
-* ``native`` (the default with the ``cpu`` kernel backend): oneDNN as above, except that
-  up to :data:`SKINNY_ROWS` rows go to the native skinny kernel
+* ``native`` (the default with the ``cpu`` kernel backend, :class:`CpuLinear`): oneDNN as
+  above, except that up to :data:`SKINNY_ROWS` rows go to the native skinny kernel
   (``kernels/cpu/skinny_linear.cpp``), which streams the weight once at close to the
-  machine's read bandwidth where oneDNN reaches about 80% of it. It keeps the plain
-  weight next to the packed one: twice the weight memory.
+  machine's read bandwidth where oneDNN reaches about 80% of it, and small weights stay
+  on ``F.linear``. It keeps the plain weight next to the packed one: twice the weight
+  memory.
 
 ``LAMINA_CPU_LINEAR=native|onednn|torch`` overrides the choice.
 """
@@ -24,6 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.cpu.linear import skinny_linear
+
 log = logging.getLogger("lamina.kernels")
 
 _PACK_ROWS = 512
@@ -32,6 +35,11 @@ _PACK_ROWS = 512
 SKINNY_ROWS = 4
 """Up to this many rows the native skinny kernel beats oneDNN's packed matmul (measured
 with ``benchmarks/cpu_linear.py``; past it the kernel turns compute-bound)."""
+
+ONEDNN_MIN_ELEMENTS = 1 << 18
+"""Weights smaller than this (1 MiB in fp32) stay on ``F.linear`` in :class:`CpuLinear`:
+oneDNN costs ~40 us more per call, and MKL was faster below ~130K elements at 16-512 rows
+and slower from 262K up (measured per shape, weights hot in cache)."""
 
 CHOICES = ("native", "onednn", "torch")
 
@@ -58,20 +66,22 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-class CpuLinear(OneDnnLinear):
-    """:class:`OneDnnLinear`, with the native skinny kernel for up to
-    :data:`SKINNY_ROWS` rows (on the plain weight, kept as well)."""
+class CpuLinear:
+    """The fastest of three on an fp32 CPU: ``F.linear`` for small weights (under
+    :data:`ONEDNN_MIN_ELEMENTS`, where oneDNN's fixed cost per call outweighs its speed),
+    otherwise the native skinny kernel for up to :data:`SKINNY_ROWS` rows and oneDNN's
+    packed matmul for more (the plain weight kept as well as the packed one)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(weight, bias)
-        self.weight = weight.contiguous()
+        self.weight, self.bias = weight.contiguous(), bias
+        self.packed = OneDnnLinear(weight, bias) if weight.numel() >= ONEDNN_MIN_ELEMENTS else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
         if x.shape[0] <= SKINNY_ROWS:
-            from lamina.kernels.cpu import skinny_linear
-
             return skinny_linear(x, self.weight, self.bias)
-        return super().__call__(x)
+        return self.packed(x)
 
 
 Linear = TorchLinear | OneDnnLinear | CpuLinear

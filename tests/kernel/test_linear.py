@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.linear import (
+    ONEDNN_MIN_ELEMENTS,
     SKINNY_ROWS,
     CpuLinear,
     OneDnnLinear,
@@ -29,11 +30,18 @@ def test_onednn_linear_matches_f_linear(rows, with_bias):
 
 
 @pytest.mark.parametrize("rows", [1, SKINNY_ROWS, SKINNY_ROWS + 1, 64])
-def test_cpu_linear_matches_f_linear_on_both_sides_of_the_switch(rows):
+@pytest.mark.parametrize("out_features", [96, ONEDNN_MIN_ELEMENTS // 128])
+def test_cpu_linear_matches_f_linear_on_every_path(rows, out_features):
     torch.manual_seed(0)
-    weight, x, bias = torch.randn(96, 80), torch.randn(rows, 80), torch.randn(96)
-    got = CpuLinear(weight, bias)(x)
-    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    weight, x, bias = (
+        torch.randn(out_features, 128),
+        torch.randn(rows, 128),
+        torch.randn(out_features),
+    )
+    linear = CpuLinear(weight, bias)
+    assert (linear.packed is None) == (weight.numel() < ONEDNN_MIN_ELEMENTS)
+    got = linear(x)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
 def test_which_linear_runs_where(monkeypatch):
