@@ -2,8 +2,10 @@
 engine called in-process, on the same model and workload, in one run.
 
 * throughput: N concurrent streaming requests (greedy, ``ignore_eos``), output tokens/s.
-* TTFT: sequential single requests (an idle system), time to the first streamed token;
-  the stack's p50/p99 minus the in-process engine's is the added latency. Both sides
+* TTFT: sequential single requests (an idle system) on one keep-alive connection, as a
+  pooled client sends them (``--new-connections``: a new one each), time to the first
+  streamed token; the stack's p50/p99 minus the in-process engine's is the added
+  latency. Both sides
   pause ``--ttft-gap-ms`` before each request, so both start from an idle engine (a
   back-to-back in-process loop would find torch's threads spinning and its caches warm,
   which no request arriving at an idle server does).
@@ -67,12 +69,19 @@ def engine_ttft(engine: Engine, prompt: list[int]) -> float:
     return time.perf_counter() - started
 
 
-async def http_stream(host: str, port: int, prompt: list[int], n: int) -> tuple[float, int]:
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def http_stream(
+    host: str, port: int, prompt: list[int], n: int, connection: Connection | None = None
+) -> tuple[float, int]:
     """One streaming completion: (seconds to the first token, completion tokens).
 
-    A minimal HTTP/1.1 client (one connection, chunked SSE parsed by hand): the client
-    shares the machine's two cores with the stack, and ``httpx`` spent ~0.3 ms of CPU per
-    streamed token, which the stack then lost; the in-process side has no client at all.
+    A minimal HTTP/1.1 client (chunked SSE parsed by hand): the client shares the
+    machine's two cores with the stack, and ``httpx`` spent ~0.3 ms of CPU per streamed
+    token, which the stack then lost; the in-process side has no client at all. With
+    ``connection`` it sends on that open keep-alive connection, as a pooled client (the
+    ``openai`` client, ``vllm bench serve``) does; without, it opens and closes its own.
     """
     body = msgspec.json.encode(
         {
@@ -84,8 +93,8 @@ async def http_stream(host: str, port: int, prompt: list[int], n: int) -> tuple[
             "stream_options": {"include_usage": True},
         }
     )
-    reader, writer = await asyncio.open_connection(host, port)
     started, first, usage, pending = time.perf_counter(), None, 0, b""
+    reader, writer = connection or await asyncio.open_connection(host, port)
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body)
@@ -104,7 +113,8 @@ async def http_stream(host: str, port: int, prompt: list[int], n: int) -> tuple[
             if chunk.get("usage"):
                 usage = chunk["usage"]["completion_tokens"]
     await reader.readexactly(2)  # the last chunk's CRLF
-    writer.close()
+    if connection is None:
+        writer.close()
     return first if first is not None else time.perf_counter() - started, usage
 
 
@@ -117,11 +127,18 @@ async def stack_throughput(host: str, port: int, work: Workload) -> float:
     return produced / elapsed
 
 
-async def stack_ttfts(host: str, port: int, prompts: list[list[int]], gap: float) -> list[float]:
+async def stack_ttfts(
+    host: str, port: int, prompts: list[list[int]], gap: float, keep_alive: bool = True
+) -> list[float]:
+    """Sequential requests, on one keep-alive connection (as a client with a pool sends
+    them) unless ``keep_alive`` is off (a new connection each)."""
+    connection = await asyncio.open_connection(host, port) if keep_alive else None
     ttfts = []
     for prompt in prompts:
         await asyncio.sleep(gap)
-        ttfts.append((await http_stream(host, port, prompt, 1))[0])
+        ttfts.append((await http_stream(host, port, prompt, 1, connection))[0])
+    if connection is not None:
+        connection[1].close()
     return ttfts
 
 
@@ -148,6 +165,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
         "--ttft-gap-ms", type=float, default=20.0, help="idle pause before each TTFT request"
+    )
+    parser.add_argument(
+        "--new-connections",
+        action="store_true",
+        help="TTFT requests each on a new connection (default: one keep-alive connection)",
     )
     parser.add_argument(
         "--service-env",
@@ -196,7 +218,9 @@ def main() -> None:
                 ttft_local.append(engine_ttft(engine, prompt))
             asyncio.run(reset_worker_cache(stack.nats_url))
             ttft_stack += asyncio.run(
-                stack_ttfts(stack.http_host, stack.http_port, ttft_prompts, gap)
+                stack_ttfts(
+                    stack.http_host, stack.http_port, ttft_prompts, gap, not args.new_connections
+                )
             )
             print(f"  run {run + 1}: in-process {theirs[-1]:.1f} tok/s, stack {ours[-1]:.1f} tok/s")
     a, b = statistics.median(ours), statistics.median(theirs)
