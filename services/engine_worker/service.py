@@ -151,11 +151,14 @@ class WorkerService:
                 ),
             )
             return
-        # Accept at once: the client learns where to cancel before the engine's next step.
-        await self.bus.publish(
-            msg.reply, Accepted(request_id=request.request_id, worker_id=self.worker_id)
-        )
-        self.loop.submit(request, params, msg.reply, otel_context.get_current())
+        # Accept at once, through the outbox (so it precedes the request's tokens, which
+        # the engine thread queues there too) and after the engine has the request (so its
+        # step does not wait on the publish): the client learns where to cancel before the
+        # engine's first step ends.
+        context = otel_context.get_current()
+        accepted = Accepted(request_id=request.request_id, worker_id=self.worker_id)
+        self._outbox.put_nowait([(msg.reply, accepted, context)])
+        self.loop.submit(request, params, msg.reply, context)
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         self.loop.cancel(cancel.request_id)

@@ -1,0 +1,91 @@
+"""The engine worker's wire contract, against a real nats-server with the worker service
+running in this process: what a scheduler (or anything else) that sends it a request sees
+on the reply subject."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lamina.libs.bus import Bus
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.generate import (
+    Accepted,
+    Finished,
+    GenerateRequest,
+    Rejected,
+    Sampling,
+    StreamEvent,
+    Tokens,
+)
+from lamina.services.engine_worker.service import WorkerConfig, WorkerService
+
+WORKER = "bus-test-worker"
+
+
+async def _stream(bus: Bus, request: GenerateRequest) -> list[StreamEvent]:
+    """Every event on the reply subject up to the last one (Finished, Rejected, Failed)."""
+    events: list[StreamEvent] = []
+    done = asyncio.Event()
+
+    async def on_event(event: StreamEvent, _msg) -> None:
+        events.append(event)
+        if not isinstance(event, Accepted | Tokens):
+            done.set()
+
+    inbox = bus.inbox()
+    sub = await bus.subscribe(inbox, StreamEvent, on_event)
+    await bus.publish(subjects.worker_generate(WORKER), request, reply=inbox)
+    await asyncio.wait_for(done.wait(), 30)
+    await sub.unsubscribe()
+    return events
+
+
+def test_a_request_streams_accepted_then_ordered_tokens_then_finished(nats_url, tiny_model):
+    async def main() -> None:
+        worker = WorkerService(
+            WorkerConfig(nats_url=nats_url, worker_id=WORKER, model=str(tiny_model))
+        )
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-client")
+        try:
+            streams = await asyncio.gather(
+                *(
+                    _stream(
+                        bus,
+                        GenerateRequest(
+                            request_id=f"r{i}",
+                            model="lamina-tiny",
+                            prompt_token_ids=[5 + i, 6, 7, 8],
+                            sampling=Sampling(max_tokens=9, temperature=0, ignore_eos=True),
+                        ),
+                    )
+                    for i in range(4)
+                )
+            )
+            for i, events in enumerate(streams):
+                first, *middle, last = events
+                assert first == Accepted(request_id=f"r{i}", worker_id=WORKER, seq=0)
+                assert all(isinstance(e, Tokens) for e in middle)
+                assert isinstance(last, Finished)
+                assert [e.seq for e in events] == list(range(len(events)))
+                tokens = [t for e in middle for t in e.token_ids] + last.token_ids
+                assert len(tokens) == last.usage.completion_tokens == 9
+                assert last.usage.prompt_tokens == 4
+
+            rejected = await _stream(
+                bus,
+                GenerateRequest(
+                    request_id="too-long",
+                    model="lamina-tiny",
+                    prompt_token_ids=[5] * 100_000,
+                    sampling=Sampling(max_tokens=1),
+                ),
+            )
+            assert len(rejected) == 1 and isinstance(rejected[0], Rejected)
+            assert rejected[0].reason == "invalid_request"
+        finally:
+            await bus.close()
+            await worker.drain()
+            await worker.close()
+
+    asyncio.run(main())
