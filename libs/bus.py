@@ -53,6 +53,14 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
+def _recording() -> bool:
+    """Whether an SDK tracer provider is installed. Without one every span is a no-op,
+    but the trace context a request arrived with must still travel: the bus then only
+    propagates it, which costs a fifth of a no-op span's bookkeeping per message."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
 def _span_subject(subject: str) -> str:
     return "(temporary)" if subject.startswith("_INBOX.") else subject
 
@@ -120,18 +128,25 @@ class Bus:
         """
         data = encode(message)
         self._check_size(subject, data)
+        headers: dict[str, str] = {}
+        if not _recording():
+            propagate.inject(headers, context=context)
+            await self._send(subject, data, reply, headers)
+            return
         with tracer.start_as_current_span(
             f"{_span_subject(subject)} publish",
             context=context,
             kind=SpanKind.PRODUCER,
             attributes=_attributes(subject, len(data), "publish"),
         ):
-            headers: dict[str, str] = {}
             propagate.inject(headers)
-            try:
-                await self.nc.publish(subject, data, reply=reply, headers=headers or None)
-            except MaxPayloadError as exc:
-                raise PayloadTooLarge(subject, len(data), self.max_payload) from exc
+            await self._send(subject, data, reply, headers)
+
+    async def _send(self, subject: str, data: bytes, reply: str, headers: dict[str, str]) -> None:
+        try:
+            await self.nc.publish(subject, data, reply=reply, headers=headers or None)
+        except MaxPayloadError as exc:
+            raise PayloadTooLarge(subject, len(data), self.max_payload) from exc
 
     async def request(
         self, subject: str, message: msgspec.Struct, response_type: type[T], timeout: float = 2.0
@@ -189,6 +204,13 @@ class Bus:
                 await self._run(handler, decoded, msg)
                 return
             context = propagate.extract(msg.headers or {})
+            if not _recording():  # no span to record: run in the sender's trace context
+                token = otel_context.attach(context)
+                try:
+                    await self._run(handler, decoded, msg)
+                finally:
+                    otel_context.detach(token)
+                return
             with tracer.start_as_current_span(
                 f"{_span_subject(msg.subject)} process",
                 context=context,

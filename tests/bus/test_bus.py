@@ -129,6 +129,44 @@ def test_trace_context_crosses_the_bus(nats_url):
     assert producer.attributes["messaging.destination.name"] == "t.traced"
 
 
+def test_without_a_tracing_sdk_the_trace_context_still_crosses_the_bus(nats_url, monkeypatch):
+    """No SDK installed: no spans, but a request's upstream trace context (here a remote
+    parent, as a client's ``traceparent`` would give) travels in the headers and is the
+    current context in the handler, two hops down."""
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    from lamina.libs import bus as bus_module
+
+    monkeypatch.setattr(bus_module, "_recording", lambda: False)
+    EXPORTER.clear()
+    upstream = SpanContext(trace_id=0x1234, span_id=0x99, is_remote=True, trace_flags=TraceFlags(1))
+    seen: list[tuple[int, str]] = []
+
+    async def main():
+        bus = await Bus.connect(nats_url, "test")
+        done = asyncio.Event()
+
+        async def first(msg, raw):  # forwards, as the scheduler does
+            seen.append((trace.get_current_span().get_span_context().trace_id, raw.headers))
+            await bus.publish("t.hop2", msg)
+
+        async def second(msg, raw):
+            seen.append((trace.get_current_span().get_span_context().trace_id, raw.headers))
+            done.set()
+
+        await bus.subscribe("t.hop1", Cancel, first)
+        await bus.subscribe("t.hop2", Cancel, second)
+        parent = trace.set_span_in_context(NonRecordingSpan(upstream))
+        await bus.publish("t.hop1", Cancel(request_id="r"), context=parent)
+        await done.wait()
+        await bus.drain()
+
+    run(main())
+    assert [trace_id for trace_id, _ in seen] == [0x1234, 0x1234]
+    assert all(headers["traceparent"].startswith(f"00-{0x1234:032x}-") for _, headers in seen)
+    assert EXPORTER.get_finished_spans() == ()
+
+
 def test_draining_after_the_server_went_away_closes_promptly():
     from lamina.libs.nats_server import NatsServer
 
