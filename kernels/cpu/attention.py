@@ -9,8 +9,6 @@ compute-bound and keep the reference path's batched SDPA.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from lamina.kernels.cpu.build import load_library, ptr
@@ -50,20 +48,20 @@ def decode_attention(
         out = q.new_empty((num_seqs, num_heads, head_dim))
     status = load_library().lamina_paged_decode_attention(
         ptr(q),
-        ctypes.c_int64(q.stride(0)),
+        q.stride(0),
         ptr(kv_cache),
-        ctypes.c_int(_CACHE_KINDS[kind]),
+        _CACHE_KINDS[kind],
         ptr(kv_scales.contiguous() if kv_scales is not None else None),
         ptr(block_table),
-        ctypes.c_int64(block_table.stride(0)),
+        block_table.stride(0),
         ptr(context_lens),
-        ctypes.c_int64(num_seqs),
-        ctypes.c_int64(num_blocks),
-        ctypes.c_int64(block_size),
-        ctypes.c_int64(num_heads),
-        ctypes.c_int64(num_kv_heads),
-        ctypes.c_int64(head_dim),
-        ctypes.c_float(scale),
+        num_seqs,
+        num_blocks,
+        block_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        scale,
         ptr(out),
     )
     if status:

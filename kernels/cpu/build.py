@@ -37,9 +37,25 @@ _ISA_FLAGS = {
 }
 
 
-def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    """A tensor's data pointer for a kernel argument (NULL for None)."""
-    return ctypes.c_void_p(None if t is None else t.data_ptr())
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a kernel argument (None passes NULL)."""
+    return None if t is None else t.data_ptr()
+
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES: dict[str, tuple[list, object]] = {
+    # name: (argument types, return type), as the sources' extern "C" declarations say.
+    "lamina_rms_norm": ([_P, _I64, _P, _I64, _P, _F32, _I64, _I64, _P, _P], None),
+    "lamina_silu_and_mul": ([_P, _I64, _I64, _P], None),
+    "lamina_rotary": ([_P, _I64, _P, _P, _I64, _I64, _I64, _P], None),
+    "lamina_skinny_linear": ([_P, _I64, _P, _P, _I64, _I64, _I64, _P], None),
+    "lamina_paged_decode_attention": (
+        [_P, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, *[_I64] * 6, _F32, _P],
+        ctypes.c_int,
+    ),
+}
+"""Declared once at load, so that calls pass plain Python ints and floats (ctypes converts
+them) instead of building a ctypes object per argument: half the cost of a call."""
 
 
 class BuildError(RuntimeError):
@@ -84,9 +100,13 @@ def load_library() -> ctypes.CDLL:
     if not target.exists():
         _compile(target)
     try:
-        return ctypes.CDLL(str(target))
+        library = ctypes.CDLL(str(target))
     except OSError as exc:
         raise BuildError(f"cannot load {target}: {exc}") from exc
+    for name, (argtypes, restype) in SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, restype
+    return library
 
 
 def _compile(target: Path) -> None:

@@ -6,8 +6,6 @@ reference."""
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from lamina.kernels import reference
@@ -30,13 +28,13 @@ def rms_norm(
     new_residual = x if residual is None else torch.empty((rows, dim), dtype=x.dtype)
     load_library().lamina_rms_norm(
         ptr(x),
-        ctypes.c_int64(x.stride(0)),
+        x.stride(0),
         ptr(residual),
-        ctypes.c_int64(0 if residual is None else residual.stride(0)),
+        0 if residual is None else residual.stride(0),
         ptr(weight.contiguous()),
-        ctypes.c_float(eps),
-        ctypes.c_int64(rows),
-        ctypes.c_int64(dim),
+        eps,
+        rows,
+        dim,
         ptr(out),
         ptr(None if residual is None else new_residual),
     )
@@ -49,9 +47,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(gate_up)
     rows, half = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, half), dtype=gate_up.dtype)
-    load_library().lamina_silu_and_mul(
-        ptr(gate_up), ctypes.c_int64(rows), ctypes.c_int64(half), ptr(out)
-    )
+    load_library().lamina_silu_and_mul(ptr(gate_up), rows, half, ptr(out))
     return out
 
 
@@ -70,12 +66,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     out = torch.empty((tokens, heads, dim), dtype=x.dtype)
     load_library().lamina_rotary(
         ptr(x),
-        ctypes.c_int64(x.stride(0)),
+        x.stride(0),
         ptr(cos),
         ptr(sin),
-        ctypes.c_int64(tokens),
-        ctypes.c_int64(heads),
-        ctypes.c_int64(dim),
+        tokens,
+        heads,
+        dim,
         ptr(out),
     )
     return out

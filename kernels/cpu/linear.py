@@ -4,8 +4,6 @@ bandwidth (see :class:`lamina.kernels.linear.CpuLinear` for when it runs)."""
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 
@@ -30,12 +28,12 @@ def skinny_linear(
     out = torch.empty((rows, n), dtype=x.dtype)
     load_library().lamina_skinny_linear(
         ptr(x),
-        ctypes.c_int64(x.stride(0)),
+        x.stride(0),
         ptr(weight),
         ptr(bias),
-        ctypes.c_int64(rows),
-        ctypes.c_int64(n),
-        ctypes.c_int64(k),
+        rows,
+        n,
+        k,
         ptr(out),
     )
     return out
