@@ -5,10 +5,9 @@ engine called in-process, on the same model and workload, in one run.
 * TTFT: sequential single requests (an idle system) on one keep-alive connection, as a
   pooled client sends them (``--new-connections``: a new one each), time to the first
   streamed token; the stack's p50/p99 minus the in-process engine's is the added
-  latency. Both sides
-  pause ``--ttft-gap-ms`` before each request, so both start from an idle engine (a
-  back-to-back in-process loop would find torch's threads spinning and its caches warm,
-  which no request arriving at an idle server does).
+  latency. Both sides pause ``--ttft-gap-ms`` before each request, so both start from an
+  idle engine (a back-to-back in-process loop would find torch's threads spinning and its
+  caches warm, which no request arriving at an idle server does).
 
 Prints medians of ``--runs`` runs and the ratios. Not a test: run it by hand.
 

@@ -260,7 +260,7 @@ def prefill_attention(
     gathers its blocks and applies its mask; no chunk is padded to another's length.
     """
     assert len(meta.prefill_contexts) == len(meta.prefill_lens), "built with dense_prefill"
-    if kv_scales is not None:
+    if kv_scales is not None and any(c is None for c in meta.prefill_contexts):  # fresh ones
         slots = meta.slot_mapping[meta.num_decodes :]
         k = _stored(kv_cache, 0, slots, kv_scales, q.dtype)
         v = _stored(kv_cache, 1, slots, kv_scales, q.dtype)
