@@ -5,8 +5,10 @@ engine called in-process, on the same model and workload, in one run.
 * TTFT: sequential single requests (an idle system) on one keep-alive connection, as a
   pooled client sends them (``--new-connections``: a new one each), time to the first
   streamed token; the stack's p50/p99 minus the in-process engine's is the added
-  latency. Both sides pause ``--ttft-gap-ms`` before each request, so both start from an
-  idle engine (a back-to-back in-process loop would find torch's threads spinning and its
+  latency. Each prompt goes to the in-process engine and then through the stack, so the
+  machine's drift (a few ms over a minute on the 2-vCPU VM) falls on both sides alike.
+  Both sides pause ``--ttft-gap-ms`` before each request, so both start from an idle
+  engine (a back-to-back in-process loop would find torch's threads spinning and its
   caches warm, which no request arriving at an idle server does).
 
 Prints medians of ``--runs`` runs and the ratios. Not a test: run it by hand.
@@ -126,19 +128,27 @@ async def stack_throughput(host: str, port: int, work: Workload) -> float:
     return produced / elapsed
 
 
-async def stack_ttfts(
-    host: str, port: int, prompts: list[list[int]], gap: float, keep_alive: bool = True
-) -> list[float]:
-    """Sequential requests, on one keep-alive connection (as a client with a pool sends
-    them) unless ``keep_alive`` is off (a new connection each)."""
+async def paired_ttfts(
+    engine: Engine,
+    host: str,
+    port: int,
+    prompts: list[list[int]],
+    gap: float,
+    keep_alive: bool = True,
+) -> tuple[list[float], list[float]]:
+    """(in-process, stack) TTFTs: each prompt first to the engine, then through the stack,
+    one at a time, ``gap`` apart. Stack requests share one keep-alive connection (as a
+    client with a pool sends them) unless ``keep_alive`` is off (a new connection each)."""
     connection = await asyncio.open_connection(host, port) if keep_alive else None
-    ttfts = []
+    local, stack = [], []
     for prompt in prompts:
         await asyncio.sleep(gap)
-        ttfts.append((await http_stream(host, port, prompt, 1, connection))[0])
+        local.append(engine_ttft(engine, prompt))
+        await asyncio.sleep(gap)
+        stack.append((await http_stream(host, port, prompt, 1, connection))[0])
     if connection is not None:
         connection[1].close()
-    return ttfts
+    return local, stack
 
 
 async def reset_worker_cache(nats_url: str) -> None:
@@ -212,15 +222,19 @@ def main() -> None:
             asyncio.run(reset_worker_cache(stack.nats_url))  # every run computes every prompt
             ours.append(asyncio.run(stack_throughput(stack.http_host, stack.http_port, work)))
             engine.reset_prefix_cache()
-            for prompt in ttft_prompts:
-                time.sleep(gap)
-                ttft_local.append(engine_ttft(engine, prompt))
             asyncio.run(reset_worker_cache(stack.nats_url))
-            ttft_stack += asyncio.run(
-                stack_ttfts(
-                    stack.http_host, stack.http_port, ttft_prompts, gap, not args.new_connections
+            local, remote = asyncio.run(
+                paired_ttfts(
+                    engine,
+                    stack.http_host,
+                    stack.http_port,
+                    ttft_prompts,
+                    gap,
+                    not args.new_connections,
                 )
             )
+            ttft_local += local
+            ttft_stack += remote
             print(f"  run {run + 1}: in-process {theirs[-1]:.1f} tok/s, stack {ours[-1]:.1f} tok/s")
     a, b = statistics.median(ours), statistics.median(theirs)
     print(

@@ -40,6 +40,9 @@ log = logging.getLogger("lamina.worker.engine")
 
 Outgoing = tuple[str, Any, Any]  # (subject, message, trace context or None)
 _STATS_PERIOD_S = 0.1
+HANDOFF_WAIT_S = 0.002
+"""Most seconds :meth:`EngineLoop.submit` blocks the event loop handing a request to an
+idle engine thread (it normally takes tens of microseconds)."""
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _Add:
     params: SamplingParams
     reply: str
     context: Any
+    taken: threading.Event | None = None  # set once the engine has the request
 
 
 @dataclass
@@ -115,15 +119,27 @@ class EngineLoop(threading.Thread):
         self._stats_at = 0.0
         self._lock = threading.Lock()
         self._pending_adds = 0
+        self._idle = False  # the thread is (about to be) blocked on an empty queue
 
     # ---------------------------------------------------------------- called from asyncio
     def submit(
         self, request: GenerateRequest, params: SamplingParams, reply: str, context: Any = None
     ) -> None:
-        """Queue ``request`` (already validated, with its engine ``params``)."""
+        """Queue ``request`` (already validated, with its engine ``params``).
+
+        When the engine thread is idle, wait (at most ``HANDOFF_WAIT_S``) until it has
+        added the request. Woken by the queue, it still needs the GIL, which this thread
+        would otherwise keep through the rest of its loop iteration (publishing
+        ``Accepted``, flushing the socket). Blocked here, it lends the engine the GIL at
+        once: on the 2-vCPU benchmark machine, receipt to ``add_request`` went from ~590
+        to ~300 us. A busy engine takes the request at its next step; nothing waits then.
+        """
         with self._lock:
             self._pending_adds += 1
-        self._commands.put(_Add(request, params, reply, context))
+        taken = threading.Event() if self._idle else None
+        self._commands.put(_Add(request, params, reply, context, taken))
+        if taken is not None:
+            taken.wait(HANDOFF_WAIT_S)
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))
@@ -177,7 +193,13 @@ class EngineLoop(threading.Thread):
 
     def _drain_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=_STATS_PERIOD_S) if block else None
+            command = None
+            if block:
+                self._idle = True
+                try:
+                    command = self._commands.get(timeout=_STATS_PERIOD_S)
+                finally:
+                    self._idle = False
             while True:
                 if command is not None:
                     self._apply(command)
@@ -187,10 +209,14 @@ class EngineLoop(threading.Thread):
 
     def _apply(self, command: Any) -> None:
         match command:
-            case _Add(request, params, reply, context):
-                with self._lock:
-                    self._add(request, params, reply, context)
-                    self._pending_adds -= 1
+            case _Add(request, params, reply, context, taken):
+                try:
+                    with self._lock:
+                        self._add(request, params, reply, context)
+                        self._pending_adds -= 1
+                finally:
+                    if taken is not None:
+                        taken.set()
             case _Cancel(request_id):
                 if self.engine.abort(request_id):
                     self._streams.pop(request_id, None)

@@ -81,7 +81,9 @@ class SchedulerService:
             await self.bus.publish(
                 subjects.worker_generate(decision.worker_id), forwarded, reply=msg.reply
             )
-        # The record is for telemetry: off the request's critical path, after forwarding.
+        # The record is for telemetry: off the request's critical path. Yielding once lets
+        # the client's flusher task put the forward on the wire before the record is built.
+        await asyncio.sleep(0)
         await self.bus.publish(
             subjects.EVENTS_PLACEMENT,
             PlacementRecord(
