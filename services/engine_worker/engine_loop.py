@@ -102,6 +102,7 @@ class EngineLoop(threading.Thread):
         worker_id: str,
         kv_subject: str,
         emit: Callable[[list[Outgoing]], None],
+        handoff_wait: float = HANDOFF_WAIT_S,
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self._make_engine = make_engine
@@ -120,6 +121,7 @@ class EngineLoop(threading.Thread):
         self._lock = threading.Lock()
         self._pending_adds = 0
         self._idle = False  # the thread is (about to be) blocked on an empty queue
+        self._handoff_wait = handoff_wait
 
     # ---------------------------------------------------------------- called from asyncio
     def submit(
@@ -127,7 +129,7 @@ class EngineLoop(threading.Thread):
     ) -> None:
         """Queue ``request`` (already validated, with its engine ``params``).
 
-        When the engine thread is idle, wait (at most ``HANDOFF_WAIT_S``) until it has
+        When the engine thread is idle, wait (at most ``handoff_wait`` s) until it has
         added the request. Woken by the queue, it still needs the GIL, which this thread
         would otherwise keep through the rest of its loop iteration (publishing
         ``Accepted``, flushing the socket). Blocked here, it lends the engine the GIL at
@@ -139,7 +141,7 @@ class EngineLoop(threading.Thread):
         taken = threading.Event() if self._idle else None
         self._commands.put(_Add(request, params, reply, context, taken))
         if taken is not None:
-            taken.wait(HANDOFF_WAIT_S)
+            taken.wait(self._handoff_wait)
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))
@@ -157,6 +159,11 @@ class EngineLoop(threading.Thread):
             raise self._startup_error
         assert self.engine is not None
         return self.engine
+
+    @property
+    def idle(self) -> bool:
+        """Whether the thread is waiting for commands (no work in the engine)."""
+        return self._idle
 
     @property
     def num_requests(self) -> int:
