@@ -161,6 +161,17 @@ async def reset_worker_cache(nats_url: str) -> None:
     await bus.close()
 
 
+def service_env(pairs: list[str]) -> dict[str, str]:
+    """``--service-env KEY=VALUE`` arguments as an environment mapping."""
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--service-env wants KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -188,6 +199,7 @@ def main() -> None:
         help="extra environment for the stack's services (repeatable)",
     )
     args = parser.parse_args()
+    env = service_env(args.service_env)
 
     model = args.model or ensure_default_model()
     gap = args.ttft_gap_ms / 1e3
@@ -212,6 +224,7 @@ def main() -> None:
             metrics_port=free_port(),
             log_dir=Path(logs),
             worker_args=["--max-model-len", "1024", "--kv-cache-memory-mb", "256"],
+            extra_env=env,
         ) as stack,
     ):
         asyncio.run(stack_throughput(stack.http_host, stack.http_port, work[:4]))  # warm-up
