@@ -3,14 +3,15 @@
 device's peak, for bf16 and quantized (fp8, int8) caches; then the engine's end-to-end
 decode tokens/s with each backend, and with CUDA graphs on and off.
 
-Needs a CUDA device. Not yet run on one: see docs/performance.md.
+Needs a CUDA device; ``benchmarks/gpu_check.sh`` runs it with the GPU tests.
 
-    .venv/bin/python benchmarks/kernels.py --peak-gbs 4800    # H200 HBM3e: ~4.8 TB/s
+    python benchmarks/kernels.py --peak-gbs 4800 [--parts table engine sweep]  # H200: 4.8 TB/s
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -23,19 +24,23 @@ from lamina.kernels import reference as ref
 from lamina.kernels.reference import AttentionMetadata, kv_quant
 
 
-def time_cuda(fn, iters: int = 20) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs, after warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+def time_cuda(fn, rounds: int = 3) -> float:
+    """Median seconds of ``fn()`` over ``rounds`` rounds of ``triton.testing.do_bench``
+    (each: warm-up, then ~100 ms of calls, the L2 cache flushed before each, so small
+    caches are not read from L2; the round's median)."""
+    from triton.testing import do_bench
+
+    return statistics.median(
+        do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3 for _ in range(rounds)
+    )
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 4 GiB device-to-device copy, bytes read plus written: the practical peak
+    next to the datasheet's."""
+    src = torch.empty(1 << 31, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * (1 << 32) / time_cuda(lambda: dst.copy_(src)) / 1e9
 
 
 def quantized(cache: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,6 +112,72 @@ def measure(
     return t_tri, t_ref, nbytes
 
 
+def sweep(args: argparse.Namespace, kind: str) -> None:
+    """Decode attention GB/s of each launch configuration (tile, warps, stages, split
+    target) on a few cases with a ``kind`` cache: batches that take the one-pass kernel
+    and the split-K one."""
+    from lamina.kernels.triton.attention import Launch, default_launch
+
+    launches = [
+        Launch(tile, warps, stages, per_sm)
+        for tile in (32, 64, 128)
+        for warps in (2, 4, 8)
+        for stages in (2, 3)
+        for per_sm in (2, 4, 8, 16)
+    ]
+    default = default_launch(None if kind == "auto" else kind)
+    print(
+        f"launch sweep ({kind} cache; default {default}), GB/s, tile/warps/stages/programs per SM:"
+    )
+    overall = dict.fromkeys(launches, 0.0)
+    for batch, context in args.sweep_cases:
+        rates = _sweep_case(batch, context, kind, launches, args)
+        for launch, rate in rates.items():
+            overall[launch] += math.log(rate) / len(args.sweep_cases)
+        print(
+            f"  batch {batch} context {context}: default {rates[default]:.0f}; "
+            f"best {_ranked(rates, 5)}; worst {_ranked(rates, -2)}",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    geomean = {launch: math.exp(value) for launch, value in overall.items()}
+    print(f"  geometric mean over the cases: default {geomean[default]:.0f}; "
+          f"best {_ranked(geomean, 8)}")  # fmt: skip
+
+
+def _ranked(rates: dict, count: int) -> str:
+    """The ``count`` best (negative: worst) launches of ``rates``, named t/w/s/p."""
+    ranked = sorted(rates, key=rates.__getitem__, reverse=True)
+    chosen = ranked[:count] if count > 0 else ranked[count:]
+    return ", ".join(
+        f"{lc.tile}/{lc.num_warps}/{lc.num_stages}/{lc.programs_per_sm} {rates[lc]:.0f}"
+        for lc in chosen
+    )
+
+
+def _sweep_case(
+    batch: int, context: int, kind: str, launches: list, args: argparse.Namespace
+) -> dict:
+    from lamina.kernels import triton as tri
+
+    q, k, cache, scales, meta, nbytes = decode_case(
+        batch, context, args.hq, args.hkv, args.head_dim, args.block_size,
+        torch.bfloat16, kind,
+    )  # fmt: skip
+    scale = args.head_dim**-0.5
+    return {
+        launch: nbytes
+        / time_cuda(
+            lambda launch=launch: tri.paged_attention(
+                q, k, k, cache, meta, scale, scales, launch=launch
+            ),
+            rounds=1,
+        )
+        / 1e9
+        for launch in launches
+    }
+
+
 def engine_decode(args: argparse.Namespace) -> None:
     """Decode tokens/s of the whole engine (small preset, bf16) at each batch size: the
     reference ops, Triton eager, and Triton replayed from CUDA graphs."""
@@ -165,6 +236,21 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--engine-batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["table", "engine"],
+        choices=["table", "engine", "sweep"],
+        help="attention table, engine decode, and/or a launch sweep (every tile/warps/"
+        "stages/split configuration on --sweep-cases, for each --kv-cache-dtypes)",
+    )
+    parser.add_argument(
+        "--sweep-cases",
+        type=lambda text: tuple(int(x) for x in text.split("x")),
+        nargs="+",
+        default=[(1, 32768), (16, 8192), (64, 8192), (64, 32768)],
+        metavar="BATCHxCONTEXT",
+    )
+    parser.add_argument(
         "--kv-cache-dtypes",
         nargs="+",
         default=["auto", "fp8", "int8"],
@@ -173,8 +259,14 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
-    attention_table(args)
-    engine_decode(args)
+    print(f"device copy: {copy_bandwidth():.0f} GB/s (read + written)", flush=True)
+    if "table" in args.parts:
+        attention_table(args)
+    if "engine" in args.parts:
+        engine_decode(args)
+    if "sweep" in args.parts:
+        for kind in args.kv_cache_dtypes:
+            sweep(args, kind)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Paged attention over the flat batch, and the KV cache write.
 
 One program per (sequence, tile of ``BLOCK_Q`` query tokens, KV head): it loads the tile's
-queries for every query head sharing that KV head (``BLOCK_Q * GROUP`` rows, so GQA reads
-each K/V block once for the whole group), walks the sequence's blocks through its block
-table up to the tile's last causal position, and keeps an online softmax. Decode tokens
+queries for every query head sharing that KV head (``BLOCK_Q * GROUP`` rows, padded to a
+power of two, so GQA reads each K/V token once for the whole group), walks the sequence's
+cache ``TILE`` tokens at a time up to the tile's last causal position, each token found
+through the block table, and keeps an online softmax. Tiles span several blocks: one
+16-token block per iteration leaves too few loads in flight to fill HBM. Decode tokens
 are tiles of one query; prefill chunks with cached context read the cache the same way.
 
 A batch of decodes only, with long contexts, would give too few programs to fill a GPU,
@@ -13,11 +15,15 @@ max and sum; a second kernel combines the slices.
 
 Quantized caches (:mod:`lamina.kernels.reference.kv_quant` defines them) are written by
 the same store kernel for fp8 (scale, clamp, cast) and by a per-block kernel for int8
-(rescale the touched block to its new maximum); attention dequantizes each block as it
-loads it, so only the quantized bytes cross memory.
+(rescale the touched block to its new maximum); attention converts the stored values as
+it loads them and applies their scales to the scores and probabilities, so only the
+quantized bytes cross memory and dequantizing costs a few multiplies per token.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -58,8 +64,9 @@ def _write_kv_kernel(
     k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + d, mask=mask)
     if FP8:  # per-head static scales: keys at [head], values at [num_kv_heads + head]
-        k = k.to(tl.float32) / tl.load(scales_ptr + head)
-        v = v.to(tl.float32) / tl.load(scales_ptr + num_kv_heads + head)
+        # IEEE division (``/`` is approximate on GPUs) so bytes match the reference's.
+        k = tl.math.div_rn(k.to(tl.float32), tl.load(scales_ptr + head))
+        v = tl.math.div_rn(v.to(tl.float32), tl.load(scales_ptr + num_kv_heads + head))
         k = _round_to_e4m3(tl.clamp(k, -FP8_MAX, FP8_MAX))
         v = _round_to_e4m3(tl.clamp(v, -FP8_MAX, FP8_MAX))
     tl.store(cache_ptr + dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -113,8 +120,9 @@ def _write_int8_block(
         other=0.0,
     ).to(tl.float32)
     x = tl.where(held[:, None], old.to(tl.float32) * old_scale, x)
-    scale = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-8) / INT8_MAX
-    stored = tl.clamp(tl.floor(x / scale + 0.5), -INT8_MAX, INT8_MAX)
+    # IEEE division (``/`` is approximate on GPUs): scales and bytes equal the reference's.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-8), INT8_MAX)
+    stored = tl.clamp(tl.floor(tl.math.div_rn(x, scale) + 0.5), -INT8_MAX, INT8_MAX)
     stored = tl.where((held | new)[:, None], stored, 0.0)  # rows past the tokens: zero
     tl.store(cache_ptr + off, stored.to(tl.int8), mask=d_valid[None, :])
     tl.store(scale_ptr, scale)
@@ -232,16 +240,17 @@ def write_kv_cache(
 
 
 @triton.jit
-def _attend_block(
+def _attend_tile(
     q,
     q_pos,
     m_i,
     l_i,
     acc,
-    j,
+    start,
     seq,
     block_table_ptr,
     stride_bt,
+    table_width,
     cache_ptr,
     scales_ptr,
     v_offset,
@@ -252,35 +261,43 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
     QUANT: tl.constexpr,
 ):
-    """Fold the sequence's ``j``-th cache block into the online softmax of the query rows
-    ``q`` (at positions ``q_pos``): load its keys and values for ``kv_head`` (dequantized
-    with the head's scales for fp8, the block's for int8), mask keys after each row's
-    position, return the updated running max, sum and output."""
-    t = tl.arange(0, BLOCK_SIZE)
+    """Fold the sequence's cache tokens ``start .. start + TILE`` (each found through its
+    block table) into the online softmax of the query rows ``q`` at positions ``q_pos``:
+    load their keys and values for ``kv_head``, mask keys after each row's position,
+    return the updated running max, sum and output. Quantized keys and values are only
+    converted: their scales (the head's for fp8, each token's block's for int8) multiply
+    the scores and the probabilities instead, a few values per token rather than
+    ``HEAD_DIM``."""
+    pos = start + tl.arange(0, TILE)
+    j = pos // BLOCK_SIZE
+    # Past the table's width (a tile overhanging the last block) read block 0: those
+    # positions are beyond every query's, so the causal mask drops them.
+    block = tl.load(block_table_ptr + seq * stride_bt + j, mask=j < table_width, other=0)
     d = tl.arange(0, D_PAD)
     d_valid = d < HEAD_DIM
-    block = tl.load(block_table_ptr + seq * stride_bt + j)
-    kv_off = ((block * BLOCK_SIZE + t)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-    k = tl.load(cache_ptr + kv_off, mask=d_valid[None, :], other=0.0)  # (BS, D_PAD)
-    v = tl.load(cache_ptr + v_offset + kv_off, mask=d_valid[None, :], other=0.0)
+    slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+    kv_off = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
+    k = tl.load(cache_ptr + kv_off, mask=d_valid[None, :], other=0.0).to(q.dtype)
+    v = tl.load(cache_ptr + v_offset + kv_off, mask=d_valid[None, :], other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale  # (ROWS, TILE)
     if QUANT == 1:
-        k = k.to(tl.float32) * tl.load(scales_ptr + kv_head)
-        v = v.to(tl.float32) * tl.load(scales_ptr + scale_v_offset + kv_head)
+        s = s * tl.load(scales_ptr + kv_head)
     elif QUANT == 2:
         at = block * NUM_KV_HEADS + kv_head
-        k = k.to(tl.float32) * tl.load(scales_ptr + at)
-        v = v.to(tl.float32) * tl.load(scales_ptr + scale_v_offset + at)
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
-    s = tl.where((j * BLOCK_SIZE + t)[None, :] <= q_pos[:, None], s, float("-inf"))
+        s = s * tl.load(scales_ptr + at)[None, :]
+    s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    if QUANT == 1:
+        p = p * tl.load(scales_ptr + scale_v_offset + kv_head)
+    elif QUANT == 2:
+        p = p * tl.load(scales_ptr + scale_v_offset + at)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
 
 
@@ -301,13 +318,16 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    table_width,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -318,10 +338,11 @@ def _paged_attention_kernel(
         return
     context = tl.load(context_len_ptr + seq)
 
-    rows = tl.arange(0, BLOCK_Q * GROUP)  # (token in tile, head in group), token-major
+    # (token in tile, head in group), token-major; padded to ROWS, a power of two.
+    rows = tl.arange(0, ROWS)
     q_idx = q_tile * BLOCK_Q + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    row_valid = q_idx < q_len
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     d = tl.arange(0, D_PAD)
     d_valid = d < HEAD_DIM
     q = tl.load(
@@ -331,15 +352,15 @@ def _paged_attention_kernel(
     )
     q_pos = context + q_idx  # absolute position of each query row
 
-    m_i = tl.full([BLOCK_Q * GROUP], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP, D_PAD], dtype=tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
     last_pos = context + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
-    for j in range(0, tl.cdiv(last_pos + 1, BLOCK_SIZE)):
-        m_i, l_i, acc = _attend_block(
-            q, q_pos, m_i, l_i, acc, j, seq, block_table_ptr, stride_bt, cache_ptr,
-            scales_ptr, v_offset, scale_v_offset, kv_head, scale,
-            NUM_KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, QUANT,
+    for start in range(0, last_pos + 1, TILE):
+        m_i, l_i, acc = _attend_tile(
+            q, q_pos, m_i, l_i, acc, start, seq, block_table_ptr, stride_bt, table_width,
+            cache_ptr, scales_ptr, v_offset, scale_v_offset, kv_head, scale,
+            NUM_KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, QUANT,
         )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
@@ -365,7 +386,8 @@ def _decode_split_kernel(
     stride_qt,
     stride_qh,
     stride_bt,
-    blocks_per_split,
+    table_width,
+    tokens_per_split,
     num_splits,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -373,6 +395,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
     QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -392,14 +415,15 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, tl.cdiv(context + 1, BLOCK_SIZE))
+    # tokens_per_split is a multiple of TILE, so no tile crosses into the next split.
+    first = split * tokens_per_split
+    last = tl.minimum(first + tokens_per_split, context + 1)
     q_pos = context + tl.zeros([G_PAD], dtype=tl.int64)  # every row: the query at ``context``
-    for j in range(first, last):
-        m_i, l_i, acc = _attend_block(
-            q, q_pos, m_i, l_i, acc, j, seq, block_table_ptr, stride_bt, cache_ptr,
-            scales_ptr, v_offset, scale_v_offset, kv_head, scale,
-            NUM_KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, QUANT,
+    for start in range(first, last, TILE):
+        m_i, l_i, acc = _attend_tile(
+            q, q_pos, m_i, l_i, acc, start, seq, block_table_ptr, stride_bt, table_width,
+            cache_ptr, scales_ptr, v_offset, scale_v_offset, kv_head, scale,
+            NUM_KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, QUANT,
         )  # fmt: skip
     # One partial per (sequence, head, split): normalised output, its max and its sum.
     part = (seq * NUM_KV_HEADS * GROUP + head) * num_splits + split
@@ -452,6 +476,37 @@ def _quant_args(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple
     return kv_scales, kv_scales[0].numel(), _QUANT[kind]
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How the attention kernels are cut up: ``tile`` cache tokens per loop iteration (a
+    power of two; blocks of any size are gathered token by token through the table),
+    ``num_warps`` / ``num_stages`` per program, and for decode-only batches the number of
+    programs per multiprocessor the split-K path aims for. ``benchmarks/kernels.py
+    --parts sweep`` times the alternatives; the defaults are what it measured best on an
+    H200 (``default_launch``)."""
+
+    tile: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+
+
+# Per cache kind: the best geometric mean of a sweep over tile (32-128) x warps (2-8) x
+# stages (2, 3) x programs per SM (2-16) on an H200 (docs/performance.md). Quantized caches
+# spend more time converting than loading and prefer fewer stages and bigger tiles.
+_DEFAULT_LAUNCHES = {
+    None: Launch(64, 4, 3, 4),
+    "fp8": Launch(128, 4, 3, 8),
+    "int8": Launch(128, 2, 2, 16),
+}
+
+
+def default_launch(kind: str | None) -> Launch:
+    """The launch configuration attention uses unless told, for a cache of ``kind``
+    (``None``: unquantized, else ``fp8`` or ``int8``)."""
+    return _DEFAULT_LAUNCHES[kind]
+
+
 def _split_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -460,12 +515,15 @@ def _split_decode(
     num_splits: int,
     out: torch.Tensor,
     kv_scales: torch.Tensor | None,
+    launch: Launch,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     d_pad = triton.next_power_of_2(head_dim)
-    blocks_per_split = triton.cdiv(meta.block_table.shape[1], num_splits)
+    table_width = meta.block_table.shape[1]
+    per_split = triton.cdiv(table_width * block_size, num_splits)
+    tokens_per_split = triton.cdiv(per_split, launch.tile) * launch.tile
     parts = num_seqs * num_heads * num_splits
     part_out = torch.empty(parts, d_pad, dtype=torch.float32, device=q.device)
     part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
@@ -486,7 +544,8 @@ def _split_decode(
         q.stride(0),
         q.stride(1),
         meta.block_table.stride(0),
-        blocks_per_split,
+        table_width,
+        tokens_per_split,
         num_splits,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -494,7 +553,10 @@ def _split_decode(
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
+        TILE=launch.tile,
         QUANT=quant,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out,
@@ -512,18 +574,28 @@ def _split_decode(
     return out
 
 
-_TARGET_PROGRAMS = 264  # about two waves of programs on a 132-SM H100/H200
-_MIN_BLOCKS_PER_SPLIT = 16
+_MIN_TOKENS_PER_SPLIT = 256
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
-    """How many KV slices a decode-only batch is cut into (1: no split): enough programs
-    to fill the device, each with at least ``_MIN_BLOCKS_PER_SPLIT`` blocks of work."""
+def decode_splits(
+    num_seqs: int, num_kv_heads: int, max_tokens: int, multiprocessors: int, per_sm: int
+) -> int:
+    """How many KV slices a decode-only batch is cut into (1: no split). A batch with two
+    programs per multiprocessor or more runs whole (on an H200, batch 64 with 8 KV heads
+    read 4.2-4.5 TB/s unsplit and less split); a smaller one is cut into about ``per_sm``
+    programs per multiprocessor, each with at least ``_MIN_TOKENS_PER_SPLIT`` tokens."""
     programs = num_seqs * num_kv_heads
-    if programs >= _TARGET_PROGRAMS:
+    if programs >= 2 * multiprocessors:
         return 1
-    by_work = max_blocks // _MIN_BLOCKS_PER_SPLIT
-    return max(1, min(by_work, triton.cdiv(_TARGET_PROGRAMS, programs)))
+    by_work = max_tokens // _MIN_TOKENS_PER_SPLIT
+    return max(1, min(by_work, triton.cdiv(multiprocessors * per_sm, programs)))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter (tests): split as on an H100/H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention(
@@ -535,20 +607,29 @@ def paged_attention(
     scale: float,
     kv_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """See :func:`lamina.kernels.reference.paged_attention`; reads everything (this step's
     keys too) from ``kv_cache``, which :func:`write_kv_cache` has already filled.
     ``num_splits`` forces the split-K decode path (tests); by default it is chosen from
-    the batch's shape and used only for decode-only batches."""
+    the batch's shape and used only for decode-only batches. ``launch``: see
+    :class:`Launch` (by default :func:`default_launch`)."""
+    launch = launch or default_launch(kv_quant.quant_kind(kv_cache))
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if meta.max_query_len == 1:
         if num_splits is None:
-            num_splits = decode_splits(num_tokens, num_kv_heads, meta.block_table.shape[1])
+            num_splits = decode_splits(
+                num_tokens,
+                num_kv_heads,
+                meta.block_table.shape[1] * block_size,
+                _multiprocessors(q.device),
+                launch.programs_per_sm,
+            )
         if num_splits > 1:
-            return _split_decode(q, kv_cache, meta, scale, num_splits, out, kv_scales)
+            return _split_decode(q, kv_cache, meta, scale, num_splits, out, kv_scales, launch)
     block_q = max(1, 16 // group)  # at least 16 rows per tile, as tl.dot needs on GPUs
     num_seqs = meta.context_lens.shape[0]
     grid = (num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
@@ -569,12 +650,17 @@ def paged_attention(
         out.stride(0),
         out.stride(1),
         meta.block_table.stride(0),
+        meta.block_table.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
+        TILE=launch.tile,
         QUANT=quant,
+        BLOCK_Q=block_q,
+        ROWS=triton.next_power_of_2(block_q * group),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out

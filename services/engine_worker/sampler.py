@@ -47,9 +47,17 @@ class Sampler:
             logits = self._apply_penalties(logits, requests)
         suppress = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if suppress:
-            for row in suppress:
-                stop = set(requests[row].params.stop_token_ids) | set(self.eos_token_ids)
-                logits[row, upload(sorted(stop), torch.int64, logits.device)] = float("-inf")
+            # One fill over flat (row, token) indices. (Assigning a Python float through an
+            # index tensor copies the scalar to the device, which waits on CUDA.)
+            vocab = logits.shape[1]
+            flat = [
+                row * vocab + token
+                for row in suppress
+                for token in sorted(
+                    set(requests[row].params.stop_token_ids) | set(self.eos_token_ids)
+                )
+            ]
+            logits.view(-1).index_fill_(0, upload(flat, torch.int64, logits.device), float("-inf"))
 
         greedy = [p.greedy for p in params]
         if all(greedy):

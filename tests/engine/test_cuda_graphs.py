@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from lamina.services.engine_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from lamina.services.engine_worker.service import WorkerConfig
 from tests.engine.helpers import greedy, make_engine, run_to_completion
 
 
@@ -104,6 +103,9 @@ def test_default_is_eager_off_cuda(tiny_model):
 
 
 def test_worker_flag(monkeypatch):
+    # Imported here: the service needs nats-py, which the GPU machine lacks (gpu_check.sh).
+    from lamina.services.engine_worker.service import WorkerConfig
+
     assert WorkerConfig(model="m").engine_config().cuda_graphs is None  # automatic
     assert WorkerConfig(model="m", cuda_graphs=False).engine_config().cuda_graphs is False
 

@@ -6,6 +6,7 @@ uploads are plain host tensors, which the rest of the suite covers."""
 
 from __future__ import annotations
 
+import traceback
 import warnings
 
 import pytest
@@ -17,16 +18,26 @@ from tests.engine.helpers import make_engine
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _syncs(fn) -> int:
-    """How many synchronising CUDA calls ``fn()`` makes."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+def _syncs(fn) -> list[str]:
+    """The synchronising CUDA calls ``fn()`` makes: for each, the Python stack (innermost
+    four frames) where torch's sync debug mode warned."""
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            frames = traceback.extract_stack()[:-2][-4:]
+            found.append(" <- ".join(f"{f.filename}:{f.lineno} {f.name}" for f in reversed(frames)))
+
+    # Switched on outside the recording: the first switch in a process warns by itself.
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
             fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in caught)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return found
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, None])
@@ -51,7 +62,8 @@ def test_a_step_synchronises_once(tiny_model, monkeypatch, cuda_graphs, sampled)
     for i in range(3):
         engine.add_request(f"r{i}", list(range(5 + i, 40 + 3 * i)), params)
     engine.step()  # first launches and allocations out of the way
-    counts = []
+    syncs = []
     while engine.has_work():
-        counts.append(_syncs(engine.step))
-    assert counts and all(n == 1 for n in counts), counts
+        syncs.append(_syncs(engine.step))
+    if not syncs or any(len(step) != 1 for step in syncs):
+        pytest.fail("\n".join(f"step {i + 1}: {step}" for i, step in enumerate(syncs)))

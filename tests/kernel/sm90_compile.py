@@ -61,15 +61,15 @@ def cases():
         else:
             flags = {"BLOCK_D": 128, "FP8": quant == 1}
             yield f"write_kv {cache_type}", attention._write_kv_kernel, flags, cache
-        for group, head_dim in ((4, 128), (8, 80)):
+        for group, head_dim in ((4, 128), (8, 80), (7, 64)):
             d_pad = triton.next_power_of_2(head_dim)
             shape = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim, "D_PAD": d_pad}
-            shape |= {"BLOCK_SIZE": 16, "QUANT": quant}
+            shape |= {"BLOCK_SIZE": 16, "TILE": 64, "QUANT": quant}
             tag = f"{cache_type} group={group} head_dim={head_dim}"
             yield (
                 f"paged_attention {tag}",
                 attention._paged_attention_kernel,
-                shape | {"BLOCK_Q": 16 // group},
+                shape | {"BLOCK_Q": 16 // group, "ROWS": 16},
                 cache,
             )
             yield (

@@ -1,6 +1,8 @@
 """Each Triton kernel against its torch reference: on CPU under TRITON_INTERPRET=1, on
-CUDA natively when a GPU is present. Shapes hit the edges: non-power-of-two head dims,
-partial blocks, ratio-8 GQA, length-1 sequences, prefill chunks on cached context."""
+CUDA natively when a GPU is present. Shapes hit the edges: head dims 64 to 256 (80 and 96
+not powers of two), partial blocks, GQA ratios 1 to 8 (3 and 7 not powers of two either),
+length-1 sequences, prefill chunks on cached context, tiles smaller and larger than a
+block, block sizes that are not powers of two."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ pytest.importorskip("triton")
 from lamina.kernels import reference as ref
 from lamina.kernels import triton as tri
 from lamina.kernels.reference import AttentionMetadata
+from lamina.kernels.triton.attention import Launch
 from tests.kernel.layout import metadata, paged_layout
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,11 +72,11 @@ MIXED = [(0, 1), (15, 1), (16, 1), (12, 5), (0, 9), (33, 20)]
 DECODES = [(n, 1) for n in (0, 1, 16, 17, 31, 47, 80)]
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 1, 64), (8, 2, 80), (2, 1, 128)])
-@pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes"])
-def test_paged_attention_matches_reference(hq, hkv, d, seqs):
-    torch.manual_seed(0)
-    bs, num_blocks = 16, 64
+SHAPES = [(4, 4, 64), (8, 1, 64), (8, 2, 80), (6, 2, 96), (7, 1, 64), (16, 2, 128), (2, 1, 256)]
+
+
+def _attention_case(hq, hkv, d, seqs, bs=16, num_blocks=64, **kwargs):
+    """(Triton output on the device, reference output) for ``seqs`` on a random cache."""
     cache = torch.randn(2, num_blocks, bs, hkv, d)  # garbage everywhere not written
     table, slot_mapping = paged_layout(seqs, num_blocks, bs)
     total = sum(n for _, n in seqs)
@@ -83,9 +86,25 @@ def test_paged_attention_matches_reference(hq, hkv, d, seqs):
     want = ref.paged_attention(q, k, v, cache, meta, d**-0.5)
     dev_meta = metadata(seqs, table, slot_mapping, bs, DEVICE)
     got = tri.paged_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache.to(DEVICE), dev_meta, d**-0.5
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache.to(DEVICE), dev_meta, d**-0.5, **kwargs
     )
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+    return got.cpu(), want
+
+
+@pytest.mark.parametrize("hq,hkv,d", SHAPES)
+@pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_paged_attention_matches_reference(hq, hkv, d, seqs):
+    torch.manual_seed(0)
+    torch.testing.assert_close(*_attention_case(hq, hkv, d, seqs), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("tile", [16, 32, 128])
+@pytest.mark.parametrize("bs", [16, 12])
+@pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_any_tile_over_any_block_size(tile, bs, seqs):
+    torch.manual_seed(2)
+    got, want = _attention_case(8, 2, 64, seqs, bs=bs, launch=Launch(tile=tile))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
@@ -103,38 +122,34 @@ def test_engine_greedy_outputs_equal_on_both_backends(tiny_model, monkeypatch, k
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (8, 1, 80)])
-def test_split_k_decode_matches_reference(num_splits, hq, hkv, d):
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (8, 1, 80), (7, 1, 64)])
+@pytest.mark.parametrize("tile", [16, 64])
+def test_split_k_decode_matches_reference(num_splits, hq, hkv, d, tile):
     torch.manual_seed(1)
     bs = 16
     contexts = [0, 5, 47, 130, 200]  # more splits than blocks for the short ones
     num_blocks = sum(-(-(c + 1) // bs) for c in contexts) + 1
-    cache = torch.randn(2, num_blocks, bs, hkv, d)
-    seqs = [(c, 1) for c in contexts]
-    table, slots = paged_layout(seqs, num_blocks, bs)
-    q, k, v = torch.randn(5, hq, d), torch.randn(5, hkv, d), torch.randn(5, hkv, d)
-    meta = metadata(seqs, table, slots, bs, torch.device("cpu"))
-    ref.write_kv_cache(k, v, cache, slots)
-    want = ref.paged_attention(q, k, v, cache, meta, d**-0.5)
-    dev = metadata(seqs, table, slots, bs, DEVICE)
-    got = tri.paged_attention(
-        q.to(DEVICE),
-        k.to(DEVICE),
-        v.to(DEVICE),
-        cache.to(DEVICE),
-        dev,
-        d**-0.5,
+    got, want = _attention_case(
+        hq,
+        hkv,
+        d,
+        [(c, 1) for c in contexts],
+        num_blocks=num_blocks,
         num_splits=num_splits,
+        launch=Launch(tile=tile),
     )
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 def test_split_count_fills_the_device_only_when_needed():
     from lamina.kernels.triton.attention import decode_splits
 
-    assert decode_splits(num_seqs=256, num_kv_heads=8, max_blocks=2048) == 1  # enough work
-    assert decode_splits(num_seqs=1, num_kv_heads=8, max_blocks=2048) == 33  # long context
-    assert decode_splits(num_seqs=1, num_kv_heads=8, max_blocks=8) == 1  # nothing to split
+    h200 = dict(num_kv_heads=8, multiprocessors=132, per_sm=4)
+    assert decode_splits(64, max_tokens=32768, **h200) == 1  # 512 programs: enough
+    assert decode_splits(16, max_tokens=32768, **h200) == 5  # 128 programs: ~4 per SM
+    assert decode_splits(1, max_tokens=32768, **h200) == 66  # long context
+    assert decode_splits(1, max_tokens=2048, **h200) == 8  # at least 256 tokens each
+    assert decode_splits(1, max_tokens=128, **h200) == 1  # nothing to split
 
 
 def test_flat_metadata_skips_the_dense_masks():
