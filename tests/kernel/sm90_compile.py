@@ -18,13 +18,17 @@ from lamina.kernels.triton import activation, attention, norm, rotary
 SM90 = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"scale", "eps"}
 CACHE = {0: "bf16", 1: "fp8e4nv", 2: "i8"}  # by the kernels' QUANT switch
+KIND = {0: None, 1: "fp8", 2: "int8"}
 INDEX = {"block_table_ptr", "query_start_ptr", "context_len_ptr", "slots_ptr", "writes_ptr"}
 PARTIALS = {"part_out_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32"}
 
 
-def compile_sm90(kernel, constexprs: dict, pointers: dict[str, str] | None = None) -> None:
+def compile_sm90(
+    kernel, constexprs: dict, pointers: dict[str, str] | None = None, options: dict | None = None
+) -> None:
     """Compile ``kernel`` for sm_90: pointers are bf16 unless named in ``pointers`` (index
-    arrays int64), scalars int32 (``scale``/``eps`` fp32)."""
+    arrays int64), scalars int32 (``scale``/``eps`` fp32); ``options`` such as
+    ``num_warps``."""
     pointers = pointers or {}
     signature = {}
     for param in kernel.params:
@@ -35,12 +39,15 @@ def compile_sm90(kernel, constexprs: dict, pointers: dict[str, str] | None = Non
             signature[name] = "*" + pointers.get(name, "i64" if name in INDEX else "bf16")
         else:
             signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=SM90)
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs), target=SM90, options=options or {}
+    )
     assert compiled.asm["cubin"], kernel
 
 
 def cases():
-    """(name, kernel, constexprs, pointer types) for every kernel and configuration."""
+    """(name, kernel, constexprs, pointer types[, compile options]) for every kernel and
+    configuration; attention with the default launch of each cache kind."""
     for residual in (False, True):
         yield (
             f"rms_norm residual={residual}",
@@ -61,30 +68,34 @@ def cases():
         else:
             flags = {"BLOCK_D": 128, "FP8": quant == 1}
             yield f"write_kv {cache_type}", attention._write_kv_kernel, flags, cache
+        launch = attention.default_launch(KIND[quant])
+        options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
         for group, head_dim in ((4, 128), (8, 80), (7, 64)):
             d_pad = triton.next_power_of_2(head_dim)
             shape = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim, "D_PAD": d_pad}
-            shape |= {"BLOCK_SIZE": 16, "TILE": 64, "QUANT": quant}
+            shape |= {"BLOCK_SIZE": 16, "TILE": launch.tile, "QUANT": quant}
             tag = f"{cache_type} group={group} head_dim={head_dim}"
             yield (
                 f"paged_attention {tag}",
                 attention._paged_attention_kernel,
                 shape | {"BLOCK_Q": 16 // group, "ROWS": 16},
                 cache,
+                options,
             )
             yield (
                 f"decode_split {tag}",
                 attention._decode_split_kernel,
                 shape | {"G_PAD": 16},
                 cache | PARTIALS,
+                options,
             )
     reduce = {"NUM_HEADS": 32, "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16}
     yield "decode_reduce", attention._decode_reduce_kernel, reduce, PARTIALS
 
 
 def main() -> None:
-    for name, kernel, constexprs, pointers in cases():
-        compile_sm90(kernel, constexprs, pointers)
+    for name, kernel, constexprs, pointers, *options in cases():
+        compile_sm90(kernel, constexprs, pointers, *options)
         print("ok", name, flush=True)
 
 
