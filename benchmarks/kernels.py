@@ -126,6 +126,8 @@ def sweep(args: argparse.Namespace, kind: str) -> None:
         for per_sm in (2, 4, 8, 16)
     ]
     default = default_launch(None if kind == "auto" else kind)
+    if default not in launches:
+        launches.append(default)
     print(
         f"launch sweep ({kind} cache; default {default}), GB/s, tile/warps/stages/programs per SM:"
     )
