@@ -70,6 +70,10 @@ class Stack:
         )
 
     def start(self, timeout: float = 180.0) -> Stack:
+        """Start everything (``with Stack(...)`` already does); once only: a second start
+        would orphan the first processes and run two workers under one id on one bus."""
+        if self.procs:
+            raise RuntimeError("the stack is already started")
         if self.nats_url is None:
             self.nats = NatsServer().start()
             self.nats_url = self.nats.url
