@@ -581,9 +581,9 @@ def decode_splits(
     num_seqs: int, num_kv_heads: int, max_tokens: int, multiprocessors: int, per_sm: int
 ) -> int:
     """How many KV slices a decode-only batch is cut into (1: no split). A batch with two
-    programs per multiprocessor or more runs whole (on an H200, batch 64 with 8 KV heads
-    read 4.2-4.5 TB/s unsplit and less split); a smaller one is cut into about ``per_sm``
-    programs per multiprocessor, each with at least ``_MIN_TOKENS_PER_SPLIT`` tokens."""
+    programs per multiprocessor or more runs whole (on an H200, splitting batch 64 with
+    8 KV heads gained nothing); a smaller one is cut into about ``per_sm`` programs per
+    multiprocessor, each with at least ``_MIN_TOKENS_PER_SPLIT`` tokens."""
     programs = num_seqs * num_kv_heads
     if programs >= 2 * multiprocessors:
         return 1
