@@ -23,6 +23,11 @@ class ResetPrefixCache(Message):
     """Forget every cached prefix block."""
 
 
+class Ping(Message):
+    """Is a worker serving this id? It answers ``ControlAck`` with its state and changes
+    nothing. A starting worker pings its own id and refuses to start if anyone answers."""
+
+
 class ControlAck(Message):
     """Reply to a control command."""
 
@@ -32,4 +37,4 @@ class ControlAck(Message):
     message: str = ""
 
 
-ControlCommand = Drain | Resume | ResetPrefixCache
+ControlCommand = Drain | Resume | ResetPrefixCache | Ping

@@ -22,8 +22,16 @@ from opentelemetry import context as otel_context
 
 from lamina.libs.bus import Bus
 from lamina.libs.config import option
+from lamina.libs.errors import BadReply, NoResponders, RequestTimeout
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.control import Cancel, ControlAck, ControlCommand, Drain, ResetPrefixCache
+from lamina.schemas.v1.control import (
+    Cancel,
+    ControlAck,
+    ControlCommand,
+    Drain,
+    Ping,
+    ResetPrefixCache,
+)
 from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected
 from lamina.schemas.v1.stats import WorkerStats
 from lamina.services.engine_worker.config import EngineConfig
@@ -76,6 +84,17 @@ class WorkerConfig:
         )
 
 
+class WorkerIdInUse(RuntimeError):
+    """Another running worker serves this worker id."""
+
+    def __init__(self, worker_id: str, evidence: str) -> None:
+        super().__init__(
+            f"worker id {worker_id!r} is already in use ({evidence}); give each worker its "
+            "own --worker-id (the default, <host>-<pid>, is unique)"
+        )
+        self.worker_id = worker_id
+
+
 class WorkerService:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -89,6 +108,7 @@ class WorkerService:
     async def start(self) -> None:
         cfg = self.config
         self.bus = bus = await Bus.connect(cfg.nats_url, f"worker-{self.worker_id}")
+        await self._check_id_is_free()  # before loading a model, which can take minutes
         engine_config = cfg.engine_config()
         self.model_name = cfg.model_name or engine_config.model.name
         aio = asyncio.get_running_loop()
@@ -120,6 +140,18 @@ class WorkerService:
             blocks.block_size,
             cfg.kv_cache_dtype,
         )
+
+    async def _check_id_is_free(self) -> None:
+        """Refuse to start under an id a running worker already serves: both would take
+        every request sent to it, and the gateway would see each accepted twice."""
+        subject = subjects.worker_control(self.worker_id)
+        try:
+            ack = await self.bus.request(subject, Ping(), ControlAck, timeout=2.0)
+        except NoResponders:
+            return
+        except (RequestTimeout, BadReply) as exc:  # a stuck or older worker holds the id
+            raise WorkerIdInUse(self.worker_id, str(exc)) from exc
+        raise WorkerIdInUse(self.worker_id, f"a worker in state {ack.state!r} answered")
 
     # ---------------------------------------------------------------------------- handlers
     async def _on_generate(self, request: GenerateRequest, msg: Msg) -> None:
@@ -165,6 +197,8 @@ class WorkerService:
 
     async def _on_control(self, command: ControlCommand, msg: Msg) -> None:
         match command:
+            case Ping():
+                pass  # only the answer
             case Drain():
                 self.state = "draining"
             case ResetPrefixCache():
@@ -172,7 +206,8 @@ class WorkerService:
                 await asyncio.to_thread(done.wait, 5.0)
             case _:  # Resume
                 self.state = "ready"
-        await self._publish_stats()
+        if not isinstance(command, Ping):
+            await self._publish_stats()
         await self.bus.reply(msg, ControlAck(worker_id=self.worker_id, ok=True, state=self.state))
 
     # ------------------------------------------------------------------------- publishing

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from lamina.libs.bus import Bus
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.generate import (
@@ -17,7 +19,7 @@ from lamina.schemas.v1.generate import (
     StreamEvent,
     Tokens,
 )
-from lamina.services.engine_worker.service import WorkerConfig, WorkerService
+from lamina.services.engine_worker.service import WorkerConfig, WorkerIdInUse, WorkerService
 
 WORKER = "bus-test-worker"
 
@@ -87,5 +89,24 @@ def test_a_request_streams_accepted_then_ordered_tokens_then_finished(nats_url, 
             await bus.close()
             await worker.drain()
             await worker.close()
+
+    asyncio.run(main())
+
+
+def test_a_second_worker_under_a_running_workers_id_refuses_to_start(nats_url, tiny_model):
+    async def main() -> None:
+        config = WorkerConfig(nats_url=nats_url, worker_id="dup-worker", model=str(tiny_model))
+        first = WorkerService(config)
+        await first.start()
+        second = WorkerService(config)
+        try:
+            with pytest.raises(WorkerIdInUse, match="'dup-worker' is already in use"):
+                await second.start()
+            assert second.loop is None  # refused before loading the model
+            assert first.state == "ready"  # the ping changed nothing
+        finally:
+            await second.bus.close()
+            await first.drain()
+            await first.close()
 
     asyncio.run(main())

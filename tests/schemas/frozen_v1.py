@@ -165,6 +165,10 @@ class ResetPrefixCache(Message):
     pass
 
 
+class Ping(Message):  # added in session 6, after the first release of v1
+    pass
+
+
 class ControlAck(Message):
     worker_id: str
     ok: bool

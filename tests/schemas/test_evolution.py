@@ -30,6 +30,7 @@ from lamina.schemas.v1.control import (
     ControlAck,
     ControlCommand,
     Drain,
+    Ping,
     ResetPrefixCache,
     Resume,
 )
@@ -183,6 +184,7 @@ def golden_instances() -> dict[str, Message]:
         Drain(),
         Resume(),
         ResetPrefixCache(),
+        Ping(),
         ControlAck(worker_id=worker_id, ok=True, state="draining", message="3 requests in flight"),
         BadMessage(
             subject="lamina.v1.sched.submit", error="Object missing required field `request_id`"
