@@ -196,17 +196,15 @@ class WorkerService:
         self.loop.cancel(cancel.request_id)
 
     async def _on_control(self, command: ControlCommand, msg: Msg) -> None:
-        match command:
-            case Ping():
-                pass  # only the answer
-            case Drain():
-                self.state = "draining"
-            case ResetPrefixCache():
-                done = self.loop.call(lambda engine: engine.reset_prefix_cache())
-                await asyncio.to_thread(done.wait, 5.0)
-            case _:  # Resume
-                self.state = "ready"
-        if not isinstance(command, Ping):
+        if not isinstance(command, Ping):  # a ping is only answered
+            match command:
+                case Drain():
+                    self.state = "draining"
+                case ResetPrefixCache():
+                    done = self.loop.call(lambda engine: engine.reset_prefix_cache())
+                    await asyncio.to_thread(done.wait, 5.0)
+                case _:  # Resume
+                    self.state = "ready"
             await self._publish_stats()
         await self.bus.reply(msg, ControlAck(worker_id=self.worker_id, ok=True, state=self.state))
 
