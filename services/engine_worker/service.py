@@ -31,6 +31,7 @@ from lamina.schemas.v1.control import (
     Drain,
     Ping,
     ResetPrefixCache,
+    Resume,
 )
 from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected
 from lamina.schemas.v1.stats import WorkerStats
@@ -196,15 +197,15 @@ class WorkerService:
         self.loop.cancel(cancel.request_id)
 
     async def _on_control(self, command: ControlCommand, msg: Msg) -> None:
+        match command:
+            case Drain():
+                self.state = "draining"
+            case ResetPrefixCache():
+                done = self.loop.call(lambda engine: engine.reset_prefix_cache())
+                await asyncio.to_thread(done.wait, 5.0)
+            case Resume():
+                self.state = "ready"
         if not isinstance(command, Ping):  # a ping is only answered
-            match command:
-                case Drain():
-                    self.state = "draining"
-                case ResetPrefixCache():
-                    done = self.loop.call(lambda engine: engine.reset_prefix_cache())
-                    await asyncio.to_thread(done.wait, 5.0)
-                case _:  # Resume
-                    self.state = "ready"
             await self._publish_stats()
         await self.bus.reply(msg, ControlAck(worker_id=self.worker_id, ok=True, state=self.state))
 
