@@ -6,12 +6,10 @@ On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs i
   the small-batch shapes that decoding makes, ``F.linear`` goes to MKL's sgemm, which on
   the AMD EPYC this project is measured on slows down sharply for a few rows; oneDNN's
   packed matmul is 1.15-1.9x faster from 1 to 2048 rows (``benchmarks/cpu_linear.py``).
-* ``native`` (the default with the ``cpu`` kernel backend, :class:`CpuLinear`): oneDNN as
-  above, except that up to :data:`SKINNY_ROWS` rows go to the native skinny kernel
-  (``kernels/cpu/skinny_linear.cpp``), which streams the weight once at close to the
-  machine's read bandwidth where oneDNN reaches about 80% of it, and small weights stay
-  on ``F.linear``. It keeps the plain weight next to the packed one: twice the weight
-  memory.
+* ``native`` (the default with the ``cpu`` kernel backend, :func:`native_linear`): the native
+  blocked matmul on a weight packed once at load (``kernels/cpu/gemm.cpp``), at every row
+  count: 1.1-1.3x oneDNN's from 64 to 2048 rows and as fast as a matrix-vector kernel at
+  one row (``benchmarks/cpu_linear.py``). Small weights stay on ``F.linear``.
 
 ``LAMINA_CPU_LINEAR=native|onednn|torch`` overrides the choice.
 """
@@ -25,21 +23,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from lamina.kernels.cpu.linear import skinny_linear
+from lamina.kernels.cpu.linear import PackedLinear
 
 log = logging.getLogger("lamina.kernels")
 
 _PACK_ROWS = 512
 """The row count oneDNN packs for: measured best across 1-2048 rows of all hints tried."""
 
-SKINNY_ROWS = 4
-"""Up to this many rows the native skinny kernel beats oneDNN's packed matmul (measured
-with ``benchmarks/cpu_linear.py``; past it the kernel turns compute-bound)."""
-
-ONEDNN_MIN_ELEMENTS = 1 << 18
-"""Weights smaller than this (1 MiB in fp32) stay on ``F.linear`` in :class:`CpuLinear`:
-oneDNN costs ~40 us more per call, and MKL was faster below ~130K elements at 16-512 rows
-and slower from 262K up (measured per shape, weights hot in cache)."""
+NATIVE_MIN_ELEMENTS = 1 << 17
+"""Weights smaller than this (512 KiB in fp32) stay on ``F.linear`` in :func:`native_linear`:
+below it the native matmul's fixed cost per call (~10 us of Python and ctypes) outweighs
+its speed at one row (measured per shape from 1 to 512 rows)."""
 
 CHOICES = ("native", "onednn", "torch")
 
@@ -66,25 +60,16 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-class CpuLinear:
-    """The fastest of three on an fp32 CPU: ``F.linear`` for small weights (under
-    :data:`ONEDNN_MIN_ELEMENTS`, where oneDNN's fixed cost per call outweighs its speed),
-    otherwise the native skinny kernel for up to :data:`SKINNY_ROWS` rows and oneDNN's
-    packed matmul for more (the plain weight kept as well as the packed one)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight, self.bias = weight.contiguous(), bias
-        self.packed = OneDnnLinear(weight, bias) if weight.numel() >= ONEDNN_MIN_ELEMENTS else None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        if x.shape[0] <= SKINNY_ROWS:
-            return skinny_linear(x, self.weight, self.bias)
-        return self.packed(x)
+def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> TorchLinear | PackedLinear:
+    """The faster of two on an fp32 CPU: ``F.linear`` for a small weight (under
+    :data:`NATIVE_MIN_ELEMENTS`), otherwise the native blocked matmul on a packed copy
+    (:class:`~lamina.kernels.cpu.linear.PackedLinear`; the plain weight is not kept)."""
+    if weight.numel() < NATIVE_MIN_ELEMENTS:
+        return TorchLinear(weight, bias)
+    return PackedLinear(weight, bias)
 
 
-Linear = TorchLinear | OneDnnLinear | CpuLinear
+Linear = TorchLinear | OneDnnLinear | PackedLinear
 _logged: set[str] = set()
 
 
@@ -96,21 +81,22 @@ def linear_factory(
     requested = os.environ.get("LAMINA_CPU_LINEAR", "").strip().lower()
     if requested and requested not in CHOICES:
         raise ValueError(f"LAMINA_CPU_LINEAR={requested!r}: choose one of {', '.join(CHOICES)}")
+    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
     onednn = (
-        device.type == "cpu"
-        and dtype == torch.float32
+        cpu_fp32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
-    if requested == "native" and not (onednn and backend == "cpu"):
+    if requested == "native" and not (cpu_fp32 and backend == "cpu"):
         raise ValueError("LAMINA_CPU_LINEAR=native needs fp32 on the CPU with the cpu kernels")
-    if requested == "torch" or not onednn:
-        choice, cls = "torch", TorchLinear
-    elif requested == "onednn" or backend != "cpu":
-        choice, cls = "onednn", OneDnnLinear
+    make: Callable[[torch.Tensor, torch.Tensor | None], Linear]
+    if requested == "native" or (not requested and cpu_fp32 and backend == "cpu"):
+        choice, make = "native", native_linear
+    elif onednn and requested != "torch":
+        choice, make = "onednn", OneDnnLinear
     else:
-        choice, cls = "native", CpuLinear
+        choice, make = "torch", TorchLinear
     if choice not in _logged:
         _logged.add(choice)
         log.info("linear layers: %s (%s, %s)", choice, device.type, dtype)
-    return cls
+    return make

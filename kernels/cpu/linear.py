@@ -1,39 +1,50 @@
-"""``x @ weight.T + bias`` for a few fp32 rows by the native kernel of
-``skinny_linear.cpp``, which streams the weight once at close to the machine's read
-bandwidth (see :class:`lamina.kernels.linear.CpuLinear` for when it runs)."""
+"""Native fp32 linears on the CPU, ``x @ weight.T + bias``: the blocked matmul of
+``gemm.cpp`` on a weight packed once at load. See :func:`lamina.kernels.linear.native_linear`
+for when it runs."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lamina.kernels.cpu.build import load_library, ptr
 
+PANEL = 16
+"""Output columns per panel of a packed weight (the matmul's micro-kernel width)."""
 
-def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for 2-D fp32 ``x`` with unit stride along its rows and
-    a contiguous ``weight`` ``(N, K)``; other inputs go to ``F.linear``."""
-    if not (
-        x.dtype == weight.dtype == torch.float32
-        and x.dim() == 2
-        and x.stride(1) == 1
-        and weight.is_contiguous()
-        and (bias is None or bias.is_contiguous())
-    ):
-        return F.linear(x, weight, bias)
-    rows, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype)
-    load_library().lamina_skinny_linear(
-        ptr(x),
-        x.stride(0),
-        ptr(weight),
-        ptr(bias),
-        rows,
-        n,
-        k,
-        ptr(out),
-    )
-    return out
+
+class PackedLinear:
+    """``x @ weight.T + bias`` for fp32 on the CPU by the native blocked matmul, on a copy
+    of ``weight`` ``(N, K)`` packed once into panels of :data:`PANEL` output columns (the
+    plain weight is not kept)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"PackedLinear takes a 2-D fp32 weight, not {weight.dtype}")
+        self.out_features, self.in_features = weight.shape
+        panels = -(-self.out_features // PANEL)
+        self.packed = torch.empty(panels * PANEL * self.in_features)  # 64-byte aligned
+        library = load_library()
+        library.lamina_pack_weight(
+            ptr(weight.contiguous()), self.out_features, self.in_features, ptr(self.packed)
+        )
+        self.bias = None if bias is None else bias.contiguous()
+        # Resolved once: a decode step makes a few hundred calls, and each lookup costs.
+        self._matmul = library.lamina_packed_linear
+        self._pointers = (ptr(self.packed), self.out_features, ptr(self.bias))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(..., K)`` fp32; returns ``(..., N)``."""
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.float32:
+            return self._general(x)
+        rows = x.shape[0]
+        out = torch.empty((rows, self.out_features))
+        self._matmul(
+            x.data_ptr(), x.stride(0), rows, self.in_features, *self._pointers, out.data_ptr()
+        )
+        return out
+
+    def _general(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise ValueError(f"PackedLinear takes fp32 inputs, not {x.dtype}")
+        lead = x.shape[:-1]
+        return self(x.reshape(-1, self.in_features).contiguous()).view(*lead, self.out_features)

@@ -1,8 +1,8 @@
 """The native CPU kernels (``kernels/cpu``) against the torch reference: decode attention
 (GQA ratios 1-8, head dims 64-256, lengths 1 to several blocks with partial last blocks,
 strided queries, fp8 and int8 caches), the fused elementwise ops (odd sizes that leave
-SIMD tails, strided rows, the inputs they hand back to the reference) and the skinny
-linear; then the engine's greedy outputs on the ``cpu`` backend against ``reference``,
+SIMD tails, strided rows, the inputs they hand back to the reference) and the packed
+matmul; then the engine's greedy outputs on the ``cpu`` backend against ``reference``,
 and how the backend is chosen."""
 
 from __future__ import annotations
@@ -130,17 +130,31 @@ def test_rotary_matches_reference(d):
     torch.testing.assert_close(cpu.apply_rotary(qk, c, s), ref.apply_rotary(qk, c, s))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
-@pytest.mark.parametrize("k", [16, 37, 512])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 72, 73, 400])
+@pytest.mark.parametrize("k", [37, 512, 1100])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_skinny_linear_matches_f_linear(rows, k, with_bias):
+def test_packed_linear_matches_f_linear(rows, k, with_bias):
+    """Rows around the micro-kernel's 6 and the 72-row blocks (and enough to split rows
+    between threads), depths inside one 512-deep slice and across three, and 67 outputs:
+    four whole 16-column panels and a partial one."""
     g = torch.Generator().manual_seed(rows * k)
-    # 67 outputs: at k=512 the kernel's grain (16K weights) splits them 32 + 32 + 3.
     weight = torch.randn(67, k, generator=g)
     bias = torch.randn(67, generator=g) if with_bias else None
     x = torch.randn(rows, k + 3, generator=g)[:, :k]  # strided rows, as views hand over
     want = torch.nn.functional.linear(x, weight, bias)
-    torch.testing.assert_close(cpu.skinny_linear(x, weight, bias), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu.PackedLinear(weight, bias)(x), want, atol=2e-4, rtol=1e-5)
+
+
+def test_packed_linear_takes_any_leading_shape_and_refuses_other_dtypes():
+    weight, x = torch.randn(32, 24), torch.randn(2, 3, 24)
+    linear = cpu.PackedLinear(weight, None)
+    got = linear(x.transpose(0, 1))  # not contiguous
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.transpose(0, 1), weight))
+    assert got.shape == (3, 2, 32)
+    with pytest.raises(ValueError, match="fp32"):
+        linear(x.double())
+    with pytest.raises(ValueError, match="fp32"):
+        cpu.PackedLinear(weight.half(), None)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])

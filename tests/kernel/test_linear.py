@@ -1,5 +1,5 @@
-"""Linear layers: oneDNN's packed matmul and the native skinny kernel against ``F.linear``,
-and which one runs where."""
+"""Linear layers: oneDNN's packed matmul and the native choice against ``F.linear``, and
+which one runs where (the native matmul itself: ``test_cpu_kernels.py``)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.cpu import PackedLinear
 from lamina.kernels.linear import (
-    ONEDNN_MIN_ELEMENTS,
-    SKINNY_ROWS,
-    CpuLinear,
+    NATIVE_MIN_ELEMENTS,
     OneDnnLinear,
     TorchLinear,
     linear_factory,
+    native_linear,
 )
 
 CPU = torch.device("cpu")
@@ -29,24 +29,24 @@ def test_onednn_linear_matches_f_linear(rows, with_bias):
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, SKINNY_ROWS, SKINNY_ROWS + 1, 64])
-@pytest.mark.parametrize("out_features", [96, ONEDNN_MIN_ELEMENTS // 128])
-def test_cpu_linear_matches_f_linear_on_every_path(rows, out_features):
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("out_features", [96, NATIVE_MIN_ELEMENTS // 128])
+def test_native_linear_matches_f_linear_on_both_paths(rows, out_features):
     torch.manual_seed(0)
     weight, x, bias = (
         torch.randn(out_features, 128),
         torch.randn(rows, 128),
         torch.randn(out_features),
     )
-    linear = CpuLinear(weight, bias)
-    assert (linear.packed is None) == (weight.numel() < ONEDNN_MIN_ELEMENTS)
-    got = linear(x)
-    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    linear = native_linear(weight, bias)
+    small = weight.numel() < NATIVE_MIN_ELEMENTS
+    assert isinstance(linear, TorchLinear if small else PackedLinear)
+    torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
 def test_which_linear_runs_where(monkeypatch):
     monkeypatch.delenv("LAMINA_CPU_LINEAR", raising=False)
-    assert linear_factory(CPU, torch.float32, "cpu") is CpuLinear
+    assert linear_factory(CPU, torch.float32, "cpu") is native_linear
     assert linear_factory(CPU, torch.float32, "reference") is OneDnnLinear
     assert linear_factory(CPU, torch.bfloat16, "reference") is TorchLinear
     assert linear_factory(torch.device("cuda"), torch.float32, "triton") is TorchLinear

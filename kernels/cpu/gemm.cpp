@@ -1,0 +1,194 @@
+// out = x @ weight^T (+ bias) in fp32 on a weight packed once at load: the engine's linears
+// on the CPU, from one row (a batch-1 decode step) to thousands (a prefill chunk).
+//
+// The classic blocked layout (Goto / BLIS). The weight (N x K) is packed into panels of 16
+// output columns, each panel k-major ([K][16]), so the 6 x 16 micro-kernel reads it
+// strictly in order. Per work item (a block of up to kMC rows of x and a range of panels)
+// and per kKC-deep slice of K:
+//   * the rows' slice of x is packed into 6-row panels, k-major ([kKC][6]): ~150 KB,
+//     which stays in L2 while every weight panel of the range passes over it;
+//   * each weight panel's slice (kKC x 16, 32 KB) stays in L1 while the micro-kernel
+//     walks the 6-row panels of x down it;
+//   * the micro-kernel keeps a 6 x 16 block of the output in twelve AVX2 registers:
+//     per k two weight loads, six broadcasts of x and twelve FMAs.
+// The first slice writes the output block (plus bias), later slices add to it. With one
+// row the same loops are a single pass over the weight in memory order, as fast as a
+// dedicated matrix-vector kernel. Measured against oneDNN's packed matmul and MKL in
+// `benchmarks/cpu_linear.py` (numbers in docs/performance.md).
+//
+// Layouts: x (m, k) with row stride x_stride; packed as lamina_pack_weight writes it,
+// ceil(n / 16) * 16 * k floats, 32-byte aligned; bias (n,) or NULL; out (m, n) contiguous.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int kMR = 6;         // rows of x per micro-kernel call
+constexpr int kNR = 16;        // output columns per weight panel (two AVX2 registers)
+constexpr int64_t kKC = 512;   // depth of one slice of K
+constexpr int64_t kMC = 72;    // rows of x packed at a time (12 micro-panels)
+constexpr int64_t kMinRows = 192;  // fewest rows a thread gets when rows are split
+// kKC x kMC and the 64-row decode batches were the best of the sizes tried (KC 256-512,
+// MC 48-144, with and without unrolling K by four) at 64 and 2048 rows.
+
+// out block (M x cols, row stride ldo) = or += a (kc x M, k-major) * b (kc x kNR).
+template <int M>
+inline void micro(const float* a, const float* b, int64_t kc, float* out, int64_t ldo,
+                  bool first, const float* bias, int64_t cols) {
+#if LAMINA_AVX2
+  __m256 lo[M], hi[M];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  int64_t k = 0;
+  if constexpr (M == 1) {  // one row: two more chains, so that the FMAs do not wait on each
+    __m256 lo2 = _mm256_setzero_ps(), hi2 = _mm256_setzero_ps();  // other (hot weights)
+    for (; k + 2 <= kc; k += 2) {
+      const __m256 x0 = _mm256_broadcast_ss(a + k), x1 = _mm256_broadcast_ss(a + k + 1);
+      lo[0] = _mm256_fmadd_ps(x0, _mm256_load_ps(b + k * kNR), lo[0]);
+      hi[0] = _mm256_fmadd_ps(x0, _mm256_load_ps(b + k * kNR + 8), hi[0]);
+      lo2 = _mm256_fmadd_ps(x1, _mm256_load_ps(b + (k + 1) * kNR), lo2);
+      hi2 = _mm256_fmadd_ps(x1, _mm256_load_ps(b + (k + 1) * kNR + 8), hi2);
+    }
+    lo[0] = _mm256_add_ps(lo[0], lo2);
+    hi[0] = _mm256_add_ps(hi[0], hi2);
+  }
+#pragma GCC unroll 4
+  for (; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + k * M + i);
+      lo[i] = _mm256_fmadd_ps(x, b0, lo[i]);
+      hi[i] = _mm256_fmadd_ps(x, b1, hi[i]);
+    }
+  }
+  if (cols == kNR) {  // a whole panel: straight from the registers
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      float* row = out + i * ldo;
+      if (!first) {
+        lo[i] = _mm256_add_ps(lo[i], _mm256_loadu_ps(row));
+        hi[i] = _mm256_add_ps(hi[i], _mm256_loadu_ps(row + 8));
+      } else if (bias) {
+        lo[i] = _mm256_add_ps(lo[i], _mm256_loadu_ps(bias));
+        hi[i] = _mm256_add_ps(hi[i], _mm256_loadu_ps(bias + 8));
+      }
+      _mm256_storeu_ps(row, lo[i]);
+      _mm256_storeu_ps(row + 8, hi[i]);
+    }
+    return;
+  }
+  alignas(32) float block[M][kNR];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) {
+    _mm256_store_ps(block[i], lo[i]);
+    _mm256_store_ps(block[i] + 8, hi[i]);
+  }
+#else
+  float block[M][kNR] = {};
+  for (int64_t k = 0; k < kc; ++k)
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < kNR; ++j) block[i][j] += a[k * M + i] * b[k * kNR + j];
+#endif
+  for (int i = 0; i < M; ++i) {
+    float* row = out + i * ldo;
+    if (first) {
+      for (int64_t j = 0; j < cols; ++j) row[j] = block[i][j] + (bias ? bias[j] : 0.0f);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) row[j] += block[i][j];
+    }
+  }
+}
+
+using Micro = void (*)(const float*, const float*, int64_t, float*, int64_t, bool,
+                       const float*, int64_t);
+constexpr Micro kMicro[kMR + 1] = {nullptr,  micro<1>, micro<2>, micro<3>,
+                                   micro<4>, micro<5>, micro<6>};
+
+// x rows [0, rows) x depth [p, p + kc) into panels of kMR rows, k-major; the last panel
+// has the rows that are left (rows % kMR of them, if any).
+inline void pack_rows(const float* x, int64_t x_stride, int64_t rows, int64_t p, int64_t kc,
+                      float* dst) {
+  for (int64_t r = 0; r < rows; r += kMR) {
+    const int64_t width = std::min<int64_t>(kMR, rows - r);
+    for (int64_t i = 0; i < width; ++i) {
+      const float* src = x + (r + i) * x_stride + p;
+      for (int64_t k = 0; k < kc; ++k) dst[k * width + i] = src[k];
+    }
+    dst += kc * width;
+  }
+}
+
+// This thread's buffer for `floats` packed values of x, 32-byte aligned; it only grows, so
+// it is allocated once: a fresh one per call cost a page-faulting allocation each time.
+inline float* packing_buffer(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats + 8) buffer.resize(floats + 8);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) &
+                                  ~uintptr_t{31});
+}
+
+}  // namespace
+
+extern "C" void lamina_pack_weight(const float* weight, int64_t n, int64_t k, float* packed) {
+  const int64_t panels = (n + kNR - 1) / kNR;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      float* dst = packed + panel * k * kNR;
+      for (int64_t j = 0; j < kNR; ++j) {
+        const int64_t col = panel * kNR + j;
+        for (int64_t d = 0; d < k; ++d) dst[d * kNR + j] = col < n ? weight[col * k + d] : 0.0f;
+      }
+    }
+  });
+}
+
+extern "C" void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                                     const float* packed, int64_t n, const float* bias,
+                                     float* out) {
+  const int64_t panels = (n + kNR - 1) / kNR;
+  const int64_t micro_rows = (m + kMR - 1) / kMR;
+  // Split the rows between threads where each gets at least kMinRows of them (every thread
+  // then reads the whole weight, from L3); with fewer rows (decoding) split the panels, so
+  // each thread reads only its share of the weight.
+  const int64_t threads = at::get_num_threads();
+  const int64_t row_parts = std::clamp<int64_t>(m / kMinRows, 1, threads);
+  const int64_t panel_parts = std::min(panels, std::max<int64_t>(1, threads / row_parts));
+  at::parallel_for(0, row_parts * panel_parts, 1, [&](int64_t begin, int64_t end) {
+    // A single micro-panel of rows (decoding) takes K whole: its weight panels then stream
+    // front to back in one pass instead of in slices a panel apart.
+    const int64_t slice = m <= kMR ? k : kKC;
+    float* a = packing_buffer(std::min(kMC, m) * slice);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t part = item / panel_parts, q = item % panel_parts;
+      const int64_t first_row = micro_rows * part / row_parts * kMR;
+      const int64_t last_row = std::min(m, micro_rows * (part + 1) / row_parts * kMR);
+      const int64_t p0 = panels * q / panel_parts, p1 = panels * (q + 1) / panel_parts;
+      for (int64_t r0 = first_row; r0 < last_row; r0 += kMC) {
+        const int64_t rows = std::min(kMC, last_row - r0);
+        for (int64_t depth = 0; depth < k; depth += slice) {
+          const int64_t kc = std::min(slice, k - depth);
+          // One row is its own panel: read it in place.
+          const float* panels_of_x = rows == 1 ? x + r0 * x_stride + depth : a;
+          if (rows > 1) pack_rows(x + r0 * x_stride, x_stride, rows, depth, kc, a);
+          for (int64_t panel = p0; panel < p1; ++panel) {
+            const float* b = packed + (panel * k + depth) * kNR;
+            const int64_t col = panel * kNR, cols = std::min<int64_t>(kNR, n - col);
+            const float* panel_bias = bias ? bias + col : nullptr;
+            for (int64_t r = 0; r < rows; r += kMR) {
+              kMicro[std::min<int64_t>(kMR, rows - r)](panels_of_x + r * kc, b, kc,
+                                                        out + (r0 + r) * n + col, n,
+                                                        depth == 0, panel_bias, cols);
+            }
+          }
+        }
+      }
+    }
+  });
+}
