@@ -146,16 +146,21 @@ inline void dots(const float* q, int64_t d, const float* const* k, float* out) {
   _mm256_storeu_ps(out, hsum8(a));
 }
 
-// score[g * tile + t] for t < n - n % T (the rest is left to the caller).
+// score[g * tile + t] for t < n - n % T (the rest is left to the caller). The first pass
+// over the keys also pulls the same tokens' value rows into L1: the value loop reads them
+// once the tile's scores are done, long enough after for them to arrive from DRAM.
 template <int G, int T>
-inline int64_t tile_dots(const float* qs, int64_t group, const float* const* k, int64_t n,
-                         int64_t d, int64_t tile, float* score) {
+inline int64_t tile_dots(const float* qs, int64_t group, const float* const* k,
+                         const float* const* v, int64_t n, int64_t d, int64_t tile,
+                         float* score) {
   const int64_t done = n - n % T;
   float s[8];
   for (int64_t g0 = 0; g0 < group; g0 += G) {
     for (int64_t t = 0; t < done; t += T) {
-      if (g0 == 0)  // later head groups find the rows in L1
+      if (g0 == 0) {  // later head groups find the rows in L1
         for (int64_t j = t + kL1Ahead; j < std::min(n, t + kL1Ahead + T); ++j) prefetch_row(k[j], d);
+        for (int64_t j = t; j < t + T; ++j) prefetch_row(v[j], d);
+      }
       dots<G, T>(qs + g0 * d, d, k + t, s);
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < T; ++j) score[(g0 + g) * tile + t + j] = s[g * T + j];
@@ -165,18 +170,20 @@ inline int64_t tile_dots(const float* qs, int64_t group, const float* const* k, 
 }
 #endif
 
-// score[g * tile + t] = q_g . k_t for the tile's n key rows and the group's query heads.
-inline void tile_scores(const float* qs, int64_t group, const float* const* k, int64_t n,
-                        int64_t d, int64_t tile, float* score) {
+// score[g * tile + t] = q_g . k_t for the tile's n key rows (value rows v: see tile_dots)
+// and the group's query heads.
+inline void tile_scores(const float* qs, int64_t group, const float* const* k,
+                        const float* const* v, int64_t n, int64_t d, int64_t tile,
+                        float* score) {
   int64_t done = 0;
 #if LAMINA_AVX2
   if (d % 8 == 0) {
     if (group % 4 == 0) {
-      done = tile_dots<4, 2>(qs, group, k, n, d, tile, score);
+      done = tile_dots<4, 2>(qs, group, k, v, n, d, tile, score);
     } else if (group % 2 == 0) {
-      done = tile_dots<2, 4>(qs, group, k, n, d, tile, score);
+      done = tile_dots<2, 4>(qs, group, k, v, n, d, tile, score);
     } else {
-      done = tile_dots<1, 8>(qs, group, k, n, d, tile, score);
+      done = tile_dots<1, 8>(qs, group, k, v, n, d, tile, score);
     }
   }
 #endif
@@ -199,12 +206,43 @@ inline void weighted_rows(const float* p, const float* const* v, int64_t n, int6
   }
   for (int j = 0; j < R; ++j) _mm256_storeu_ps(acc + 8 * j, r[j]);
 }
+
+// acc_g[i : i + 16] += sum_t p[g * tile + t] * v_t[i : i + 16] for four query heads g at
+// once: each value load feeds four FMAs instead of one (the one-head loop above needs a
+// load per FMA, and the load ports were what limited it).
+inline void weighted_rows_4x16(const float* p, int64_t tile, const float* const* v, int64_t n,
+                               int64_t i, int64_t d, float* acc) {
+  __m256 r[8];
+  for (int g = 0; g < 4; ++g) {
+    r[2 * g] = _mm256_loadu_ps(acc + g * d + i);
+    r[2 * g + 1] = _mm256_loadu_ps(acc + g * d + i + 8);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    if (i == 0 && t + kL1Ahead < n) prefetch_row(v[t + kL1Ahead], d);  // first pass only
+    const __m256 v0 = _mm256_loadu_ps(v[t] + i), v1 = _mm256_loadu_ps(v[t] + i + 8);
+    for (int g = 0; g < 4; ++g) {
+      const __m256 w = _mm256_broadcast_ss(p + g * tile + t);
+      r[2 * g] = _mm256_fmadd_ps(w, v0, r[2 * g]);
+      r[2 * g + 1] = _mm256_fmadd_ps(w, v1, r[2 * g + 1]);
+    }
+  }
+  for (int g = 0; g < 4; ++g) {
+    _mm256_storeu_ps(acc + g * d + i, r[2 * g]);
+    _mm256_storeu_ps(acc + g * d + i + 8, r[2 * g + 1]);
+  }
+}
 #endif
 
 // acc_g += sum_t p[g * tile + t] * v_t over the tile's n value rows.
 inline void tile_values(const float* p, int64_t group, const float* const* v, int64_t n,
                         int64_t d, int64_t tile, float* acc) {
-  for (int64_t g = 0; g < group; ++g) {
+  int64_t g = 0;
+#if LAMINA_AVX2
+  if (d % 16 == 0)
+    for (; g + 4 <= group; g += 4)
+      for (int64_t i = 0; i < d; i += 16) weighted_rows_4x16(p + g * tile, tile, v, n, i, d, acc + g * d);
+#endif
+  for (; g < group; ++g) {
     float* ag = acc + g * d;
     const float* pg = p + g * tile;
     int64_t i = 0;
@@ -312,7 +350,7 @@ void attend(const float* q, const void* cache, const float* scales, const int64_
                       scratch, keys, values);
       float* hacc = acc + kh * group * d;
       float* hscore = score + kh * group * tile;
-      tile_scores(qs + kh * group * d, group, keys, n, d, tile, hscore);
+      tile_scores(qs + kh * group * d, group, keys, values, n, d, tile, hscore);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = hscore + g * tile;
         float& m = run_max[kh * group + g];
