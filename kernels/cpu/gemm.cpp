@@ -177,11 +177,22 @@ extern "C" void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m
           // One row is its own panel: read it in place.
           const float* panels_of_x = rows == 1 ? x + r0 * x_stride + depth : a;
           if (rows > 1) pack_rows(x + r0 * x_stride, x_stride, rows, depth, kc, a);
+          // While the micro-kernel walks the rows down one weight panel (from L1 after its
+          // first call), the next panel's slice is pulled in, a share per call; otherwise
+          // every panel's first call waits on memory. One call per panel (a few rows) reads
+          // the panels in one sequential stream, which the hardware prefetches.
+          const int64_t calls = (rows + kMR - 1) / kMR;
+          const int64_t lines = kc * kNR * 4 / 64, share = calls > 1 ? -(-lines / calls) : 0;
           for (int64_t panel = p0; panel < p1; ++panel) {
             const float* b = packed + (panel * k + depth) * kNR;
             const int64_t col = panel * kNR, cols = std::min<int64_t>(kNR, n - col);
             const float* panel_bias = bias ? bias + col : nullptr;
+            const char* next = reinterpret_cast<const char*>(b + k * kNR);
             for (int64_t r = 0; r < rows; r += kMR) {
+              if (panel + 1 < p1) {
+                const int64_t line = r / kMR * share, last = std::min(lines, line + share);
+                for (int64_t l = line; l < last; ++l) __builtin_prefetch(next + 64 * l, 0, 3);
+              }
               kMicro[std::min<int64_t>(kMR, rows - r)](panels_of_x + r * kc, b, kc,
                                                         out + (r0 + r) * n + col, n,
                                                         depth == 0, panel_bias, cols);
