@@ -6,7 +6,7 @@ On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs i
   the small-batch shapes that decoding makes, ``F.linear`` goes to MKL's sgemm, which on
   the AMD EPYC this project is measured on slows down sharply for a few rows; oneDNN's
   packed matmul is 1.15-1.9x faster from 1 to 2048 rows (``benchmarks/cpu_linear.py``).
-* ``native`` (the default with the ``cpu`` kernel backend, :func:`native_linear`): the native
+* ``native`` (the default with the ``cpu`` kernel backend on AVX2, :func:`native_linear`): the
   blocked matmul on a weight packed once at load (``kernels/cpu/gemm.cpp``), at every row
   count: 1.1-1.3x oneDNN's from 64 to 2048 rows and as fast as a matrix-vector kernel at
   one row (``benchmarks/cpu_linear.py``). Small weights stay on ``F.linear``.
@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.cpu.build import vectorized
 from lamina.kernels.cpu.linear import PackedLinear
 
 log = logging.getLogger("lamina.kernels")
@@ -32,8 +33,8 @@ _PACK_ROWS = 512
 
 NATIVE_MIN_ELEMENTS = 1 << 17
 """Weights smaller than this (512 KiB in fp32) stay on ``F.linear`` in :func:`native_linear`:
-below it the native matmul's fixed cost per call (~10 us of Python and ctypes) outweighs
-its speed at one row (measured per shape from 1 to 512 rows)."""
+below it the native matmul's fixed cost per call outweighs its speed at one row (measured
+per shape, 16K-524K elements at 1-512 rows)."""
 
 CHOICES = ("native", "onednn", "torch")
 
@@ -90,7 +91,9 @@ def linear_factory(
     if requested == "native" and not (cpu_fp32 and backend == "cpu"):
         raise ValueError("LAMINA_CPU_LINEAR=native needs fp32 on the CPU with the cpu kernels")
     make: Callable[[torch.Tensor, torch.Tensor | None], Linear]
-    if requested == "native" or (not requested and cpu_fp32 and backend == "cpu"):
+    # The matmul's micro-kernel is AVX2; without it (e.g. on ARM) oneDNN is the default.
+    default_native = cpu_fp32 and backend == "cpu" and vectorized()
+    if requested == "native" or (not requested and default_native):
         choice, make = "native", native_linear
     elif onednn and requested != "torch":
         choice, make = "onednn", OneDnnLinear

@@ -64,9 +64,19 @@ class BuildError(RuntimeError):
     """The native kernels could not be compiled or loaded (the message says why)."""
 
 
+def _isa_flags() -> list[str]:
+    return _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability().split()[0], [])
+
+
+def vectorized() -> bool:
+    """Whether the kernels are built with AVX2 (or AVX-512) intrinsics; elsewhere they are
+    plain C++, correct but without their hand-written SIMD paths."""
+    return bool(_isa_flags())
+
+
 def _command(sources: list[Path], output: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
-    isa = _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability().split()[0], [])
+    isa = _isa_flags()
     return [
         os.environ.get("CXX", "g++"),
         "-O3",

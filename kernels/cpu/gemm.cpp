@@ -34,8 +34,8 @@ constexpr int kNR = 16;        // output columns per weight panel (two AVX2 regi
 constexpr int64_t kKC = 512;   // depth of one slice of K
 constexpr int64_t kMC = 72;    // rows of x packed at a time (12 micro-panels)
 constexpr int64_t kMinRows = 192;  // fewest rows a thread gets when rows are split
-// kKC x kMC and the 64-row decode batches were the best of the sizes tried (KC 256-512,
-// MC 48-144, with and without unrolling K by four) at 64 and 2048 rows.
+// kKC and kMC: of the sizes tried (KC 256-512, MC 48-144, K unrolled by one or four) at
+// 64, 600 and 2048 rows, none was faster beyond the noise.
 
 // out block (M x cols, row stride ldo) = or += a (kc x M, k-major) * b (kc x kNR).
 template <int M>
@@ -182,7 +182,8 @@ extern "C" void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m
           // every panel's first call waits on memory. One call per panel (a few rows) reads
           // the panels in one sequential stream, which the hardware prefetches.
           const int64_t calls = (rows + kMR - 1) / kMR;
-          const int64_t lines = kc * kNR * 4 / 64, share = calls > 1 ? -(-lines / calls) : 0;
+          const int64_t lines = kc;  // a panel's slice: one 64-byte line (16 floats) per k
+          const int64_t share = calls > 1 ? -(-lines / calls) : 0;
           for (int64_t panel = p0; panel < p1; ++panel) {
             const float* b = packed + (panel * k + depth) * kNR;
             const int64_t col = panel * kNR, cols = std::min<int64_t>(kNR, n - col);

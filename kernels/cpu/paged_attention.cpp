@@ -208,8 +208,7 @@ inline void weighted_rows(const float* p, const float* const* v, int64_t n, int6
 }
 
 // acc_g[i : i + 16] += sum_t p[g * tile + t] * v_t[i : i + 16] for four query heads g at
-// once: each value load feeds four FMAs instead of one (the one-head loop above needs a
-// load per FMA, and the load ports were what limited it).
+// once: each value load feeds four FMAs (the one-head loop above loads once per FMA).
 inline void weighted_rows_4x16(const float* p, int64_t tile, const float* const* v, int64_t n,
                                int64_t i, int64_t d, float* acc) {
   __m256 r[8];

@@ -47,6 +47,9 @@ def test_native_linear_matches_f_linear_on_both_paths(rows, out_features):
 def test_which_linear_runs_where(monkeypatch):
     monkeypatch.delenv("LAMINA_CPU_LINEAR", raising=False)
     assert linear_factory(CPU, torch.float32, "cpu") is native_linear
+    with monkeypatch.context() as patch:  # no AVX2 (the matmul's micro-kernel): oneDNN
+        patch.setattr("lamina.kernels.linear.vectorized", lambda: False)
+        assert linear_factory(CPU, torch.float32, "cpu") is OneDnnLinear
     assert linear_factory(CPU, torch.float32, "reference") is OneDnnLinear
     assert linear_factory(CPU, torch.bfloat16, "reference") is TorchLinear
     assert linear_factory(torch.device("cuda"), torch.float32, "triton") is TorchLinear
