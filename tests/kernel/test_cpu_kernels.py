@@ -130,13 +130,13 @@ def test_rotary_matches_reference(d):
     torch.testing.assert_close(cpu.apply_rotary(qk, c, s), ref.apply_rotary(qk, c, s))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 72, 73, 400])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 18, 19, 72, 73, 400])
 @pytest.mark.parametrize("k", [37, 512, 1100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_f_linear(rows, k, with_bias):
-    """Rows around the micro-kernel's 6 and the 72-row blocks (and enough to split rows
-    between threads), depths inside one 512-deep slice and across three, and 67 outputs:
-    four whole 16-column panels and a partial one."""
+    """Rows around the micro-kernel's 6, the 18 that still take K whole and the 72-row
+    blocks (and enough to split rows between threads), depths inside one 512-deep slice and
+    across three, and 67 outputs: four whole 16-column panels and a partial one."""
     g = torch.Generator().manual_seed(rows * k)
     weight = torch.randn(67, k, generator=g)
     bias = torch.randn(67, generator=g) if with_bias else None
