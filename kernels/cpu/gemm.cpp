@@ -39,7 +39,8 @@ constexpr int64_t kFetchCalls = 3;  // see the panel prefetch in lamina_packed_l
 // 64, 600 and 2048 rows, none was faster beyond the noise.
 
 // out block (M x cols, row stride ldo) = or += a (kc x M, k-major) * b (kc x kNR). With
-// Fetch (b then holds all of K), also pulls the next weight panel in, a line per k.
+// Fetch (b then holds all of K, and M > 1), also pulls the next weight panel in, a line
+// per k.
 template <int M, bool Fetch>
 inline void micro(const float* a, const float* b, int64_t kc, float* out, int64_t ldo,
                   bool first, const float* bias, int64_t cols) {
@@ -53,10 +54,6 @@ inline void micro(const float* a, const float* b, int64_t kc, float* out, int64_
     __m256 lo2 = _mm256_setzero_ps(), hi2 = _mm256_setzero_ps();  // other (hot weights)
     for (; k + 2 <= kc; k += 2) {
       const __m256 x0 = _mm256_broadcast_ss(a + k), x1 = _mm256_broadcast_ss(a + k + 1);
-      if constexpr (Fetch) {
-        __builtin_prefetch(next + 64 * k, 0, 3);
-        __builtin_prefetch(next + 64 * k + 64, 0, 3);
-      }
       lo[0] = _mm256_fmadd_ps(x0, _mm256_load_ps(b + k * kNR), lo[0]);
       hi[0] = _mm256_fmadd_ps(x0, _mm256_load_ps(b + k * kNR + 8), hi[0]);
       lo2 = _mm256_fmadd_ps(x1, _mm256_load_ps(b + (k + 1) * kNR), lo2);
@@ -100,7 +97,6 @@ inline void micro(const float* a, const float* b, int64_t kc, float* out, int64_
   }
 #else
   float block[M][kNR] = {};
-  if (Fetch) __builtin_prefetch(next);
   for (int64_t k = 0; k < kc; ++k)
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < kNR; ++j) block[i][j] += a[k * M + i] * b[k * kNR + j];
