@@ -12,6 +12,11 @@ On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs i
   one row (``benchmarks/cpu_linear.py``). Small weights stay on ``F.linear``.
 
 ``LAMINA_CPU_LINEAR=native|onednn|torch`` overrides the choice.
+
+The MLP's gate and up projections are one :data:`GatedLinear`, ``silu(x @ gate.T) * (x @
+up.T)`` (:func:`gated_linear_factory`): with the native matmul, one fused call
+(:class:`~lamina.kernels.cpu.linear.PackedSiluMul`) that never makes the ``(T, 2I)``
+intermediate; elsewhere the linear followed by the backend's ``silu_and_mul``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.cpu.build import vectorized
-from lamina.kernels.cpu.linear import PackedLinear
+from lamina.kernels.cpu.linear import PackedLinear, PackedSiluMul
 
 log = logging.getLogger("lamina.kernels")
 
@@ -71,6 +76,20 @@ def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> TorchLinea
 
 
 Linear = TorchLinear | OneDnnLinear | PackedLinear
+
+
+class SiluMulLinear:
+    """``silu_and_mul(linear(x))`` for a ``linear`` over ``[gate; up]``: the gated MLP input
+    as two kernels."""
+
+    def __init__(self, linear: Linear, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]):
+        self.linear, self.silu_and_mul = linear, silu_and_mul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.silu_and_mul(self.linear(x))
+
+
+GatedLinear = SiluMulLinear | PackedSiluMul
 _logged: set[str] = set()
 
 
@@ -103,3 +122,22 @@ def linear_factory(
         _logged.add(choice)
         log.info("linear layers: %s (%s, %s)", choice, device.type, dtype)
     return make
+
+
+def gated_linear_factory(
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor | None], GatedLinear]:
+    """What makes the MLP's gated input projection from ``gate_up`` ``(2I, K)`` (``[gate;
+    up]``) and its bias: the fused native matmul where :func:`linear_factory` chooses the
+    native linear (and the weight is not small), else that linear and ``silu_and_mul``."""
+    make = linear_factory(device, dtype, backend)
+
+    def gated(gate_up: torch.Tensor, bias: torch.Tensor | None) -> GatedLinear:
+        if make is native_linear and gate_up.numel() >= NATIVE_MIN_ELEMENTS:
+            return PackedSiluMul(gate_up, bias)
+        return SiluMulLinear(make(gate_up, bias), silu_and_mul)
+
+    return gated

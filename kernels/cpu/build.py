@@ -50,6 +50,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "lamina_rotary": ([_P, _I64, _P, _P, _I64, _I64, _I64, _P], None),
     "lamina_pack_weight": ([_P, _I64, _I64, _P], None),
     "lamina_packed_linear": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P], None),
+    "lamina_packed_silu_mul": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P], None),
     "lamina_paged_decode_attention": (
         [_P, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, *[_I64] * 6, _F32, _P],
         ctypes.c_int,

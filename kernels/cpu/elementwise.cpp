@@ -52,13 +52,9 @@ extern "C" void lamina_silu_and_mul(const float* x, int64_t rows, int64_t half, 
       float* o = out + r * half;
       int64_t i = 0;
 #if LAMINA_AVX2
-      const __m256 one = _mm256_set1_ps(1.0f);
-      for (; i + 8 <= half; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 e = lamina::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
-      }
+      for (; i + 8 <= half; i += 8)
+        _mm256_storeu_ps(o + i, lamina::silu_mul8(_mm256_loadu_ps(gate + i),
+                                                  _mm256_loadu_ps(up + i)));
 #endif
       for (; i < half; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }

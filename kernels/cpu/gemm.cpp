@@ -16,12 +16,16 @@
 // dedicated matrix-vector kernel. Measured against oneDNN's packed matmul and MKL in
 // `benchmarks/cpu_linear.py` (numbers in docs/performance.md).
 //
+// The MLP's gate and up projections run as one gated matmul (lamina_packed_silu_mul): the
+// activation is applied to each output block as soon as its two sums are done.
+//
 // Layouts: x (m, k) with row stride x_stride; packed as lamina_pack_weight writes it,
 // ceil(n / 16) * 16 * k floats, 32-byte aligned; bias (n,) or NULL; out (m, n) contiguous.
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -133,13 +137,104 @@ inline void pack_rows(const float* x, int64_t x_stride, int64_t rows, int64_t p,
   }
 }
 
-// This thread's buffer for `floats` packed values of x, 32-byte aligned; it only grows, so
+// This thread's `buffer`, grown to at least `floats` and 32-byte aligned. It only grows, so
 // it is allocated once: a fresh one per call cost a page-faulting allocation each time.
-inline float* packing_buffer(int64_t floats) {
-  thread_local std::vector<float> buffer;
+inline float* aligned(std::vector<float>& buffer, int64_t floats) {
   if (static_cast<int64_t>(buffer.size()) < floats + 8) buffer.resize(floats + 8);
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) &
                                   ~uintptr_t{31});
+}
+thread_local std::vector<float> packed_rows;  // x's rows, packed (see pack_rows)
+thread_local std::vector<float> gated_sums;   // a gated matmul's gate and up sums
+
+// out (rows x cols, row stride ldo) = silu(gate) * up, for gate and up blocks of row stride
+// ld.
+inline void silu_mul_block(const float* gate, const float* up, int64_t ld, int64_t rows,
+                           int64_t cols, float* out, int64_t ldo) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float *g = gate + i * ld, *u = up + i * ld;
+    float* o = out + i * ldo;
+    int64_t j = 0;
+#if LAMINA_AVX2
+    for (; j + 8 <= cols; j += 8)
+      _mm256_storeu_ps(o + j, lamina::silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+#endif
+    for (; j < cols; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+  }
+}
+
+// out = x @ weight^T (+ bias), or with Gated, out = silu(x @ gate^T) * (x @ up^T) (plus
+// their biases): then the packed weight's panels alternate, gate's 16 columns then up's
+// same 16, so that both sums of an output block are done one panel apart and are combined
+// while in cache; the gate-and-up result (twice the output) is never written out.
+template <bool Gated>
+void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                   const float* packed, int64_t n, const float* bias, float* out) {
+  constexpr int64_t kStep = Gated ? 2 : 1;  // weight panels per 16 output columns
+  const int64_t groups = (n + kNR - 1) / kNR;
+  const int64_t micro_rows = (m + kMR - 1) / kMR;
+  // Split the rows between threads where each gets at least kMinRows of them (every thread
+  // then reads the whole weight, from L3); with fewer rows (decoding) split the panels, so
+  // each thread reads only its share of the weight.
+  const int64_t threads = at::get_num_threads();
+  const int64_t row_parts = std::clamp<int64_t>(m / kMinRows, 1, threads);
+  const int64_t group_parts = std::min(groups, std::max<int64_t>(1, threads / row_parts));
+  at::parallel_for(0, row_parts * group_parts, 1, [&](int64_t begin, int64_t end) {
+    // A few micro-panels of rows (decoding) take K whole: the weight panels then stream
+    // front to back in one pass instead of in slices a panel apart (and micro<M, true>
+    // finds the next panel right after its own).
+    const int64_t slice = m <= kFetchCalls * kMR ? k : kKC;
+    float* a = aligned(packed_rows, std::min(kMC, m) * slice);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t part = item / group_parts, q = item % group_parts;
+      const int64_t first_row = micro_rows * part / row_parts * kMR;
+      const int64_t last_row = std::min(m, micro_rows * (part + 1) / row_parts * kMR);
+      const int64_t p0 = groups * q / group_parts * kStep;
+      const int64_t p1 = groups * (q + 1) / group_parts * kStep;
+      // Where the micro-kernel writes: the output itself, or (Gated) this item's gate and
+      // up sums for a block of rows, (p1 - p0) panels wide.
+      const int64_t ld = Gated ? (p1 - p0) * kNR : n;
+      float* sums = Gated ? aligned(gated_sums, std::min(kMC, m) * ld) : nullptr;
+      for (int64_t r0 = first_row; r0 < last_row; r0 += kMC) {
+        const int64_t rows = std::min(kMC, last_row - r0);
+        for (int64_t depth = 0; depth < k; depth += slice) {
+          const int64_t kc = std::min(slice, k - depth);
+          // One row is its own panel: read it in place.
+          const float* panels_of_x = rows == 1 ? x + r0 * x_stride + depth : a;
+          if (rows > 1) pack_rows(x + r0 * x_stride, x_stride, rows, depth, kc, a);
+          // While the micro-kernel walks the rows down one weight panel (from L1 after its
+          // first call), the next panel's slice is pulled in; otherwise every panel's first
+          // call waits on memory. With up to kFetchCalls calls per panel the first call does
+          // it, a line per k (against bursts before each call: 8 rows +35%, 16 rows +20%);
+          // with more, each call issues its share of the lines up front (3-6% faster at 64
+          // rows than the first way). One call per panel reads the panels in one sequential
+          // stream, which the hardware prefetches.
+          const int64_t calls = (rows + kMR - 1) / kMR, lines = kc;  // a 64-byte line per k
+          const int64_t share = calls > kFetchCalls ? -(-lines / calls) : 0;
+          for (int64_t panel = p0; panel < p1; ++panel) {
+            const float* b = packed + (panel * k + depth) * kNR;
+            const int64_t col = panel / kStep * kNR, cols = std::min<int64_t>(kNR, n - col);
+            const float* panel_bias = bias ? bias + panel * kNR : nullptr;
+            float* dst = Gated ? sums + (panel - p0) * kNR : out + r0 * n + col;
+            const char* next = reinterpret_cast<const char*>(b + k * kNR);
+            const bool has_next = panel + 1 < p1;
+            for (int64_t r = 0; r < rows; r += kMR) {
+              if (has_next && share) {
+                const int64_t line = r / kMR * share, last = std::min(lines, line + share);
+                for (int64_t l = line; l < last; ++l) __builtin_prefetch(next + 64 * l, 0, 3);
+              }
+              const bool fetch = has_next && r == 0 && calls > 1 && !share && kc == k;
+              kMicro[fetch][std::min<int64_t>(kMR, rows - r)](panels_of_x + r * kc, b, kc,
+                                                               dst + r * ld, ld, depth == 0,
+                                                               panel_bias, cols);
+            }
+            if (Gated && panel % 2 == 1 && depth + kc == k)  // both sums of these columns
+              silu_mul_block(dst - kNR, dst, ld, rows, cols, out + r0 * n + col, n);
+          }
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -160,60 +255,14 @@ extern "C" void lamina_pack_weight(const float* weight, int64_t n, int64_t k, fl
 extern "C" void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m, int64_t k,
                                      const float* packed, int64_t n, const float* bias,
                                      float* out) {
-  const int64_t panels = (n + kNR - 1) / kNR;
-  const int64_t micro_rows = (m + kMR - 1) / kMR;
-  // Split the rows between threads where each gets at least kMinRows of them (every thread
-  // then reads the whole weight, from L3); with fewer rows (decoding) split the panels, so
-  // each thread reads only its share of the weight.
-  const int64_t threads = at::get_num_threads();
-  const int64_t row_parts = std::clamp<int64_t>(m / kMinRows, 1, threads);
-  const int64_t panel_parts = std::min(panels, std::max<int64_t>(1, threads / row_parts));
-  at::parallel_for(0, row_parts * panel_parts, 1, [&](int64_t begin, int64_t end) {
-    // A few micro-panels of rows (decoding) take K whole: the weight panels then stream
-    // front to back in one pass instead of in slices a panel apart (and micro<M, true>
-    // finds the next panel right after its own).
-    const int64_t slice = m <= kFetchCalls * kMR ? k : kKC;
-    float* a = packing_buffer(std::min(kMC, m) * slice);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t part = item / panel_parts, q = item % panel_parts;
-      const int64_t first_row = micro_rows * part / row_parts * kMR;
-      const int64_t last_row = std::min(m, micro_rows * (part + 1) / row_parts * kMR);
-      const int64_t p0 = panels * q / panel_parts, p1 = panels * (q + 1) / panel_parts;
-      for (int64_t r0 = first_row; r0 < last_row; r0 += kMC) {
-        const int64_t rows = std::min(kMC, last_row - r0);
-        for (int64_t depth = 0; depth < k; depth += slice) {
-          const int64_t kc = std::min(slice, k - depth);
-          // One row is its own panel: read it in place.
-          const float* panels_of_x = rows == 1 ? x + r0 * x_stride + depth : a;
-          if (rows > 1) pack_rows(x + r0 * x_stride, x_stride, rows, depth, kc, a);
-          // While the micro-kernel walks the rows down one weight panel (from L1 after its
-          // first call), the next panel's slice is pulled in; otherwise every panel's first
-          // call waits on memory. With up to kFetchCalls calls per panel the first call does
-          // it, a line per k (against bursts before each call: 8 rows +35%, 16 rows +20%);
-          // with more, each call issues its share of the lines up front (3-6% faster at 64
-          // rows than the first way). One call per panel reads the panels in one sequential
-          // stream, which the hardware prefetches.
-          const int64_t calls = (rows + kMR - 1) / kMR, lines = kc;  // a 64-byte line per k
-          const int64_t share = calls > kFetchCalls ? -(-lines / calls) : 0;
-          for (int64_t panel = p0; panel < p1; ++panel) {
-            const float* b = packed + (panel * k + depth) * kNR;
-            const int64_t col = panel * kNR, cols = std::min<int64_t>(kNR, n - col);
-            const float* panel_bias = bias ? bias + col : nullptr;
-            const char* next = reinterpret_cast<const char*>(b + k * kNR);
-            const bool has_next = panel + 1 < p1;
-            for (int64_t r = 0; r < rows; r += kMR) {
-              if (has_next && share) {
-                const int64_t line = r / kMR * share, last = std::min(lines, line + share);
-                for (int64_t l = line; l < last; ++l) __builtin_prefetch(next + 64 * l, 0, 3);
-              }
-              const bool fetch = has_next && r == 0 && calls > 1 && !share && kc == k;
-              kMicro[fetch][std::min<int64_t>(kMR, rows - r)](panels_of_x + r * kc, b, kc,
-                                                               out + (r0 + r) * n + col, n,
-                                                               depth == 0, panel_bias, cols);
-            }
-          }
-        }
-      }
-    }
-  });
+  packed_matmul<false>(x, x_stride, m, k, packed, n, bias, out);
+}
+
+// out (m, n) = silu(x @ gate^T + gate_bias) * (x @ up^T + up_bias), on a weight packed by
+// lamina_pack_weight from 2 * ceil(n / 16) * 16 rows that alternate 16 of gate's (zero past
+// n) and the same 16 of up's; bias (same order, same length) or NULL.
+extern "C" void lamina_packed_silu_mul(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                                       const float* packed, int64_t n, const float* bias,
+                                       float* out) {
+  packed_matmul<true>(x, x_stride, m, k, packed, n, bias, out);
 }

@@ -1,10 +1,12 @@
-"""Native fp32 linears on the CPU, ``x @ weight.T + bias``: the blocked matmul of
-``gemm.cpp`` on a weight packed once at load. See :func:`lamina.kernels.linear.native_linear`
-for when it runs."""
+"""Native fp32 linears on the CPU, ``x @ weight.T + bias``, and the MLP's gated input
+projection, ``silu(x @ gate.T) * (x @ up.T)``: the blocked matmul of ``gemm.cpp`` on a
+weight packed once at load. See :func:`lamina.kernels.linear.native_linear` for when they
+run."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lamina.kernels.cpu.build import load_library, ptr
 
@@ -17,20 +19,31 @@ class PackedLinear:
     of ``weight`` ``(N, K)`` packed once into panels of :data:`PANEL` output columns (the
     plain weight is not kept)."""
 
+    _kernel = "lamina_packed_linear"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if weight.dtype != torch.float32 or weight.dim() != 2:
-            raise ValueError(f"PackedLinear takes a 2-D fp32 weight, not {weight.dtype}")
-        self.out_features, self.in_features = weight.shape
-        panels = -(-self.out_features // PANEL)
-        self.packed = torch.empty(panels * PANEL * self.in_features)  # 64-byte aligned
+            raise ValueError(f"{type(self).__name__} takes a 2-D fp32 weight, not {weight.dtype}")
+        self.in_features = weight.shape[1]
+        self.out_features = self._outputs(weight)
+        weight, bias = self._arrange(weight), self._arrange(bias)
+        rows = weight.shape[0]
+        self.packed = torch.empty(-(-rows // PANEL) * PANEL * self.in_features)  # aligned
         library = load_library()
         library.lamina_pack_weight(
-            ptr(weight.contiguous()), self.out_features, self.in_features, ptr(self.packed)
+            ptr(weight.contiguous()), rows, self.in_features, ptr(self.packed)
         )
         self.bias = None if bias is None else bias.contiguous()
         # Resolved once: a decode step makes a few hundred calls, and each lookup costs.
-        self._matmul = library.lamina_packed_linear
+        self._matmul = getattr(library, self._kernel)
         self._pointers = (ptr(self.packed), self.out_features, ptr(self.bias))
+
+    def _outputs(self, weight: torch.Tensor) -> int:
+        return weight.shape[0]
+
+    def _arrange(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The weight's (or bias's) rows in the order the kernel packs them."""
+        return rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(..., K)`` fp32; returns ``(..., N)``."""
@@ -45,6 +58,33 @@ class PackedLinear:
 
     def _general(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
-            raise ValueError(f"PackedLinear takes fp32 inputs, not {x.dtype}")
+            raise ValueError(f"{type(self).__name__} takes fp32 inputs, not {x.dtype}")
         lead = x.shape[:-1]
         return self(x.reshape(-1, self.in_features).contiguous()).view(*lead, self.out_features)
+
+
+class PackedSiluMul(PackedLinear):
+    """The MLP's gated input projection in one native matmul: for ``gate_up`` ``(2I, K)``
+    holding ``[gate; up]`` (and a bias ``(2I,)`` likewise), ``silu(x @ gate.T + b_gate) *
+    (x @ up.T + b_up)``, ``(..., I)``, i.e. ``silu_and_mul(x @ gate_up.T + bias)`` without
+    making the ``(..., 2I)`` intermediate. The packed panels alternate 16 of gate's columns
+    and the same 16 of up's, so the kernel applies the activation to each output block as
+    soon as its two sums are done."""
+
+    _kernel = "lamina_packed_silu_mul"
+
+    def _outputs(self, weight: torch.Tensor) -> int:
+        if weight.shape[0] % 2:
+            raise ValueError(f"gate_up has an odd number of rows ({weight.shape[0]})")
+        return weight.shape[0] // 2
+
+    def _arrange(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        if rows is None:
+            return None
+        half = rows.shape[0] // 2
+        groups = -(-half // PANEL)
+        tail = [0, 0] * (rows.dim() - 1) + [0, groups * PANEL - half]  # zero rows to a panel
+        gate, up = (
+            F.pad(part, tail).view(groups, PANEL, -1) for part in (rows[:half], rows[half:])
+        )
+        return torch.stack([gate, up], dim=1).reshape(2 * groups * PANEL, *rows.shape[1:])

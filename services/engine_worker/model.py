@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.dispatch import load_ops
-from lamina.kernels.linear import Linear, linear_factory
+from lamina.kernels.linear import GatedLinear, Linear, gated_linear_factory, linear_factory
 from lamina.kernels.reference import AttentionMetadata, rotary_cos_sin, rotary_for_positions
 from lamina.services.engine_worker.loader import CheckpointTensors
 from lamina.services.engine_worker.model_config import ModelConfig
@@ -29,7 +29,7 @@ class Layer:
     qk_norm: torch.Tensor | None  # (Hq + Hkv, head_dim): Qwen3's q_norm/k_norm per head
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # hidden -> 2 * intermediate
+    gate_up: GatedLinear  # hidden -> intermediate: silu(x gate^T) * (x up^T)
     down: Linear
 
 
@@ -69,6 +69,7 @@ class CausalLM:
 
         self.ops = load_ops(device, dtype)
         linear = linear_factory(device, dtype, self.ops.backend)
+        gated = gated_linear_factory(device, dtype, self.ops.backend, self.ops.silu_and_mul)
 
         self.embed = take("model.embed_tokens.weight", c.vocab_size, h)
         self.layers: list[Layer] = []
@@ -108,7 +109,7 @@ class CausalLM:
                         rank0_bias(attn + "o_proj.bias", h) if c.o_bias else None,
                     ),
                     post_norm=take(p + "post_attention_layernorm.weight", h),
-                    gate_up=linear(
+                    gate_up=gated(
                         torch.cat(
                             [
                                 rows(mlp + "gate_proj.weight", i, h),
@@ -194,6 +195,6 @@ class CausalLM:
             o = ops.paged_attention(q, k, v, kv_cache, attn, self.scale, kv_scale)  # (T, Hq, D)
             hidden = tp.all_reduce(layer.o(o.view(num_tokens, c.q_size)))
             x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            hidden = tp.all_reduce(layer.down(ops.silu_and_mul(layer.gate_up(x))))
+            hidden = tp.all_reduce(layer.down(layer.gate_up(x)))
         hidden, _ = ops.rms_norm(hidden[logits_indices], self.norm, eps, residual[logits_indices])
         return self.lm_head(hidden).float()

@@ -23,8 +23,30 @@ def sequences(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_prefill_and_teacher_forced_decode_logits_match(family, make_checkpoint):
     path = make_checkpoint(family)
+    assert_logits_match(make_engine(path), hf_model(path))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_logits_match_on_the_native_matmul(family, make_checkpoint, monkeypatch):
+    """The test checkpoints' weights are all below ``NATIVE_MIN_ELEMENTS``, so the tests
+    above run ``F.linear``; here every linear is the native matmul and the MLP's gate/up
+    the fused gated one, with an MLP width of 72 (a partial 16-column panel) and biases
+    (Qwen2's q/k/v; Llama's attention and MLP)."""
+    from lamina.kernels.cpu import PackedLinear, PackedSiluMul
+    from lamina.kernels.cpu.build import vectorized
+
+    if not vectorized():
+        pytest.skip("the native matmul is the default only with AVX2")
+    monkeypatch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)
+    biases = dict(attention_bias=True, mlp_bias=True) if family == "llama" else {}
+    path = make_checkpoint(family, intermediate_size=72, **biases)
     engine = make_engine(path)
-    hf = hf_model(path)
+    layer = engine.runner.model.layers[0]
+    assert isinstance(layer.qkv, PackedLinear) and isinstance(layer.gate_up, PackedSiluMul)
+    assert_logits_match(engine, hf_model(path))
+
+
+def assert_logits_match(engine, hf) -> None:
     # Different prompt lengths (one spans several blocks, one ends mid-block), then 12
     # teacher-forced decode steps with all three sequences in the same batch.
     prompt_lens = [5, 37, 16]

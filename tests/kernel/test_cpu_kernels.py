@@ -145,6 +145,30 @@ def test_packed_linear_matches_f_linear(rows, k, with_bias):
     torch.testing.assert_close(cpu.PackedLinear(weight, bias)(x), want, atol=2e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 7, 18, 19, 73, 400])
+@pytest.mark.parametrize("k", [37, 1100])
+@pytest.mark.parametrize(("half", "with_bias"), [(16, False), (67, True)])
+def test_packed_silu_mul_matches_linear_then_silu_and_mul(rows, k, half, with_bias):
+    """The fused gate/up: one slice of K and three, one whole panel pair and a partial
+    one (67 = 4 x 16 + 3), the row counts of the plain matmul's test."""
+    g = torch.Generator().manual_seed(rows * k + half)
+    gate_up = torch.randn(2 * half, k, generator=g) / k**0.5
+    bias = torch.randn(2 * half, generator=g) if with_bias else None
+    x = torch.randn(rows, k + 3, generator=g)[:, :k]
+    want = ref.silu_and_mul(torch.nn.functional.linear(x, gate_up, bias))
+    got = cpu.PackedSiluMul(gate_up, bias)(x)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_packed_silu_mul_takes_any_leading_shape_and_refuses_odd_widths():
+    gate_up, x = torch.randn(40, 24), torch.randn(2, 3, 24)
+    got = cpu.PackedSiluMul(gate_up, None)(x)
+    assert got.shape == (2, 3, 20)
+    torch.testing.assert_close(got, ref.silu_and_mul(torch.nn.functional.linear(x, gate_up)))
+    with pytest.raises(ValueError, match="odd"):
+        cpu.PackedSiluMul(torch.randn(41, 24), None)
+
+
 def test_packed_linear_takes_any_leading_shape_and_refuses_other_dtypes():
     weight, x = torch.randn(32, 24), torch.randn(2, 3, 24)
     linear = cpu.PackedLinear(weight, None)

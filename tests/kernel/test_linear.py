@@ -7,11 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lamina.kernels.cpu import PackedLinear
+from lamina.kernels import reference
+from lamina.kernels.cpu import PackedLinear, PackedSiluMul
 from lamina.kernels.linear import (
     NATIVE_MIN_ELEMENTS,
     OneDnnLinear,
+    SiluMulLinear,
     TorchLinear,
+    gated_linear_factory,
     linear_factory,
     native_linear,
 )
@@ -63,3 +66,22 @@ def test_which_linear_runs_where(monkeypatch):
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "mkl")
     with pytest.raises(ValueError, match="LAMINA_CPU_LINEAR"):
         linear_factory(CPU, torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gated_linear_is_fused_only_on_the_native_matmul(monkeypatch, backend, rows):
+    """With the native linears a big gate/up is one fused matmul; a small one, and every
+    gate/up with other linears, is the linear then ``silu_and_mul``: all agree."""
+    monkeypatch.delenv("LAMINA_CPU_LINEAR", raising=False)
+    monkeypatch.setattr("lamina.kernels.linear.vectorized", lambda: True)
+    torch.manual_seed(0)
+    make = gated_linear_factory(CPU, torch.float32, backend, reference.silu_and_mul)
+    x = torch.randn(rows, 128)
+    for width in (48, NATIVE_MIN_ELEMENTS // 128):
+        gate_up, bias = torch.randn(width, 128) / 128**0.5, torch.randn(width)
+        gated = make(gate_up, bias)
+        fused = backend == "cpu" and gate_up.numel() >= NATIVE_MIN_ELEMENTS
+        assert isinstance(gated, PackedSiluMul if fused else SiluMulLinear)
+        want = reference.silu_and_mul(F.linear(x, gate_up, bias))
+        torch.testing.assert_close(gated(x), want, atol=1e-4, rtol=1e-5)
