@@ -1,9 +1,11 @@
 """The linear layers of a model on CPU: ``F.linear`` (MKL), oneDNN's packed matmul and the
 native blocked matmul on its own packed weights (``kernels/linear.py``,
 ``kernels/cpu/gemm.cpp``), all layers in sequence so the weights stream from memory as in a
-real step, across row counts (decode batch sizes and prefill chunks). Prints median
-milliseconds of ``--runs``, the weight read rate and GFLOP/s of the fastest, and the
-ratios of oneDNN to the other two.
+real step, across row counts (decode batch sizes and prefill chunks). Each MLP gate/up
+projection is followed by ``silu_and_mul``, as the engine runs it; the fourth column is the
+native matmul with gate/up and the activation fused into one call (``PackedSiluMul``, what
+the engine runs). Prints median milliseconds of ``--runs``, the weight read rate and
+GFLOP/s of the fastest, and the ratios: oneDNN to torch and to native, native to fused.
 
     .venv/bin/python benchmarks/cpu_linear.py    # the 'small' preset's 40 linears
 """
@@ -17,13 +19,14 @@ from pathlib import Path
 import torch
 from timing import median_ms
 
-from lamina.kernels.cpu import PackedLinear
-from lamina.kernels.linear import OneDnnLinear, TorchLinear
+from lamina.kernels.cpu import PackedLinear, PackedSiluMul, silu_and_mul
+from lamina.kernels.linear import OneDnnLinear, SiluMulLinear, TorchLinear
 from lamina.services.engine_worker.default_model import ensure_default_model
 
 
 def layer_shapes(model: Path) -> list[tuple[int, int]]:
-    """(out, in) of every fused linear of the model, layer by layer (as the engine fuses)."""
+    """(out, in) of every fused linear of the model, layer by layer (as the engine fuses):
+    QKV, O, gate/up, down."""
     c = json.loads((model / "config.json").read_text())
     h, i = c["hidden_size"], c["intermediate_size"]
     d = c.get("head_dim") or h // c["num_attention_heads"]
@@ -44,22 +47,35 @@ def main() -> None:
     args = parser.parse_args()
     shapes = layer_shapes(args.model or ensure_default_model("small"))
     weights = [torch.randn(n, k) for n, k in shapes]
-    impls = {"torch (MKL)": TorchLinear, "oneDNN packed": OneDnnLinear, "native": PackedLinear}
-    layers = {name: [cls(w, None) for w in weights] for name, cls in impls.items()}
+    impls = {"torch": TorchLinear, "oneDNN": OneDnnLinear, "native": PackedLinear}
+
+    def build(w: torch.Tensor, cls: type, gated: bool):
+        return SiluMulLinear(cls(w, None), silu_and_mul) if gated else cls(w, None)
+
+    layers = {
+        name: [build(w, cls, n % 4 == 2) for n, w in enumerate(weights)]
+        for name, cls in impls.items()
+    }
+    layers["fused"] = [
+        PackedSiluMul(w, None) if n % 4 == 2 else layer
+        for n, (w, layer) in enumerate(zip(weights, layers["native"], strict=True))
+    ]
     params = sum(w.numel() for w in weights)
     print(f"{len(shapes)} linears, {params / 1e6:.1f}M parameters, fp32, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'rows':>6} {'torch ms':>9} {'oneDNN ms':>10} {'native ms':>10} {'best GB/s':>10} "
-          f"{'GFLOP/s':>8} {'oneDNN/torch':>13} {'oneDNN/native':>14}")  # fmt: skip
+    print(f"{'rows':>6} {'torch ms':>9} {'oneDNN ms':>10} {'native ms':>10} {'fused ms':>9} "
+          f"{'best GB/s':>10} {'GFLOP/s':>8} {'oneDNN/torch':>13} {'oneDNN/native':>14} "
+          f"{'native/fused':>13}")  # fmt: skip
     for rows in args.rows:
         xs = [torch.randn(rows, k) for _, k in shapes]
         with torch.inference_mode():
             ms = {name: median_ms(run_all(impl, xs), args.runs) for name, impl in layers.items()}
-        a, b, n = ms["torch (MKL)"], ms["oneDNN packed"], ms["native"]
+        a, b, n, f = ms["torch"], ms["oneDNN"], ms["native"], ms["fused"]
         best = min(ms.values())
         rate, gflops = params * 4 / best / 1e6, 2 * rows * params / best / 1e6
-        print(f"{rows:>6} {a:>9.1f} {b:>10.1f} {n:>10.1f} {rate:>10.1f} {gflops:>8.1f} "
-              f"{a / b:>12.2f}x {b / n:>13.2f}x", flush=True)  # fmt: skip
+        print(f"{rows:>6} {a:>9.1f} {b:>10.1f} {n:>10.1f} {f:>9.1f} {rate:>10.1f} "
+              f"{gflops:>8.1f} {a / b:>12.2f}x {b / n:>13.2f}x {n / f:>12.2f}x",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,9 +11,16 @@ engine called in-process, on the same model and workload, in one run.
   engine (a back-to-back in-process loop would find torch's threads spinning and its
   caches warm, which no request arriving at an idle server does).
 
+The model is the ``small`` preset (38.5M parameters), the engine benchmark's model
+(``engine_vs_hf.py``), unless ``--model``. On the ``tiny`` default model of ``make up``
+(~1M parameters) the engine needs ~0.3 ms of CPU per token, so the HTTP client, gateway and
+``nats-server`` sharing its cores cost it a large share of its throughput (see
+``docs/performance.md``).
+
 Prints medians of ``--runs`` runs and the ratios. Not a test: run it by hand.
 
     .venv/bin/python benchmarks/stack_overhead.py
+    .venv/bin/python benchmarks/stack_overhead.py --model ~/.cache/lamina/models/lamina-tiny
 """
 
 from __future__ import annotations
@@ -179,7 +186,7 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="checkpoint (default: the default model)")
+    parser.add_argument("--model", type=Path, help="checkpoint (default: the 'small' preset)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--ttft-requests", type=int, default=40)
     parser.add_argument("--runs", type=int, default=3)
@@ -201,7 +208,7 @@ def main() -> None:
     args = parser.parse_args()
     env = service_env(args.service_env)
 
-    model = args.model or ensure_default_model()
+    model = args.model or ensure_default_model("small")
     gap = args.ttft_gap_ms / 1e3
     config = EngineConfig(model=model, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
     engine = Engine(config)

@@ -90,6 +90,7 @@ class SiluMulLinear:
 
 
 GatedLinear = SiluMulLinear | PackedSiluMul
+
 _logged: set[str] = set()
 
 

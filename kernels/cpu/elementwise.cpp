@@ -56,7 +56,7 @@ extern "C" void lamina_silu_and_mul(const float* x, int64_t rows, int64_t half, 
         _mm256_storeu_ps(o + i, lamina::silu_mul8(_mm256_loadu_ps(gate + i),
                                                   _mm256_loadu_ps(up + i)));
 #endif
-      for (; i < half; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+      for (; i < half; ++i) o[i] = lamina::silu_mul(gate[i], up[i]);
     }
   });
 }

@@ -25,7 +25,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -147,8 +146,7 @@ inline float* aligned(std::vector<float>& buffer, int64_t floats) {
 thread_local std::vector<float> packed_rows;  // x's rows, packed (see pack_rows)
 thread_local std::vector<float> gated_sums;   // a gated matmul's gate and up sums
 
-// out (rows x cols, row stride ldo) = silu(gate) * up, for gate and up blocks of row stride
-// ld.
+// out (rows x cols, row stride ldo) = silu(gate) * up; gate and up have row stride ld.
 inline void silu_mul_block(const float* gate, const float* up, int64_t ld, int64_t rows,
                            int64_t cols, float* out, int64_t ldo) {
   for (int64_t i = 0; i < rows; ++i) {
@@ -159,7 +157,7 @@ inline void silu_mul_block(const float* gate, const float* up, int64_t ld, int64
     for (; j + 8 <= cols; j += 8)
       _mm256_storeu_ps(o + j, lamina::silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
 #endif
-    for (; j < cols; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    for (; j < cols; ++j) o[j] = lamina::silu_mul(g[j], u[j]);
   }
 }
 

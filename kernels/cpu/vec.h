@@ -8,7 +8,12 @@
 #define LAMINA_AVX2 0
 #endif
 
+#include <cmath>
+
 namespace lamina {
+
+// silu(g) * up = g / (1 + exp(-g)) * up.
+inline float silu_mul(float g, float up) { return g / (1.0f + std::exp(-g)) * up; }
 
 #if LAMINA_AVX2
 // exp of 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5
@@ -32,7 +37,7 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-// silu(g) * up = g / (1 + exp(-g)) * up, 8 lanes.
+// silu_mul of 8 lanes.
 inline __m256 silu_mul8(__m256 g, __m256 up) {
   const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
   return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);

@@ -150,7 +150,8 @@ def test_packed_linear_matches_f_linear(rows, k, with_bias):
 @pytest.mark.parametrize(("half", "with_bias"), [(16, False), (67, True)])
 def test_packed_silu_mul_matches_linear_then_silu_and_mul(rows, k, half, with_bias):
     """The fused gate/up: one slice of K and three, one whole panel pair and a partial
-    one (67 = 4 x 16 + 3), the row counts of the plain matmul's test."""
+    one (67 = 4 x 16 + 3), and rows around the micro-kernel's 6, the 18 that take K whole,
+    the 72-row blocks and the split of rows between threads."""
     g = torch.Generator().manual_seed(rows * k + half)
     gate_up = torch.randn(2 * half, k, generator=g) / k**0.5
     bias = torch.randn(2 * half, generator=g) if with_bias else None
