@@ -3,12 +3,20 @@
 A service is an object with ``async start()`` (connect, subscribe, begin serving),
 ``async drain()`` (stop taking work, finish in-flight work) and ``async close()``.
 :func:`run` starts it, waits for SIGTERM or SIGINT, drains, closes and returns 0.
+
+Once a service has started, everything built so far (modules, the model, the tokenizer,
+the HTTP app: ~170-190K objects in the worker and the gateway) is moved out of the
+garbage collector's reach with ``gc.freeze()``: it lives as long as the process, and
+each full collection of it took 90-105 ms on the 2-vCPU development machine, a pause
+that landed on whatever request was in flight. Later full collections scan only what
+serving allocated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from typing import Protocol
@@ -46,6 +54,8 @@ async def _serve(name: str, service: Service) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
+    gc.collect()
+    gc.freeze()  # see the module docstring
     log.info("%s started", name)
     await stop.wait()
     log.info("%s draining", name)
