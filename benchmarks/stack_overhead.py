@@ -13,9 +13,9 @@ engine called in-process, on the same model and workload, in one run.
 
 The model is the ``small`` preset (38.5M parameters), the engine benchmark's model
 (``engine_vs_hf.py``), unless ``--model``. On the ``tiny`` default model of ``make up``
-(~1M parameters) the engine needs ~0.3 ms of CPU per token, so the HTTP client, gateway and
-``nats-server`` sharing its cores cost it a large share of its throughput (see
-``docs/performance.md``).
+(~1M parameters) the engine needs only 0.4-0.5 ms of CPU per token, so the HTTP client,
+gateway and ``nats-server`` sharing its two cores cost it a large share of its throughput
+(see ``docs/performance.md``).
 
 Prints medians of ``--runs`` runs and the ratios. Not a test: run it by hand.
 
