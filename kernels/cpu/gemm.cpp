@@ -37,7 +37,7 @@ constexpr int kNR = 16;        // output columns per weight panel (two AVX2 regi
 constexpr int64_t kKC = 512;   // depth of one slice of K
 constexpr int64_t kMC = 72;    // rows of x packed at a time (12 micro-panels)
 constexpr int64_t kMinRows = 192;  // fewest rows a thread gets when rows are split
-constexpr int64_t kFetchCalls = 3;  // see the panel prefetch in lamina_packed_linear
+constexpr int64_t kFetchCalls = 3;  // see the panel prefetch in packed_matmul
 // kKC and kMC: of the sizes tried (KC 256-512, MC 48-144, K unrolled by one or four) at
 // 64, 600 and 2048 rows, none was faster beyond the noise.
 

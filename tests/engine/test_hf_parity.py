@@ -33,10 +33,8 @@ def test_logits_match_on_the_native_matmul(family, make_checkpoint, monkeypatch)
     the fused gated one, with an MLP width of 72 (a partial 16-column panel) and biases
     (Qwen2's q/k/v; Llama's attention and MLP)."""
     from lamina.kernels.cpu import PackedLinear, PackedSiluMul
-    from lamina.kernels.cpu.build import vectorized
 
-    if not vectorized():
-        pytest.skip("the native matmul is the default only with AVX2")
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")  # the default only with AVX2
     monkeypatch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)
     biases = dict(attention_bias=True, mlp_bias=True) if family == "llama" else {}
     path = make_checkpoint(family, intermediate_size=72, **biases)
