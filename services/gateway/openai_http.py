@@ -1,19 +1,29 @@
 """The OpenAI-compatible HTTP API (``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``) on Litestar. Bodies are decoded with msgspec by hand so that every error,
-from malformed JSON to an overlong prompt, comes back in OpenAI's error shape."""
+``/v1/models``) on Litestar, the completion routes in raw ASGI (``asgi.py``). Bodies are
+decoded with msgspec by hand so that every error, from malformed JSON to an overlong
+prompt, comes back in OpenAI's error shape."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-import msgspec
-from litestar import Litestar, Request, Response, get, post
-from litestar.response import Stream
+from litestar import Litestar, Request, Response, asgi, get
+from litestar.types import Receive, Scope, Send
 
 from lamina.schemas.v1.generate import TokenLogprob, Usage
+from lamina.services.gateway.asgi import (
+    BodyTooLarge,
+    ClientDisconnected,
+    ClientWatch,
+    end_body,
+    read_body,
+    send_event,
+    send_json,
+    start_events,
+)
 from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.frontend import Frontend, TextDelta, TextStream
 from lamina.services.gateway.protocol import (
@@ -23,8 +33,6 @@ from lamina.services.gateway.protocol import (
     decode_body,
 )
 from lamina.services.gateway.tokenizer import TemplateError
-
-_json = msgspec.json.Encoder()
 
 
 def error_body(
@@ -63,8 +71,8 @@ def _usage(usage: Usage | None) -> dict[str, Any] | None:
     return body
 
 
-def _sse(payload: Any) -> bytes:
-    return b"data: " + _json.encode(payload) + b"\n\n"
+def _error_body(exc: GenerationError) -> dict[str, Any]:
+    return error_body(exc.status, exc.error_type, exc.message, exc.param, exc.code)
 
 
 class OpenAIApi:
@@ -115,6 +123,7 @@ class OpenAIApi:
         return {"content": content}
 
     async def _open(self, body: CompletionRequest | ChatCompletionRequest) -> TextStream:
+        """Submit ``body``; every way it can be refused is a :class:`GenerationError`."""
         f = self.frontend
         if body.model is not None and body.model != f.model_name:
             raise GenerationError(
@@ -124,37 +133,62 @@ class OpenAIApi:
                 "model",
                 "model_not_found",
             )
-        if isinstance(body, ChatCompletionRequest):
-            prompt_ids = f.tokenizer.encode_chat(body.chat())
-            sampling = body.sampling(None, body.logprobs_count())
-        else:
-            body.validate()
-            prompt = body.prompt_input()
-            prompt_ids = f.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            sampling = body.sampling(16, body.logprobs)
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", "prompt")
+        try:
+            if isinstance(body, ChatCompletionRequest):
+                prompt_ids = f.tokenizer.encode_chat(body.chat())
+                sampling = body.sampling(None, body.logprobs_count())
+            else:
+                body.validate()
+                prompt = body.prompt_input()
+                prompt_ids = f.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                sampling = body.sampling(16, body.logprobs)
+            if not prompt_ids:
+                raise InvalidRequest("the prompt is empty", "prompt")
+        except InvalidRequest as exc:
+            raise GenerationError(400, "invalid_request_error", exc.message, exc.param) from exc
+        except TemplateError as exc:
+            raise GenerationError(400, "invalid_request_error", str(exc), "messages") from exc
         return await f.open(prompt_ids, sampling, body.sla(), body.stop_strings())
 
-    async def _handle(self, request: Request, kind: type, build: Callable) -> Response | Stream:
+    async def _serve(self, receive: Receive, send: Send, kind: type, build: Callable) -> None:
+        """One completion request, body to last byte (see ``asgi.py``). A client that
+        disconnects cancels it, wherever it is: queued, generating or streaming."""
         try:
-            body = decode_body(await request.body(), kind)
-            stream = await self._open(body)
+            body = decode_body(await read_body(receive), kind)
+        except ClientDisconnected:
+            return
+        except BodyTooLarge as exc:
+            await send_json(send, 413, error_body(413, "invalid_request_error", str(exc)))
+            return
         except InvalidRequest as exc:
-            return error_response(400, "invalid_request_error", exc.message, exc.param)
-        except TemplateError as exc:
-            return error_response(400, "invalid_request_error", str(exc), "messages")
-        except GenerationError as exc:
-            return error_response(exc.status, exc.error_type, exc.message, exc.param, exc.code)
-        created = int(time.time())
-        chat = kind is ChatCompletionRequest
-        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        if body.stream:
-            return Stream(
-                self._sse(stream, body, build, response_id, created, chat),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            error = error_body(400, "invalid_request_error", exc.message, exc.param)
+            await send_json(send, 400, error)
+            return
+        status, payload = 200, None
+        with ClientWatch(receive) as client:
+            try:
+                stream = await self._open(body)
+            except GenerationError as exc:
+                status, payload = exc.status, _error_body(exc)
+            else:
+                chat = kind is ChatCompletionRequest
+                response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+                created = int(time.time())
+                if body.stream:
+                    await self._stream(stream, body, build, response_id, created, chat, send)
+                else:
+                    status, payload = await self._collect(stream, build, response_id, created)
+        if client.disconnected:
+            return
+        if payload is None:
+            await end_body(send)
+        else:
+            await send_json(send, status, payload)
+
+    async def _collect(
+        self, stream: TextStream, build: Callable, response_id: str, created: int
+    ) -> tuple[int, dict[str, Any]]:
+        """A whole non-streaming response: ``(status, body)``."""
         try:
             text, ids, lps, last = [], [], [], None
             async for delta in stream.deltas():
@@ -164,13 +198,13 @@ class OpenAIApi:
                     lps += delta.logprobs
                 last = delta
         except GenerationError as exc:
-            return error_response(exc.status, exc.error_type, exc.message, exc.param, exc.code)
+            return exc.status, _error_body(exc)
         finally:
-            await stream.close()
+            self.frontend.close_later(stream)
         delta = TextDelta("".join(text), ids, lps or None, last.finish_reason, last.usage)
-        return Response(build(delta, response_id, created, streaming=False))
+        return 200, build(delta, response_id, created, streaming=False)
 
-    async def _sse(
+    async def _stream(
         self,
         stream: TextStream,
         body: Any,
@@ -178,21 +212,22 @@ class OpenAIApi:
         response_id: str,
         created: int,
         chat: bool,
-    ) -> AsyncIterator[bytes]:
+        send: Send,
+    ) -> None:
+        """Send the events of a streaming response, up to ``data: [DONE]``."""
+        await start_events(send)
         try:
             if chat:  # OpenAI opens a chat stream with the role
-                yield _sse(
-                    self._chat_chunk(
-                        response_id, created, {"role": "assistant", "content": ""}, None
-                    )
-                )
+                role = {"role": "assistant", "content": ""}
+                await send_event(send, self._chat_chunk(response_id, created, role, None))
             usage = None
             async for delta in stream.deltas():
                 usage = delta.usage or usage
                 if delta.text or delta.finish_reason or delta.logprobs:
-                    yield _sse(build(delta, response_id, created, streaming=True))
+                    await send_event(send, build(delta, response_id, created, streaming=True))
             if body.include_usage:
-                yield _sse(
+                await send_event(
+                    send,
                     {
                         "id": response_id,
                         "object": self._chunk_object(chat),
@@ -200,13 +235,13 @@ class OpenAIApi:
                         "model": self.frontend.model_name,
                         "choices": [],
                         "usage": _usage(usage),
-                    }
+                    },
                 )
         except GenerationError as exc:
-            yield _sse(error_body(exc.status, exc.error_type, exc.message, exc.param, exc.code))
+            await send_event(send, _error_body(exc))
         finally:
             self.frontend.close_later(stream)
-        yield b"data: [DONE]\n\n"
+        await send_event(send, b"[DONE]")
 
     @staticmethod
     def _chunk_object(chat: bool) -> str:
@@ -275,13 +310,13 @@ class OpenAIApi:
     def app(self) -> Litestar:
         api = self
 
-        @post("/v1/completions", status_code=200)
-        async def completions(request: Request) -> Response | Stream:
-            return await api._handle(request, CompletionRequest, api.build_completion)
+        @asgi("/v1/completions", http_method=["POST"])
+        async def completions(scope: Scope, receive: Receive, send: Send) -> None:
+            await api._serve(receive, send, CompletionRequest, api.build_completion)
 
-        @post("/v1/chat/completions", status_code=200)
-        async def chat_completions(request: Request) -> Response | Stream:
-            return await api._handle(request, ChatCompletionRequest, api.build_chat)
+        @asgi("/v1/chat/completions", http_method=["POST"])
+        async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
+            await api._serve(receive, send, ChatCompletionRequest, api.build_chat)
 
         @get("/v1/models")
         async def models() -> dict[str, Any]:
