@@ -56,10 +56,16 @@ async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes:
             return b"".join(chunks)
 
 
-async def send_json(send: Send, status: int, payload: Any) -> None:
-    """A complete JSON response."""
+async def send_json(
+    send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """A complete JSON response (``headers``: any besides its type and length)."""
     body = _json.encode(payload)
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        *(headers or []),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

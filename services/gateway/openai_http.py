@@ -150,9 +150,15 @@ class OpenAIApi:
             raise GenerationError(400, "invalid_request_error", str(exc), "messages") from exc
         return await f.open(prompt_ids, sampling, body.sla(), body.stop_strings())
 
-    async def _serve(self, receive: Receive, send: Send, kind: type, build: Callable) -> None:
+    async def _serve(
+        self, scope: Scope, receive: Receive, send: Send, kind: type, build: Callable
+    ) -> None:
         """One completion request, body to last byte (see ``asgi.py``). A client that
         disconnects cancels it, wherever it is: queued, generating or streaming."""
+        if scope["method"] != "POST":  # Litestar does not check an ASGI route's method
+            error = error_body(405, "invalid_request_error", "only POST is allowed here")
+            await send_json(send, 405, error, [(b"allow", b"POST")])
+            return
         try:
             body = decode_body(await read_body(receive), kind)
         except ClientDisconnected:
@@ -310,13 +316,13 @@ class OpenAIApi:
     def app(self) -> Litestar:
         api = self
 
-        @asgi("/v1/completions", http_method=["POST"])
+        @asgi("/v1/completions")
         async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await api._serve(receive, send, CompletionRequest, api.build_completion)
+            await api._serve(scope, receive, send, CompletionRequest, api.build_completion)
 
-        @asgi("/v1/chat/completions", http_method=["POST"])
+        @asgi("/v1/chat/completions")
         async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await api._serve(receive, send, ChatCompletionRequest, api.build_chat)
+            await api._serve(scope, receive, send, ChatCompletionRequest, api.build_chat)
 
         @get("/v1/models")
         async def models() -> dict[str, Any]:

@@ -141,6 +141,9 @@ def test_bad_requests_get_openai_errors(stack, client):
         stack.base_url + "/v1/chat/completions", json={"messages": "hello", "max_tokens": 1}
     )
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = httpx.get(stack.base_url + "/v1/completions")  # the route is POST only
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_fifty_concurrent_streams_all_complete(stack):
