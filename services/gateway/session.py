@@ -25,6 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
 from lamina.libs.bus import Bus
+from lamina.libs.errors import PayloadTooLarge
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel
 from lamina.schemas.v1.errors import BadMessage
@@ -151,12 +152,22 @@ class Generation:
             self.inbox.close(self._subject)
             self._queue = asyncio.Queue()
             self._subject = self.inbox.open(self._queue)
-            await self.bus.publish(
-                subjects.SCHED_SUBMIT,
-                request,
-                reply=self._subject,
-                context=trace.set_span_in_context(self._span),
-            )
+            try:
+                await self.bus.publish(
+                    subjects.SCHED_SUBMIT,
+                    request,
+                    reply=self._subject,
+                    context=trace.set_span_in_context(self._span),
+                )
+            except PayloadTooLarge as exc:
+                self.outcome = "rejected"
+                raise GenerationError(
+                    400,
+                    "invalid_request_error",
+                    f"the request is too large to send to a worker: {exc}",
+                    "prompt",
+                    "request_too_large",
+                ) from exc
             event = await self._next_event(s.accept_timeout)
             if event is None:
                 error = GenerationError(

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 
 from lamina.libs.bus import Bus
 from lamina.libs.config import option
+from lamina.libs.errors import PayloadTooLarge
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.generate import GenerateRequest, Rejected
 from lamina.schemas.v1.records import PlacementRecord
@@ -74,13 +75,25 @@ class SchedulerService:
                 ),
             )
         else:
+            forwarded = msgspec.structs.replace(request, worker_id=decision.worker_id)
+            try:
+                await self.bus.publish(
+                    subjects.worker_generate(decision.worker_id), forwarded, reply=msg.reply
+                )
+            except PayloadTooLarge as exc:  # the worker id pushed it over the limit
+                await self.bus.publish(
+                    msg.reply,
+                    Rejected(
+                        request_id=request.request_id,
+                        reason="invalid_request",
+                        message=f"the request is too large to forward: {exc}",
+                        param="prompt",
+                    ),
+                )
+                return
             entry = self.registry.workers[decision.worker_id]
             entry.pending += 1
             entry.pending_tokens += len(request.prompt_token_ids)
-            forwarded = msgspec.structs.replace(request, worker_id=decision.worker_id)
-            await self.bus.publish(
-                subjects.worker_generate(decision.worker_id), forwarded, reply=msg.reply
-            )
         # The record is for telemetry: off the request's critical path. Yielding once lets
         # the client's flusher task put the forward on the wire before the record is built.
         await asyncio.sleep(0)

@@ -141,6 +141,12 @@ def test_bad_requests_get_openai_errors(stack, client):
         stack.base_url + "/v1/chat/completions", json={"messages": "hello", "max_tokens": 1}
     )
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    # Under the gateway's 16 MiB body limit, over NATS's 1 MiB max_payload on the way on.
+    response = httpx.post(
+        stack.base_url + "/v1/completions", json={"prompt": [1000] * 300_000, "max_tokens": 1}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "request_too_large"
     response = httpx.get(stack.base_url + "/v1/completions")  # the route is POST only
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert response.json()["error"]["type"] == "invalid_request_error"

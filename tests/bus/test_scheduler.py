@@ -1,0 +1,108 @@
+"""The scheduler's wire contract on a real nats-server. The scheduler runs in this process;
+the test plays its neighbours: workers (heartbeats on their stats subjects, requests
+taken off their generate subjects) and a gateway (submits with a reply subject)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lamina.libs.bus import Bus, encode
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.generate import GenerateRequest, Rejected, Sampling, StreamEvent
+from lamina.services.scheduler.service import SchedulerConfig, SchedulerService
+from tests.telemetry.helpers import make_stats
+
+
+def request(rid: str, prompt_len: int = 8) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        model="tiny",
+        prompt_token_ids=[7] * prompt_len,
+        sampling=Sampling(max_tokens=4),
+    )
+
+
+class Harness:
+    """Scheduler replicas, and a test client that heartbeats as ``worker`` and records what
+    is forwarded to it and what comes back on the reply subject."""
+
+    def __init__(self, nats_url: str, worker: str, replicas: int, **stats: object) -> None:
+        self.nats_url, self.worker, self.stats = nats_url, worker, stats
+        self.schedulers = [
+            SchedulerService(SchedulerConfig(nats_url=nats_url, scheduler_id=f"s{i}"))
+            for i in range(replicas)
+        ]
+        self.forwarded: asyncio.Queue[tuple[GenerateRequest, str]] = asyncio.Queue()
+        self.replies: asyncio.Queue[StreamEvent] = asyncio.Queue()
+
+    async def __aenter__(self) -> Harness:
+        for scheduler in self.schedulers:
+            await scheduler.start()
+        self.bus = bus = await Bus.connect(self.nats_url, "test-neighbours")
+        self.reply = bus.inbox()
+
+        async def on_forward(forwarded: GenerateRequest, msg) -> None:
+            self.forwarded.put_nowait((forwarded, msg.reply))
+
+        async def on_reply(event: StreamEvent, _msg) -> None:
+            self.replies.put_nowait(event)
+
+        await bus.subscribe(subjects.worker_generate(self.worker), GenerateRequest, on_forward)
+        await bus.subscribe(self.reply, StreamEvent, on_reply)
+        heartbeat = make_stats(self.worker, num_running=0, num_waiting=0, **self.stats)
+        await bus.publish(subjects.worker_stats(self.worker), heartbeat)
+        for scheduler in self.schedulers:  # every replica hears every heartbeat
+            while self.worker not in scheduler.registry.workers:
+                await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.bus.close()
+        for scheduler in self.schedulers:
+            await scheduler.close()
+
+    async def submit(self, submitted: GenerateRequest) -> None:
+        await self.bus.publish(subjects.SCHED_SUBMIT, submitted, reply=self.reply)
+
+
+def test_a_submit_is_forwarded_to_the_worker_keeping_its_reply_subject(nats_url):
+    async def main() -> None:
+        async with Harness(nats_url, "bus-sched-w", replicas=1) as h:
+            await h.submit(request("r1"))
+            forwarded, reply = await asyncio.wait_for(h.forwarded.get(), 5)
+            assert reply == h.reply
+            assert forwarded.request_id == "r1" and forwarded.worker_id == "bus-sched-w"
+            assert forwarded.prompt_token_ids == [7] * 8
+
+    asyncio.run(main())
+
+
+def test_replicas_form_a_queue_group_each_submit_is_placed_once(nats_url):
+    async def main() -> None:
+        async with Harness(nats_url, "bus-sched-q", replicas=2) as h:
+            for i in range(20):
+                await h.submit(request(f"q{i}"))
+            ids = [(await asyncio.wait_for(h.forwarded.get(), 5))[0].request_id for _ in range(20)]
+            await asyncio.sleep(0.2)  # a second copy of any submit would have arrived by now
+            assert sorted(ids) == sorted(f"q{i}" for i in range(20)) and h.forwarded.empty()
+
+    asyncio.run(main())
+
+
+def test_a_forward_over_max_payload_is_rejected_not_lost(nats_url):
+    """The worker id the scheduler adds can push a submit that fit over the limit."""
+    worker = "w" * 200
+
+    async def main() -> None:
+        async with Harness(nats_url, worker, replicas=1, max_model_len=10**7) as h:
+            limit = h.bus.max_payload
+            n = (limit - len(encode(request("big", 0)))) // 2 - 20  # "7," per token
+            submitted = request("big", n)
+            assert limit - 250 < len(encode(submitted)) <= limit
+            await h.submit(submitted)
+            rejected = await asyncio.wait_for(h.replies.get(), 5)
+            assert isinstance(rejected, Rejected) and rejected.reason == "invalid_request"
+            assert rejected.param == "prompt" and "max_payload" in rejected.message
+            assert h.forwarded.empty()
+
+    asyncio.run(main())
