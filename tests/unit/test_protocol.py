@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import msgspec
 import pytest
 
+from lamina.libs.bus import encode
+from lamina.schemas.v1.generate import GenerateRequest
+from lamina.services.engine_worker.engine_loop import to_sampling_params
+from lamina.services.engine_worker.request import SamplingParams
 from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,3 +57,34 @@ def test_sampling_mapping_and_defaults():
         CompletionRequest(prompt="x", n=2).sampling(16, None)
     with pytest.raises(InvalidRequest, match="max_tokens"):
         CompletionRequest(prompt="x", max_tokens=0).sampling(16, None)
+
+
+def test_every_sampling_field_reaches_the_engine():
+    """Each OpenAI / vLLM field, set away from its default, arrives in the engine's
+    ``SamplingParams`` unchanged (HTTP body → wire ``Sampling`` → ``SamplingParams``)."""
+    sent = dict(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        presence_penalty=0.3,
+        frequency_penalty=0.4,
+        seed=11,
+        stop_token_ids=[5, 6],
+        ignore_eos=True,
+        min_tokens=3,
+    )
+    body = decode_body(msgspec.json.encode({"prompt": [1], **sent}), CompletionRequest)
+    request = GenerateRequest(
+        request_id="r", model="m", prompt_token_ids=[1], sampling=body.sampling(16, 2)
+    )
+    params = to_sampling_params(msgspec.json.decode(encode(request), type=GenerateRequest))
+    got = {name: getattr(params, name) for name in sent}
+    assert got == sent | {"stop_token_ids": (5, 6)}
+    assert params.logprobs == 2
+    defaults = dataclasses.asdict(SamplingParams())
+    assert all(sent[name] != defaults[name] for name in sent if name != "stop_token_ids")
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert fields == set(sent) | {"logprobs"}  # a new engine field must be added above
