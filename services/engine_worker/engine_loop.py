@@ -230,6 +230,8 @@ class EngineLoop(threading.Thread):
             case _Call(fn, done):
                 try:
                     fn(self.engine)
+                    if kv := self._kv_events():  # e.g. a reset: tell the scheduler now,
+                        self.emit(kv)  # not after the next request's step
                 finally:
                     done.set()
 
@@ -296,21 +298,19 @@ class EngineLoop(threading.Thread):
                 )
             stream.seq += 1
             batch.append((stream.reply, message, stream.context))
-        events = self.engine.take_kv_events()
-        if events:
-            batch.append(
-                (
-                    self.kv_subject,
-                    KvEventBatch(
-                        worker_id=self.worker_id,
-                        block_size=self.engine.config.block_size,
-                        events=events,
-                    ),
-                    None,
-                )
-            )
+        batch += self._kv_events()
         if batch:
             self.emit(batch)
+
+    def _kv_events(self) -> list[Outgoing]:
+        """The prefix cache's events since the last call, as one message (or none)."""
+        events = self.engine.take_kv_events()
+        if not events:
+            return []
+        batch = KvEventBatch(
+            worker_id=self.worker_id, block_size=self.engine.config.block_size, events=events
+        )
+        return [(self.kv_subject, batch, None)]
 
     def _fail_all(self, reason: str) -> None:
         batch: list[Outgoing] = []

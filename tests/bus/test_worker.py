@@ -10,6 +10,7 @@ import pytest
 
 from lamina.libs.bus import Bus
 from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.control import ControlAck, Drain, ResetPrefixCache, Resume
 from lamina.schemas.v1.generate import (
     Accepted,
     Finished,
@@ -19,12 +20,13 @@ from lamina.schemas.v1.generate import (
     StreamEvent,
     Tokens,
 )
+from lamina.schemas.v1.kv import AllBlocksCleared, BlockStored, KvEventBatch
 from lamina.services.engine_worker.service import WorkerConfig, WorkerIdInUse, WorkerService
 
 WORKER = "bus-test-worker"
 
 
-async def _stream(bus: Bus, request: GenerateRequest) -> list[StreamEvent]:
+async def _stream(bus: Bus, request: GenerateRequest, worker_id: str = WORKER) -> list[StreamEvent]:
     """Every event on the reply subject up to the last one (Finished, Rejected, Failed)."""
     events: list[StreamEvent] = []
     done = asyncio.Event()
@@ -36,7 +38,7 @@ async def _stream(bus: Bus, request: GenerateRequest) -> list[StreamEvent]:
 
     inbox = bus.inbox()
     sub = await bus.subscribe(inbox, StreamEvent, on_event)
-    await bus.publish(subjects.worker_generate(WORKER), request, reply=inbox)
+    await bus.publish(subjects.worker_generate(worker_id), request, reply=inbox)
     await asyncio.wait_for(done.wait(), 30)
     await sub.unsubscribe()
     return events
@@ -108,5 +110,67 @@ def test_a_second_worker_under_a_running_workers_id_refuses_to_start(nats_url, t
             await second.bus.close()
             await first.drain()
             await first.close()
+
+    asyncio.run(main())
+
+
+def test_drain_resume_reset_and_kv_events(nats_url, tiny_model):
+    """Control commands change what the worker does with the next request, and its prefix
+    cache's changes reach ``worker.<id>.kv`` as they happen, a reset included."""
+    worker_id = "bus-ctl-worker"
+
+    def generate(rid: str) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=rid,
+            model="lamina-tiny",
+            prompt_token_ids=list(range(5, 45)),  # two full 16-token blocks
+            sampling=Sampling(max_tokens=2, temperature=0, ignore_eos=True),
+        )
+
+    async def main() -> None:
+        worker = WorkerService(
+            WorkerConfig(nats_url=nats_url, worker_id=worker_id, model=str(tiny_model))
+        )
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-control")
+        kv: asyncio.Queue[KvEventBatch] = asyncio.Queue()
+
+        async def on_kv(batch: KvEventBatch, _msg) -> None:
+            kv.put_nowait(batch)
+
+        async def control(command) -> ControlAck:
+            return await bus.request(
+                subjects.worker_control(worker_id), command, ControlAck, timeout=10
+            )
+
+        async def stream(rid: str) -> list[StreamEvent]:
+            return await _stream(bus, generate(rid), worker_id)
+
+        try:
+            await bus.subscribe(subjects.worker_kv(worker_id), KvEventBatch, on_kv)
+            assert isinstance((await stream("before"))[-1], Finished)
+            stored = await asyncio.wait_for(kv.get(), 10)
+            assert stored.worker_id == worker_id and stored.block_size == 16
+            first = stored.events[0]
+            assert isinstance(first, BlockStored) and len(first.block_hashes) >= 2
+
+            assert (await control(Drain())).state == "draining"
+            (rejected,) = await stream("while-draining")
+            assert isinstance(rejected, Rejected) and rejected.reason == "draining"
+            assert rejected.retryable
+
+            assert (await control(Resume())).state == "ready"
+            assert isinstance((await stream("after"))[-1], Finished)
+
+            assert (await control(ResetPrefixCache())).ok
+            batches = [stored]
+            while not isinstance(batches[-1].events[-1], AllBlocksCleared):
+                batches.append(await asyncio.wait_for(kv.get(), 5))  # no request is running
+            ids = [e.event_id for b in batches for e in b.events]
+            assert ids == list(range(ids[0], ids[0] + len(ids)))  # numbered without gaps
+        finally:
+            await bus.close()
+            await worker.drain()
+            await worker.close()
 
     asyncio.run(main())
