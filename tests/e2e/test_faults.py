@@ -52,31 +52,35 @@ def test_sigterm_to_a_worker_under_load_finishes_every_accepted_request(tiny_mod
         client = openai.AsyncOpenAI(
             base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
         )
-        first_tokens = asyncio.Event()
+        streaming = [asyncio.Event() for _ in range(12)]
 
-        async def one(i: int) -> int:
+        async def one(i: int) -> tuple[int, int]:
+            """(tokens received, tokens the final usage counts)."""
             stream = await client.completions.create(
                 model="lamina-tiny",
                 prompt=f"load {i}",
                 max_tokens=48,
                 stream=True,
                 stream_options={"include_usage": True},
+                logprobs=0,  # one logprobs entry per token: the tokens can be counted
                 **GREEDY,
             )
-            usage = None
+            received, usage = 0, None
             async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    first_tokens.set()
+                if chunk.choices and chunk.choices[0].logprobs:
+                    received += len(chunk.choices[0].logprobs.tokens)
+                    streaming[i].set()
                 usage = chunk.usage or usage
-            return usage.completion_tokens
+            return received, usage.completion_tokens
 
         async def main():
             tasks = [asyncio.create_task(one(i)) for i in range(12)]
-            await asyncio.wait_for(first_tokens.wait(), 60)
+            for started in streaming:  # every request accepted and generating
+                await asyncio.wait_for(started.wait(), 60)
             stack.procs["worker-0"].send_signal(signal.SIGTERM)
             return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
-        assert asyncio.run(main()) == [48] * 12
+        assert asyncio.run(main()) == [(48, 48)] * 12  # every token of every request
         assert stack.procs["worker-0"].wait(30) == 0  # drained, then exited cleanly
 
 
