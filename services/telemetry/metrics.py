@@ -11,8 +11,10 @@ computed at scrape time by :class:`WorkerCollector`, so liveness is always curre
   restart resets them, which Prometheus' ``rate()`` handles as a counter reset);
 * ``lamina:cluster_*`` gauges sum (or, for KV usage, average) over live workers only.
 
-Request metrics come from the gateway's :class:`RequestRecord` (labelled by ``model``) and
-placement counts from the scheduler's :class:`PlacementRecord`.
+Request metrics come from the gateway's :class:`RequestRecord`, labelled by ``model`` and
+the ``worker_id`` that served the request (empty for a request no worker took); summing
+over ``worker_id`` gives the cluster's. Placement counts come from the scheduler's
+:class:`PlacementRecord`.
 """
 
 from __future__ import annotations
@@ -255,13 +257,16 @@ class WorkerCollector(Collector):
             yield family
 
 
+REQUEST_LABELS = ("model", "worker_id")
+
+
 class RequestMetrics:
     """Histograms and outcome counters from the gateway's request records."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         def histogram(name: str, help_text: str, buckets: list[float]) -> Histogram:
             return Histogram(
-                PREFIX + name, help_text, ["model"], buckets=buckets, registry=registry
+                PREFIX + name, help_text, REQUEST_LABELS, buckets=buckets, registry=registry
             )
 
         self.ttft = histogram(
@@ -282,13 +287,13 @@ class RequestMetrics:
         self.success = Counter(
             PREFIX + "request_success_total",
             "Finished requests, by finish reason.",
-            ["model", "finished_reason"],
+            [*REQUEST_LABELS, "finished_reason"],
             registry=registry,
         )
         self.outcome = Counter(
             PREFIX + "request_outcome_total",
             "Ended requests, by outcome (finished, rejected, failed, cancelled).",
-            ["model", "outcome"],
+            [*REQUEST_LABELS, "outcome"],
             registry=registry,
         )
 
@@ -299,19 +304,19 @@ class RequestMetrics:
         streamed did see its first token); end-to-end latency and token counts only for
         finished requests, so rejections do not drag the distributions down.
         """
-        model = record.model
-        self.outcome.labels(model, record.outcome).inc()
+        labels = (record.model, record.worker_id or "")
+        self.outcome.labels(*labels, record.outcome).inc()
         if record.ttft_s is not None:
-            self.ttft.labels(model).observe(record.ttft_s)
-        itl = self.itl.labels(model)
+            self.ttft.labels(*labels).observe(record.ttft_s)
+        itl = self.itl.labels(*labels)
         for gap in record.inter_token_s:
             itl.observe(gap)
         if record.outcome != "finished":
             return
-        self.success.labels(model, record.finish_reason or "unknown").inc()
-        self.e2e.labels(model).observe(record.e2e_s)
-        self.prompt_tokens.labels(model).observe(record.prompt_tokens)
-        self.generation_tokens.labels(model).observe(record.completion_tokens)
+        self.success.labels(*labels, record.finish_reason or "unknown").inc()
+        self.e2e.labels(*labels).observe(record.e2e_s)
+        self.prompt_tokens.labels(*labels).observe(record.prompt_tokens)
+        self.generation_tokens.labels(*labels).observe(record.completion_tokens)
 
 
 class Aggregator:

@@ -148,7 +148,7 @@ def test_worker_state_is_one_hot():
 def test_finished_request_feeds_histograms_and_counters():
     agg, _ = make_aggregator()
     agg.observe_request(make_record())
-    m = 'model="tiny"'
+    m = 'model="tiny",worker_id="w1"'
     expected = {
         "# TYPE lamina:time_to_first_token_seconds histogram",
         f'lamina:time_to_first_token_seconds_bucket{{le="0.02",{m}}} 0.0',
@@ -173,7 +173,7 @@ def test_finished_request_feeds_histograms_and_counters():
         f"lamina:request_generation_tokens_sum{{{m}}} 3.0",
         "# TYPE lamina:request_success_total counter",
         f'lamina:request_success_total{{finished_reason="stop",{m}}} 1.0',
-        f'lamina:request_outcome_total{{{m},outcome="finished"}} 1.0',
+        'lamina:request_outcome_total{model="tiny",outcome="finished",worker_id="w1"} 1.0',
     }
     assert expected <= lines(agg)
 
@@ -183,19 +183,24 @@ def test_unfinished_requests_count_outcomes_but_not_latency_or_success():
     agg.observe_request(make_record(finish_reason="length"))
     agg.observe_request(
         make_record(
-            outcome="rejected", finish_reason=None, ttft_s=None, e2e_s=0.001, inter_token_s=[]
+            outcome="rejected",
+            worker_id=None,  # no worker took it
+            finish_reason=None,
+            ttft_s=None,
+            e2e_s=0.001,
+            inter_token_s=[],
         )
     )
     agg.observe_request(
         make_record(outcome="cancelled", finish_reason=None, ttft_s=0.5, inter_token_s=[0.1])
     )
     agg.observe_request(make_record(outcome="finished", finish_reason=None, inter_token_s=[]))
-    m = 'model="tiny"'
+    m = 'model="tiny",worker_id="w1"'
     got = lines(agg)
     assert {
-        f'lamina:request_outcome_total{{{m},outcome="finished"}} 2.0',
-        f'lamina:request_outcome_total{{{m},outcome="rejected"}} 1.0',
-        f'lamina:request_outcome_total{{{m},outcome="cancelled"}} 1.0',
+        'lamina:request_outcome_total{model="tiny",outcome="finished",worker_id="w1"} 2.0',
+        'lamina:request_outcome_total{model="tiny",outcome="rejected",worker_id=""} 1.0',
+        'lamina:request_outcome_total{model="tiny",outcome="cancelled",worker_id="w1"} 1.0',
         f'lamina:request_success_total{{finished_reason="length",{m}}} 1.0',
         f'lamina:request_success_total{{finished_reason="unknown",{m}}} 1.0',
         f"lamina:e2e_request_latency_seconds_count{{{m}}} 2.0",

@@ -69,8 +69,8 @@ async def scenario() -> str:
                 'lamina:worker_up{model="tiny",worker_id="w1"} 1.0',
                 'lamina:num_requests_running{model="tiny",worker_id="w1"} 2.0',
                 "lamina:cluster_workers_live 1.0",
-                'lamina:request_outcome_total{model="tiny",outcome="finished"} 1.0',
-                'lamina:e2e_request_latency_seconds_count{model="tiny"} 1.0',
+                'lamina:request_outcome_total{model="tiny",outcome="finished",worker_id="w1"} 1.0',
+                'lamina:e2e_request_latency_seconds_count{model="tiny",worker_id="w1"} 1.0',
                 'lamina:placements_total{reason="placed"} 1.0',
             }
 
