@@ -127,10 +127,10 @@ class Bus:
         span (e.g. a worker publishing a request's tokens from its engine loop).
         """
         data = encode(message)
-        self._check_size(subject, data)
         headers: dict[str, str] = {}
         if not _recording():
             propagate.inject(headers, context=context)
+            self._check_size(subject, data, headers)
             await self._send(subject, data, reply, headers)
             return
         with tracer.start_as_current_span(
@@ -140,6 +140,7 @@ class Bus:
             attributes=_attributes(subject, len(data), "publish"),
         ):
             propagate.inject(headers)
+            self._check_size(subject, data, headers)
             await self._send(subject, data, reply, headers)
 
     async def _send(self, subject: str, data: bytes, reply: str, headers: dict[str, str]) -> None:
@@ -153,7 +154,6 @@ class Bus:
     ) -> T:
         """Send ``message`` and decode the single reply as ``response_type``."""
         data = encode(message)
-        self._check_size(subject, data)
         with tracer.start_as_current_span(
             f"{_span_subject(subject)} publish",
             kind=SpanKind.PRODUCER,
@@ -161,6 +161,7 @@ class Bus:
         ):
             headers: dict[str, str] = {}
             propagate.inject(headers)
+            self._check_size(subject, data, headers)
             try:
                 reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
             except NoRespondersError as exc:
@@ -227,9 +228,15 @@ class Bus:
         except Exception:  # a handler bug must not kill the subscription
             log.exception("handler for %s failed", msg.subject)
 
-    def _check_size(self, subject: str, data: bytes) -> None:
-        if self.nc.is_connected and len(data) > self.max_payload:
-            raise PayloadTooLarge(subject, len(data), self.max_payload)
+    def _check_size(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """Refuse what the server would refuse: its ``max_payload`` bounds the headers
+        (the trace context) and the payload together, and a client that sends more is
+        disconnected, taking every in-flight message of the connection with it."""
+        size = len(data)
+        if headers:  # "NATS/1.0\r\n", "key: value\r\n" each, "\r\n"
+            size += 12 + sum(len(k) + len(v) + 4 for k, v in headers.items())
+        if self.nc.is_connected and size > self.max_payload:
+            raise PayloadTooLarge(subject, size, self.max_payload)
 
     async def drain(self) -> None:
         """Finish in-flight handlers and flush pending publishes, then close. Without a

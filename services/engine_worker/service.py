@@ -112,6 +112,10 @@ class WorkerService:
         await self._check_id_is_free()  # before loading a model, which can take minutes
         engine_config = cfg.engine_config()
         self.model_name = cfg.model_name or engine_config.model.name
+        # Heartbeat from now on: "starting" while the model loads (minutes for a big one),
+        # so the scheduler and telemetry see the worker coming rather than nothing.
+        self._tasks = [asyncio.create_task(self._heartbeat())]
+        await self._publish_stats()
         aio = asyncio.get_running_loop()
         self.loop = EngineLoop(
             lambda: Engine(engine_config),  # built on the thread that steps it
@@ -125,10 +129,7 @@ class WorkerService:
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
         await bus.subscribe(subjects.worker_control(wid), ControlCommand, self._on_control)
-        self._tasks = [
-            asyncio.create_task(self._publish_outbox()),
-            asyncio.create_task(self._heartbeat()),
-        ]
+        self._tasks.append(asyncio.create_task(self._publish_outbox()))
         self.state = "ready"
         await self._publish_stats()
         blocks = engine.blocks  # fixed at construction: safe to read from this thread
@@ -228,6 +229,8 @@ class WorkerService:
                 await self._publish_stats()
 
     def worker_stats(self) -> WorkerStats:
+        if self.loop is None or self.loop.stats is None:  # the engine is still being built
+            return self._starting_stats()
         s = self.loop.stats
         engine = self.loop.engine
         return WorkerStats(
@@ -257,6 +260,36 @@ class WorkerService:
             heartbeat_interval_s=self.config.stats_interval,
         )
 
+    def _starting_stats(self) -> WorkerStats:
+        """What is known before the engine exists: its identity and configuration."""
+        cfg = self.config
+        return WorkerStats(
+            worker_id=self.worker_id,
+            model=self.model_name,
+            device=cfg.device,
+            state=self.state,
+            block_size=cfg.block_size,
+            total_kv_blocks=0,
+            free_kv_blocks=0,
+            kv_cache_usage=0.0,
+            prefix_cache_hit_ratio=0.0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_running=0,
+            num_waiting=0,
+            num_queued_prefill_tokens=0,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            prefill_tokens_per_s=0.0,
+            decode_tokens_per_s=0.0,
+            num_preemptions=0,
+            prompt_tokens_total=0,
+            generation_tokens_total=0,
+            timestamp_ms=int(time.time() * 1000),
+            heartbeat_interval_s=cfg.stats_interval,
+        )
+
     async def _publish_stats(self) -> None:
         await self.bus.publish(subjects.worker_stats(self.worker_id), self.worker_stats())
 
@@ -265,6 +298,8 @@ class WorkerService:
         """Stop taking requests, let accepted ones finish, flush what they produced."""
         self.state = "draining"
         await self._publish_stats()
+        if self.loop is None or self.loop.engine is None:  # stopped while starting
+            return
         deadline = time.monotonic() + self.config.drain_timeout
         while (self.loop.num_requests or self.loop.engine.has_work()) and (
             time.monotonic() < deadline

@@ -52,7 +52,9 @@ def place(request: GenerateRequest, live: list[WorkerEntry]) -> Decision:
         )
     ready = [w for w in serving if w.stats.state == "ready"]
     if not ready:
-        return Decision(None, "no_worker", "every worker for this model is draining", len(serving))
+        states = ", ".join(sorted({w.stats.state for w in serving}))
+        message = f"no worker for this model is ready (their states: {states})"
+        return Decision(None, "no_worker", message, len(serving))
     needed = len(request.prompt_token_ids) + (request.sampling.max_tokens or 1)
     fits = [w for w in ready if needed <= w.stats.max_model_len]
     if not fits:

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from lamina.libs.bus import Bus
+from lamina.libs.bus import Bus, encode
 from lamina.libs.errors import NoResponders, PayloadTooLarge, RequestTimeout
 from lamina.schemas.v1.control import Cancel, ControlAck, Drain
 from lamina.schemas.v1.errors import BadMessage
@@ -70,6 +70,12 @@ def test_request_reply_and_errors(nats_url):
             await bus.request("t.silent", Drain(), ControlAck, timeout=0.2)
         with pytest.raises(PayloadTooLarge) as too_big:
             await bus.publish("t.cancel", Cancel(request_id="x" * (bus.max_payload + 1)))
+        # The payload alone fits; with the trace context headers it does not. Sent, the
+        # server would have cut the connection.
+        fits_alone = bus.max_payload - 20 - len(encode(Cancel(request_id="")))
+        with pytest.raises(PayloadTooLarge):
+            await bus.publish("t.cancel", Cancel(request_id="x" * fits_alone))
+        assert await bus.request("t.control", Drain(), ControlAck) == ack  # still connected
         await bus.drain()
         return ack, too_big.value
 

@@ -21,6 +21,7 @@ from lamina.schemas.v1.generate import (
     Tokens,
 )
 from lamina.schemas.v1.kv import AllBlocksCleared, BlockStored, KvEventBatch
+from lamina.schemas.v1.stats import WorkerStats
 from lamina.services.engine_worker.service import WorkerConfig, WorkerIdInUse, WorkerService
 
 WORKER = "bus-test-worker"
@@ -174,3 +175,35 @@ def test_drain_resume_reset_and_kv_events(nats_url, tiny_model):
             await worker.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_heartbeats_starting_before_its_model_is_loaded(nats_url, tiny_model):
+    worker_id = "bus-starting-worker"
+
+    async def main() -> list[WorkerStats]:
+        bus = await Bus.connect(nats_url, "bus-test-stats")
+        seen: list[WorkerStats] = []
+
+        async def on_stats(stats: WorkerStats, _msg) -> None:
+            seen.append(stats)
+
+        await bus.subscribe(subjects.worker_stats(worker_id), WorkerStats, on_stats)
+        await bus.nc.flush()
+        worker = WorkerService(
+            WorkerConfig(nats_url=nats_url, worker_id=worker_id, model=str(tiny_model))
+        )
+        try:
+            await worker.start()
+            while not seen or seen[-1].state != "ready":
+                await asyncio.sleep(0.01)
+        finally:
+            await worker.drain()
+            await worker.close()
+            await bus.close()
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), 60))
+    assert seen[0].state == "starting" and seen[0].model == "lamina-tiny"
+    assert seen[0].total_kv_blocks == 0  # no pool yet
+    ready = next(s for s in seen if s.state == "ready")
+    assert ready.total_kv_blocks > 0 and ready.max_model_len > 0

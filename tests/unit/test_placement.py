@@ -63,3 +63,7 @@ def test_rejections_are_typed():
     registry.heartbeat(stats("a", state="draining"), now=0)
     draining = place(request(), registry.live(0))
     assert (draining.reason, draining.retryable) == ("no_worker", True)
+    registry.heartbeat(stats("b", state="starting"), now=0)  # loading its model
+    waiting = place(request(), registry.live(0))
+    assert (waiting.worker_id, waiting.reason, waiting.retryable) == (None, "no_worker", True)
+    assert "draining, starting" in waiting.message
