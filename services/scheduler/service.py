@@ -25,7 +25,7 @@ from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.generate import GenerateRequest, Rejected
 from lamina.schemas.v1.records import PlacementRecord
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, WorkerStats, WorkerView
-from lamina.services.scheduler.placement import place
+from lamina.services.scheduler.placement import Decision, place
 from lamina.services.scheduler.registry import Registry
 
 log = logging.getLogger("lamina.scheduler")
@@ -81,19 +81,21 @@ class SchedulerService:
                     subjects.worker_generate(decision.worker_id), forwarded, reply=msg.reply
                 )
             except PayloadTooLarge as exc:  # the worker id pushed it over the limit
+                message = f"the request is too large to forward: {exc}"
+                decision = Decision(None, "invalid_request", message, decision.candidates)
                 await self.bus.publish(
                     msg.reply,
                     Rejected(
                         request_id=request.request_id,
-                        reason="invalid_request",
-                        message=f"the request is too large to forward: {exc}",
+                        reason=decision.reason,
+                        message=message,
                         param="prompt",
                     ),
                 )
-                return
-            entry = self.registry.workers[decision.worker_id]
-            entry.pending += 1
-            entry.pending_tokens += len(request.prompt_token_ids)
+            else:
+                entry = self.registry.workers[decision.worker_id]
+                entry.pending += 1
+                entry.pending_tokens += len(request.prompt_token_ids)
         # The record is for telemetry: off the request's critical path. Yielding once lets
         # the client's flusher task put the forward on the wire before the record is built.
         await asyncio.sleep(0)
