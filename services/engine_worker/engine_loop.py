@@ -103,6 +103,7 @@ class EngineLoop(threading.Thread):
         kv_subject: str,
         emit: Callable[[list[Outgoing]], None],
         handoff_wait: float = HANDOFF_WAIT_S,
+        on_step_failure: Callable[[str], None] = lambda reason: None,
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self._make_engine = make_engine
@@ -122,6 +123,9 @@ class EngineLoop(threading.Thread):
         self._pending_adds = 0
         self._idle = False  # the thread is (about to be) blocked on an empty queue
         self._handoff_wait = handoff_wait
+        self.on_step_failure = on_step_failure
+        """Called (on this thread) with the reason after a step raised and every request
+        in the engine was failed."""
 
     # ---------------------------------------------------------------- called from asyncio
     def submit(
@@ -194,6 +198,7 @@ class EngineLoop(threading.Thread):
                 except Exception:  # a bug in a step must not leave clients hanging
                     log.exception("engine step failed")
                     self._fail_all("engine step failed")
+                    self.on_step_failure("engine step failed")
                     continue
                 self._emit_outputs(outputs)
             self._refresh_stats()

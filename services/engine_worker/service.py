@@ -122,6 +122,7 @@ class WorkerService:
             self.worker_id,
             subjects.worker_kv(self.worker_id),
             emit=lambda batch: aio.call_soon_threadsafe(self._outbox.put_nowait, batch),
+            on_step_failure=lambda reason: aio.call_soon_threadsafe(self._degrade, reason),
         )
         self.loop.start()
         engine = await asyncio.to_thread(self.loop.wait_ready)
@@ -165,7 +166,7 @@ class WorkerService:
                 msg.reply,
                 Rejected(
                     request_id=request.request_id,
-                    reason="draining",
+                    reason=self.state,  # draining or degraded
                     retryable=True,
                     message=f"worker {self.worker_id} is {self.state}",
                 ),
@@ -193,6 +194,16 @@ class WorkerService:
         accepted = Accepted(request_id=request.request_id, worker_id=self.worker_id)
         self._outbox.put_nowait([(msg.reply, accepted, context)])
         self.loop.submit(request, params, msg.reply, context)
+
+    def _degrade(self, reason: str) -> None:
+        """An engine step failed: take no new work until an operator sends ``Resume``
+        (the scheduler places only on ready workers; the heartbeat says why not here)."""
+        if self.state == "ready":
+            log.error(
+                "worker %s is degraded: %s; send Resume to take work again", self.worker_id, reason
+            )
+            self.state = "degraded"
+            self._tasks.append(asyncio.create_task(self._publish_stats()))
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         self.loop.cancel(cancel.request_id)

@@ -11,6 +11,7 @@ _STATUS = {
     "overloaded": (429, "rate_limit_error"),
     "no_worker": (503, "service_unavailable"),
     "draining": (503, "service_unavailable"),
+    "degraded": (503, "service_unavailable"),
     "deadline_exceeded": (504, "timeout"),
 }
 

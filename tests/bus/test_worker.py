@@ -13,6 +13,7 @@ from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import ControlAck, Drain, ResetPrefixCache, Resume
 from lamina.schemas.v1.generate import (
     Accepted,
+    Failed,
     Finished,
     GenerateRequest,
     Rejected,
@@ -207,3 +208,51 @@ def test_a_worker_heartbeats_starting_before_its_model_is_loaded(nats_url, tiny_
     assert seen[0].total_kv_blocks == 0  # no pool yet
     ready = next(s for s in seen if s.state == "ready")
     assert ready.total_kv_blocks > 0 and ready.max_model_len > 0
+
+
+def test_a_failed_step_degrades_the_worker_until_resumed(nats_url, tiny_model):
+    worker_id = "bus-degraded-worker"
+
+    def generate(rid: str) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=rid,
+            model="lamina-tiny",
+            prompt_token_ids=[5, 6, 7],
+            sampling=Sampling(max_tokens=3, temperature=0, ignore_eos=True),
+        )
+
+    def break_step(engine) -> None:  # a fault injected on the engine thread
+        def fail() -> None:
+            raise RuntimeError("injected fault")
+
+        engine.step = fail
+
+    async def main() -> None:
+        worker = WorkerService(
+            WorkerConfig(nats_url=nats_url, worker_id=worker_id, model=str(tiny_model))
+        )
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-degraded")
+        try:
+            await asyncio.to_thread(worker.loop.call(break_step).wait, 10)
+            accepted, failed = await _stream(bus, generate("hit"), worker_id)
+            assert isinstance(accepted, Accepted)
+            assert isinstance(failed, Failed) and failed.retryable and not failed.tokens_sent
+            while worker.state != "degraded":
+                await asyncio.sleep(0.01)
+            (rejected,) = await _stream(bus, generate("refused"), worker_id)
+            assert isinstance(rejected, Rejected) and rejected.reason == "degraded"
+            assert rejected.retryable
+
+            await asyncio.to_thread(worker.loop.call(lambda e: delattr(e, "step")).wait, 10)
+            ack = await bus.request(
+                subjects.worker_control(worker_id), Resume(), ControlAck, timeout=10
+            )
+            assert ack.state == "ready"
+            assert isinstance((await _stream(bus, generate("again"), worker_id))[-1], Finished)
+        finally:
+            await bus.close()
+            await worker.drain()
+            await worker.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
