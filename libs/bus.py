@@ -68,7 +68,8 @@ def _span_subject(subject: str) -> str:
 def _attributes(subject: str, size: int, operation: str) -> dict[str, Any]:
     return {
         "messaging.system": "nats",
-        "messaging.operation.type": operation,
+        "messaging.operation.name": operation,
+        "messaging.operation.type": "process" if operation == "process" else "send",
         "messaging.destination.name": subject,
         "messaging.destination.temporary": subject.startswith("_INBOX."),
         "messaging.message.body.size": size,
@@ -157,7 +158,7 @@ class Bus:
         with tracer.start_as_current_span(
             f"{_span_subject(subject)} publish",
             kind=SpanKind.PRODUCER,
-            attributes=_attributes(subject, len(data), "send"),
+            attributes=_attributes(subject, len(data), "request"),
         ):
             headers: dict[str, str] = {}
             propagate.inject(headers)

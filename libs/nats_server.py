@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 
 def find_binary() -> str:
@@ -45,6 +46,7 @@ class NatsServer:
         self.jetstream = jetstream
         self._store: tempfile.TemporaryDirectory | None = None
         self._proc: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -58,13 +60,17 @@ class NatsServer:
         # A session of its own: a terminal's Ctrl-C (SIGINT to the whole foreground process
         # group) must not take the bus away while the services are still draining over it;
         # whoever started the server stops it, after them.
+        # Its log goes to a file, not a pipe: nobody reads a pipe while the stack runs, and
+        # a full one (64 KiB of warnings) would block the server and the whole bus with it.
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            args, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                self._log.seek(0)
+                err = self._log.read().decode(errors="replace")
                 raise RuntimeError(f"nats-server exited with {self._proc.returncode}: {err}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2):
@@ -83,6 +89,9 @@ class NatsServer:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if self._store is not None:
             self._store.cleanup()
             self._store = None

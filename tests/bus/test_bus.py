@@ -133,6 +133,13 @@ def test_trace_context_crosses_the_bus(nats_url):
     assert consumer.parent.span_id == producer.context.span_id
     assert producer.attributes["messaging.system"] == "nats"
     assert producer.attributes["messaging.destination.name"] == "t.traced"
+    operations = [
+        (span.attributes["messaging.operation.name"], span.attributes["messaging.operation.type"])
+        for span in (producer, consumer)
+    ]
+    assert operations == [("publish", "send"), ("process", "process")]
+    assert consumer.attributes["messaging.destination.name"] == "t.traced"
+    assert consumer.attributes["messaging.message.body.size"] > 0
 
 
 def test_without_a_tracing_sdk_the_trace_context_still_crosses_the_bus(nats_url, monkeypatch):

@@ -15,11 +15,11 @@ from lamina.libs.nats_server import free_port
 
 
 def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-c", "from lamina.services.cli import main; main()", "up"]
     options = ["--model", str(tiny_model), "--http-port", str(port)]
     proc = subprocess.Popen(
-        [*command, *options, "--metrics-port", str(free_port())],
+        [*command, *options, "--metrics-port", str(metrics_port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # a process group of its own, like a terminal's job
@@ -46,3 +46,7 @@ def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
     assert "Traceback" not in text, text
     for service in ("gateway", "engine-worker", "scheduler", "telemetry"):
         assert f"{service} stopped" in text, text
+    # The URLs it printed once ready.
+    assert f"OpenAI API   http://127.0.0.1:{port}/v1" in text, text
+    assert f"metrics      http://127.0.0.1:{metrics_port}/metrics" in text, text
+    assert "NATS         nats://127.0.0.1:" in text, text

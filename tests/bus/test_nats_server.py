@@ -1,0 +1,73 @@
+"""The embedded nats-server runner and the bus across a server restart."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+
+from lamina.libs.bus import Bus
+from lamina.libs.nats_server import NatsServer, free_port
+from lamina.schemas.v1.control import Cancel
+
+
+def test_the_bus_reconnects_and_resubscribes_when_the_server_comes_back():
+    port = free_port()
+
+    async def main() -> list[str]:
+        got: asyncio.Queue[Cancel] = asyncio.Queue()
+
+        async def handler(message: Cancel, _msg) -> None:
+            got.put_nowait(message)
+
+        server = NatsServer(port=port).start()
+        bus = await Bus.connect(server.url, "test-reconnect")
+        await bus.subscribe("t.again", Cancel, handler)
+        await bus.publish("t.again", Cancel(request_id="before"))
+        received = [(await asyncio.wait_for(got.get(), 5)).request_id]
+        server.stop()
+        while bus.nc.is_connected:
+            await asyncio.sleep(0.02)
+        server = NatsServer(port=port).start()  # the same address, a fresh server
+        try:
+            while not bus.nc.is_connected:
+                await asyncio.sleep(0.05)
+            await bus.publish("t.again", Cancel(request_id="after"))
+            received.append((await asyncio.wait_for(got.get(), 5)).request_id)
+            await bus.drain()
+        finally:
+            server.stop()
+        return received
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == ["before", "after"]
+
+
+def test_jetstream_is_there_when_asked_for_and_its_store_goes_with_the_server():
+    async def main(url: str) -> int:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        await js.add_stream(name="records", subjects=["t.records"])
+        ack = await js.publish("t.records", b"kept")
+        await nc.drain()
+        return ack.seq
+
+    server = NatsServer(jetstream=True).start()
+    store = server._store.name
+    try:
+        assert asyncio.run(main(server.url)) == 1
+    finally:
+        server.stop()
+    assert not Path(store).exists()
+
+    async def without(url: str) -> None:
+        nc = await nats.connect(url)
+        try:
+            await nc.jetstream().add_stream(name="records", subjects=["t.records"])
+        finally:
+            await nc.close()
+
+    with NatsServer() as plain, pytest.raises(nats.errors.Error):  # no JetStream there
+        asyncio.run(without(plain.url))
