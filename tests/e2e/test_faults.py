@@ -146,3 +146,47 @@ def test_a_stream_migrates_when_its_worker_dies(tiny_model, tmp_path):
         assert usage["completion_tokens"] == 1500
         finish = [json.loads(c.removeprefix("data: "))["choices"] for c in chunks[:-2]]
         assert [c[0]["finish_reason"] for c in finish if c][-1] == "length"
+
+
+def test_sigterm_to_the_gateway_finishes_its_open_streams_then_exits(tiny_model, tmp_path):
+    stack = make_stack(tiny_model, tmp_path)
+    with stack:
+        client = openai.AsyncOpenAI(
+            base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        streaming = [asyncio.Event() for _ in range(6)]
+
+        async def one(i: int) -> tuple[int, str | None]:
+            stream = await client.completions.create(
+                model="lamina-tiny",
+                prompt=f"drain {i}",
+                max_tokens=64,
+                stream=True,
+                stream_options={"include_usage": True},
+                **GREEDY,
+            )
+            usage, reason = None, None
+            async for chunk in stream:
+                if chunk.choices:
+                    streaming[i].set()
+                    reason = chunk.choices[0].finish_reason or reason
+                usage = chunk.usage or usage
+            return usage.completion_tokens, reason
+
+        async def main():
+            tasks = [asyncio.create_task(one(i)) for i in range(6)]
+            for started in streaming:
+                await asyncio.wait_for(started.wait(), 60)
+            stack.procs["gateway"].send_signal(signal.SIGTERM)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            try:  # it stopped taking connections
+                await httpx.AsyncClient().get(stack.base_url + "/health", timeout=2)
+                refused = False
+            except httpx.TransportError:
+                refused = True
+            return results, refused
+
+        results, refused = asyncio.run(main())
+        assert results == [(64, "length")] * 6  # every open stream finished
+        assert refused
+        assert stack.procs["gateway"].wait(30) == 0
