@@ -1,7 +1,8 @@
 """Logging and tracing set-up shared by every service.
 
-Logs are one line each: ``time level service [trace_id] logger: message``; the trace id
-ties a log line to the request's trace. Tracing exports over OTLP/HTTP when the standard
+Logs are one line each: ``time level service [trace_id] logger: message``, or one JSON
+object each with ``LAMINA_LOG_FORMAT=json``; the trace id ties a log line to the
+request's trace. Tracing exports over OTLP/HTTP when the standard
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) is set, and to a JSON-lines
 file when ``LAMINA_TRACE_FILE`` is (used by the end-to-end tests to capture spans from
 several processes); with neither, the no-op tracer costs nothing.
@@ -19,7 +20,9 @@ from collections.abc import Sequence
 from opentelemetry import trace
 
 
-class _TraceFormatter(logging.Formatter):
+class TraceFormatter(logging.Formatter):
+    """One line per record, ``time level service [trace_id] logger: message``."""
+
     def __init__(self, service: str) -> None:
         super().__init__(
             "%(asctime)s %(levelname)s " + service + " [%(trace_id)s] %(name)s: %(message)s"
@@ -31,9 +34,39 @@ class _TraceFormatter(logging.Formatter):
         return super().format(record)
 
 
-def setup_logging(service: str, level: str | None = None) -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, for log pipelines (``LAMINA_LOG_FORMAT=json``): time,
+    level, service, logger, message, and the trace and span ids inside a span."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid:
+            entry["trace_id"] = format(ctx.trace_id, "032x")
+            entry["span_id"] = format(ctx.span_id, "016x")
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(service: str, level: str | None = None, fmt: str | None = None) -> None:
+    """Log to stderr at ``level`` (default ``LAMINA_LOG_LEVEL`` or INFO), as text lines or,
+    with ``fmt="json"`` (default ``LAMINA_LOG_FORMAT``), JSON objects."""
+    fmt = (fmt or os.environ.get("LAMINA_LOG_FORMAT", "text")).lower()
+    if fmt not in ("text", "json"):
+        raise ValueError(f"LAMINA_LOG_FORMAT must be text or json, not {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_TraceFormatter(service))
+    handler.setFormatter(JsonFormatter(service) if fmt == "json" else TraceFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel((level or os.environ.get("LAMINA_LOG_LEVEL", "INFO")).upper())
