@@ -10,8 +10,9 @@ from nats.aio.msg import Msg
 
 from lamina.libs.bus import Bus
 from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.control import Cancel
 from lamina.schemas.v1.errors import BadMessage
-from lamina.schemas.v1.generate import StreamEvent
+from lamina.schemas.v1.generate import Accepted, StreamEvent
 from lamina.schemas.v1.stats import WorkerStats
 from lamina.services.scheduler.registry import MISSED_HEARTBEATS
 
@@ -63,3 +64,9 @@ class Inbox:
         queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
         if queue is not None:
             queue.put_nowait(event)
+        elif isinstance(event, Accepted):
+            # Accepted after its request was given up (the client left while it waited,
+            # or an earlier attempt that timed out): nobody reads its tokens, so stop it.
+            await self.bus.publish(
+                subjects.worker_cancel(event.worker_id), Cancel(request_id=event.request_id)
+            )

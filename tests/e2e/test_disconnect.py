@@ -97,10 +97,12 @@ def test_hanging_up_on_a_non_streaming_chat_cancels_it(stack):
     }
 
     async def a_moment(_reader: asyncio.StreamReader) -> None:
-        await asyncio.sleep(0.2)  # accepted and generating; the whole answer takes seconds
+        await asyncio.sleep(0.2)  # usually generating by now; the whole answer takes seconds
 
     record, generated = asyncio.run(hang_up(stack, "/v1/chat/completions", payload, a_moment))
-    assert record.outcome == "cancelled" and record.worker_id
+    # Hung up while generating, or (on a slow machine) before the worker accepted it: then
+    # the late Accepted makes the gateway cancel it. Either way the worker stops early.
+    assert record.outcome == "cancelled"
     assert generated < MAX_TOKENS
 
 
@@ -108,12 +110,13 @@ def test_a_body_over_the_limit_is_refused_with_413(stack):
     async def main() -> tuple[bytes, bytes]:
         reader, writer = await asyncio.open_connection(stack.http_host, stack.http_port)
         writer.write(http_request("/v1/completions", b" " * (MAX_BODY_BYTES + 1)))
-        status = await asyncio.wait_for(reader.readline(), 10)
-        rest = await asyncio.wait_for(reader.read(65536), 10)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+        body = await asyncio.wait_for(reader.readexactly(length), 10)
         writer.close()
-        return status, rest
+        return head, body
 
-    status, rest = asyncio.run(main())
-    assert status.startswith(b"HTTP/1.1 413")
-    error = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    head, body = asyncio.run(main())
+    assert head.startswith(b"HTTP/1.1 413")
+    error = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error" and "body" in error["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -152,12 +153,12 @@ def test_bad_requests_get_openai_errors(stack, client):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_fifty_concurrent_streams_all_complete(stack):
+def test_fifty_concurrent_streams_all_complete(stack, tokenizer):
     client = openai.AsyncOpenAI(
         base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
     )
 
-    async def one(i: int) -> tuple[int, int, str]:
+    async def one(i: int) -> tuple[int, Any, str]:
         stream = await client.completions.create(
             model="lamina-tiny",
             prompt=f"Request number {i} says",
@@ -170,15 +171,17 @@ def test_fifty_concurrent_streams_all_complete(stack):
         async for chunk in stream:
             usage = chunk.usage or usage
             text += "".join(c.text for c in chunk.choices)
-        return i, usage.completion_tokens, text
+        return i, usage, text
 
     async def main():
         return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(50))), 180)
 
     results = asyncio.run(main())
     assert len(results) == 50
-    for i, completion_tokens, _ in results:
-        assert completion_tokens == 8 + i % 5
+    for i, usage, _ in results:
+        prompt = tokenizer.encode(f"Request number {i} says", add_special_tokens=False).ids
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 8 + i % 5)
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
 def test_one_trace_spans_gateway_scheduler_and_worker(client, trace_file):
