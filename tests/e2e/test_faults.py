@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.e2e.conftest import make_stack
 
@@ -46,41 +47,45 @@ def test_killing_the_only_worker_fails_new_requests_fast_with_503(tiny_model, tm
         assert httpx.get(stack.base_url + "/ready").status_code == 503
 
 
-def test_sigterm_to_a_worker_under_load_finishes_every_accepted_request(tiny_model, tmp_path):
-    stack = make_stack(tiny_model, tmp_path)
-    with stack:
-        client = openai.AsyncOpenAI(
-            base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+async def sigterm_under_load(stack, service: str, streams: int, max_tokens: int) -> list:
+    """Open ``streams`` greedy streams, SIGTERM ``service`` once every one is generating,
+    and return ``(tokens received, tokens the final usage counts, finish reason)`` each."""
+    client = openai.AsyncOpenAI(
+        base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    streaming = [asyncio.Event() for _ in range(streams)]
+
+    async def one(i: int) -> tuple[int, int, str | None]:
+        stream = await client.completions.create(
+            model="lamina-tiny",
+            prompt=f"load {i}",
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=0,  # one logprobs entry per token: the tokens can be counted
+            **GREEDY,
         )
-        streaming = [asyncio.Event() for _ in range(12)]
+        received, usage, reason = 0, None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].logprobs:
+                received += len(chunk.choices[0].logprobs.tokens)
+                streaming[i].set()
+            if chunk.choices:
+                reason = chunk.choices[0].finish_reason or reason
+            usage = chunk.usage or usage
+        return received, usage.completion_tokens, reason
 
-        async def one(i: int) -> tuple[int, int]:
-            """(tokens received, tokens the final usage counts)."""
-            stream = await client.completions.create(
-                model="lamina-tiny",
-                prompt=f"load {i}",
-                max_tokens=48,
-                stream=True,
-                stream_options={"include_usage": True},
-                logprobs=0,  # one logprobs entry per token: the tokens can be counted
-                **GREEDY,
-            )
-            received, usage = 0, None
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].logprobs:
-                    received += len(chunk.choices[0].logprobs.tokens)
-                    streaming[i].set()
-                usage = chunk.usage or usage
-            return received, usage.completion_tokens
+    tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+    for started in streaming:  # every request accepted and generating
+        await asyncio.wait_for(started.wait(), 60)
+    stack.procs[service].send_signal(signal.SIGTERM)
+    return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
-        async def main():
-            tasks = [asyncio.create_task(one(i)) for i in range(12)]
-            for started in streaming:  # every request accepted and generating
-                await asyncio.wait_for(started.wait(), 60)
-            stack.procs["worker-0"].send_signal(signal.SIGTERM)
-            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
-        assert asyncio.run(main()) == [(48, 48)] * 12  # every token of every request
+def test_sigterm_to_a_worker_under_load_finishes_every_accepted_request(tiny_model, tmp_path):
+    with make_stack(tiny_model, tmp_path) as stack:
+        results = asyncio.run(sigterm_under_load(stack, "worker-0", 12, 48))
+        assert results == [(48, 48, "length")] * 12  # every token of every request
         assert stack.procs["worker-0"].wait(30) == 0  # drained, then exited cleanly
 
 
@@ -149,44 +154,9 @@ def test_a_stream_migrates_when_its_worker_dies(tiny_model, tmp_path):
 
 
 def test_sigterm_to_the_gateway_finishes_its_open_streams_then_exits(tiny_model, tmp_path):
-    stack = make_stack(tiny_model, tmp_path)
-    with stack:
-        client = openai.AsyncOpenAI(
-            base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
-        )
-        streaming = [asyncio.Event() for _ in range(6)]
-
-        async def one(i: int) -> tuple[int, str | None]:
-            stream = await client.completions.create(
-                model="lamina-tiny",
-                prompt=f"drain {i}",
-                max_tokens=64,
-                stream=True,
-                stream_options={"include_usage": True},
-                **GREEDY,
-            )
-            usage, reason = None, None
-            async for chunk in stream:
-                if chunk.choices:
-                    streaming[i].set()
-                    reason = chunk.choices[0].finish_reason or reason
-                usage = chunk.usage or usage
-            return usage.completion_tokens, reason
-
-        async def main():
-            tasks = [asyncio.create_task(one(i)) for i in range(6)]
-            for started in streaming:
-                await asyncio.wait_for(started.wait(), 60)
-            stack.procs["gateway"].send_signal(signal.SIGTERM)
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-            try:  # it stopped taking connections
-                await httpx.AsyncClient().get(stack.base_url + "/health", timeout=2)
-                refused = False
-            except httpx.TransportError:
-                refused = True
-            return results, refused
-
-        results, refused = asyncio.run(main())
-        assert results == [(64, "length")] * 6  # every open stream finished
-        assert refused
+    with make_stack(tiny_model, tmp_path) as stack:
+        results = asyncio.run(sigterm_under_load(stack, "gateway", 6, 64))
+        assert results == [(64, 64, "length")] * 6  # every open stream finished
+        with pytest.raises(httpx.TransportError):  # and it takes no new connections
+            httpx.get(stack.base_url + "/health", timeout=2)
         assert stack.procs["gateway"].wait(30) == 0
