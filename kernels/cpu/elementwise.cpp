@@ -48,15 +48,7 @@ extern "C" void lamina_silu_and_mul(const float* x, int64_t rows, int64_t half, 
   at::parallel_for(0, rows, grain(half), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = x + r * 2 * half;
-      const float* up = gate + half;
-      float* o = out + r * half;
-      int64_t i = 0;
-#if LAMINA_AVX2
-      for (; i + 8 <= half; i += 8)
-        _mm256_storeu_ps(o + i, lamina::silu_mul8(_mm256_loadu_ps(gate + i),
-                                                  _mm256_loadu_ps(up + i)));
-#endif
-      for (; i < half; ++i) o[i] = lamina::silu_mul(gate[i], up[i]);
+      lamina::silu_mul_row(gate, gate + half, out + r * half, half);
     }
   });
 }

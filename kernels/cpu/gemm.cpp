@@ -149,16 +149,8 @@ thread_local std::vector<float> gated_sums;   // a gated matmul's gate and up su
 // out (rows x cols, row stride ldo) = silu(gate) * up; gate and up have row stride ld.
 inline void silu_mul_block(const float* gate, const float* up, int64_t ld, int64_t rows,
                            int64_t cols, float* out, int64_t ldo) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float *g = gate + i * ld, *u = up + i * ld;
-    float* o = out + i * ldo;
-    int64_t j = 0;
-#if LAMINA_AVX2
-    for (; j + 8 <= cols; j += 8)
-      _mm256_storeu_ps(o + j, lamina::silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
-#endif
-    for (; j < cols; ++j) o[j] = lamina::silu_mul(g[j], u[j]);
-  }
+  for (int64_t i = 0; i < rows; ++i)
+    lamina::silu_mul_row(gate + i * ld, up + i * ld, out + i * ldo, cols);
 }
 
 // out = x @ weight^T (+ bias), or with Gated, out = silu(x @ gate^T) * (x @ up^T) (plus

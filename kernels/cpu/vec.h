@@ -9,6 +9,7 @@
 #endif
 
 #include <cmath>
+#include <cstdint>
 
 namespace lamina {
 
@@ -44,5 +45,15 @@ inline __m256 silu_mul8(__m256 g, __m256 up) {
 }
 
 #endif
+
+// o[j] = silu(g[j]) * up[j] for j < n: the MLP's activation, wherever it runs.
+inline void silu_mul_row(const float* g, const float* up, float* o, int64_t n) {
+  int64_t j = 0;
+#if LAMINA_AVX2
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(o + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(up + j)));
+#endif
+  for (; j < n; ++j) o[j] = silu_mul(g[j], up[j]);
+}
 
 }  // namespace lamina
