@@ -38,6 +38,7 @@ class Harness:
     async def __aenter__(self) -> Harness:
         for scheduler in self.schedulers:
             await scheduler.start()
+            await scheduler.bus.nc.flush()  # its subscriptions are in place at the server
         self.bus = bus = await Bus.connect(self.nats_url, "test-neighbours")
         self.reply = bus.inbox()
 

@@ -5,6 +5,7 @@ must still drain over the bus and exit cleanly."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -26,22 +27,26 @@ def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
         env={**os.environ, "LAMINA_HOME": str(tmp_path)},
     )
     try:
+        # Ready when the launcher says so (it prints its URLs after its own readiness
+        # checks; the gateway's /ready alone can answer before the launcher has printed).
+        started = b""
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            raise AssertionError("the stack never became ready")
+        while b"Ctrl-C stops everything." not in started:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([proc.stdout], [], [], remaining)[0]:
+                raise AssertionError(f"the stack never became ready: {started!r}")
+            chunk = os.read(proc.stdout.fileno(), 65536)  # unbuffered: select stays true
+            if not chunk:
+                raise AssertionError(f"the launcher exited during start-up: {started!r}")
+            started += chunk
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
+            assert r.status == 200
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
-        output, _ = proc.communicate(timeout=60)
+        rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    text = output.decode(errors="replace")
+    text = (started + rest).decode(errors="replace")
     assert proc.returncode == 0, text
     assert "Traceback" not in text, text
     for service in ("gateway", "engine-worker", "scheduler", "telemetry"):
