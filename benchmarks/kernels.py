@@ -183,10 +183,10 @@ def _sweep_case(
 def engine_decode(args: argparse.Namespace) -> None:
     """Decode tokens/s of the whole engine (small preset, bf16) at each batch size: the
     reference ops, Triton eager, and Triton replayed from CUDA graphs."""
+    from lamina.schemas.v1.generate import Sampling
     from lamina.services.engine_worker.config import EngineConfig
     from lamina.services.engine_worker.default_model import ensure_default_model
     from lamina.services.engine_worker.engine import Engine
-    from lamina.services.engine_worker.request import SamplingParams
 
     model = ensure_default_model("small")
     setups = [("reference", False), ("triton", False), ("triton", True)]
@@ -209,7 +209,7 @@ def engine_decode(args: argparse.Namespace) -> None:
                 engine.add_request(
                     f"r{i}",
                     list(range(3 + i, 3 + i + 128)),
-                    SamplingParams(max_tokens=256, temperature=0, ignore_eos=True),
+                    Sampling(max_tokens=256, temperature=0, ignore_eos=True),
                 )
             engine.step()  # prefill
             torch.cuda.synchronize()

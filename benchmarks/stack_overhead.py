@@ -39,10 +39,10 @@ from lamina.libs.bus import Bus
 from lamina.libs.nats_server import free_port
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import ControlAck, ResetPrefixCache
+from lamina.schemas.v1.generate import Sampling
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.engine import Engine
-from lamina.services.engine_worker.request import SamplingParams
 from lamina.services.launcher import Stack
 
 Workload = list[tuple[list[int], int]]
@@ -59,9 +59,7 @@ def workload(n: int, vocab: int, seed: int = 0) -> Workload:
 def engine_throughput(engine: Engine, work: Workload) -> float:
     started = time.perf_counter()
     for i, (prompt, n) in enumerate(work):
-        engine.add_request(
-            f"t{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        )
+        engine.add_request(f"t{i}", prompt, Sampling(max_tokens=n, temperature=0, ignore_eos=True))
     produced = 0
     while engine.has_work():
         produced += len(engine.step())
@@ -70,7 +68,7 @@ def engine_throughput(engine: Engine, work: Workload) -> float:
 
 def engine_ttft(engine: Engine, prompt: list[int]) -> float:
     started = time.perf_counter()
-    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    engine.add_request("ttft", prompt, Sampling(max_tokens=1, temperature=0, ignore_eos=True))
     while engine.has_work():
         if engine.step():
             break

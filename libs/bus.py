@@ -186,21 +186,28 @@ class Bus:
         handler: Handler,
         queue: str = "",
         traced: bool = True,
+        bad_reply: Callable[[Msg, msgspec.DecodeError], msgspec.Struct] | None = None,
     ) -> Subscription:
         """Call ``handler(decoded, msg)`` for each message on ``subject``.
 
         ``queue`` joins a queue group (one member gets each message). ``traced=False`` skips
         the CONSUMER span, for very hot subscriptions whose publishers are already traced.
+        A message that does not decode is answered, when it has a reply subject, with
+        ``bad_reply(msg, error)`` (default: a :class:`BadMessage`): a subject whose clients
+        read their own error type (the NATS request API) says so here.
         """
         dec = decoder(message_type)
 
         async def callback(msg: Msg) -> None:
             try:
                 decoded = dec.decode(msg.data)
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, RecursionError) as exc:
+                if isinstance(exc, RecursionError):  # hostile nesting, not a bug of ours
+                    exc = msgspec.DecodeError("JSON nested too deeply")
                 log.warning("dropped undecodable message on %s: %s", msg.subject, exc)
                 if msg.reply:
-                    await self.publish(msg.reply, BadMessage(subject=msg.subject, error=str(exc)))
+                    answer = (bad_reply or _bad_message)(msg, exc)
+                    await self.publish(msg.reply, answer)
                 return
             if not traced:
                 await self._run(handler, decoded, msg)
@@ -256,6 +263,10 @@ class Bus:
     async def close(self) -> None:
         if not self.nc.is_closed:
             await self.nc.close()
+
+
+def _bad_message(msg: Msg, exc: msgspec.DecodeError) -> BadMessage:
+    return BadMessage(subject=msg.subject, error=str(exc))
 
 
 def _try_decode_bad_message(data: bytes) -> str | None:

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import msgspec
+
+
+def invalid_field(exc: msgspec.ValidationError) -> str | None:
+    """The field a msgspec validation error is about (``max_tokens``, ``messages[0].role``),
+    from its ``- at `$.<path>``` suffix; None when it is about the whole value."""
+    text = str(exc)
+    if "`$." not in text:
+        return None
+    return text.split("`$.", 1)[1].split("`", 1)[0]
+
 
 class BusError(Exception):
     """Base of every error the bus library raises."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from lamina.schemas.v1.base import Message
-from lamina.schemas.v1.generate import Sampling, Sla, Usage
+from lamina.schemas.v1.generate import FinishReason, Sampling, Sla, Usage
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -39,18 +39,21 @@ class ApiFinished(Message):
     request_id: str
     seq: int
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
 
 
 class ApiError(Message):
-    """The request failed; ``code`` is an HTTP-like status (400, 503, ...)."""
+    """The request failed, as the HTTP API would say it: ``code`` is the HTTP status (400,
+    503, ...), ``error_type``, ``param`` and ``error_code`` are OpenAI's error ``type``,
+    ``param`` and ``code`` (e.g. ``model_not_found``)."""
 
     request_id: str | None
     code: int
     error_type: str
     message: str
     param: str | None = None
+    error_code: str | None = None
 
 
 ApiEvent = ApiDelta | ApiFinished | ApiError

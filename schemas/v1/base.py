@@ -1,7 +1,8 @@
-"""The tagged base every v1 wire type derives from."""
+"""The tagged base every v1 wire type derives from, and the base of its closed sets."""
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import msgspec
@@ -19,3 +20,17 @@ class _KeywordOnly(msgspec.StructMeta):
 
 class Message(msgspec.Struct, metaclass=_KeywordOnly, tag_field="type", tag=lambda name: name):
     """Base of every v1 message: JSON objects tagged ``{"type": "<ClassName>", ...}``."""
+
+
+class OpenEnum(enum.StrEnum):
+    """A closed set of strings on the wire that stays evolvable.
+
+    A sender can only name a member; a receiver decodes a value it does not know (sent by
+    a newer peer) as the member ``UNKNOWN`` instead of refusing the whole message, and
+    each receiver says what ``UNKNOWN`` means where it reads the field (see
+    ``schemas/README.md``, "Closed sets"). Every subclass declares ``UNKNOWN = "unknown"``.
+    """
+
+    @classmethod
+    def _missing_(cls, value: object) -> OpenEnum:
+        return cls("unknown")

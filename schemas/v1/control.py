@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lamina.schemas.v1.base import Message
+from lamina.schemas.v1.stats import WorkerState
 
 
 class Cancel(Message):
@@ -33,7 +34,7 @@ class ControlAck(Message):
 
     worker_id: str
     ok: bool
-    state: str
+    state: WorkerState
     message: str = ""
 
 

@@ -2,27 +2,90 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
-from lamina.schemas.v1.base import Message
+from lamina.schemas.v1.base import Message, OpenEnum
+
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+MAX_LOGPROBS = 20
+"""Most top alternatives a request may ask for per token (OpenAI's limit)."""
+
+# The value range of each sampling knob, declared once: the wire ``Sampling`` and the
+# gateway's OpenAI bodies use these types, so a value the engine cannot hold is refused
+# where the body is decoded, naming the field, and never reaches the engine thread.
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+Temperature = Annotated[float, msgspec.Meta(ge=0)]
+TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
+MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+Seed = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+LogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Sampling parameters (OpenAI and vLLM semantics; see the engine's SamplingParams)."""
+    """How to pick each next token and when to stop (OpenAI and vLLM semantics).
 
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
+    The one declaration of the sampling knobs: the gateway builds it from a request body,
+    the engine samples by it. Ranges are checked when it is decoded (JSON never carries a
+    NaN or an infinity); :meth:`__post_init__` checks what spans two fields. Token ids are
+    checked against the vocabulary by the engine, the only one that knows it.
+    """
+
+    max_tokens: MaxTokens | None = 16
+    """Most tokens to generate; ``None`` means up to the model's context length."""
+    temperature: Temperature = 1.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: TopP = 1.0
+    """Keep the smallest set of tokens whose probability reaches ``top_p``."""
+    top_k: TopK = 0
+    """Keep the ``top_k`` most likely tokens; 0 or -1 keeps all."""
+    min_p: MinP = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one."""
+    repetition_penalty: RepetitionPenalty = 1.0
+    """Divide positive (multiply negative) logits of tokens already in prompt or output."""
+    presence_penalty: Penalty = 0.0
+    """Subtract from the logit of every token already generated."""
+    frequency_penalty: Penalty = 0.0
+    """Subtract, per occurrence, from the logit of tokens already generated."""
+    seed: Seed | None = None
+    """Per-request seed: the same seed gives the same tokens whatever the batch."""
+    stop_token_ids: list[TokenId] = []
+    """Extra token ids that end the request (the model's EOS always does unless ignored)."""
     ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None
+    """Keep generating past EOS."""
+    min_tokens: Count = 0
+    """Suppress EOS and stop tokens until this many tokens exist."""
+    logprobs: LogprobCount | None = None
+    """Return the sampled token's logprob and this many top alternatives (0: just the token)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def has_filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 class Sla(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -84,25 +147,53 @@ class Tokens(Message, gc=False):
     logprobs: list[TokenLogprob] | None = None
 
 
+class FinishReason(OpenEnum):
+    """Why a stream ended (OpenAI's ``finish_reason``)."""
+
+    STOP = "stop"
+    """EOS, a stop token or a stop string."""
+    LENGTH = "length"
+    """``max_tokens`` or the context length."""
+    UNKNOWN = "unknown"
+    """A reason this peer does not know; passed on to clients as it is named."""
+
+
 class Finished(Message):
     """The last event of a successful stream; may carry the step's final tokens."""
 
     request_id: str
     seq: int
-    finish_reason: str
-    """``stop`` (EOS or a stop token), ``length``, or ``cancelled``."""
+    finish_reason: FinishReason
     usage: Usage
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
+
+
+class RejectReason(OpenEnum):
+    """Why a request was not run (``Rejected.reason``; the gateway maps each to an HTTP
+    status in ``gateway/errors.py``)."""
+
+    NO_WORKER = "no_worker"
+    """No live worker of the model is ready."""
+    MODEL_NOT_FOUND = "model_not_found"
+    """No live worker serves the model."""
+    INVALID_REQUEST = "invalid_request"
+    """The request can never run (``param`` names the field)."""
+    DRAINING = "draining"
+    """The worker is draining (cordoned or shutting down)."""
+    DEGRADED = "degraded"
+    """The worker's last engine step failed; it waits for an operator's ``Resume``."""
+    FAILED = "failed"
+    """The worker's engine is gone."""
+    UNKNOWN = "unknown"
+    """A reason this peer does not know: treated as retryable when the message says so."""
 
 
 class Rejected(Message):
     """The request was not run. ``retryable``: another worker or a later try may run it."""
 
     request_id: str
-    reason: str
-    """Machine-readable: ``no_worker``, ``draining``, ``invalid_request``, ``overloaded``,
-    ``deadline_exceeded``, ``bad_message``."""
+    reason: RejectReason
     message: str
     retryable: bool = False
     param: str | None = None

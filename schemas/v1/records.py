@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
-from lamina.schemas.v1.base import Message
+from lamina.schemas.v1.base import Message, OpenEnum
+from lamina.schemas.v1.generate import FinishReason
+
+
+class Outcome(OpenEnum):
+    """How a request ended, as the gateway saw it."""
+
+    FINISHED = "finished"
+    """Generated to a finish reason."""
+    REJECTED = "rejected"
+    """Never ran: refused, or no worker took it."""
+    FAILED = "failed"
+    """Broke after a worker accepted it."""
+    CANCELLED = "cancelled"
+    """The client went away first."""
+    UNKNOWN = "unknown"
+    """An outcome this peer does not know; counted under that name."""
 
 
 class RequestRecord(Message):
@@ -11,9 +27,8 @@ class RequestRecord(Message):
     request_id: str
     model: str
     worker_id: str | None
-    outcome: str
-    """``finished``, ``rejected``, ``failed`` or ``cancelled``."""
-    finish_reason: str | None
+    outcome: Outcome
+    finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -23,6 +38,10 @@ class RequestRecord(Message):
     attempts: int = 1
 
 
+PLACED = "placed"
+"""``PlacementRecord.reason`` of a request that was placed."""
+
+
 class PlacementRecord(Message):
     """scheduler → ``events.placement`` for every placement decision."""
 
@@ -30,7 +49,7 @@ class PlacementRecord(Message):
     worker_id: str | None
     """None when the request was rejected."""
     reason: str
-    """``placed`` or the rejection reason."""
+    """:data:`PLACED` or the ``RejectReason``."""
     candidates: int
     score: float | None = None
     prefix_hit_blocks: int = 0

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
-from lamina.schemas.v1.base import Message
+from lamina.schemas.v1.base import Message, OpenEnum
 
-WORKER_STATES = ("starting", "ready", "draining", "degraded")
+
+class WorkerState(OpenEnum):
+    """Where a worker is in its life; the worker's transitions are in
+    ``engine_worker/lifecycle.py``. Only a ``ready`` worker takes new requests."""
+
+    STARTING = "starting"
+    """Loading its model; heartbeats so the cluster sees it coming."""
+    READY = "ready"
+    """Taking requests."""
+    DRAINING = "draining"
+    """Finishing what it accepted, taking nothing new (cordoned, or shutting down)."""
+    DEGRADED = "degraded"
+    """An engine step failed; takes nothing new until an operator sends ``Resume``."""
+    FAILED = "failed"
+    """Its engine thread is dead or wedged: what it held was failed as retryable; it
+    never takes work again (restart it)."""
+    UNKNOWN = "unknown"
+    """A state this peer does not know: not ready, so nothing is placed there."""
 
 
 class WorkerStats(Message, gc=False):
@@ -13,8 +30,7 @@ class WorkerStats(Message, gc=False):
     worker_id: str
     model: str
     device: str
-    state: str
-    """One of :data:`WORKER_STATES`."""
+    state: WorkerState
     block_size: int
     total_kv_blocks: int
     free_kv_blocks: int
@@ -35,6 +51,9 @@ class WorkerStats(Message, gc=False):
     generation_tokens_total: int
     timestamp_ms: int
     heartbeat_interval_s: float = 0.5
+    state_reason: str = ""
+    """Why the worker is in its state when that is not obvious (``degraded``, ``failed``,
+    a shutdown drain); empty otherwise."""
 
 
 class ClusterStatusRequest(Message):

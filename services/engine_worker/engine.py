@@ -8,11 +8,15 @@ worker service drives it from its own thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
+from lamina.libs.errors import invalid_field
+from lamina.schemas.v1.generate import FinishReason, Sampling
 from lamina.schemas.v1.kv import KvEvent
 from lamina.services.engine_worker.block_manager import BlockManager
 from lamina.services.engine_worker.config import EngineConfig
@@ -20,6 +24,7 @@ from lamina.services.engine_worker.cuda_graphs import DecodeGraphs
 from lamina.services.engine_worker.errors import (
     DuplicateRequestError,
     EmptyPromptError,
+    InvalidRequestError,
     PromptTooLongError,
     TokenOutOfVocabError,
 )
@@ -27,9 +32,11 @@ from lamina.services.engine_worker.loader import CheckpointTensors
 from lamina.services.engine_worker.model import CausalLM
 from lamina.services.engine_worker.model_config import DTYPES, ModelConfig
 from lamina.services.engine_worker.model_runner import ModelRunner, kv_block_bytes
-from lamina.services.engine_worker.request import Request, SamplingParams
-from lamina.services.engine_worker.sampler import Logprobs, Sampler
+from lamina.services.engine_worker.request import Request
+from lamina.services.engine_worker.sampler import Logprobs, Sampler, SamplerOutput
 from lamina.services.engine_worker.scheduler import Scheduler
+
+log = logging.getLogger("lamina.worker.engine")
 
 _RATE_SMOOTHING = 0.2  # weight of the newest step in the measured token rates
 
@@ -42,10 +49,12 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None
     finished: bool
-    finish_reason: str | None  # "stop" or "length" once finished
+    finish_reason: FinishReason | None  # set once finished, unless it failed
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    error: str | None = None
+    """Why this request failed on its own (its batch mates went on); it is finished."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +138,7 @@ class Engine:
                 pad_block=num_blocks - 1,
                 capture=self.device.type == "cuda",
             )
-        self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, config.seed, self.device)
+        self.sampler = Sampler(mc.eos_token_ids, config.seed, self.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
@@ -142,11 +151,11 @@ class Engine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
+        params: Sampling | None = None,
         priority: int = 0,
     ) -> None:
         """Queue a request; raises an :class:`InvalidRequestError` subclass if it cannot run."""
-        params = params or SamplingParams()
+        params = params or Sampling()
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)
         max_tokens = self.validate(prompt_token_ids, params)
@@ -169,7 +178,7 @@ class Engine:
         self.scheduler.add(request)
         self._prompt_tokens += prompt_len
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt_token_ids: list[int], params: Sampling) -> int:
         """Check a request against the model; return its resolved ``max_tokens``.
 
         Reads only immutable configuration, so other threads may call it (the worker
@@ -177,10 +186,17 @@ class Engine:
         """
         if not prompt_token_ids:
             raise EmptyPromptError()
+        try:  # a Sampling built in Python, not decoded, has not had its ranges checked
+            msgspec.convert(msgspec.to_builtins(params), Sampling)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(invalid_field(exc) or "sampling", str(exc)) from exc
         vocab = self.model_config.vocab_size
-        low, high = min(prompt_token_ids), max(prompt_token_ids)
-        if low < 0 or high >= vocab:
-            raise TokenOutOfVocabError(low if low < 0 else high, vocab)
+        for name, ids in (
+            ("prompt_token_ids", prompt_token_ids),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                raise TokenOutOfVocabError(min(ids) if min(ids) < 0 else max(ids), vocab, name)
         prompt_len = len(prompt_token_ids)
         max_tokens = params.max_tokens or max(self.max_model_len - prompt_len, 0)
         if prompt_len + max(max_tokens, 1) > self.max_model_len:
@@ -214,45 +230,78 @@ class Engine:
             if request.num_computed_tokens == request.num_tokens:
                 finishing_prefill.append(request)
             self.blocks.cache_computed_blocks(request)
-        sampled = self.sampler(logits, finishing_prefill)
+        sampled, errors = self._sample(logits, finishing_prefill)
 
         outputs = []
         for request, token, logprobs in zip(
             finishing_prefill, sampled.token_ids, sampled.logprobs, strict=True
         ):
-            request.token_ids.append(token)
-            request.update_block_hashes(self.config.block_size)
-            reason = self._finish_reason(request, token)
-            if reason is not None:
+            error, reason = errors.get(request.request_id), None
+            if error is None:
+                request.token_ids.append(token)
+                request.update_block_hashes(self.config.block_size)
+                reason = self._finish_reason(request, token)
+            if error is not None or reason is not None:
                 self.requests.pop(request.request_id)
                 self.scheduler.remove(request)
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
-                    new_token_ids=[token],
-                    new_logprobs=None if logprobs is None else [logprobs],
-                    finished=reason is not None,
-                    finish_reason=reason,
+                    new_token_ids=[] if error else [token],
+                    new_logprobs=None if logprobs is None or error else [logprobs],
+                    finished=error is not None or reason is not None,
+                    finish_reason=None if error else reason,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=request.num_cached_tokens,
+                    error=error,
                 )
             )
         self._generation_tokens += len(outputs)
         self._account(batch.num_new_tokens, batch.num_decodes, time.perf_counter() - started)
         return outputs
 
-    def _finish_reason(self, request: Request, token: int) -> str | None:
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> tuple[SamplerOutput, dict[str, str]]:
+        """Sample the batch; ``(output, {request id: error})``.
+
+        What breaks the sampler comes from one request's parameters, so it is that
+        request's failure, not its batch mates': if the batch raises, each request is
+        sampled alone (the sampler leaves ``logits`` as it was) and the ones that still
+        raise fail. Their rows in the output are placeholders.
+        """
+        try:
+            return self.sampler(logits, requests), {}
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling each alone", len(requests))
+        token_ids: list[int] = []
+        logprobs: list[Logprobs | None] = []
+        errors: dict[str, str] = {}
+        for row, request in enumerate(requests):
+            try:
+                alone = self.sampler(logits[row : row + 1], [request])
+            except Exception as exc:
+                log.exception("sampling request %s failed", request.request_id)
+                errors[request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                token_ids.append(-1)
+                logprobs.append(None)
+            else:
+                token_ids += alone.token_ids
+                logprobs += alone.logprobs
+        return SamplerOutput(token_ids, logprobs), errors
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
         if request.num_output_tokens >= params.min_tokens and (
             token in params.stop_token_ids
             or (not params.ignore_eos and token in self.model_config.eos_token_ids)
         ):
-            return "stop"
+            return FinishReason.STOP
         if request.num_output_tokens >= request.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         if request.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     def _account(self, num_new: list[int], num_decodes: int, seconds: float) -> None:

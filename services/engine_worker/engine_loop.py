@@ -15,6 +15,7 @@ each parallel op ran 10-20% slower on the 2-core benchmark machine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -34,7 +35,6 @@ from lamina.schemas.v1.generate import (
 from lamina.schemas.v1.kv import KvEventBatch
 from lamina.services.engine_worker.engine import Engine, EngineStats, RequestOutput
 from lamina.services.engine_worker.errors import InvalidRequestError
-from lamina.services.engine_worker.request import SamplingParams
 
 log = logging.getLogger("lamina.worker.engine")
 
@@ -57,7 +57,6 @@ class _Stream:
 @dataclass
 class _Add:
     request: GenerateRequest
-    params: SamplingParams
     reply: str
     context: Any
     taken: threading.Event | None = None  # set once the engine has the request
@@ -74,25 +73,6 @@ class _Call:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def to_sampling_params(request: GenerateRequest) -> SamplingParams:
-    s = request.sampling
-    return SamplingParams(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        seed=s.seed,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        min_tokens=s.min_tokens,
-        logprobs=s.logprobs,
-    )
-
-
 class EngineLoop(threading.Thread):
     """Owns the engine; see the module docstring."""
 
@@ -104,6 +84,7 @@ class EngineLoop(threading.Thread):
         emit: Callable[[list[Outgoing]], None],
         handoff_wait: float = HANDOFF_WAIT_S,
         on_step_failure: Callable[[str], None] = lambda reason: None,
+        on_death: Callable[[str], None] = lambda reason: None,
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self._make_engine = make_engine
@@ -126,12 +107,17 @@ class EngineLoop(threading.Thread):
         self.on_step_failure = on_step_failure
         """Called (on this thread) with the reason after a step raised and every request
         in the engine was failed."""
+        self.on_death = on_death
+        """Called once with the reason when the thread can no longer serve: it raised out
+        of its loop, or :meth:`declare_wedged` found it stuck. What it held was failed."""
+        self.beat = time.monotonic()
+        """When the thread last went round its loop (at least every ``_STATS_PERIOD_S``
+        while it is idle, once per step while it is busy)."""
+        self._dead = False
 
     # ---------------------------------------------------------------- called from asyncio
-    def submit(
-        self, request: GenerateRequest, params: SamplingParams, reply: str, context: Any = None
-    ) -> None:
-        """Queue ``request`` (already validated, with its engine ``params``).
+    def submit(self, request: GenerateRequest, reply: str, context: Any = None) -> None:
+        """Queue ``request`` (already validated).
 
         When the engine thread is idle, wait (at most ``handoff_wait`` s) until it has
         added the request. Woken by the queue, it still needs the GIL, which this thread
@@ -143,7 +129,7 @@ class EngineLoop(threading.Thread):
         with self._lock:
             self._pending_adds += 1
         taken = threading.Event() if self._idle else None
-        self._commands.put(_Add(request, params, reply, context, taken))
+        self._commands.put(_Add(request, reply, context, taken))
         if taken is not None:
             taken.wait(self._handoff_wait)
 
@@ -179,6 +165,12 @@ class EngineLoop(threading.Thread):
         self._stopping.set()
         self._commands.put(None)
 
+    def declare_wedged(self, reason: str) -> None:
+        """The thread is stuck (no loop iteration for too long): fail what it held, as
+        the dead thread would have, and stop it should it ever come back."""
+        self._stopping.set()
+        self._die(reason)
+
     # ------------------------------------------------------------------ the engine thread
     def run(self) -> None:
         try:
@@ -189,7 +181,15 @@ class EngineLoop(threading.Thread):
             return
         finally:
             self._ready.set()
+        try:
+            self._serve()
+        except BaseException as exc:  # whatever ends the thread ends the worker's service
+            log.exception("the engine thread died")
+            self._die(f"the engine thread died: {type(exc).__name__}: {exc}")
+
+    def _serve(self) -> None:
         while not self._stopping.is_set():
+            self.beat = time.monotonic()
             busy = self.engine.has_work()
             self._drain_commands(block=not busy)
             if self.engine.has_work():
@@ -202,6 +202,44 @@ class EngineLoop(threading.Thread):
                     continue
                 self._emit_outputs(outputs)
             self._refresh_stats()
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            if self._dead:
+                return
+            self._dead = True
+        self._fail_all(reason)
+        self._fail_queued(reason)
+        self.on_death(reason)
+
+    def _fail_queued(self, reason: str) -> None:
+        """Answer the commands nobody will run: queued requests fail as retryable."""
+        batch: list[Outgoing] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                match self._commands.get_nowait():
+                    case _Add(request, reply, context, taken):
+                        failed = Failed(
+                            request_id=request.request_id,
+                            seq=1,
+                            message=reason,
+                            retryable=True,
+                            tokens_sent=False,
+                        )
+                        batch.append((reply, failed, context))
+                        if taken is not None:
+                            taken.set()
+                    case _Call(done=done):
+                        done.set()
+        with self._lock:
+            self._pending_adds = 0
+        if batch:
+            self.emit(batch)
+
+    @property
+    def dead(self) -> bool:
+        """Whether the thread has stopped serving for good (see ``on_death``)."""
+        return self._dead
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -221,10 +259,10 @@ class EngineLoop(threading.Thread):
 
     def _apply(self, command: Any) -> None:
         match command:
-            case _Add(request, params, reply, context, taken):
+            case _Add(request, reply, context, taken):
                 try:
                     with self._lock:
-                        self._add(request, params, reply, context)
+                        self._add(request, reply, context)
                         self._pending_adds -= 1
                 finally:
                     if taken is not None:
@@ -240,34 +278,22 @@ class EngineLoop(threading.Thread):
                 finally:
                     done.set()
 
-    def _add(
-        self, request: GenerateRequest, params: SamplingParams, reply: str, context: Any
-    ) -> None:
-        """Queue a request the service has validated and already answered ``Accepted``."""
+    def _add(self, request: GenerateRequest, reply: str, context: Any) -> None:
+        """Queue a request the service has validated and already answered ``Accepted``.
+        If the engine refuses it after all, that request fails alone."""
         rid = request.request_id
         try:
             self.engine.add_request(
-                rid,
-                request.prompt_token_ids,
-                params,
-                priority=request.sla.priority,
+                rid, request.prompt_token_ids, request.sampling, priority=request.sla.priority
             )
-        except InvalidRequestError as exc:  # only a duplicate id gets here
-            self.emit(
-                [
-                    (
-                        reply,
-                        Failed(
-                            request_id=rid,
-                            seq=1,
-                            message=exc.message,
-                            retryable=False,
-                            tokens_sent=False,
-                        ),
-                        context,
-                    )
-                ]
+        except Exception as exc:  # a duplicate id, or a bug: the request's own failure
+            if not isinstance(exc, InvalidRequestError):
+                log.exception("adding request %s failed", rid)
+            message = exc.message if isinstance(exc, InvalidRequestError) else repr(exc)
+            failed = Failed(
+                request_id=rid, seq=1, message=message, retryable=False, tokens_sent=False
             )
+            self.emit([(reply, failed, context)])
             return
         self._streams[rid] = _Stream(reply, context)
 
@@ -280,12 +306,21 @@ class EngineLoop(threading.Thread):
             logprobs = None
             if out.new_logprobs is not None:
                 logprobs = [TokenLogprob(lp, top) for lp, top in out.new_logprobs]
-            if out.finished:
+            if out.error is not None:
+                del self._streams[out.request_id]
+                message = Failed(
+                    request_id=out.request_id,
+                    seq=stream.seq,
+                    message=out.error,
+                    retryable=False,
+                    tokens_sent=stream.seq > 1,
+                )
+            elif out.finished:
                 del self._streams[out.request_id]
                 message = Finished(
                     request_id=out.request_id,
                     seq=stream.seq,
-                    finish_reason=out.finish_reason or "stop",
+                    finish_reason=out.finish_reason,
                     usage=Usage(
                         prompt_tokens=out.num_prompt_tokens,
                         completion_tokens=out.num_output_tokens,
@@ -318,9 +353,11 @@ class EngineLoop(threading.Thread):
         return [(self.kv_subject, batch, None)]
 
     def _fail_all(self, reason: str) -> None:
+        """Fail every request the engine holds, as retryable: another worker may run it."""
         batch: list[Outgoing] = []
         for rid, stream in list(self._streams.items()):
-            self.engine.abort(rid)
+            with contextlib.suppress(Exception):  # a dead engine may not abort cleanly
+                self.engine.abort(rid)
             batch.append(
                 (
                     stream.reply,

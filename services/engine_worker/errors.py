@@ -43,10 +43,9 @@ class PromptTooLongError(InvalidRequestError):
 
 
 class TokenOutOfVocabError(InvalidRequestError):
-    def __init__(self, token_id: int, vocab_size: int) -> None:
+    def __init__(self, token_id: int, vocab_size: int, field: str = "prompt_token_ids") -> None:
         super().__init__(
-            "prompt_token_ids",
-            f"token id {token_id} is outside the vocabulary [0, {vocab_size})",
+            field, f"{field}: token id {token_id} is outside the vocabulary [0, {vocab_size})"
         )
         self.token_id = token_id
         self.vocab_size = vocab_size

@@ -27,10 +27,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(
-        self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int, device: torch.device
-    ) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int, device: torch.device) -> None:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.generator = torch.Generator(device=device)
@@ -42,7 +39,8 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        # ``logits`` is this step's own tensor: it is modified in place from here on.
+        # ``logits`` is left as it is (every step below makes a new tensor), so that the
+        # engine can sample a row again alone when the batch raises.
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
         suppress = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
@@ -57,7 +55,8 @@ class Sampler:
                     set(requests[row].params.stop_token_ids) | set(self.eos_token_ids)
                 )
             ]
-            logits.view(-1).index_fill_(0, upload(flat, torch.int64, logits.device), float("-inf"))
+            index = upload(flat, torch.int64, logits.device)
+            logits = logits.reshape(-1).index_fill(0, index, float("-inf")).view_as(logits)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -91,8 +90,7 @@ class Sampler:
             )
             penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
             logits = torch.where(seen_any, penalised, logits)
-        logits -= freq[:, None] * output_counts + pres[:, None] * seen
-        return logits
+        return logits - (freq[:, None] * output_counts + pres[:, None] * seen)
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]

@@ -33,15 +33,19 @@ from lamina.schemas.v1.control import (
     ResetPrefixCache,
     Resume,
 )
-from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected
-from lamina.schemas.v1.stats import WorkerStats
+from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason
+from lamina.schemas.v1.stats import WorkerState, WorkerStats
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.engine import Engine
-from lamina.services.engine_worker.engine_loop import EngineLoop, Outgoing, to_sampling_params
+from lamina.services.engine_worker.engine_loop import EngineLoop, Outgoing
 from lamina.services.engine_worker.errors import InvalidRequestError
+from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Lifecycle
 
 log = logging.getLogger("lamina.worker")
+
+#: States in which a worker refuses requests with a reason of the same name.
+_REFUSING = (WorkerState.DRAINING, WorkerState.DEGRADED, WorkerState.FAILED)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,9 @@ class WorkerConfig:
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prefixes")
     cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA only)")
     stats_interval: float = option(0.5, "seconds between WorkerStats heartbeats")
+    engine_stall_timeout: float = option(
+        60.0, "seconds the engine thread may go without a loop iteration before it is failed"
+    )
     drain_timeout: float = option(300.0, "most seconds SIGTERM waits for in-flight work")
 
     def engine_config(self) -> EngineConfig:
@@ -100,7 +107,7 @@ class WorkerService:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.state = "starting"
+        self.lifecycle = Lifecycle()
         self.bus: Bus | None = None
         self.loop: EngineLoop | None = None
         self._outbox: asyncio.Queue[list[Outgoing]] = asyncio.Queue()
@@ -123,6 +130,7 @@ class WorkerService:
             subjects.worker_kv(self.worker_id),
             emit=lambda batch: aio.call_soon_threadsafe(self._outbox.put_nowait, batch),
             on_step_failure=lambda reason: aio.call_soon_threadsafe(self._degrade, reason),
+            on_death=lambda reason: aio.call_soon_threadsafe(self._fail, reason),
         )
         self.loop.start()
         engine = await asyncio.to_thread(self.loop.wait_ready)
@@ -131,7 +139,7 @@ class WorkerService:
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
         await bus.subscribe(subjects.worker_control(wid), ControlCommand, self._on_control)
         self._tasks.append(asyncio.create_task(self._publish_outbox()))
-        self.state = "ready"
+        self.lifecycle.move(Event.LOADED)
         await self._publish_stats()
         blocks = engine.blocks  # fixed at construction: safe to read from this thread
         log.info(
@@ -161,26 +169,27 @@ class WorkerService:
         if not msg.reply:
             log.warning("generate request %s has no reply subject; dropped", request.request_id)
             return
-        if self.state != "ready":
+        state = self.lifecycle.state
+        if state != WorkerState.READY:
+            reason = RejectReason(state) if state in _REFUSING else RejectReason.NO_WORKER
             await self.bus.publish(
                 msg.reply,
                 Rejected(
                     request_id=request.request_id,
-                    reason=self.state,  # draining or degraded
+                    reason=reason,
                     retryable=True,
-                    message=f"worker {self.worker_id} is {self.state}",
+                    message=f"worker {self.worker_id} is {state}",
                 ),
             )
             return
         try:
-            params = to_sampling_params(request)
-            self.loop.engine.validate(request.prompt_token_ids, params)
+            self.loop.engine.validate(request.prompt_token_ids, request.sampling)
         except InvalidRequestError as exc:
             await self.bus.publish(
                 msg.reply,
                 Rejected(
                     request_id=request.request_id,
-                    reason="invalid_request",
+                    reason=RejectReason.INVALID_REQUEST,
                     message=exc.message,
                     param=exc.field,
                 ),
@@ -193,33 +202,60 @@ class WorkerService:
         context = otel_context.get_current()
         accepted = Accepted(request_id=request.request_id, worker_id=self.worker_id)
         self._outbox.put_nowait([(msg.reply, accepted, context)])
-        self.loop.submit(request, params, msg.reply, context)
+        self.loop.submit(request, msg.reply, context)
+
+    @property
+    def state(self) -> WorkerState:
+        return self.lifecycle.state
 
     def _degrade(self, reason: str) -> None:
         """An engine step failed: take no new work until an operator sends ``Resume``
         (the scheduler places only on ready workers; the heartbeat says why not here)."""
-        if self.state == "ready":
+        if self.lifecycle.move(Event.STEP_FAILED, reason):
             log.error(
                 "worker %s is degraded: %s; send Resume to take work again", self.worker_id, reason
             )
-            self.state = "degraded"
             self._tasks.append(asyncio.create_task(self._publish_stats()))
+
+    def _fail(self, reason: str) -> None:
+        """The engine thread is gone (it died, or it is wedged): what it held was failed
+        as retryable, so gateways move it elsewhere; this worker takes nothing again."""
+        if self.lifecycle.move(Event.ENGINE_DEAD, reason):
+            log.critical("worker %s has failed: %s; restart it", self.worker_id, reason)
+            self._tasks.append(asyncio.create_task(self._publish_stats()))
+
+    def _check_engine(self) -> None:
+        """Turn a wedged engine thread into a failed worker (a dead one reports itself)."""
+        loop = self.loop
+        if loop is None or loop.engine is None or loop.dead:
+            return
+        stalled = time.monotonic() - loop.beat
+        if stalled > self.config.engine_stall_timeout:
+            loop.declare_wedged(
+                f"the engine thread has been stuck for {stalled:.0f}s "
+                f"(engine_stall_timeout {self.config.engine_stall_timeout:g}s)"
+            )
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         self.loop.cancel(cancel.request_id)
 
     async def _on_control(self, command: ControlCommand, msg: Msg) -> None:
-        match command:
-            case Drain():
-                self.state = "draining"
-            case ResetPrefixCache():
-                done = self.loop.call(lambda engine: engine.reset_prefix_cache())
-                await asyncio.to_thread(done.wait, 5.0)
-            case Resume():
-                self.state = "ready"
+        ok, message = True, ""
+        try:
+            match command:
+                case Drain():
+                    self.lifecycle.move(Event.DRAIN, "drained by an operator")
+                case ResetPrefixCache():
+                    done = self.loop.call(lambda engine: engine.reset_prefix_cache())
+                    await asyncio.to_thread(done.wait, 5.0)
+                case Resume():
+                    self.lifecycle.move(Event.RESUME)
+        except IllegalTransition as exc:
+            ok, message = False, str(exc)
         if not isinstance(command, Ping):  # a ping is only answered
             await self._publish_stats()
-        await self.bus.reply(msg, ControlAck(worker_id=self.worker_id, ok=True, state=self.state))
+        ack = ControlAck(worker_id=self.worker_id, ok=ok, state=self.state, message=message)
+        await self.bus.reply(msg, ack)
 
     # ------------------------------------------------------------------------- publishing
     async def _publish_outbox(self) -> None:
@@ -236,6 +272,7 @@ class WorkerService:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.config.stats_interval)
+            self._check_engine()
             with contextlib.suppress(Exception):
                 await self._publish_stats()
 
@@ -269,6 +306,7 @@ class WorkerService:
             generation_tokens_total=s.generation_tokens_total,
             timestamp_ms=int(time.time() * 1000),
             heartbeat_interval_s=self.config.stats_interval,
+            state_reason=self.lifecycle.reason,
         )
 
     def _starting_stats(self) -> WorkerStats:
@@ -299,6 +337,7 @@ class WorkerService:
             generation_tokens_total=0,
             timestamp_ms=int(time.time() * 1000),
             heartbeat_interval_s=cfg.stats_interval,
+            state_reason=self.lifecycle.reason,
         )
 
     async def _publish_stats(self) -> None:
@@ -307,13 +346,16 @@ class WorkerService:
     # -------------------------------------------------------------------------- lifecycle
     async def drain(self) -> None:
         """Stop taking requests, let accepted ones finish, flush what they produced."""
-        self.state = "draining"
+        with contextlib.suppress(IllegalTransition):  # a failed worker has nothing to drain
+            self.lifecycle.move(Event.SHUTDOWN, "shutting down (SIGTERM)")
         await self._publish_stats()
         if self.loop is None or self.loop.engine is None:  # stopped while starting
             return
         deadline = time.monotonic() + self.config.drain_timeout
-        while (self.loop.num_requests or self.loop.engine.has_work()) and (
-            time.monotonic() < deadline
+        while (
+            not self.loop.dead
+            and (self.loop.num_requests or self.loop.engine.has_work())
+            and time.monotonic() < deadline
         ):
             await asyncio.sleep(0.05)
         await self._outbox.join()

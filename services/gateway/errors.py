@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from lamina.schemas.v1.generate import Rejected
+from lamina.schemas.v1.generate import Rejected, RejectReason
 
-# Rejection reasons → HTTP status and OpenAI error type.
+# Rejection reasons → HTTP status and OpenAI error type (an unknown reason: 503).
 _STATUS = {
-    "invalid_request": (400, "invalid_request_error"),
-    "model_not_found": (404, "not_found_error"),
-    "overloaded": (429, "rate_limit_error"),
-    "no_worker": (503, "service_unavailable"),
-    "draining": (503, "service_unavailable"),
-    "degraded": (503, "service_unavailable"),
-    "deadline_exceeded": (504, "timeout"),
+    RejectReason.INVALID_REQUEST: (400, "invalid_request_error"),
+    RejectReason.MODEL_NOT_FOUND: (404, "not_found_error"),
+    RejectReason.NO_WORKER: (503, "service_unavailable"),
+    RejectReason.DRAINING: (503, "service_unavailable"),
+    RejectReason.DEGRADED: (503, "service_unavailable"),
+    RejectReason.FAILED: (503, "service_unavailable"),
+    RejectReason.UNKNOWN: (503, "service_unavailable"),
 }
 
 
@@ -33,5 +33,10 @@ class GenerationError(Exception):
 
     @classmethod
     def from_rejected(cls, rejected: Rejected) -> GenerationError:
-        status, kind = _STATUS.get(rejected.reason, (503, "service_unavailable"))
-        return cls(status, kind, rejected.message, rejected.param, rejected.reason)
+        status, kind = _STATUS[rejected.reason]
+        return cls(status, kind, rejected.message, rejected.param, str(rejected.reason))
+
+
+def invalid_request(message: str, param: str | None = None) -> GenerationError:
+    """A 400 for a request that can never run as it is."""
+    return GenerationError(400, "invalid_request_error", message, param)

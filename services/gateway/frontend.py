@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from lamina.libs.bus import Bus
 from lamina.schemas.v1.generate import (
     Finished,
+    FinishReason,
     GenerateRequest,
     Sampling,
     Sla,
@@ -17,9 +18,13 @@ from lamina.schemas.v1.generate import (
     Usage,
 )
 from lamina.services.gateway.detokenizer import IncrementalDetokenizer
+from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.session import Generation, SessionSettings
-from lamina.services.gateway.tokenizer import ModelTokenizer
+from lamina.services.gateway.tokenizer import ModelTokenizer, TemplateError
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+"""The roles a chat's messages may have (tool messages need tool calls, not built yet)."""
 
 
 @dataclass(slots=True)
@@ -29,7 +34,7 @@ class TextDelta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
 
@@ -56,11 +61,13 @@ class TextStream:
             text = detok.add(event.token_ids)
             if detok.stopped:  # a stop string matched: end here, cancel the rest
                 self.generation.stop_early()
-                yield TextDelta(text, event.token_ids, event.logprobs, "stop", self._usage())
+                yield TextDelta(
+                    text, event.token_ids, event.logprobs, FinishReason.STOP, self._usage()
+                )
                 return
             if isinstance(event, Finished):
                 text += detok.flush()  # may still find a stop string in held-back text
-                reason = "stop" if detok.stopped else event.finish_reason
+                reason = FinishReason.STOP if detok.stopped else event.finish_reason
                 yield TextDelta(text, event.token_ids, event.logprobs, reason, event.usage)
                 return
             yield TextDelta(text, event.token_ids, event.logprobs)
@@ -98,17 +105,29 @@ class Frontend:
 
     async def open(
         self,
-        prompt_token_ids: list[int],
+        model: str | None,
+        prompt: str | list[int] | list[dict[str, str]],
         sampling: Sampling,
         sla: Sla,
         stop: list[str],
         request_id: str | None = None,
     ) -> TextStream:
-        """Submit and wait until a worker accepts; raises ``GenerationError`` otherwise."""
+        """Admit a request and wait until a worker accepts it: the one path both client
+        APIs take, so they refuse the same request with the same error. ``prompt`` is text,
+        token ids, or chat messages (``[{"role": ..., "content": ...}]``). Every refusal
+        is a :class:`GenerationError`."""
+        if model is not None and model != self.model_name:
+            raise GenerationError(
+                404,
+                "not_found_error",
+                f"model {model!r} does not exist; served: {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         request = GenerateRequest(
             request_id=request_id or uuid.uuid4().hex,
             model=self.model_name,
-            prompt_token_ids=prompt_token_ids,
+            prompt_token_ids=self._prompt_ids(prompt),
             sampling=sampling,
             sla=sla,
         )
@@ -120,6 +139,27 @@ class Frontend:
             await generation.__aexit__(None, None, None)
             raise
         return TextStream(generation, IncrementalDetokenizer(self.tokenizer, stop))
+
+    def _prompt_ids(self, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
+        try:
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            elif prompt and isinstance(prompt[0], dict):
+                for i, message in enumerate(prompt):
+                    if message["role"] not in CHAT_ROLES:
+                        raise invalid_request(
+                            f"role {message['role']!r} is not supported; use one of "
+                            + ", ".join(CHAT_ROLES),
+                            f"messages[{i}].role",
+                        )
+                ids = self.tokenizer.encode_chat(prompt)
+            else:
+                ids = list(prompt)
+        except TemplateError as exc:
+            raise invalid_request(str(exc), "messages") from exc
+        if not ids:
+            raise invalid_request("the prompt is empty", "prompt")
+        return ids
 
     def close_later(self, stream: TextStream) -> None:
         """Close ``stream`` from a fresh task: the caller may be inside a cancelled scope

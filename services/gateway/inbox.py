@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 
 from nats.aio.msg import Msg
 
 from lamina.libs.bus import Bus
+from lamina.libs.cluster import ClusterView
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel
 from lamina.schemas.v1.errors import BadMessage
 from lamina.schemas.v1.generate import Accepted, StreamEvent
 from lamina.schemas.v1.stats import WorkerStats
-from lamina.services.scheduler.registry import MISSED_HEARTBEATS
-
-_DEFAULT_HEARTBEAT_S = 0.5  # WorkerConfig.stats_interval's default
 
 
 class Inbox:
@@ -30,7 +27,7 @@ class Inbox:
         self.prefix = bus.inbox()
         self._queues: dict[str, asyncio.Queue] = {}
         self._keys = itertools.count()
-        self._heartbeats: dict[str, tuple[float, float]] = {}  # id -> (last seen, interval)
+        self.cluster = ClusterView()
 
     async def start(self) -> None:
         # Producers (workers) trace their publishes; a CONSUMER span per token is noise.
@@ -42,14 +39,12 @@ class Inbox:
         )
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
-        self._heartbeats[stats.worker_id] = (time.monotonic(), stats.heartbeat_interval_s)
+        self.cluster.heartbeat(stats)
 
-    def worker_alive(self, worker_id: str | None, since: float) -> bool:
-        """False once a worker missed 3 heartbeats. A worker never heard from counts from
-        ``since`` (when it accepted the request) with the default interval: a live worker
-        heartbeats every half second, so silence that long is evidence enough."""
-        last, interval = self._heartbeats.get(worker_id or "", (since, _DEFAULT_HEARTBEAT_S))
-        return time.monotonic() - last <= MISSED_HEARTBEATS * interval
+    def worker_serving(self, worker_id: str, since: float) -> bool:
+        """Whether the worker holding a request (accepted at ``since``) still serves it:
+        alive and not failed, by the cluster's one rule (``lamina.libs.cluster``)."""
+        return self.cluster.serving(worker_id, since)
 
     def open(self, queue: asyncio.Queue) -> str:
         """A new reply subject whose events go to ``queue``."""

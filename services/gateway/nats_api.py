@@ -10,17 +10,52 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import msgspec
 from nats.aio.msg import Msg
 
 from lamina.libs.bus import Bus
+from lamina.libs.errors import invalid_field
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.api import ApiDelta, ApiError, ApiFinished, ApiRequest
-from lamina.services.gateway.errors import GenerationError
+from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.frontend import Frontend
-from lamina.services.gateway.protocol import InvalidRequest
-from lamina.services.gateway.tokenizer import TemplateError
 
 log = logging.getLogger("lamina.gateway.nats")
+
+
+def _prompt(request: ApiRequest) -> str | list[int] | list[dict[str, str]]:
+    """The request's one prompt, in the form ``Frontend.open`` takes."""
+    given = [x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)]
+    if sum(given) != 1:
+        raise invalid_request(
+            "exactly one of prompt, prompt_token_ids or messages is required", "prompt"
+        )
+    if request.messages is not None:
+        return [{"role": m.role, "content": m.content} for m in request.messages]
+    return request.prompt if request.prompt is not None else list(request.prompt_token_ids or [])
+
+
+def _api_error(request_id: str | None, exc: GenerationError) -> ApiError:
+    return ApiError(
+        request_id=request_id,
+        code=exc.status,
+        error_type=exc.error_type,
+        message=exc.message,
+        param=exc.param,
+        error_code=exc.code,
+    )
+
+
+def _undecodable(msg: Msg, exc: msgspec.DecodeError) -> ApiError:
+    """The answer to an ``ApiRequest`` that does not decode: a 400 a client can read."""
+    param = invalid_field(exc) if isinstance(exc, msgspec.ValidationError) else None
+    return ApiError(
+        request_id=None,
+        code=400,
+        error_type="invalid_request_error",
+        message=f"invalid ApiRequest: {exc}",
+        param=param,
+    )
 
 
 class NatsApi:
@@ -31,7 +66,11 @@ class NatsApi:
 
     async def start(self) -> None:
         await self.bus.subscribe(
-            subjects.API_GENERATE, ApiRequest, self._on_request, queue="gateway"
+            subjects.API_GENERATE,
+            ApiRequest,
+            self._on_request,
+            queue="gateway",
+            bad_reply=_undecodable,
         )
 
     async def _on_request(self, request: ApiRequest, msg: Msg) -> None:
@@ -42,49 +81,19 @@ class NatsApi:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _prompt_ids(self, request: ApiRequest) -> list[int]:
-        given = [
-            x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)
-        ]
-        if sum(given) != 1:
-            raise InvalidRequest(
-                "exactly one of prompt, prompt_token_ids or messages is required", "prompt"
-            )
-        tokenizer = self.frontend.tokenizer
-        if request.prompt is not None:
-            ids = tokenizer.encode(request.prompt)
-        elif request.messages is not None:
-            ids = tokenizer.encode_chat(
-                [{"role": m.role, "content": m.content} for m in request.messages]
-            )
-        else:
-            ids = list(request.prompt_token_ids or [])
-        if not ids:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        return ids
-
     async def _serve(self, request: ApiRequest, reply: str) -> None:
         rid = request.request_id
         try:
-            if request.model is not None and request.model != self.frontend.model_name:
-                raise GenerationError(
-                    404, "not_found_error", f"model {request.model!r} does not exist", "model"
-                )
             stream = await self.frontend.open(
-                self._prompt_ids(request),
+                request.model,
+                _prompt(request),
                 request.sampling,
                 request.sla,
                 request.stop,
                 request_id=rid,
             )
-        except InvalidRequest as exc:
-            await self._error(reply, rid, 400, "invalid_request_error", exc.message, exc.param)
-            return
-        except TemplateError as exc:
-            await self._error(reply, rid, 400, "invalid_request_error", str(exc), "messages")
-            return
         except GenerationError as exc:
-            await self._error(reply, rid, exc.status, exc.error_type, exc.message, exc.param)
+            await self.bus.publish(reply, _api_error(rid, exc))
             return
         rid = stream.request_id
         seq = 0
@@ -110,17 +119,9 @@ class NatsApi:
                     )
                 seq += 1
         except GenerationError as exc:
-            await self._error(reply, rid, exc.status, exc.error_type, exc.message, exc.param)
+            await self.bus.publish(reply, _api_error(rid, exc))
         finally:
             await stream.close()
-
-    async def _error(
-        self, reply: str, rid: str | None, code: int, kind: str, message: str, param: str | None
-    ) -> None:
-        await self.bus.publish(
-            reply,
-            ApiError(request_id=rid, code=code, error_type=kind, message=message, param=param),
-        )
 
     async def drain(self) -> None:
         if self._tasks:

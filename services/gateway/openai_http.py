@@ -24,7 +24,7 @@ from lamina.services.gateway.asgi import (
     send_json,
     start_events,
 )
-from lamina.services.gateway.errors import GenerationError
+from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.frontend import Frontend, TextDelta, TextStream
 from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
@@ -32,24 +32,13 @@ from lamina.services.gateway.protocol import (
     InvalidRequest,
     decode_body,
 )
-from lamina.services.gateway.tokenizer import TemplateError
 
 
 def error_body(
-    status: int,
-    error_type: str,
-    message: str,
-    param: str | None = None,
-    code: str | int | None = None,
+    status: int, error_type: str, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": error_type,
-            "param": param,
-            "code": code if code is not None else status,
-        }
-    }
+    """OpenAI's error shape; ``code`` is a string (a machine-readable reason) or null."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(
@@ -124,31 +113,19 @@ class OpenAIApi:
 
     async def _open(self, body: CompletionRequest | ChatCompletionRequest) -> TextStream:
         """Submit ``body``; every way it can be refused is a :class:`GenerationError`."""
-        f = self.frontend
-        if body.model is not None and body.model != f.model_name:
-            raise GenerationError(
-                404,
-                "not_found_error",
-                f"model {body.model!r} does not exist; served: {f.model_name!r}",
-                "model",
-                "model_not_found",
-            )
         try:
+            body.refuse_unsupported()
             if isinstance(body, ChatCompletionRequest):
-                prompt_ids = f.tokenizer.encode_chat(body.chat())
+                prompt: str | list[int] | list[dict[str, str]] = body.chat()
                 sampling = body.sampling(None, body.logprobs_count())
             else:
-                body.validate()
                 prompt = body.prompt_input()
-                prompt_ids = f.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
                 sampling = body.sampling(16, body.logprobs)
-            if not prompt_ids:
-                raise InvalidRequest("the prompt is empty", "prompt")
         except InvalidRequest as exc:
-            raise GenerationError(400, "invalid_request_error", exc.message, exc.param) from exc
-        except TemplateError as exc:
-            raise GenerationError(400, "invalid_request_error", str(exc), "messages") from exc
-        return await f.open(prompt_ids, sampling, body.sla(), body.stop_strings())
+            raise invalid_request(exc.message, exc.param) from exc
+        return await self.frontend.open(
+            body.model, prompt, sampling, body.sla(), body.stop_strings()
+        )
 
     async def _serve(
         self, scope: Scope, receive: Receive, send: Send, kind: type, build: Callable

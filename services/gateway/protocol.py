@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
-from lamina.schemas.v1.generate import Sampling, Sla
+from lamina.libs.errors import invalid_field
+from lamina.schemas.v1.generate import (
+    INT64_MAX,
+    INT64_MIN,
+    Count,
+    LogprobCount,
+    MaxTokens,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    Sampling,
+    Seed,
+    Sla,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+)
 
 
 class InvalidRequest(ValueError):
@@ -21,30 +38,94 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class _Common(msgspec.Struct, kw_only=True):
-    """Fields shared by completions and chat completions. Unknown fields are ignored."""
+# Fields of OpenAI's and vLLM's APIs that Lamina does not implement yet, with the values
+# that ask for nothing (what clients send when they mean "off"). Any other value is
+# refused with a 400 naming the field, as vLLM does, rather than ignored: a client that
+# asked for JSON output or a tool call must not get plain text and a 200.
+_NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "logit_bias": (None, {}),
+    "include_stop_str_in_output": (None, False),
+    "prompt_logprobs": (None,),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+}
+
+#: Body fields that are ``Sampling`` fields under the same name and meaning.
+_SAMPLING_FIELDS = tuple(
+    f.name for f in msgspec.structs.fields(Sampling) if f.name not in ("max_tokens", "logprobs")
+)
+
+
+class OpenAIBody(msgspec.Struct, kw_only=True):
+    """What completions and chat completions bodies share: the sampling knobs (typed with
+    the wire ``Sampling``'s own ranges, so a bad value is a 400 naming the field when the
+    body is decoded), streaming, stop strings, the SLA. Unknown fields are ignored; fields
+    Lamina does not implement are refused (:meth:`refuse_unsupported`)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, msgspec.Meta(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] | None = None
+    priority: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
+    # Not implemented yet: decoded only to be refused (see _NOT_SUPPORTED).
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    logit_bias: Any = None
+    include_stop_str_in_output: Any = None
+    prompt_logprobs: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+
+    def refuse_unsupported(self) -> None:
+        """Raise :class:`InvalidRequest` for the first field that asks for something Lamina
+        does not do."""
+        for name, neutral in _NOT_SUPPORTED.items():
+            if getattr(self, name) not in neutral:
+                raise InvalidRequest(f"{name} is not supported", name)
+        if self.n != 1:
+            raise InvalidRequest("only n=1 is supported", "n")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream", "stream_options")
 
     @property
     def include_usage(self) -> bool:
@@ -56,36 +137,24 @@ class _Common(msgspec.Struct, kw_only=True):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def sampling(self, default_max_tokens: int | None, logprobs: int | None) -> Sampling:
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported", "n")
+        """The wire ``Sampling`` this body asks for (fields it leaves out keep
+        ``Sampling``'s defaults); raises :class:`InvalidRequest` if the fields conflict."""
+        values = {n: v for n in _SAMPLING_FIELDS if (v := getattr(self, n)) is not None}
         max_tokens = self.max_completion_tokens or self.max_tokens
-        if max_tokens is None:
-            max_tokens = default_max_tokens
-        if max_tokens is not None and max_tokens < 1:
-            raise InvalidRequest(f"max_tokens ({max_tokens}) must be at least 1", "max_tokens")
-        return Sampling(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            seed=self.seed,
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            logprobs=logprobs,
-        )
+        values["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+        values["logprobs"] = logprobs
+        try:
+            return msgspec.convert(values, Sampling)
+        except msgspec.ValidationError as exc:  # e.g. min_tokens over max_tokens
+            raise InvalidRequest(str(exc), invalid_field(exc) or "min_tokens") from exc
 
     def sla(self) -> Sla:
         return Sla(priority=self.priority)
 
 
-class CompletionRequest(_Common, kw_only=True):
+class CompletionRequest(OpenAIBody, kw_only=True):
     prompt: str | list[Any]
-    logprobs: int | None = None
+    logprobs: LogprobCount | None = None
     echo: bool = False
 
     def prompt_input(self) -> str | list[int]:
@@ -103,7 +172,8 @@ class CompletionRequest(_Common, kw_only=True):
             "prompt",
         )
 
-    def validate(self) -> None:
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
         if self.echo:
             raise InvalidRequest("echo is not supported", "echo")
 
@@ -115,11 +185,10 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
-    content: str | list[ContentPart] | None = None
+    """Checked where both client APIs admit a chat (``Frontend``)."""
+    content: str | list[ContentPart]
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -132,10 +201,15 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Common, kw_only=True):
+class ChatCompletionRequest(OpenAIBody, kw_only=True):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
 
     def chat(self) -> list[dict[str, str]]:
         if not self.messages:
@@ -151,10 +225,8 @@ def decode_body(body: bytes, kind: type) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        param = None
-        text = str(exc)
-        if "`$." in text:
-            param = text.split("`$.", 1)[1].split("`", 1)[0]
-        raise InvalidRequest(f"invalid request body: {text}", param) from exc
+        raise InvalidRequest(f"invalid request body: {exc}", invalid_field(exc)) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("request body is nested too deeply") from exc

@@ -33,12 +33,13 @@ from lamina.schemas.v1.generate import (
     Accepted,
     Failed,
     Finished,
+    FinishReason,
     GenerateRequest,
     Rejected,
     Tokens,
     Usage,
 )
-from lamina.schemas.v1.records import RequestRecord
+from lamina.schemas.v1.records import Outcome, RequestRecord
 from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.inbox import Inbox
 
@@ -79,8 +80,8 @@ class Generation:
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)
-    outcome: str = "cancelled"
-    local_finish_reason: str | None = None
+    outcome: Outcome = Outcome.CANCELLED
+    local_finish_reason: FinishReason | None = None
     """Set when the gateway itself ends the request (a stop string matched)."""
     _last_token_at: float | None = None
     _subject: str = ""
@@ -107,10 +108,10 @@ class Generation:
         )
         return self
 
-    def stop_early(self, reason: str = "stop") -> None:
+    def stop_early(self, reason: FinishReason = FinishReason.STOP) -> None:
         """The gateway finished the request itself; the worker will be told to cancel."""
         self.local_finish_reason = reason
-        self.outcome = "finished"
+        self.outcome = Outcome.FINISHED
 
     async def __aexit__(self, *exc: object) -> None:
         self.inbox.close(self._subject)
@@ -133,7 +134,7 @@ class Generation:
             span.set_attribute("lamina.worker_id", record.worker_id)
         if record.ttft_s is not None:
             span.set_attribute("lamina.time_to_first_token_s", record.ttft_s)
-        if record.outcome in ("failed", "rejected"):
+        if record.outcome in (Outcome.FAILED, Outcome.REJECTED):
             span.set_status(trace.StatusCode.ERROR)
         span.end()
 
@@ -160,7 +161,7 @@ class Generation:
                     context=trace.set_span_in_context(self._span),
                 )
             except PayloadTooLarge as exc:
-                self.outcome = "rejected"
+                self.outcome = Outcome.REJECTED
                 raise GenerationError(
                     400,
                     "invalid_request_error",
@@ -184,11 +185,11 @@ class Generation:
                 case Rejected(retryable=True):
                     error = GenerationError.from_rejected(event)
                 case Rejected():
-                    self.outcome = "rejected"
+                    self.outcome = Outcome.REJECTED
                     raise GenerationError.from_rejected(event)
                 case _:
                     raise self._unexpected(event)
-        self.outcome = "rejected"
+        self.outcome = Outcome.REJECTED
         raise error
 
     async def stream(self) -> AsyncIterator[Tokens | Finished]:
@@ -197,26 +198,26 @@ class Generation:
         silent_since = time.monotonic()
         while True:
             event = await self._next_event(_LIVENESS_CHECK_S)
+            lost = None
+            if event is None and not self.inbox.worker_serving(self.worker_id, self._accepted_at):
+                lost = f"worker {self.worker_id} stopped serving mid-request"
+            elif isinstance(event, Failed) and event.retryable:
+                lost = f"generation failed on worker {self.worker_id}: {event.message}"
+            if lost is not None:
+                if self.attempts >= self.settings.max_attempts:
+                    self.outcome = Outcome.FAILED
+                    raise GenerationError(503, "service_unavailable", lost)
+                # Migrate: replay the prompt plus what was streamed on another worker; its
+                # tokens continue this stream where it stopped.
+                log.warning("%s; moving request %s", lost, self.request.request_id)
+                await self._cancel(self.worker_id)
+                await self.start(first_attempt=self.attempts, request=self._resume_request())
+                expected = 1
+                silent_since = time.monotonic()
+                continue
             if event is None:
-                if not self.inbox.worker_alive(self.worker_id, self._accepted_at):
-                    if self.attempts < self.settings.max_attempts:
-                        # Migrate: replay the prompt plus what was streamed on another
-                        # worker; its tokens continue this stream where it stopped.
-                        await self._cancel(self.worker_id)
-                        await self.start(
-                            first_attempt=self.attempts, request=self._resume_request()
-                        )
-                        expected = 1
-                        silent_since = time.monotonic()
-                        continue
-                    self.outcome = "failed"
-                    raise GenerationError(
-                        503,
-                        "service_unavailable",
-                        f"worker {self.worker_id} stopped sending heartbeats mid-request",
-                    )
                 if time.monotonic() - silent_since > self.settings.stall_timeout:
-                    self.outcome = "failed"
+                    self.outcome = Outcome.FAILED
                     raise GenerationError(
                         504,
                         "timeout",
@@ -228,7 +229,7 @@ class Generation:
             match event:
                 case Tokens() | Finished():
                     if event.seq != expected:
-                        self.outcome = "failed"
+                        self.outcome = Outcome.FAILED
                         raise GenerationError(
                             502,
                             "api_error",
@@ -248,14 +249,14 @@ class Generation:
                                 ),
                             )
                         self.finished = event
-                        self.outcome = "finished"
+                        self.outcome = Outcome.FINISHED
                     yield event
                     if self.finished is not None:
                         return
-                case Failed():
-                    self.outcome = "failed"
+                case Failed():  # not retryable: the request itself cannot run
+                    self.outcome = Outcome.FAILED
                     raise GenerationError(
-                        503 if event.retryable else 500,
+                        500,
                         "api_error",
                         f"generation failed on worker {self.worker_id}: {event.message}",
                     )
@@ -318,7 +319,7 @@ class Generation:
             self._last_token_at = now
 
     def _unexpected(self, event: object) -> GenerationError:
-        self.outcome = "failed"
+        self.outcome = Outcome.FAILED
         if isinstance(event, BadMessage):
             return GenerationError(
                 500, "api_error", f"a service could not decode our message: {event.error}"

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lamina.schemas.v1.generate import GenerateRequest
-from lamina.services.scheduler.registry import WorkerEntry
+from lamina.schemas.v1.generate import GenerateRequest, RejectReason
+from lamina.schemas.v1.stats import WorkerState
+from lamina.services.scheduler.registry import Candidate
 
 #: Prefill tokens one queued request is taken to be worth when comparing load.
 REQUEST_WEIGHT_TOKENS = 64
@@ -20,14 +21,15 @@ REQUEST_WEIGHT_TOKENS = 64
 @dataclass(frozen=True)
 class Decision:
     worker_id: str | None
-    reason: str  # "placed", or a rejection reason
+    reason: RejectReason | None
+    """None when placed."""
     message: str
     candidates: int
     score: float | None = None
     retryable: bool = True
 
 
-def load_score(entry: WorkerEntry) -> float:
+def load_score(entry: Candidate) -> float:
     s = entry.stats
     return (
         s.num_queued_prefill_tokens
@@ -36,32 +38,32 @@ def load_score(entry: WorkerEntry) -> float:
     )
 
 
-def place(request: GenerateRequest, live: list[WorkerEntry]) -> Decision:
+def place(request: GenerateRequest, live: list[Candidate]) -> Decision:
     """Pick the ready worker serving ``request.model`` with the least queued work."""
     if not live:
-        return Decision(None, "no_worker", "no engine worker is alive", 0)
+        return Decision(None, RejectReason.NO_WORKER, "no engine worker is alive", 0)
     serving = [w for w in live if w.stats.model == request.model]
     if not serving:
         models = sorted({w.stats.model for w in live})
         return Decision(
             None,
-            "model_not_found",
+            RejectReason.MODEL_NOT_FOUND,
             f"no worker serves model {request.model!r}; available: {models}",
             0,
             retryable=False,
         )
-    ready = [w for w in serving if w.stats.state == "ready"]
+    ready = [w for w in serving if w.stats.state == WorkerState.READY]
     if not ready:
         states = ", ".join(sorted({w.stats.state for w in serving}))
         message = f"no worker for this model is ready (their states: {states})"
-        return Decision(None, "no_worker", message, len(serving))
+        return Decision(None, RejectReason.NO_WORKER, message, len(serving))
     needed = len(request.prompt_token_ids) + (request.sampling.max_tokens or 1)
     fits = [w for w in ready if needed <= w.stats.max_model_len]
     if not fits:
         limit = max(w.stats.max_model_len for w in ready)
         return Decision(
             None,
-            "invalid_request",
+            RejectReason.INVALID_REQUEST,
             f"this model's maximum context length is {limit} tokens, but the "
             f"request needs {needed} ({len(request.prompt_token_ids)} prompt + "
             f"{request.sampling.max_tokens} to generate)",
@@ -69,4 +71,4 @@ def place(request: GenerateRequest, live: list[WorkerEntry]) -> Decision:
             retryable=False,
         )
     best = min(fits, key=lambda w: (load_score(w), w.stats.worker_id))
-    return Decision(best.stats.worker_id, "placed", "", len(fits), load_score(best))
+    return Decision(best.stats.worker_id, None, "", len(fits), load_score(best))

@@ -1,44 +1,45 @@
-"""The worker registry, kept from heartbeats alone (pure: no I/O)."""
+"""The scheduler's registry: the cluster view, plus what this replica placed on each worker
+since its last heartbeat (pure: no I/O)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from lamina.libs.cluster import Clock, ClusterView
 from lamina.schemas.v1.stats import WorkerStats
-
-#: A worker is dead after this many heartbeat intervals without one.
-MISSED_HEARTBEATS = 3
 
 
 @dataclass
-class WorkerEntry:
+class Candidate:
+    """A live worker as placement weighs it."""
+
     stats: WorkerStats
-    last_seen: float  # monotonic seconds
     pending: int = 0
     """Requests placed here since its last heartbeat (not yet in its stats)."""
     pending_tokens: int = 0
-
-    def alive(self, now: float) -> bool:
-        return now - self.last_seen <= MISSED_HEARTBEATS * self.stats.heartbeat_interval_s
+    """Their prompt tokens."""
 
 
 class Registry:
-    def __init__(self) -> None:
-        self.workers: dict[str, WorkerEntry] = {}
+    def __init__(self, clock: Clock = time.monotonic, wall_clock: Clock = time.time) -> None:
+        self.view = ClusterView(clock, wall_clock)
+        self._pending: dict[str, Candidate] = {}
 
-    def heartbeat(self, stats: WorkerStats, now: float) -> None:
-        entry = self.workers.get(stats.worker_id)
-        if entry is None:
-            self.workers[stats.worker_id] = WorkerEntry(stats, now)
-        else:
-            entry.stats, entry.last_seen = stats, now
-            entry.pending = entry.pending_tokens = 0
+    def heartbeat(self, stats: WorkerStats) -> None:
+        """A heartbeat supersedes the estimate of what was placed before it."""
+        self.view.heartbeat(stats)
+        self._pending.pop(stats.worker_id, None)
 
-    def live(self, now: float) -> list[WorkerEntry]:
-        return [w for w in self.workers.values() if w.alive(now)]
+    def placed(self, worker_id: str, prompt_tokens: int) -> None:
+        entry = self.view.workers[worker_id]
+        pending = self._pending.setdefault(worker_id, Candidate(entry.stats))
+        pending.pending += 1
+        pending.pending_tokens += prompt_tokens
 
-    def forget_dead(self, now: float, grace: float = 60.0) -> None:
-        """Drop workers silent for ``grace`` seconds beyond being declared dead."""
-        for worker_id, entry in list(self.workers.items()):
-            if now - entry.last_seen > grace + MISSED_HEARTBEATS * entry.stats.heartbeat_interval_s:
-                del self.workers[worker_id]
+    def candidates(self) -> list[Candidate]:
+        """Every live worker, with what was placed on it since its heartbeat."""
+        return [
+            self._pending.get(entry.stats.worker_id) or Candidate(entry.stats)
+            for entry in self.view.live()
+        ]

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 
 import msgspec
@@ -22,8 +21,8 @@ from lamina.libs.bus import Bus
 from lamina.libs.config import option
 from lamina.libs.errors import PayloadTooLarge
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.generate import GenerateRequest, Rejected
-from lamina.schemas.v1.records import PlacementRecord
+from lamina.schemas.v1.generate import GenerateRequest, Rejected, RejectReason
+from lamina.schemas.v1.records import PLACED, PlacementRecord
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, WorkerStats, WorkerView
 from lamina.services.scheduler.placement import Decision, place
 from lamina.services.scheduler.registry import Registry
@@ -55,15 +54,13 @@ class SchedulerService:
         await bus.subscribe(subjects.SCHED_STATUS, ClusterStatusRequest, self._on_status)
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
-        self.registry.heartbeat(stats, time.monotonic())
+        self.registry.heartbeat(stats)
 
     async def _on_submit(self, request: GenerateRequest, msg: Msg) -> None:
         if not msg.reply:
             log.warning("submit %s has no reply subject; dropped", request.request_id)
             return
-        now = time.monotonic()
-        self.registry.forget_dead(now)
-        decision = place(request, self.registry.live(now))
+        decision = place(request, self.registry.candidates())
         if decision.worker_id is None:
             await self.bus.publish(
                 msg.reply,
@@ -82,7 +79,9 @@ class SchedulerService:
                 )
             except PayloadTooLarge as exc:  # the worker id pushed it over the limit
                 message = f"the request is too large to forward: {exc}"
-                decision = Decision(None, "invalid_request", message, decision.candidates)
+                decision = Decision(
+                    None, RejectReason.INVALID_REQUEST, message, decision.candidates
+                )
                 await self.bus.publish(
                     msg.reply,
                     Rejected(
@@ -93,9 +92,7 @@ class SchedulerService:
                     ),
                 )
             else:
-                entry = self.registry.workers[decision.worker_id]
-                entry.pending += 1
-                entry.pending_tokens += len(request.prompt_token_ids)
+                self.registry.placed(decision.worker_id, len(request.prompt_token_ids))
         # The record is for telemetry: off the request's critical path. Yielding once lets
         # the client's flusher task put the forward on the wire before the record is built.
         await asyncio.sleep(0)
@@ -104,7 +101,7 @@ class SchedulerService:
             PlacementRecord(
                 request_id=request.request_id,
                 worker_id=decision.worker_id,
-                reason=decision.reason,
+                reason=decision.reason or PLACED,
                 candidates=decision.candidates,
                 score=decision.score,
                 attempt=request.attempt,
@@ -112,15 +109,9 @@ class SchedulerService:
         )
 
     async def _on_status(self, _: ClusterStatusRequest, msg: Msg) -> None:
-        now = time.monotonic()
-        wall = time.time()
         views = [
-            WorkerView(
-                stats=e.stats,
-                alive=e.alive(now),
-                last_seen_ms=int((wall - (now - e.last_seen)) * 1000),
-            )
-            for e in self.registry.workers.values()
+            WorkerView(stats=e.stats, alive=alive, last_seen_ms=e.last_seen_ms)
+            for e, alive in self.registry.view.snapshot()
         ]
         await self.bus.reply(msg, ClusterStatus(scheduler_id=self.scheduler_id, workers=views))
 

@@ -4,9 +4,9 @@ Metric names follow vLLM's (``vllm:`` → ``lamina:``). Per-worker series carry 
 and ``model`` labels and come from each worker's latest :class:`WorkerStats`; they are
 computed at scrape time by :class:`WorkerCollector`, so liveness is always current:
 
-* a worker is *live* while its last heartbeat is at most ``MISSED_HEARTBEATS`` heartbeat
-  intervals old; a dead worker keeps only ``lamina:worker_up 0`` and its counters (its load
-  gauges would be stale), and is forgotten ``FORGET_AFTER_S`` seconds after it died;
+* a worker is *live* by the cluster's one liveness rule (``lamina.libs.cluster``); a dead
+  worker keeps only ``lamina:worker_up 0`` and its counters (its load gauges would be
+  stale), until the view forgets it;
 * the worker's counters are its own cumulative totals, reported as they are (a worker
   restart resets them, which Prometheus' ``rate()`` handles as a counter reset);
 * ``lamina:cluster_*`` gauges sum (or, for KV usage, average) over live workers only.
@@ -30,17 +30,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lamina.schemas.v1.records import PlacementRecord, RequestRecord
-from lamina.schemas.v1.stats import WORKER_STATES, WorkerStats
+from lamina.libs.cluster import MISSED_HEARTBEATS, Clock, ClusterView, WorkerEntry
+from lamina.schemas.v1.records import Outcome, PlacementRecord, RequestRecord
+from lamina.schemas.v1.stats import WorkerState, WorkerStats
 
 PREFIX = "lamina:"
-
-#: A worker is dead after this many heartbeat intervals without one.
-MISSED_HEARTBEATS = 3
-#: A dead worker is dropped from the metrics this many seconds after it was declared dead.
-FORGET_AFTER_S = 60.0
-
-Clock = Callable[[], float]
 
 
 def one_two_five_buckets(max_value: int) -> list[float]:
@@ -116,24 +110,6 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
 }
 
 
-@dataclass
-class WorkerEntry:
-    """A worker's latest heartbeat and when it arrived."""
-
-    stats: WorkerStats
-    last_seen: float
-    """Monotonic seconds (the aggregator's clock)."""
-    last_seen_ms: int
-    """Wall-clock milliseconds since the epoch."""
-
-    def dead_for(self, now: float) -> float:
-        """Seconds since the worker was declared dead; zero or less while it is live."""
-        return now - self.last_seen - MISSED_HEARTBEATS * self.stats.heartbeat_interval_s
-
-    def alive(self, now: float) -> bool:
-        return self.dead_for(now) <= 0
-
-
 @dataclass(frozen=True)
 class ClusterTotals:
     """Cluster-wide figures over live workers."""
@@ -144,34 +120,11 @@ class ClusterTotals:
     requests_waiting: int
     kv_cache_usage_perc: float
 
-
-class WorkerTable:
-    """Every known worker's latest heartbeat, with liveness from an injectable clock."""
-
-    def __init__(self, clock: Clock = time.monotonic, wall_clock: Clock = time.time) -> None:
-        self.clock = clock
-        self.wall_clock = wall_clock
-        self.workers: dict[str, WorkerEntry] = {}
-
-    def heartbeat(self, stats: WorkerStats) -> None:
-        """Record ``stats`` as the worker's latest."""
-        self.workers[stats.worker_id] = WorkerEntry(
-            stats, self.clock(), int(self.wall_clock() * 1000)
-        )
-
-    def snapshot(self) -> list[tuple[WorkerEntry, bool]]:
-        """``(entry, alive)`` per worker, sorted by id, after forgetting long-dead ones."""
-        now = self.clock()
-        for worker_id, entry in list(self.workers.items()):
-            if entry.dead_for(now) > FORGET_AFTER_S:
-                del self.workers[worker_id]
-        return [(self.workers[w], self.workers[w].alive(now)) for w in sorted(self.workers)]
-
-    def totals(self, snapshot: list[tuple[WorkerEntry, bool]] | None = None) -> ClusterTotals:
-        """Cluster totals over the live workers of ``snapshot`` (a fresh one by default)."""
-        snapshot = self.snapshot() if snapshot is None else snapshot
+    @classmethod
+    def of(cls, snapshot: list[tuple[WorkerEntry, bool]]) -> ClusterTotals:
+        """The totals over the live workers of a :meth:`ClusterView.snapshot`."""
         live = [entry.stats for entry, alive in snapshot if alive]
-        return ClusterTotals(
+        return cls(
             workers_total=len(snapshot),
             workers_live=len(live),
             requests_running=sum(s.num_running for s in live),
@@ -187,20 +140,22 @@ def _gauge(name: str, help_text: str, labels: tuple[str, ...] = ()) -> GaugeMetr
 class WorkerCollector(Collector):
     """Per-worker gauges and counters and the cluster gauges, computed at scrape time."""
 
-    def __init__(self, table: WorkerTable) -> None:
-        self.table = table
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self.table.snapshot()
+        snapshot = self.view.snapshot()
         yield from self._liveness(snapshot)
         live = [entry.stats for entry, alive in snapshot if alive]
         yield from self._load_gauges(live)
         yield from self._counters([entry.stats for entry, _ in snapshot])
-        yield from self._cluster(self.table.totals(snapshot))
+        yield from self._cluster(ClusterTotals.of(snapshot))
 
     def _liveness(self, snapshot: list[tuple[WorkerEntry, bool]]) -> Iterator[Metric]:
         up = _gauge(
-            "worker_up", "1 while the worker heartbeats, 0 once it missed 3.", WORKER_LABELS
+            "worker_up",
+            f"1 while the worker heartbeats, 0 once it missed {MISSED_HEARTBEATS}.",
+            WORKER_LABELS,
         )
         state = _gauge(
             "worker_state",
@@ -212,10 +167,9 @@ class WorkerCollector(Collector):
             up.add_metric([stats.worker_id, stats.model], 1.0 if alive else 0.0)
             if not alive:
                 continue
-            states = (
-                WORKER_STATES if stats.state in WORKER_STATES else (*WORKER_STATES, stats.state)
-            )
-            for name in states:
+            for name in WorkerState:
+                if name == WorkerState.UNKNOWN and stats.state != name:
+                    continue  # a series for "unknown" only when a worker reports one
                 value = 1.0 if name == stats.state else 0.0
                 state.add_metric([stats.worker_id, stats.model, name], value)
         yield up
@@ -311,7 +265,7 @@ class RequestMetrics:
         itl = self.itl.labels(*labels)
         for gap in record.inter_token_s:
             itl.observe(gap)
-        if record.outcome != "finished":
+        if record.outcome != Outcome.FINISHED:
             return
         self.success.labels(*labels, record.finish_reason or "unknown").inc()
         self.e2e.labels(*labels).observe(record.e2e_s)
@@ -324,7 +278,7 @@ class Aggregator:
 
     def __init__(self, clock: Clock = time.monotonic, wall_clock: Clock = time.time) -> None:
         self.registry = CollectorRegistry()
-        self.workers = WorkerTable(clock, wall_clock)
+        self.workers = ClusterView(clock, wall_clock)
         self.registry.register(WorkerCollector(self.workers))
         self.requests = RequestMetrics(self.registry)
         self.placements = Counter(
@@ -358,5 +312,5 @@ class Aggregator:
             | {"alive": alive, "last_seen_ms": entry.last_seen_ms}
             for entry, alive in snapshot
         ]
-        totals = self.workers.totals(snapshot)
+        totals = ClusterTotals.of(snapshot)
         return {"workers": workers, "totals": dataclasses.asdict(totals)}

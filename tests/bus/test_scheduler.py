@@ -53,7 +53,7 @@ class Harness:
         heartbeat = make_stats(self.worker, num_running=0, num_waiting=0, **self.stats)
         await bus.publish(subjects.worker_stats(self.worker), heartbeat)
         for scheduler in self.schedulers:  # every replica hears every heartbeat
-            while self.worker not in scheduler.registry.workers:
+            while self.worker not in scheduler.registry.view.workers:
                 await asyncio.sleep(0.01)
         return self
 

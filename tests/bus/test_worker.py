@@ -11,35 +11,38 @@ import pytest
 from lamina.libs.bus import Bus
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import ControlAck, Drain, ResetPrefixCache, Resume
+from lamina.schemas.v1.errors import BadMessage
 from lamina.schemas.v1.generate import (
     Accepted,
     Failed,
     Finished,
     GenerateRequest,
     Rejected,
+    RejectReason,
     Sampling,
     StreamEvent,
     Tokens,
 )
 from lamina.schemas.v1.kv import AllBlocksCleared, BlockStored, KvEventBatch
-from lamina.schemas.v1.stats import WorkerStats
+from lamina.schemas.v1.stats import WorkerState, WorkerStats
 from lamina.services.engine_worker.service import WorkerConfig, WorkerIdInUse, WorkerService
 
 WORKER = "bus-test-worker"
 
 
 async def _stream(bus: Bus, request: GenerateRequest, worker_id: str = WORKER) -> list[StreamEvent]:
-    """Every event on the reply subject up to the last one (Finished, Rejected, Failed)."""
-    events: list[StreamEvent] = []
+    """Every event on the reply subject up to the last one (Finished, Rejected, Failed, or
+    the ``BadMessage`` of a request that did not decode)."""
+    events: list[StreamEvent | BadMessage] = []
     done = asyncio.Event()
 
-    async def on_event(event: StreamEvent, _msg) -> None:
+    async def on_event(event: StreamEvent | BadMessage, _msg) -> None:
         events.append(event)
         if not isinstance(event, Accepted | Tokens):
             done.set()
 
     inbox = bus.inbox()
-    sub = await bus.subscribe(inbox, StreamEvent, on_event)
+    sub = await bus.subscribe(inbox, StreamEvent | BadMessage, on_event)
     await bus.publish(subjects.worker_generate(worker_id), request, reply=inbox)
     await asyncio.wait_for(done.wait(), 30)
     await sub.unsubscribe()
@@ -253,6 +256,92 @@ def test_a_failed_step_degrades_the_worker_until_resumed(nats_url, tiny_model):
         finally:
             await bus.close()
             await worker.drain()
+            await worker.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_dead_engine_thread_turns_the_worker_failed(nats_url, tiny_model):
+    """The seed that used to kill the engine thread is refused at decode; whatever else
+    kills it turns the worker ``failed`` in its next heartbeat (with the reason), fails what
+    it held as retryable, and refuses new work as ``failed``; ``Resume`` cannot revive it."""
+    worker_id = "bus-test-failed"
+
+    def generate(rid: str, **sampling) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=rid,
+            model="lamina-tiny",
+            prompt_token_ids=[5, 6, 7],
+            sampling=Sampling(**({"max_tokens": 200, "ignore_eos": True} | sampling)),
+        )
+
+    async def main() -> None:
+        worker = WorkerService(
+            WorkerConfig(
+                nats_url=nats_url, worker_id=worker_id, model=str(tiny_model), stats_interval=0.1
+            )
+        )
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-failed-client")
+        heartbeats: asyncio.Queue[WorkerStats] = asyncio.Queue()
+
+        async def on_stats(stats: WorkerStats, _msg) -> None:
+            heartbeats.put_nowait(stats)
+
+        await bus.subscribe(subjects.worker_stats(worker_id), WorkerStats, on_stats)
+        try:
+            (bad,) = await _stream(bus, generate("seed", seed=2**64 + 1), worker_id)
+            assert isinstance(bad, BadMessage) and "seed" in bad.error
+
+            def break_events(engine) -> None:
+                take = engine.take_kv_events
+
+                def fail() -> list:  # read after every step, outside the step
+                    if engine.requests:
+                        raise RuntimeError("injected fault")
+                    return take()
+
+                engine.take_kv_events = fail
+
+            await asyncio.to_thread(worker.loop.call(break_events).wait, 10)
+            accepted, failed = await _stream(bus, generate("held"), worker_id)
+            assert isinstance(accepted, Accepted)
+            assert isinstance(failed, Failed) and failed.retryable
+            stats = await heartbeats.get()
+            while stats.state != WorkerState.FAILED:
+                stats = await asyncio.wait_for(heartbeats.get(), 10)
+            assert "injected fault" in stats.state_reason
+            (rejected,) = await _stream(bus, generate("refused"), worker_id)
+            assert isinstance(rejected, Rejected) and rejected.reason == RejectReason.FAILED
+            ack = await bus.request(
+                subjects.worker_control(worker_id), Resume(), ControlAck, timeout=10
+            )
+            assert not ack.ok and ack.state == WorkerState.FAILED
+        finally:
+            await bus.close()
+            await worker.drain()
+            await worker.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_resume_cannot_undo_a_shutdown_drain(nats_url, tiny_model):
+    worker_id = "bus-test-shutdown"
+
+    async def main() -> None:
+        worker = WorkerService(
+            WorkerConfig(nats_url=nats_url, worker_id=worker_id, model=str(tiny_model))
+        )
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-shutdown-client")
+        try:
+            await worker.drain()  # what SIGTERM does
+            ack = await bus.request(
+                subjects.worker_control(worker_id), Resume(), ControlAck, timeout=10
+            )
+            assert not ack.ok and ack.state == WorkerState.DRAINING and "SIGTERM" in ack.message
+        finally:
+            await bus.close()
             await worker.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))

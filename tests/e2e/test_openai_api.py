@@ -12,9 +12,9 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from lamina.schemas.v1.generate import Sampling
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.engine import Engine
-from lamina.services.engine_worker.request import SamplingParams
 from tests.e2e.conftest import read_spans
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -43,7 +43,7 @@ def test_completion_matches_the_in_process_engine(client, tiny_model, tokenizer)
     engine = Engine(
         EngineConfig(model=tiny_model, max_model_len=1024, kv_cache_memory_bytes=64 << 20)
     )
-    engine.add_request("local", ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    engine.add_request("local", ids, Sampling(max_tokens=12, temperature=0, ignore_eos=True))
     tokens = []
     while engine.has_work():
         for o in engine.step():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from lamina.schemas.v1.generate import Sampling
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.engine import Engine
-from lamina.services.engine_worker.request import Request, SamplingParams
+from lamina.services.engine_worker.request import Request
 from lamina.services.engine_worker.scheduler import ScheduledBatch
 
 
@@ -16,7 +17,7 @@ def make_engine(model, **overrides) -> Engine:
 
 
 def run_to_completion(
-    engine: Engine, prompts: dict[str, list[int]], params: SamplingParams, max_steps: int = 10_000
+    engine: Engine, prompts: dict[str, list[int]], params: Sampling, max_steps: int = 10_000
 ) -> dict[str, list[int]]:
     """Add all ``prompts`` at once, step until done, return each request's output tokens."""
     for request_id, prompt in prompts.items():
@@ -49,8 +50,8 @@ def greedy_by_backend(
     return outputs
 
 
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+def greedy(max_tokens: int, **kw) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
 def teacher_forced_logits(
@@ -61,9 +62,7 @@ def teacher_forced_logits(
     logits ``(len - prompt_len + 1, vocab)`` for positions ``prompt_len - 1`` onwards."""
     requests = []
     for n, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
-        request = Request(
-            f"tf{n}", seq[:p], SamplingParams(), max_tokens=len(seq), token_ids=list(seq)
-        )
+        request = Request(f"tf{n}", seq[:p], Sampling(), max_tokens=len(seq), token_ids=list(seq))
         assert engine.blocks.allocate(request, len(seq))
         requests.append(request)
     collected: list[list[torch.Tensor]] = [[] for _ in sequences]

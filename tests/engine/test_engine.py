@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lamina.schemas.v1.generate import Sampling
 from lamina.services.engine_worker.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -13,7 +14,7 @@ from lamina.services.engine_worker.errors import (
     PromptTooLongError,
     TokenOutOfVocabError,
 )
-from lamina.services.engine_worker.request import SamplingParams, Status
+from lamina.services.engine_worker.request import Status
 from tests.engine.helpers import drain, greedy, make_engine, run_to_completion
 
 
@@ -146,7 +147,7 @@ def test_eos_finishes_with_stop_unless_ignored(model):
     engine.add_request(
         "e",
         [9, 10, 11],
-        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(free_run[0],)),
+        Sampling(max_tokens=12, temperature=0, stop_token_ids=(free_run[0],)),
     )
     out = _all_outputs(engine)
     assert out[-1].finished and out[-1].finish_reason == "stop"
@@ -165,38 +166,62 @@ def test_request_validation_errors_are_typed(model):
         engine.add_request("a", list(range(3, 70)), greedy(1))
     with pytest.raises(PromptTooLongError):
         engine.add_request("a", [5] * 10, greedy(10_000_000))
-    engine.add_request("a", [5] * 10, SamplingParams(max_tokens=None, temperature=0))
+    engine.add_request("a", [5] * 10, Sampling(max_tokens=None, temperature=0))
     with pytest.raises(DuplicateRequestError):
         engine.add_request("a", [5], greedy(1))
     assert engine.requests["a"].max_tokens == 54  # None: up to the context length
-    with pytest.raises(InvalidRequestError, match="top_p"):
-        SamplingParams(top_p=0)
-    with pytest.raises(InvalidRequestError, match="temperature"):
-        SamplingParams(temperature=float("nan"))
+    # A Sampling built in Python skipped the decoder's range checks: the engine makes them.
+    for bad, field in [
+        (Sampling(top_p=0), "top_p"),
+        (Sampling(temperature=float("nan")), "temperature"),
+        (Sampling(seed=2**64 + 1), "seed"),
+        (Sampling(top_k=2**63), "top_k"),
+    ]:
+        with pytest.raises(InvalidRequestError) as err:
+            engine.add_request("b", [5], bad)
+        assert err.value.field == field
+    with pytest.raises(TokenOutOfVocabError) as err:
+        engine.add_request("b", [5], Sampling(stop_token_ids=[3, 5_000_000], min_tokens=2))
+    assert err.value.field == "stop_token_ids" and "5000000" in err.value.message
+    assert "b" not in engine.requests
+
+
+def test_a_request_that_breaks_the_sampler_fails_alone(model):
+    """Its batch mates go on to finish; it ends with an error and frees its blocks."""
+    engine = make_engine(model)
+    engine.add_request("bad", [5, 6, 7], Sampling(max_tokens=8, min_tokens=4, ignore_eos=True))
+    engine.add_request("good", [5, 6, 8], greedy(8))
+    engine.requests["bad"].params.stop_token_ids = [5_000_000]  # past every check
+    free = engine.blocks.num_free_blocks
+    outputs = [out for _ in range(50) if engine.has_work() for out in engine.step()]
+    (failed,) = [o for o in outputs if o.request_id == "bad"]
+    assert failed.finished and failed.error and "sampling failed" in failed.error
+    assert failed.new_token_ids == [] and failed.finish_reason is None
+    good = [o for o in outputs if o.request_id == "good"]
+    assert sum(len(o.new_token_ids) for o in good) == 8 and good[-1].finish_reason == "length"
+    assert not engine.has_work() and engine.blocks.num_free_blocks >= free
 
 
 def test_runs_to_the_context_limit(model):
     engine = make_engine(model, max_model_len=40)
     engine.add_request(
-        "a", list(range(3, 33)), SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+        "a", list(range(3, 33)), Sampling(max_tokens=None, temperature=0, ignore_eos=True)
     )
     outputs = _all_outputs(engine)
     assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 10
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(model):
-    params = SamplingParams(
-        max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True
-    )
+    params = Sampling(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
     alone = run_to_completion(make_engine(model), {"s": [7, 8, 9]}, params)["s"]
     batch = make_engine(model, seed=123)
-    mates = SamplingParams(max_tokens=20, temperature=1.2, ignore_eos=True)
+    mates = Sampling(max_tokens=20, temperature=1.2, ignore_eos=True)
     for n in range(4):
         batch.add_request(f"mate{n}", [7, 8, 9 + n], mates)
     batch.add_request("s", [7, 8, 9], params)
     assert drain(batch)["s"] == alone
     other_seed = run_to_completion(
-        make_engine(model), {"s": [7, 8, 9]}, SamplingParams(max_tokens=16, seed=7, ignore_eos=True)
+        make_engine(model), {"s": [7, 8, 9]}, Sampling(max_tokens=16, seed=7, ignore_eos=True)
     )["s"]
     assert other_seed != alone
 

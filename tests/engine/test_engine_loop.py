@@ -1,5 +1,6 @@
 """The worker's engine thread builds the engine it steps (see ``engine_loop.py`` for why),
-hands a failed build to whoever waits for it, and takes a request at once when idle."""
+hands a failed build to whoever waits for it, takes a request at once when idle, and,
+should it die or wedge, fails what it held as retryable and says so."""
 
 from __future__ import annotations
 
@@ -8,9 +9,92 @@ import time
 
 import pytest
 
-from lamina.schemas.v1.generate import GenerateRequest, Sampling
-from lamina.services.engine_worker.engine_loop import EngineLoop, to_sampling_params
+from lamina.schemas.v1.generate import Failed, GenerateRequest, Sampling
+from lamina.services.engine_worker.engine_loop import EngineLoop
 from tests.engine.helpers import make_engine
+
+
+def long_request(request_id: str) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=request_id,
+        model="lamina-tiny",
+        prompt_token_ids=[5, 6, 7, 8],
+        sampling=Sampling(max_tokens=200, ignore_eos=True),
+    )
+
+
+class Recorder:
+    """What the loop emitted and whether (and why) it said it died."""
+
+    def __init__(self) -> None:
+        self.messages: list = []
+        self.deaths: list[str] = []
+        self.died = threading.Event()
+
+    def emit(self, batch) -> None:
+        self.messages += [message for _, message, _ in batch]
+
+    def on_death(self, reason: str) -> None:
+        self.deaths.append(reason)
+        self.died.set()
+
+    def failed(self) -> list[Failed]:
+        return [m for m in self.messages if isinstance(m, Failed)]
+
+
+def test_a_dead_engine_thread_fails_what_it_held_and_says_so(tiny_model):
+    """Whatever raises out of the thread's loop (here the KV event read after a step) ends
+    it: the requests it held and the ones still queued fail as retryable, and
+    ``on_death`` is called once with the reason."""
+    seen = Recorder()
+    loop = EngineLoop(
+        lambda: make_engine(tiny_model), "w", "kv", emit=seen.emit, on_death=seen.on_death
+    )
+    loop.start()
+    engine = loop.wait_ready()
+    loop.submit(long_request("r0"), reply="inbox")
+    while not engine.has_work():
+        time.sleep(0.001)
+
+    def broken() -> list:
+        loop.submit(long_request("r1"), reply="inbox")  # queued behind the failure
+        raise RuntimeError("corrupted KV event log")
+
+    engine.take_kv_events = broken
+    assert seen.died.wait(30)
+    loop.join(timeout=5)
+    assert not loop.is_alive() and loop.dead
+    assert seen.deaths == ["the engine thread died: RuntimeError: corrupted KV event log"]
+    assert {f.request_id for f in seen.failed()} == {"r0", "r1"}
+    assert all(f.retryable for f in seen.failed())
+    assert loop.num_requests == 0
+
+
+def test_a_wedged_engine_thread_is_declared_so(tiny_model):
+    seen = Recorder()
+    loop = EngineLoop(
+        lambda: make_engine(tiny_model), "w", "kv", emit=seen.emit, on_death=seen.on_death
+    )
+    loop.start()
+    engine = loop.wait_ready()
+    release, stuck = threading.Event(), threading.Event()
+    step = engine.step
+
+    def wedged():
+        stuck.set()
+        release.wait(30)
+        return step()
+
+    engine.step = wedged
+    loop.submit(long_request("r0"), reply="inbox")
+    assert stuck.wait(30)
+    beat = loop.beat
+    loop.declare_wedged("stuck for 61s")
+    assert loop.beat == beat  # it really did not go round again
+    assert seen.deaths == ["stuck for 61s"] and [f.request_id for f in seen.failed()] == ["r0"]
+    release.set()  # it comes back: it stops, and says nothing more
+    loop.join(timeout=30)
+    assert not loop.is_alive() and seen.deaths == ["stuck for 61s"]
 
 
 def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_model):
@@ -57,13 +141,8 @@ def test_an_idle_engine_has_a_submitted_request_when_submit_returns(tiny_model):
         while not loop.idle and time.monotonic() < deadline:
             time.sleep(0.001)
         assert loop.idle
-        request = GenerateRequest(
-            request_id="r0",
-            model="lamina-tiny",
-            prompt_token_ids=[5, 6, 7, 8],
-            sampling=Sampling(max_tokens=64, ignore_eos=True),
-        )
-        loop.submit(request, to_sampling_params(request), reply="inbox")
+        request = long_request("r0")
+        loop.submit(request, reply="inbox")
         assert loop.engine.has_work()  # read-only, from this thread: the engine has it
     finally:
         loop.stop()

@@ -24,7 +24,7 @@ import pytest
 from lamina.libs.bus import decoder
 from lamina.schemas.export import message_types
 from lamina.schemas.v1.api import ApiDelta, ApiError, ApiEvent, ApiFinished, ApiRequest, ChatMessage
-from lamina.schemas.v1.base import Message
+from lamina.schemas.v1.base import Message, OpenEnum
 from lamina.schemas.v1.control import (
     Cancel,
     ControlAck,
@@ -50,7 +50,13 @@ from lamina.schemas.v1.generate import (
 )
 from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 from lamina.schemas.v1.records import PlacementRecord, RequestRecord
-from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, WorkerStats, WorkerView
+from lamina.schemas.v1.stats import (
+    ClusterStatus,
+    ClusterStatusRequest,
+    WorkerState,
+    WorkerStats,
+    WorkerView,
+)
 from tests.schemas import frozen_v1
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -96,7 +102,7 @@ def golden_instances() -> dict[str, Message]:
         worker_id=worker_id,
         model=model,
         device="cuda:0",
-        state="ready",
+        state="draining",
         block_size=16,
         total_kv_blocks=4096,
         free_kv_blocks=3712,
@@ -117,6 +123,7 @@ def golden_instances() -> dict[str, Message]:
         generation_tokens_total=98304,
         timestamp_ms=1767225600500,
         heartbeat_interval_s=0.25,
+        state_reason="3 requests left to finish before exit (SIGTERM)",
     )
     instances: list[Message] = [
         ApiRequest(
@@ -146,6 +153,7 @@ def golden_instances() -> dict[str, Message]:
             error_type="invalid_request_error",
             message="max_tokens (9000) is larger than max_model_len (2048)",
             param="max_tokens",
+            error_code="invalid_request",
         ),
         GenerateRequest(
             request_id=request_id,
@@ -380,7 +388,33 @@ def _fields(schema: dict, members: str) -> list[tuple[str, Any]]:
     return list(schema.get(members, {}).items())
 
 
-def _extension_problems(name: str, old: dict, new: dict) -> list[str]:
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _refines(old: Any, new: Any, new_defs: dict) -> bool:
+    """Whether field schema ``new`` is ``old`` or one of the two refinements the rules
+    allow (``schemas/README.md``): value bounds added to a number (validation moved into
+    the decoder), or a string made an open enum (``OpenEnum``: unknown values decode as
+    ``unknown``, so no payload an old peer sends is refused for it)."""
+    if old == new:
+        return True
+    if isinstance(old, dict) and isinstance(new, dict):
+        ref = new.get("$ref", "").removeprefix("#/$defs/")
+        if old == {"type": "string"} and ref:
+            values = new_defs[ref].get("enum", [])
+            return bool(values) and "unknown" in values and all(isinstance(v, str) for v in values)
+        if old.keys() - new.keys():
+            return False
+        added = new.keys() - old.keys()
+        return all(k in _BOUNDS for k in added) and all(
+            _refines(v, new[k], new_defs) for k, v in old.items()
+        )
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return all(_refines(o, n, new_defs) for o, n in zip(old, new, strict=True))
+    return False
+
+
+def _extension_problems(name: str, old: dict, new: dict, new_defs: dict) -> list[str]:
     """Why the schema ``new`` is not ``old`` plus trailing fields with defaults."""
     if old.get("type") == "object":
         members, required = "properties", "required"
@@ -395,7 +429,7 @@ def _extension_problems(name: str, old: dict, new: dict) -> list[str]:
             problems.append(f"{name}.{label}: removed")
         elif new_fields[i][0] != label:
             problems.append(f"{name}: field {i} was {label!r}, now {new_fields[i][0]!r}")
-        elif new_fields[i][1] != schema:
+        elif not _refines(schema, new_fields[i][1], new_defs):
             problems.append(
                 f"{name}.{label}: retyped or default changed: {schema} -> {new_fields[i][1]}"
             )
@@ -420,8 +454,39 @@ def test_todays_schema_only_appends_fields_with_defaults_to_the_released_one() -
     problems = [f"{name}: gone (a breaking change)" for name in old_defs if name not in new_defs]
     for name, old in old_defs.items():
         if name in new_defs:
-            problems += _extension_problems(name, old, new_defs[name])
+            problems += _extension_problems(name, old, new_defs[name], new_defs)
     assert not problems, "\n".join(problems)
+
+
+def test_the_schema_check_allows_only_the_two_refinements() -> None:
+    defs = {"Open": {"enum": ["a", "unknown"]}, "Closed": {"enum": ["a", "b"]}}
+    number = {"type": "integer", "default": 0}
+    assert _refines(number, number | {"minimum": 0, "maximum": 9}, defs)
+    assert not _refines(number, number | {"default": 1}, defs)
+    assert not _refines(number, {"type": "number", "default": 0}, defs)
+    assert not _refines(number | {"minimum": 0}, number, defs)  # a bound may not be dropped
+    assert _refines({"type": "string"}, {"$ref": "#/$defs/Open"}, defs)
+    assert not _refines({"type": "string"}, {"$ref": "#/$defs/Closed"}, defs)
+
+
+OPEN_ENUMS = sorted(OpenEnum.__subclasses__(), key=lambda e: e.__name__)
+
+
+@pytest.mark.parametrize("enum_type", OPEN_ENUMS, ids=[e.__name__ for e in OPEN_ENUMS])
+def test_a_closed_set_decodes_a_newer_peers_value_as_unknown(enum_type: type) -> None:
+    """The rule for closed sets: members round-trip; a value this peer does not know is
+    ``UNKNOWN``, not a refused message."""
+    for member in enum_type:
+        assert msgspec.json.decode(msgspec.json.encode(member), type=enum_type) is member
+    assert msgspec.json.decode(b'"from-a-newer-peer"', type=enum_type) is enum_type.UNKNOWN
+
+
+def test_a_message_with_an_unknown_state_still_decodes() -> None:
+    payload = msgspec.json.decode(golden_path(WorkerStats).read_bytes())
+    payload["state"] = "hibernating"
+    stats = decoder(WorkerStats).decode(msgspec.json.encode(payload))
+    assert stats.state is WorkerState.UNKNOWN and stats.worker_id == payload["worker_id"]
+    assert OPEN_ENUMS  # the closed sets were found
 
 
 @pytest.mark.parametrize("message_type", TYPES, ids=TYPE_IDS)

@@ -6,9 +6,9 @@ import msgspec
 import prometheus_client
 from prometheus_client import generate_latest
 
+from lamina.libs.cluster import FORGET_AFTER_S
 from lamina.schemas.v1.records import PlacementRecord
 from lamina.services.telemetry.metrics import (
-    FORGET_AFTER_S,
     TOKEN_BUCKETS,
     Aggregator,
     one_two_five_buckets,
@@ -140,6 +140,7 @@ def test_worker_state_is_one_hot():
     assert state == [
         'lamina:worker_state{model="tiny",state="degraded",worker_id="w1"} 0.0',
         'lamina:worker_state{model="tiny",state="draining",worker_id="w1"} 1.0',
+        'lamina:worker_state{model="tiny",state="failed",worker_id="w1"} 0.0',
         'lamina:worker_state{model="tiny",state="ready",worker_id="w1"} 0.0',
         'lamina:worker_state{model="tiny",state="starting",worker_id="w1"} 0.0',
     ]

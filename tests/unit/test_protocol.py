@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgspec
 import pytest
 
 from lamina.libs.bus import encode
-from lamina.schemas.v1.generate import GenerateRequest
-from lamina.services.engine_worker.engine_loop import to_sampling_params
-from lamina.services.engine_worker.request import SamplingParams
+from lamina.schemas.v1.generate import GenerateRequest, Sampling
 from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,14 +50,14 @@ def test_sampling_mapping_and_defaults():
     assert sampling.temperature == 1.0 and body.stop_strings() == ["x"]
     assert CompletionRequest(prompt="x").sampling(16, None).max_tokens == 16
     with pytest.raises(InvalidRequest, match="n=1"):
-        CompletionRequest(prompt="x", n=2).sampling(16, None)
-    with pytest.raises(InvalidRequest, match="max_tokens"):
-        CompletionRequest(prompt="x", max_tokens=0).sampling(16, None)
+        CompletionRequest(prompt="x", n=2).refuse_unsupported()
+    with pytest.raises(InvalidRequest, match="min_tokens"):
+        CompletionRequest(prompt="x", max_tokens=2, min_tokens=3).sampling(16, None)
 
 
 def test_every_sampling_field_reaches_the_engine():
-    """Each OpenAI / vLLM field, set away from its default, arrives in the engine's
-    ``SamplingParams`` unchanged (HTTP body → wire ``Sampling`` → ``SamplingParams``)."""
+    """Each OpenAI / vLLM field, set away from its default, arrives in the ``Sampling`` the
+    engine samples by unchanged (HTTP body → wire ``Sampling`` → the worker's decode)."""
     sent = dict(
         max_tokens=7,
         temperature=0.5,
@@ -80,11 +76,11 @@ def test_every_sampling_field_reaches_the_engine():
     request = GenerateRequest(
         request_id="r", model="m", prompt_token_ids=[1], sampling=body.sampling(16, 2)
     )
-    params = to_sampling_params(msgspec.json.decode(encode(request), type=GenerateRequest))
+    params = msgspec.json.decode(encode(request), type=GenerateRequest).sampling
     got = {name: getattr(params, name) for name in sent}
-    assert got == sent | {"stop_token_ids": (5, 6)}
+    assert got == sent
     assert params.logprobs == 2
-    defaults = dataclasses.asdict(SamplingParams())
-    assert all(sent[name] != defaults[name] for name in sent if name != "stop_token_ids")
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert fields == set(sent) | {"logprobs"}  # a new engine field must be added above
+    defaults = Sampling()
+    assert all(sent[name] != getattr(defaults, name) for name in sent)
+    fields = {f.name for f in msgspec.structs.fields(Sampling)}
+    assert fields == set(sent) | {"logprobs"}  # a new sampling field must be added above
