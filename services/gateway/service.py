@@ -12,10 +12,10 @@ import uvicorn
 
 from lamina.libs.bus import Bus
 from lamina.libs.config import option
+from lamina.libs.default_tokenizer import ensure_default_tokenizer
 from lamina.libs.errors import BusError
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
-from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.gateway.frontend import Frontend
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.nats_api import NatsApi
@@ -59,7 +59,7 @@ class GatewayService:
 
     async def start(self) -> None:
         cfg = self.config
-        model_dir = Path(cfg.model) if cfg.model else ensure_default_model()
+        model_dir = Path(cfg.model) if cfg.model else ensure_default_tokenizer()
         tokenizer = await asyncio.to_thread(ModelTokenizer, model_dir)
         self.bus = bus = await Bus.connect(cfg.nats_url, "gateway")
         inbox = Inbox(bus)

@@ -44,3 +44,22 @@ def test_default_model_runs_and_matches_transformers(tiny_model):
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0, -1].argmax().item()
     assert ours[0] == want
+
+
+def test_the_gateways_tokenizer_files_are_the_models(tiny_model, tmp_path):
+    """The gateway makes the default tokenizer without torch; the files are the same ones
+    the worker makes with the weights, so either may create them first."""
+    from lamina.libs.default_tokenizer import ensure_default_tokenizer
+
+    ensure_default_tokenizer(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (tiny_model / name).read_bytes(), name
+
+
+def test_the_gateway_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, lamina.services.gateway.__main__; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
