@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from lamina.libs.errors import invalid_field
-from lamina.schemas.v1.generate import FinishReason, Sampling
+from lamina.schemas.v1.generate import FinishReason, Sampling, context_overflow
 from lamina.schemas.v1.kv import KvEvent
 from lamina.services.engine_worker.block_manager import BlockManager
 from lamina.services.engine_worker.config import EngineConfig
@@ -199,7 +199,7 @@ class Engine:
                 raise TokenOutOfVocabError(min(ids) if min(ids) < 0 else max(ids), vocab, name)
         prompt_len = len(prompt_token_ids)
         max_tokens = params.max_tokens or max(self.max_model_len - prompt_len, 0)
-        if prompt_len + max(max_tokens, 1) > self.max_model_len:
+        if context_overflow(prompt_len, max_tokens, self.max_model_len):
             raise PromptTooLongError(prompt_len, max_tokens, self.max_model_len)
         return max_tokens
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from lamina.schemas.v1.generate import context_overflow
+
 
 class EngineError(Exception):
     """Base class of every error the engine raises on purpose."""
@@ -32,11 +34,8 @@ class EmptyPromptError(InvalidRequestError):
 
 class PromptTooLongError(InvalidRequestError):
     def __init__(self, prompt_len: int, max_tokens: int, max_model_len: int) -> None:
-        super().__init__(
-            "prompt_token_ids",
-            f"this model's maximum context length is {max_model_len} tokens, but the request "
-            f"has {prompt_len} prompt tokens and asks for {max_tokens} more",
-        )
+        message = context_overflow(prompt_len, max_tokens, max_model_len)
+        super().__init__("prompt_token_ids", message or "the request fits the context")
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len

@@ -27,10 +27,6 @@ class ScheduledBatch:
     num_decodes: int = 0
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
     def __len__(self) -> int:
         return len(self.requests)
 

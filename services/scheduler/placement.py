@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lamina.schemas.v1.generate import GenerateRequest, RejectReason
+from lamina.schemas.v1.generate import GenerateRequest, RejectReason, context_overflow
 from lamina.schemas.v1.stats import WorkerState
 from lamina.services.scheduler.registry import Candidate
 
@@ -57,16 +57,14 @@ def place(request: GenerateRequest, live: list[Candidate]) -> Decision:
         states = ", ".join(sorted({w.stats.state for w in serving}))
         message = f"no worker for this model is ready (their states: {states})"
         return Decision(None, RejectReason.NO_WORKER, message, len(serving))
-    needed = len(request.prompt_token_ids) + (request.sampling.max_tokens or 1)
-    fits = [w for w in ready if needed <= w.stats.max_model_len]
+    prompt, wanted = len(request.prompt_token_ids), request.sampling.max_tokens
+    fits = [w for w in ready if not context_overflow(prompt, wanted, w.stats.max_model_len)]
     if not fits:
-        limit = max(w.stats.max_model_len for w in ready)
+        longest = max(w.stats.max_model_len for w in ready)
         return Decision(
             None,
             RejectReason.INVALID_REQUEST,
-            f"this model's maximum context length is {limit} tokens, but the "
-            f"request needs {needed} ({len(request.prompt_token_ids)} prompt + "
-            f"{request.sampling.max_tokens} to generate)",
+            context_overflow(prompt, wanted, longest) or "",
             len(ready),
             retryable=False,
         )
