@@ -168,7 +168,7 @@ class FinishReason(OpenEnum):
     LENGTH = "length"
     """``max_tokens`` or the context length."""
     UNKNOWN = "unknown"
-    """A reason this peer does not know; passed on to clients as it is named."""
+    """A reason this peer does not know; passed on to clients as ``unknown``."""
 
 
 class Finished(Message):
