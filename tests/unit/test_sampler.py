@@ -19,7 +19,7 @@ def req(prompt=(1,), output=(), **params) -> Request:
     return r
 
 
-def sampler(vocab=6) -> Sampler:
+def sampler() -> Sampler:
     return Sampler(eos_token_ids=(0,), seed=0, device=torch.device("cpu"))
 
 
