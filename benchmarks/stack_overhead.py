@@ -228,7 +228,7 @@ def main() -> None:
             http_port=free_port(),
             metrics_port=free_port(),
             log_dir=Path(logs),
-            worker_args=["--max-model-len", "1024", "--kv-cache-memory-mb", "256"],
+            worker_args=["--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)],
             extra_env=env,
         ) as stack,
     ):

@@ -1,13 +1,25 @@
-"""Service configuration from one frozen dataclass: CLI flags over ``LAMINA_*`` variables
-over the field defaults. Each field's docstring-style comment is its ``--help`` text."""
+"""Service configuration from frozen dataclasses: CLI flags over ``LAMINA_*`` variables over
+the field defaults.
+
+A field whose type is itself a dataclass (the worker's ``engine: EngineConfig``) is
+flattened: each of its fields is a flag and a variable of its own (``--max-num-seqs``,
+``LAMINA_MAX_NUM_SEQS``), so a setting is declared once, where it is used, and is reachable
+from every command that embeds it. A field's ``--help`` text is its ``option(help=...)`` or
+else its attribute docstring (the string literal on the line after it).
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import itertools
 import os
+import textwrap
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +32,80 @@ def lamina_home() -> Path:
     """Lamina's cache root (default models, compiled kernels): ``$LAMINA_HOME``, by default
     ``~/.cache/lamina``."""
     return Path(os.environ.get("LAMINA_HOME", Path.home() / ".cache" / "lamina"))
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with ``--help`` text."""
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata={"help": help}
+        )
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One flag: a leaf field of a (possibly nested) config dataclass."""
+
+    path: tuple[str, ...]
+    """Attribute names from the top-level config down to the field."""
+    kind: Any
+    """The field's type without ``| None``."""
+    help: str
+
+    @property
+    def name(self) -> str:
+        return self.path[-1]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def value(self, config: Any) -> Any:
+        for attr in self.path:
+            config = getattr(config, attr)
+        return config
+
+
+def settings(cls: type) -> list[Setting]:
+    """Every flag of config class ``cls``, nested dataclasses flattened, in field order."""
+    return list(_settings(cls, ()))
+
+
+def _settings(cls: type, prefix: tuple[str, ...]) -> Iterator[Setting]:
+    hints = typing.get_type_hints(cls)
+    docs = _attribute_docs(cls)
+    for field in dataclasses.fields(cls):
+        kind = _base_type(hints[field.name])
+        if dataclasses.is_dataclass(kind):
+            yield from _settings(kind, (*prefix, field.name))
+        else:
+            help_text = field.metadata.get("help") or docs.get(field.name, "")
+            yield Setting((*prefix, field.name), kind, help_text)
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` for fields followed by a string literal in ``cls``'s source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (a frozen app): flags without help text
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.replace("``", "").split())
+    return docs
 
 
 def _base_type(annotation: Any) -> Any:
@@ -52,47 +138,58 @@ def parse_config(
 ) -> C:
     """Build ``cls`` (a dataclass) from ``argv`` and the environment."""
     env = os.environ if env is None else env
-    hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
-    for field in dataclasses.fields(cls):
-        kind = _base_type(hints[field.name])
-        flag = "--" + field.name.replace("_", "-")
-        help_text = field.metadata.get("help", "")
-        env_name = ENV_PREFIX + field.name.upper()
-        help_text += f" (env {env_name})"
-        if kind is bool:
-            parser.add_argument(
-                flag,
-                dest=field.name,
-                default=None,
-                action=argparse.BooleanOptionalAction,
-                help=help_text,
-            )
+    all_settings = settings(cls)
+    for setting in all_settings:
+        help_text = f"{setting.help} (env {setting.env})".lstrip().replace("%", "%%")
+        if setting.kind is bool:
+            action: Any = argparse.BooleanOptionalAction
+            parser.add_argument(setting.flag, dest=setting.name, action=action, help=help_text)
         else:
             parser.add_argument(
-                flag,
-                dest=field.name,
-                default=None,
+                setting.flag,
+                dest=setting.name,
                 help=help_text,
-                type=lambda raw, k=kind, n=field.name: _convert(k, raw, n),
+                type=lambda raw, s=setting: _convert(s.kind, raw, s.name),
             )
     args = parser.parse_args(argv)
-    values: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
-        value = getattr(args, field.name)
-        env_value = env.get(ENV_PREFIX + field.name.upper())
-        if value is None and env_value not in (None, ""):
-            kind = _base_type(hints[field.name])
-            value = _convert(kind, env_value, ENV_PREFIX + field.name.upper())
+    values: dict[tuple[str, ...], Any] = {}
+    for setting in all_settings:
+        value = getattr(args, setting.name)
+        raw = env.get(setting.env)
+        if value is None and raw not in (None, ""):
+            value = _convert(setting.kind, raw, setting.env)
         if value is not None:
-            values[field.name] = value
-    return cls(**values)
+            values[setting.path] = value
+    return _build(cls, values, ())
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with ``--help`` text."""
-    if isinstance(default, (list, dict, set)):
-        return dataclasses.field(
-            default_factory=lambda: type(default)(default), metadata={"help": help}
-        )
-    return dataclasses.field(default=default, metadata={"help": help})
+def _build(cls: type[C], values: dict[tuple[str, ...], Any], prefix: tuple[str, ...]) -> C:
+    """``cls`` from the values set, nested dataclasses built from theirs."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        path, kind = (*prefix, field.name), _base_type(hints[field.name])
+        if dataclasses.is_dataclass(kind):
+            kwargs[field.name] = _build(kind, values, path)
+        elif path in values:
+            kwargs[field.name] = values[path]
+    return cls(**kwargs)
+
+
+def to_argv(config: Any) -> list[str]:
+    """The flags that rebuild ``config`` with :func:`parse_config` (those not at their
+    default), so a launcher can hand its settings to the services it starts."""
+    default = type(config)()
+    argv: list[str] = []
+    for setting in settings(type(config)):
+        value = setting.value(config)
+        if value == setting.value(default):
+            continue
+        if value is None:
+            raise ValueError(f"{setting.name}: None has no flag (its default is not None)")
+        if setting.kind is bool:
+            argv.append(setting.flag if value else "--no-" + setting.flag[2:])
+        else:
+            argv += [setting.flag, str(value)]
+    return argv

@@ -8,7 +8,7 @@ order: the gateway first (no new requests), then workers (they drain), then the 
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,7 +19,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lamina.libs.config import option, parse_config, to_argv
 from lamina.libs.nats_server import NatsServer, free_port
+from lamina.services.engine_worker.config import EngineConfig
 
 
 @dataclass
@@ -32,6 +34,8 @@ class Stack:
     http_port: int = 8000
     metrics_port: int = 9400
     nats_url: str | None = None
+    nats_port: int = 0
+    """Port of the embedded NATS server when ``nats_url`` is None (0: any free port)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
@@ -75,7 +79,7 @@ class Stack:
         if self.procs:
             raise RuntimeError("the stack is already started")
         if self.nats_url is None:
-            self.nats = NatsServer().start()
+            self.nats = NatsServer(port=self.nats_port or None).start()
             self.nats_url = self.nats.url
         self._spawn("scheduler", "lamina.services.scheduler", [])
         self._spawn(
@@ -146,26 +150,37 @@ class Stack:
         self.stop()
 
 
+@dataclass(frozen=True)
+class UpConfig:
+    """Run the whole stack locally: an embedded NATS server (unless --nats-url), one
+    scheduler, one telemetry, N engine workers and one gateway. Every engine setting of
+    `lamina worker` is also a flag here and goes to each worker."""
+
+    workers: int = option(1, "engine workers to start")
+    model_name: str = option("", "served model name (default: the model directory's name)")
+    http_host: str = option("127.0.0.1", "address the gateway and telemetry listen on")
+    http_port: int = option(8000, "the gateway's HTTP port (the OpenAI API)")
+    metrics_port: int = option(9400, "telemetry's HTTP port (/metrics, /v1/cluster)")
+    nats_url: str = option("", "use this NATS server instead of starting one")
+    nats_port: int = option(4222, "port of the embedded NATS server (0: any free port)")
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lamina up", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default model)")
-    parser.add_argument("--workers", type=int, default=1, help="engine workers to start")
-    parser.add_argument("--http-host", default="127.0.0.1")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--metrics-port", type=int, default=9400)
-    parser.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
-    args = parser.parse_args(argv)
-
-    from lamina.services.engine_worker.default_model import ensure_default_model
-
-    model = args.model or ensure_default_model()  # once, before workers race to create it
+    config = parse_config(UpConfig, argv, prog="lamina up")
+    engine = config.engine.with_model()  # once, before the workers race to create it
+    model = engine.model
+    names = ["--model-name", config.model_name] if config.model_name else []
     stack = Stack(
         model=model,
-        workers=args.workers,
-        http_host=args.http_host,
-        http_port=args.http_port,
-        metrics_port=args.metrics_port,
-        nats_url=args.nats_url,
+        workers=config.workers,
+        http_host=config.http_host,
+        http_port=config.http_port,
+        metrics_port=config.metrics_port,
+        nats_url=config.nats_url or None,
+        nats_port=config.nats_port,
+        worker_args=[*to_argv(dataclasses.replace(engine, model=None)), *names],
+        gateway_args=names,
     )
     stopping = False
 
@@ -183,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C during start-up: the services got it too and stopped; not a failure.
         print("stopped during start-up", file=sys.stderr)
         return 0
-    print(f"Lamina is up: {args.workers} worker(s) serving {model.name}")
+    print(f"Lamina is up: {config.workers} worker(s) serving {config.model_name or model.name}")
     print(f"  OpenAI API   {stack.base_url}/v1  (try: curl {stack.base_url}/v1/models)")
     print(f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate)")
     print(f"  metrics      {stack.metrics_url}")
@@ -200,4 +215,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Stack", "free_port", "main"]
+__all__ = ["Stack", "UpConfig", "free_port", "main"]

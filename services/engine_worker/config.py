@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lamina.kernels.reference.kv_quant import KV_CACHE_DTYPES
+from lamina.services.engine_worker.default_model import ensure_default_model
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to load a model and size its batches and KV pool."""
 
-    model: Path
-    """Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``)."""
+    model: Path | None = None
+    """Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``). ``None``:
+    Lamina's default model, created locally on first use (``lamina model init``)."""
     dtype: str = "auto"
     """Weight/activation dtype: ``auto`` (the checkpoint's own), ``float32``, ``bfloat16``
     or ``float16``."""
@@ -53,6 +56,12 @@ class EngineConfig:
     seed: int = 0
     """Seed of the generator used by requests that carry no seed of their own."""
 
+    def with_model(self) -> EngineConfig:
+        """This config with ``model`` set: the default model (created if missing) for None."""
+        if self.model is not None:
+            return self
+        return dataclasses.replace(self, model=ensure_default_model())
+
     def kv_budget_bytes(self, device: torch.device) -> int:
         """The KV pool's memory budget on ``device`` (call after the weights are loaded)."""
         if self.kv_cache_memory_bytes is not None:
@@ -63,7 +72,8 @@ class EngineConfig:
         return 256 << 20
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model", Path(self.model))
+        if self.model is not None:
+            object.__setattr__(self, "model", Path(self.model))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype ({self.kv_cache_dtype!r}) must be one of "

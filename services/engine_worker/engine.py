@@ -59,22 +59,23 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """The engine's load and cache state: what placement and admission decide on."""
+    """The engine's load and cache state: what placement and admission decide on. The
+    names are ``WorkerStats``'s, which carries them as they are; all zero before the
+    engine exists."""
 
-    num_running: int
-    num_waiting: int
-    num_total_blocks: int
-    num_free_blocks: int
-    block_size: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_queued_prefill_tokens: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
+    num_running: int = 0
+    num_waiting: int = 0
+    total_kv_blocks: int = 0
+    free_kv_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_queued_prefill_tokens: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
 
     @property
     def prefix_cache_hit_ratio(self) -> float:
@@ -87,7 +88,7 @@ class Engine:
     """Paged-KV, continuously batching engine for one model on one device."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.config = config = config.with_model()
         self.model_config = mc = ModelConfig.from_dir(config.model)
         dtype = mc.dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.device = torch.device(config.device)
@@ -320,9 +321,8 @@ class Engine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_total_blocks=blocks.num_blocks,
-            num_free_blocks=blocks.num_free_blocks,
-            block_size=blocks.block_size,
+            total_kv_blocks=blocks.num_blocks,
+            free_kv_blocks=blocks.num_free_blocks,
             kv_cache_usage=blocks.usage,
             prefix_cache_queries=blocks.prefix_queries,
             prefix_cache_hits=blocks.prefix_hits,

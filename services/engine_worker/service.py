@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
@@ -36,8 +36,7 @@ from lamina.schemas.v1.control import (
 from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason
 from lamina.schemas.v1.stats import WorkerState, WorkerStats
 from lamina.services.engine_worker.config import EngineConfig
-from lamina.services.engine_worker.default_model import ensure_default_model
-from lamina.services.engine_worker.engine import Engine
+from lamina.services.engine_worker.engine import Engine, EngineStats
 from lamina.services.engine_worker.engine_loop import EngineLoop, Outgoing
 from lamina.services.engine_worker.errors import InvalidRequestError
 from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Lifecycle
@@ -50,46 +49,18 @@ _REFUSING = (WorkerState.DRAINING, WorkerState.DEGRADED, WorkerState.FAILED)
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """Engine worker: owns one device, its model and KV pool."""
+    """Engine worker: owns one device, its model and KV pool. Every engine setting is a
+    flag and a ``LAMINA_*`` variable of its own (``EngineConfig``'s fields)."""
 
     nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
     worker_id: str = option("", "unique worker id (default: <host>-<pid>)")
-    model: str = option("", "checkpoint directory (default: the default model)")
-    model_name: str = option("", "served model name (default: the directory name)")
-    device: str = option("cpu", "torch device")
-    dtype: str = option("auto", "auto, float32, bfloat16 or float16")
-    block_size: int = option(16, "tokens per KV block")
-    kv_cache_memory_mb: int = option(
-        0, "KV pool memory budget in MiB (0: 256 on CPU; on CUDA, free memory after weights)"
-    )
-    kv_cache_dtype: str = option("auto", "KV cache storage: auto (model dtype), fp8 or int8")
-    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use")
-    max_num_batched_tokens: int = option(2048, "token budget of one engine step")
-    max_num_seqs: int = option(128, "most sequences in one step")
-    max_model_len: int = option(0, "context length (0: the model's)")
-    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prefixes")
-    cuda_graphs: bool = option(True, "replay decode steps from CUDA graphs (CUDA only)")
+    model_name: str = option("", "served model name (default: the model directory's name)")
     stats_interval: float = option(0.5, "seconds between WorkerStats heartbeats")
     engine_stall_timeout: float = option(
         60.0, "seconds the engine thread may go without a loop iteration before it is failed"
     )
     drain_timeout: float = option(300.0, "most seconds SIGTERM waits for in-flight work")
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=Path(self.model) if self.model else ensure_default_model(),
-            dtype=self.dtype,
-            device=self.device,
-            block_size=self.block_size,
-            kv_cache_memory_bytes=(self.kv_cache_memory_mb << 20) or None,
-            kv_cache_dtype=self.kv_cache_dtype,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len or None,
-            enable_prefix_caching=self.enable_prefix_caching,
-            cuda_graphs=None if self.cuda_graphs else False,
-        )
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 class WorkerIdInUse(RuntimeError):
@@ -117,7 +88,7 @@ class WorkerService:
         cfg = self.config
         self.bus = bus = await Bus.connect(cfg.nats_url, f"worker-{self.worker_id}")
         await self._check_id_is_free()  # before loading a model, which can take minutes
-        engine_config = cfg.engine_config()
+        engine_config = cfg.engine.with_model()
         self.model_name = cfg.model_name or engine_config.model.name
         # Heartbeat from now on: "starting" while the model loads (minutes for a big one),
         # so the scheduler and telemetry see the worker coming rather than nothing.
@@ -146,10 +117,10 @@ class WorkerService:
             "worker %s ready: model %s on %s; KV pool %d blocks of %d tokens (%s cache)",
             wid,
             self.model_name,
-            cfg.device,
+            engine_config.device,
             blocks.num_blocks,
             blocks.block_size,
-            cfg.kv_cache_dtype,
+            engine_config.kv_cache_dtype,
         )
 
     async def _check_id_is_free(self) -> None:
@@ -277,67 +248,25 @@ class WorkerService:
                 await self._publish_stats()
 
     def worker_stats(self) -> WorkerStats:
-        if self.loop is None or self.loop.stats is None:  # the engine is still being built
-            return self._starting_stats()
-        s = self.loop.stats
-        engine = self.loop.engine
+        """The heartbeat: identity, state and limits, plus the engine's counters once it
+        exists (zeros while the model loads)."""
+        engine = self.loop.engine if self.loop is not None else None
+        config = engine.config if engine is not None else self.config.engine
+        counters = (self.loop.stats if self.loop is not None else None) or EngineStats()
         return WorkerStats(
             worker_id=self.worker_id,
             model=self.model_name,
-            device=self.config.device,
+            device=config.device,
             state=self.state,
-            block_size=s.block_size,
-            total_kv_blocks=s.num_total_blocks,
-            free_kv_blocks=s.num_free_blocks,
-            kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_hit_ratio=s.prefix_cache_hit_ratio,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_queued_prefill_tokens=s.num_queued_prefill_tokens,
-            max_num_batched_tokens=engine.config.max_num_batched_tokens,
-            max_num_seqs=engine.config.max_num_seqs,
-            max_model_len=engine.max_model_len,
-            prefill_tokens_per_s=s.prefill_tokens_per_s,
-            decode_tokens_per_s=s.decode_tokens_per_s,
-            num_preemptions=s.num_preemptions,
-            prompt_tokens_total=s.prompt_tokens_total,
-            generation_tokens_total=s.generation_tokens_total,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=engine.max_model_len if engine is not None else config.max_model_len or 0,
             timestamp_ms=int(time.time() * 1000),
             heartbeat_interval_s=self.config.stats_interval,
             state_reason=self.lifecycle.reason,
-        )
-
-    def _starting_stats(self) -> WorkerStats:
-        """What is known before the engine exists: its identity and configuration."""
-        cfg = self.config
-        return WorkerStats(
-            worker_id=self.worker_id,
-            model=self.model_name,
-            device=cfg.device,
-            state=self.state,
-            block_size=cfg.block_size,
-            total_kv_blocks=0,
-            free_kv_blocks=0,
-            kv_cache_usage=0.0,
-            prefix_cache_hit_ratio=0.0,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
-            num_running=0,
-            num_waiting=0,
-            num_queued_prefill_tokens=0,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-            prefill_tokens_per_s=0.0,
-            decode_tokens_per_s=0.0,
-            num_preemptions=0,
-            prompt_tokens_total=0,
-            generation_tokens_total=0,
-            timestamp_ms=int(time.time() * 1000),
-            heartbeat_interval_s=cfg.stats_interval,
-            state_reason=self.lifecycle.reason,
+            prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
+            **dataclasses.asdict(counters),
         )
 
     async def _publish_stats(self) -> None:

@@ -5,6 +5,7 @@ on the reply subject."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -25,9 +26,16 @@ from lamina.schemas.v1.generate import (
 )
 from lamina.schemas.v1.kv import AllBlocksCleared, BlockStored, KvEventBatch
 from lamina.schemas.v1.stats import WorkerState, WorkerStats
+from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.service import WorkerConfig, WorkerIdInUse, WorkerService
 
 WORKER = "bus-test-worker"
+
+
+def worker_config(nats_url: str, worker_id: str, model: Path, **options) -> WorkerConfig:
+    return WorkerConfig(
+        nats_url=nats_url, worker_id=worker_id, engine=EngineConfig(model=model), **options
+    )
 
 
 async def _stream(bus: Bus, request: GenerateRequest, worker_id: str = WORKER) -> list[StreamEvent]:
@@ -51,9 +59,7 @@ async def _stream(bus: Bus, request: GenerateRequest, worker_id: str = WORKER) -
 
 def test_a_request_streams_accepted_then_ordered_tokens_then_finished(nats_url, tiny_model):
     async def main() -> None:
-        worker = WorkerService(
-            WorkerConfig(nats_url=nats_url, worker_id=WORKER, model=str(tiny_model))
-        )
+        worker = WorkerService(worker_config(nats_url, WORKER, tiny_model))
         await worker.start()
         bus = await Bus.connect(nats_url, "bus-test-client")
         try:
@@ -102,7 +108,7 @@ def test_a_request_streams_accepted_then_ordered_tokens_then_finished(nats_url, 
 
 def test_a_second_worker_under_a_running_workers_id_refuses_to_start(nats_url, tiny_model):
     async def main() -> None:
-        config = WorkerConfig(nats_url=nats_url, worker_id="dup-worker", model=str(tiny_model))
+        config = worker_config(nats_url, "dup-worker", tiny_model)
         first = WorkerService(config)
         await first.start()
         second = WorkerService(config)
@@ -133,9 +139,7 @@ def test_drain_resume_reset_and_kv_events(nats_url, tiny_model):
         )
 
     async def main() -> None:
-        worker = WorkerService(
-            WorkerConfig(nats_url=nats_url, worker_id=worker_id, model=str(tiny_model))
-        )
+        worker = WorkerService(worker_config(nats_url, worker_id, tiny_model))
         await worker.start()
         bus = await Bus.connect(nats_url, "bus-test-control")
         kv: asyncio.Queue[KvEventBatch] = asyncio.Queue()
@@ -193,9 +197,7 @@ def test_a_worker_heartbeats_starting_before_its_model_is_loaded(nats_url, tiny_
 
         await bus.subscribe(subjects.worker_stats(worker_id), WorkerStats, on_stats)
         await bus.nc.flush()
-        worker = WorkerService(
-            WorkerConfig(nats_url=nats_url, worker_id=worker_id, model=str(tiny_model))
-        )
+        worker = WorkerService(worker_config(nats_url, worker_id, tiny_model))
         try:
             await worker.start()
             while not seen or seen[-1].state != "ready":
@@ -231,9 +233,7 @@ def test_a_failed_step_degrades_the_worker_until_resumed(nats_url, tiny_model):
         engine.step = fail
 
     async def main() -> None:
-        worker = WorkerService(
-            WorkerConfig(nats_url=nats_url, worker_id=worker_id, model=str(tiny_model))
-        )
+        worker = WorkerService(worker_config(nats_url, worker_id, tiny_model))
         await worker.start()
         bus = await Bus.connect(nats_url, "bus-test-degraded")
         try:
@@ -276,11 +276,7 @@ def test_a_dead_engine_thread_turns_the_worker_failed(nats_url, tiny_model):
         )
 
     async def main() -> None:
-        worker = WorkerService(
-            WorkerConfig(
-                nats_url=nats_url, worker_id=worker_id, model=str(tiny_model), stats_interval=0.1
-            )
-        )
+        worker = WorkerService(worker_config(nats_url, worker_id, tiny_model, stats_interval=0.1))
         await worker.start()
         bus = await Bus.connect(nats_url, "bus-test-failed-client")
         heartbeats: asyncio.Queue[WorkerStats] = asyncio.Queue()
@@ -329,9 +325,7 @@ def test_resume_cannot_undo_a_shutdown_drain(nats_url, tiny_model):
     worker_id = "bus-test-shutdown"
 
     async def main() -> None:
-        worker = WorkerService(
-            WorkerConfig(nats_url=nats_url, worker_id=worker_id, model=str(tiny_model))
-        )
+        worker = WorkerService(worker_config(nats_url, worker_id, tiny_model))
         await worker.start()
         bus = await Bus.connect(nats_url, "bus-test-shutdown-client")
         try:

@@ -34,7 +34,7 @@ def stack(tiny_model, tmp_path_factory, trace_file):
         tiny_model,
         tmp,
         extra_env={"LAMINA_TRACE_FILE": str(trace_file)},
-        worker_args=["--kv-cache-memory-mb", "64", "--max-model-len", "1024"],
+        worker_args=["--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024"],
     )
     with s:
         yield s

@@ -4,6 +4,7 @@ must still drain over the bus and exit cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -15,10 +16,17 @@ import urllib.request
 from lamina.libs.nats_server import free_port
 
 
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
 def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, nats_port = free_port(), free_port(), free_port()
     command = [sys.executable, "-c", "from lamina.services.cli import main; main()", "up"]
-    options = ["--model", str(tiny_model), "--http-port", str(port)]
+    options = ["--model", str(tiny_model), "--http-port", str(port), "--nats-port", str(nats_port)]
+    # Engine settings are lamina up flags too, and reach the worker.
+    options += ["--model-name", "story", "--max-model-len", "200", "--num-kv-blocks", "40"]
     proc = subprocess.Popen(
         [*command, *options, "--metrics-port", str(metrics_port)],
         stdout=subprocess.PIPE,
@@ -41,6 +49,16 @@ def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
             started += chunk
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
             assert r.status == 200
+        assert [m["id"] for m in get_json(f"http://127.0.0.1:{port}/v1/models")["data"]] == [
+            "story"
+        ]
+        cluster_url = f"http://127.0.0.1:{metrics_port}/v1/cluster"
+        heard_by = time.monotonic() + 10  # telemetry hears heartbeats on its own schedule
+        while not (workers := get_json(cluster_url)["workers"]) and time.monotonic() < heard_by:
+            time.sleep(0.1)
+        (worker,) = workers
+        assert (worker["model"], worker["max_model_len"]) == ("story", 200)
+        assert worker["total_kv_blocks"] == 40
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
         rest, _ = proc.communicate(timeout=60)
     finally:
@@ -54,4 +72,4 @@ def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
     # The URLs it printed once ready.
     assert f"OpenAI API   http://127.0.0.1:{port}/v1" in text, text
     assert f"metrics      http://127.0.0.1:{metrics_port}/metrics" in text, text
-    assert "NATS         nats://127.0.0.1:" in text, text
+    assert f"NATS         nats://127.0.0.1:{nats_port}" in text, text

@@ -102,14 +102,6 @@ def test_default_is_eager_off_cuda(tiny_model):
     assert engine.runner.decode_graphs is None and engine.blocks.num_blocks == 128
 
 
-def test_worker_flag(monkeypatch):
-    # Imported here: the service needs nats-py, which the GPU machine lacks (gpu_check.sh).
-    from lamina.services.engine_worker.service import WorkerConfig
-
-    assert WorkerConfig(model="m").engine_config().cuda_graphs is None  # automatic
-    assert WorkerConfig(model="m", cuda_graphs=False).engine_config().cuda_graphs is False
-
-
 def test_too_many_sequences_is_an_error(tiny_model, monkeypatch):
     monkeypatch.setenv("LAMINA_KERNELS", "cpu")
     engine = make_engine(tiny_model, cuda_graphs=True, max_num_seqs=2)

@@ -116,7 +116,7 @@ def test_abort_frees_everything_at_once(model):
     engine.add_request("a", list(range(3, 60)), greedy(50))
     engine.add_request("b", list(range(3, 60)), greedy(50))
     engine.step()
-    assert engine.stats().num_free_blocks < engine.blocks.num_blocks
+    assert engine.stats().free_kv_blocks < engine.blocks.num_blocks
     assert engine.abort("a") and engine.abort("b")
     assert not engine.abort("a")
     assert_all_blocks_released(engine)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from lamina.libs.config import ENV_PREFIX, parse_config
+from lamina.libs.config import ENV_PREFIX, parse_config, settings
 from lamina.services import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,10 +113,10 @@ def test_is_built_from_the_dockerfile_and_waits_for_nats(name: str) -> None:
 def test_flags_and_env_are_fields_of_the_service_config(name: str) -> None:
     spec = SERVICES[name]
     config_type = service_config(name)
-    fields = {f.name for f in dataclasses.fields(config_type)}
+    fields = {s.name: s for s in settings(config_type)}
     argv, env = spec["command"][1:], environment(spec)
 
-    unknown_flags = sorted(set(flag_fields(argv)) - fields)
+    unknown_flags = sorted(set(flag_fields(argv)) - fields.keys())
     assert not unknown_flags, f"{name}: {unknown_flags} are not fields of {config_type.__name__}"
     for key in env:
         assert key.startswith(ENV_PREFIX), f"{name}: {key} is not a LAMINA_* variable"
@@ -128,7 +128,7 @@ def test_flags_and_env_are_fields_of_the_service_config(name: str) -> None:
     config = parse_config(config_type, argv, prog=f"lamina {name}", env=env)
     for field, raw in flag_fields(argv).items():
         if raw:
-            assert str(getattr(config, field)) == raw
+            assert str(fields[field].value(config)) == raw
     assert config.nats_url == "nats://nats:4222"
 
 
