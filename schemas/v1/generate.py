@@ -151,8 +151,8 @@ class Accepted(Message):
 
 
 class Tokens(Message, gc=False):
-    """Every token the request produced in one engine step. ``seq`` numbers the stream's
-    events without gaps, so a receiver can tell a lost message from a slow one."""
+    """Every token the request produced in one engine step (``seq``: see
+    ``StreamEvent``)."""
 
     request_id: str
     seq: int
@@ -225,3 +225,8 @@ class Failed(Message):
 
 
 StreamEvent = Accepted | Tokens | Finished | Rejected | Failed
+"""What a worker sends to a submission's reply subject: ``Rejected``, or ``Accepted``
+(``seq`` 0) and then ``Tokens`` and a last ``Finished`` or ``Failed`` numbered 1, 2, 3, ...
+without gaps. The ``seq`` contract: the worker publishes a reply subject's events from
+one task, in order; each submission (each retry or move of a request) has its own reply
+subject and numbering; a receiver that sees a gap has lost events, not reordered ones."""

@@ -230,7 +230,7 @@ class WorkerService:
 
     # ------------------------------------------------------------------------- publishing
     async def _publish_outbox(self) -> None:
-        """One task publishes everything in order, so each stream's ``seq`` stays ordered."""
+        """One task publishes everything in order: the ``seq`` contract (``StreamEvent``)."""
         while True:
             batch = await self._outbox.get()
             for subject, message, context in batch:

@@ -1,14 +1,20 @@
-"""One request's life on the bus, as seen by the gateway.
+"""One request's life on the bus, as the gateway sees it: submitted, accepted, streamed,
+moved to another worker when its worker is lost.
 
-``Generation.start()`` submits to the scheduler with a reply subject on this gateway's
+:meth:`Generation.start` submits to the scheduler with a reply subject on this gateway's
 inbox and waits for a worker's ``Accepted``, retrying retryable rejections and silent
-losses (a worker that died before heartbeats said so) with back-off; only then does an
-HTTP response begin, so admission failures get a real status code. ``Generation.stream()``
-yields token events until ``Finished``; if the worker stops heartbeating mid-request, the
-request migrates (prompt plus streamed tokens, resubmitted) and the stream continues;
-closing it early (the client went away) cancels the request on its worker. Events arrive
-through one wildcard subscription per gateway (:class:`Inbox`), a fresh subject per
-submission.
+losses with back-off; only then does an HTTP response begin, so a refusal gets a real
+status code. :meth:`Generation.stream` yields the accepted attempt's token events until
+``Finished``. When the attempt's worker is lost (it stops heartbeating, or it fails the
+request as retryable) the request moves: the prompt plus every token streamed so far is
+submitted again, through the same attempt loop, and the new worker's tokens continue the
+stream. Each attempt has a reply subject and queue of its own, so nothing a lost attempt
+still sends can reach the next; within one attempt the events follow the ``seq`` contract
+of ``schemas/v1/generate.py`` (a gap is a lost stream, a 502).
+
+How the request ended (``outcome``) follows from what was recorded, not from assignments
+on each path: finished, else failed or rejected when an error ended it (failed once any
+worker had accepted it), else cancelled (the client went away).
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ class _Expired:
     """Queued by a timer when a wait for the next event runs out."""
 
 
+class _WorkerLost(Exception):
+    """The accepted attempt cannot finish where it is; the request may move."""
+
+
 @dataclass(frozen=True)
 class SessionSettings:
     accept_timeout: float = 5.0
@@ -61,7 +71,7 @@ class SessionSettings:
     """Seconds without any event from an accepted request (whose worker still sends
     heartbeats) before giving up on it."""
     max_attempts: int = 3
-    """Submissions per request (retryable rejections and silent losses are retried)."""
+    """Submissions per request, the first one and every retry or move included."""
     retry_backoff: float = 0.2
     """First retry delay; doubles each attempt."""
 
@@ -75,22 +85,32 @@ class Generation:
     request: GenerateRequest
     settings: SessionSettings
     worker_id: str | None = None
-    finished: Finished | None = None
+    """The worker of the accepted attempt (None until one accepts)."""
     attempts: int = 0
+    """Submissions so far."""
+    streamed: list[int] = field(default_factory=list)
+    """Every token id received so far, across moves."""
+    finished: Finished | None = None
+    local_finish_reason: FinishReason | None = None
+    """Set when the gateway itself ends the request (a stop string matched)."""
+    error: GenerationError | None = None
+    """What ended the request, when an error did."""
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)
-    outcome: Outcome = Outcome.CANCELLED
-    local_finish_reason: FinishReason | None = None
-    """Set when the gateway itself ends the request (a stop string matched)."""
     _last_token_at: float | None = None
+    _accepted_at: float = 0.0
     _subject: str = ""
     _queue: asyncio.Queue | None = None
     _span: Span | None = None
-    _accepted_at: float = 0.0
-    streamed: list[int] = field(default_factory=list)
-    """Every token id received so far (across migrations)."""
-    _submitted: GenerateRequest | None = None
+
+    @property
+    def outcome(self) -> Outcome:
+        if self.finished is not None or self.local_finish_reason is not None:
+            return Outcome.FINISHED
+        if self.error is not None:
+            return Outcome.FAILED if self.worker_id is not None else Outcome.REJECTED
+        return Outcome.CANCELLED
 
     async def __aenter__(self) -> Generation:
         r = self.request
@@ -111,113 +131,106 @@ class Generation:
     def stop_early(self, reason: FinishReason = FinishReason.STOP) -> None:
         """The gateway finished the request itself; the worker will be told to cancel."""
         self.local_finish_reason = reason
-        self.outcome = Outcome.FINISHED
 
     async def __aexit__(self, *exc: object) -> None:
         self.inbox.close(self._subject)
         if self.finished is None:
-            await self._cancel(self.worker_id)
+            await self._cancel()
         self._end_span(await self._record())
 
-    def _end_span(self, record: RequestRecord) -> None:
-        span = self._span
-        span.set_attributes(
-            {
-                "gen_ai.usage.input_tokens": record.prompt_tokens,
-                "gen_ai.usage.output_tokens": record.completion_tokens,
-                "gen_ai.response.finish_reasons": [record.finish_reason or record.outcome],
-                "lamina.outcome": record.outcome,
-                "lamina.attempts": record.attempts,
-            }
-        )
-        if record.worker_id:
-            span.set_attribute("lamina.worker_id", record.worker_id)
-        if record.ttft_s is not None:
-            span.set_attribute("lamina.time_to_first_token_s", record.ttft_s)
-        if record.outcome in (Outcome.FAILED, Outcome.REJECTED):
-            span.set_status(trace.StatusCode.ERROR)
-        span.end()
+    # ------------------------------------------------------------------------ attempts
+    async def start(self) -> None:
+        """Return once a worker accepted the request; raise :class:`GenerationError`
+        otherwise."""
+        try:
+            await self._submit_until_accepted(self.request)
+        except GenerationError as exc:
+            self.error = exc
+            raise
 
-    async def start(self, first_attempt: int = 0, request: GenerateRequest | None = None) -> None:
-        """Return once a worker accepted ``request`` (default: the original one); raise
-        :class:`GenerationError` otherwise."""
-        self._submitted = request or self.request
+    async def stream(self) -> AsyncIterator[Tokens | Finished]:
+        """Token events in order, ending with ``Finished``, across moves."""
+        try:
+            while True:
+                try:
+                    async for event in self._attempt_events():
+                        yield event
+                    return
+                except _WorkerLost as lost:
+                    await self._move(str(lost))
+        except GenerationError as exc:
+            self.error = exc
+            raise
+
+    async def _move(self, why: str) -> None:
+        """Submit the request again, continued after what was streamed, elsewhere."""
+        if self.attempts >= self.settings.max_attempts:
+            raise GenerationError(503, "service_unavailable", why)
+        log.warning("%s; moving request %s", why, self.request.request_id)
+        await self._cancel()
+        await self._submit_until_accepted(self._resume_request())
+
+    async def _submit_until_accepted(self, request: GenerateRequest) -> None:
+        """Submit ``request`` until a worker accepts it, within the attempts left."""
         s = self.settings
         error = GenerationError(503, "service_unavailable", "no engine worker is available")
-        for attempt in range(first_attempt, s.max_attempts):
-            if attempt:
-                await asyncio.sleep(s.retry_backoff * 2 ** (attempt - 1))
-            self.attempts = attempt + 1
-            request = msgspec.structs.replace(self._submitted, attempt=attempt)
-            # A fresh subject and queue: whatever an earlier attempt still sends is dropped.
-            self.inbox.close(self._subject)
-            self._queue = asyncio.Queue()
-            self._subject = self.inbox.open(self._queue)
-            try:
-                await self.bus.publish(
-                    subjects.SCHED_SUBMIT,
-                    request,
-                    reply=self._subject,
-                    context=trace.set_span_in_context(self._span),
-                )
-            except PayloadTooLarge as exc:
-                self.outcome = Outcome.REJECTED
-                raise GenerationError(
-                    400,
-                    "invalid_request_error",
-                    f"the request is too large to send to a worker: {exc}",
-                    "prompt",
-                    "request_too_large",
-                ) from exc
-            event = await self._next_event(s.accept_timeout)
-            if event is None:
-                error = GenerationError(
-                    503,
-                    "service_unavailable",
-                    f"no engine worker accepted the request within {s.accept_timeout:g}s",
-                )
-                continue
+        while self.attempts < s.max_attempts:
+            if self.attempts:
+                await asyncio.sleep(s.retry_backoff * 2 ** (self.attempts - 1))
+            event = await self._submit(request)
             match event:
                 case Accepted(worker_id=worker_id):
-                    self.worker_id = worker_id
-                    self._accepted_at = time.monotonic()
+                    self.worker_id, self._accepted_at = worker_id, time.monotonic()
                     return
+                case None:
+                    error = GenerationError(
+                        503,
+                        "service_unavailable",
+                        f"no engine worker accepted the request within {s.accept_timeout:g}s",
+                    )
                 case Rejected(retryable=True):
                     error = GenerationError.from_rejected(event)
                 case Rejected():
-                    self.outcome = Outcome.REJECTED
                     raise GenerationError.from_rejected(event)
                 case _:
-                    raise self._unexpected(event)
-        self.outcome = Outcome.REJECTED
+                    raise _unexpected(event)
         raise error
 
-    async def stream(self) -> AsyncIterator[Tokens | Finished]:
-        """Token events in order, ending with ``Finished``."""
-        expected = 1
-        silent_since = time.monotonic()
+    async def _submit(self, request: GenerateRequest) -> object | None:
+        """One attempt: a fresh reply subject, the submission, and its first event (None
+        when nothing came within ``accept_timeout``)."""
+        self.attempts += 1
+        self.inbox.close(self._subject)
+        self._queue = asyncio.Queue()
+        self._subject = self.inbox.open(self._queue)
+        try:
+            await self.bus.publish(
+                subjects.SCHED_SUBMIT,
+                msgspec.structs.replace(request, attempt=self.attempts - 1),
+                reply=self._subject,
+                context=trace.set_span_in_context(self._span),
+            )
+        except PayloadTooLarge as exc:
+            raise GenerationError(
+                400,
+                "invalid_request_error",
+                f"the request is too large to send to a worker: {exc}",
+                "prompt",
+                "request_too_large",
+            ) from exc
+        return await self._next_event(self.settings.accept_timeout)
+
+    async def _attempt_events(self) -> AsyncIterator[Tokens | Finished]:
+        """The accepted attempt's ``Tokens`` and ``Finished``, checked against the ``seq``
+        contract; raise :class:`_WorkerLost` when its worker cannot finish it."""
+        expected = 1  # Accepted was 0
+        heard_at = time.monotonic()
         while True:
             event = await self._next_event(_LIVENESS_CHECK_S)
-            lost = None
-            if event is None and not self.inbox.worker_serving(self.worker_id, self._accepted_at):
-                lost = f"worker {self.worker_id} stopped serving mid-request"
-            elif isinstance(event, Failed) and event.retryable:
-                lost = f"generation failed on worker {self.worker_id}: {event.message}"
-            if lost is not None:
-                if self.attempts >= self.settings.max_attempts:
-                    self.outcome = Outcome.FAILED
-                    raise GenerationError(503, "service_unavailable", lost)
-                # Migrate: replay the prompt plus what was streamed on another worker; its
-                # tokens continue this stream where it stopped.
-                log.warning("%s; moving request %s", lost, self.request.request_id)
-                await self._cancel(self.worker_id)
-                await self.start(first_attempt=self.attempts, request=self._resume_request())
-                expected = 1
-                silent_since = time.monotonic()
-                continue
             if event is None:
-                if time.monotonic() - silent_since > self.settings.stall_timeout:
-                    self.outcome = Outcome.FAILED
+                if not self.inbox.worker_serving(self.worker_id, self._accepted_at):
+                    raise _WorkerLost(f"worker {self.worker_id} stopped serving mid-request")
+                if time.monotonic() - heard_at > self.settings.stall_timeout:
                     raise GenerationError(
                         504,
                         "timeout",
@@ -225,43 +238,35 @@ class Generation:
                         f"{self.settings.stall_timeout:g}s",
                     )
                 continue
-            silent_since = time.monotonic()
+            heard_at = time.monotonic()
             match event:
-                case Tokens() | Finished():
-                    if event.seq != expected:
-                        self.outcome = Outcome.FAILED
-                        raise GenerationError(
-                            502,
-                            "api_error",
-                            f"token stream lost events (got seq {event.seq}, expected {expected})",
-                        )
+                case Tokens() | Finished() if event.seq != expected:
+                    raise GenerationError(
+                        502,
+                        "api_error",
+                        f"token stream lost events (got seq {event.seq}, expected {expected})",
+                    )
+                case Tokens():
                     expected += 1
-                    self._note_tokens(len(event.token_ids))
-                    self.streamed += event.token_ids
-                    if isinstance(event, Finished):
-                        if self._submitted is not self.request:  # migrated: count it all
-                            event = msgspec.structs.replace(
-                                event,
-                                usage=Usage(
-                                    prompt_tokens=len(self.request.prompt_token_ids),
-                                    completion_tokens=len(self.streamed),
-                                    cached_tokens=event.usage.cached_tokens,
-                                ),
-                            )
-                        self.finished = event
-                        self.outcome = Outcome.FINISHED
+                    self._note_tokens(event.token_ids)
                     yield event
-                    if self.finished is not None:
-                        return
-                case Failed():  # not retryable: the request itself cannot run
-                    self.outcome = Outcome.FAILED
+                case Finished():
+                    self._note_tokens(event.token_ids)
+                    self.finished = self._whole_request_usage(event)
+                    yield self.finished
+                    return
+                case Failed(retryable=True):
+                    raise _WorkerLost(
+                        f"generation failed on worker {self.worker_id}: {event.message}"
+                    )
+                case Failed():  # the request itself cannot run
                     raise GenerationError(
                         500,
                         "api_error",
                         f"generation failed on worker {self.worker_id}: {event.message}",
                     )
                 case _:
-                    raise self._unexpected(event)
+                    raise _unexpected(event)
 
     def _resume_request(self) -> GenerateRequest:
         """The original request continued after the tokens already streamed."""
@@ -280,22 +285,35 @@ class Generation:
             sampling=sampling,
         )
 
-    async def _cancel(self, worker_id: str | None) -> None:
-        if worker_id is not None:
+    def _whole_request_usage(self, finished: Finished) -> Finished:
+        """``finished`` with usage counted over the whole request: after a move the last
+        worker counts the streamed tokens as prompt."""
+        if self.attempts == 1:
+            return finished
+        usage = Usage(
+            prompt_tokens=len(self.request.prompt_token_ids),
+            completion_tokens=len(self.streamed),
+            cached_tokens=finished.usage.cached_tokens,
+        )
+        return msgspec.structs.replace(finished, usage=usage)
+
+    async def _cancel(self) -> None:
+        if self.worker_id is not None:
             with contextlib.suppress(Exception):
                 await self.bus.publish(
-                    subjects.worker_cancel(worker_id),
+                    subjects.worker_cancel(self.worker_id),
                     Cancel(request_id=self.request.request_id),
                     context=trace.set_span_in_context(self._span),
                 )
 
     async def _next_event(self, timeout: float) -> object | None:
-        """The next event, or None after ``timeout`` seconds.
+        """The next event of the current attempt, or None after ``timeout`` seconds.
 
-        Implemented with a timer that enqueues a marker rather than by cancelling the wait
-        (``wait_for``/``asyncio.timeout``): this runs inside the HTTP server's anyio cancel
-        scopes, where a cancellation-based timeout was seen to wedge a stream, and it costs
-        one timer per event instead of a task.
+        The timeout is a timer that queues a marker, not a cancellation
+        (``asyncio.timeout``): the task waiting here is also cancelled from outside when
+        an HTTP client goes away (``asgi.ClientWatch``), and a timeout kept out of the
+        cancellation machinery can never be mistaken for that, or swallow it. Either way
+        it is one timer per wait.
         """
         marker = _Expired()
         timer = asyncio.get_running_loop().call_later(timeout, self._queue.put_nowait, marker)
@@ -309,22 +327,17 @@ class Generation:
         finally:
             timer.cancel()
 
-    def _note_tokens(self, count: int) -> None:
+    # ------------------------------------------------------------------------- record
+    def _note_tokens(self, token_ids: list[int]) -> None:
+        self.streamed += token_ids
+        if not token_ids:
+            return
         now = time.monotonic()
-        if count and self.first_token_at is None:
+        if self.first_token_at is None:
             self.first_token_at = now
-        elif count and self._last_token_at is not None:
-            self.token_gaps.append((now - self._last_token_at) / count)
-        if count:
-            self._last_token_at = now
-
-    def _unexpected(self, event: object) -> GenerationError:
-        self.outcome = Outcome.FAILED
-        if isinstance(event, BadMessage):
-            return GenerationError(
-                500, "api_error", f"a service could not decode our message: {event.error}"
-            )
-        return GenerationError(502, "api_error", f"unexpected {type(event).__name__} event")
+        elif self._last_token_at is not None:
+            self.token_gaps.append((now - self._last_token_at) / len(token_ids))
+        self._last_token_at = now
 
     async def _record(self) -> RequestRecord:
         """Publish what happened to this request for telemetry; return the record."""
@@ -349,3 +362,30 @@ class Generation:
                 subjects.EVENTS_REQUEST, record, context=trace.set_span_in_context(self._span)
             )
         return record
+
+    def _end_span(self, record: RequestRecord) -> None:
+        span = self._span
+        span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": record.prompt_tokens,
+                "gen_ai.usage.output_tokens": record.completion_tokens,
+                "gen_ai.response.finish_reasons": [record.finish_reason or record.outcome],
+                "lamina.outcome": record.outcome,
+                "lamina.attempts": record.attempts,
+            }
+        )
+        if record.worker_id:
+            span.set_attribute("lamina.worker_id", record.worker_id)
+        if record.ttft_s is not None:
+            span.set_attribute("lamina.time_to_first_token_s", record.ttft_s)
+        if record.outcome in (Outcome.FAILED, Outcome.REJECTED):
+            span.set_status(trace.StatusCode.ERROR)
+        span.end()
+
+
+def _unexpected(event: object) -> GenerationError:
+    if isinstance(event, BadMessage):
+        return GenerationError(
+            500, "api_error", f"a service could not decode our message: {event.error}"
+        )
+    return GenerationError(502, "api_error", f"unexpected {type(event).__name__} event")

@@ -1,0 +1,211 @@
+"""A gateway ``Generation`` on a real nats-server against a scripted peer that answers
+``sched.submit`` as a scheduler and its workers would: retries, moves, the ``seq``
+contract, and the outcome each way of ending leaves in the ``RequestRecord``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from lamina.libs.bus import Bus
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.control import Cancel
+from lamina.schemas.v1.generate import (
+    Accepted,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    Rejected,
+    RejectReason,
+    Sampling,
+    Tokens,
+    Usage,
+)
+from lamina.schemas.v1.records import Outcome, RequestRecord
+from lamina.services.gateway.errors import GenerationError
+from lamina.services.gateway.inbox import Inbox
+from lamina.services.gateway.session import Generation, SessionSettings
+
+PROMPT = [5, 6, 7]
+SETTINGS = SessionSettings(accept_timeout=1.0, max_attempts=3, retry_backoff=0.01)
+Script = Callable[[GenerateRequest], list[object]]
+
+
+def accept(worker: str) -> Script:
+    return lambda r: [Accepted(request_id=r.request_id, worker_id=worker)]
+
+
+def then(*scripts: Script) -> Script:
+    return lambda r: [event for script in scripts for event in script(r)]
+
+
+def tokens(seq: int, *ids: int) -> Script:
+    return lambda r: [Tokens(request_id=r.request_id, seq=seq, token_ids=list(ids))]
+
+
+def finished(seq: int, completion: int) -> Script:
+    def events(r: GenerateRequest) -> list[object]:
+        usage = Usage(prompt_tokens=len(r.prompt_token_ids), completion_tokens=completion)
+        return [
+            Finished(
+                request_id=r.request_id, seq=seq, finish_reason=FinishReason.LENGTH, usage=usage
+            )
+        ]
+
+    return events
+
+
+def failed(seq: int, retryable: bool) -> Script:
+    return lambda r: [
+        Failed(
+            request_id=r.request_id,
+            seq=seq,
+            message="the engine thread died",
+            retryable=retryable,
+            tokens_sent=seq > 1,
+        )
+    ]
+
+
+def rejected(retryable: bool) -> Script:
+    return lambda r: [
+        Rejected(
+            request_id=r.request_id,
+            reason=RejectReason.DRAINING if retryable else RejectReason.INVALID_REQUEST,
+            message="no",
+            retryable=retryable,
+            param=None if retryable else "prompt",
+        )
+    ]
+
+
+@dataclass
+class Run:
+    events: list[Tokens | Finished] = field(default_factory=list)
+    error: GenerationError | None = None
+    submitted: list[GenerateRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    record: RequestRecord | None = None
+
+
+def run(nats_url: str, scripts: list[Script], max_tokens: int = 10) -> Run:
+    """One request through ``Generation``; the n-th submission gets ``scripts[n]``."""
+
+    async def main() -> Run:
+        result = Run()
+        peer = await Bus.connect(nats_url, "test-generation-peer")
+        records: asyncio.Queue[RequestRecord] = asyncio.Queue()
+
+        async def on_submit(request: GenerateRequest, msg) -> None:
+            result.submitted.append(request)
+            for event in scripts[len(result.submitted) - 1](request):
+                await peer.publish(msg.reply, event)
+
+        async def on_cancel(cancel: Cancel, msg) -> None:
+            result.cancelled.append(msg.subject.split(".")[-2])
+
+        async def on_record(record: RequestRecord, msg) -> None:
+            records.put_nowait(record)
+
+        await peer.subscribe(subjects.SCHED_SUBMIT, GenerateRequest, on_submit)
+        await peer.subscribe(subjects.worker_cancel("*"), Cancel, on_cancel)
+        await peer.subscribe(subjects.EVENTS_REQUEST, RequestRecord, on_record)
+        await peer.nc.flush()
+        bus = await Bus.connect(nats_url, "test-generation-gateway")
+        inbox = Inbox(bus)
+        await inbox.start()
+        request = GenerateRequest(
+            request_id="r1",
+            model="tiny",
+            prompt_token_ids=PROMPT,
+            sampling=Sampling(max_tokens=max_tokens, min_tokens=3),
+        )
+        try:
+            async with Generation(bus, inbox, request, SETTINGS) as generation:
+                await generation.start()
+                async for event in generation.stream():
+                    result.events.append(event)
+        except GenerationError as exc:
+            result.error = exc
+        result.record = await asyncio.wait_for(records.get(), 5)
+        await bus.drain()
+        await peer.nc.flush()  # the gateway's cancels have arrived
+        await peer.drain()
+        return result
+
+    return asyncio.run(main())
+
+
+def test_a_retryable_failure_moves_the_request_and_the_stream_continues(nats_url):
+    result = run(
+        nats_url,
+        [
+            then(accept("w1"), tokens(1, 40, 41), failed(2, retryable=True)),
+            then(accept("w2"), tokens(1, 42), finished(2, completion=1)),
+        ],
+    )
+    assert result.error is None
+    assert [e.token_ids for e in result.events] == [[40, 41], [42], []]
+    first, moved = result.submitted
+    assert (first.attempt, moved.attempt) == (0, 1)
+    # The move replays the prompt plus what was streamed, for what is left.
+    assert moved.prompt_token_ids == [*PROMPT, 40, 41]
+    assert (moved.sampling.max_tokens, moved.sampling.min_tokens) == (8, 1)
+    # Usage counts the whole request, not the last worker's share.
+    assert result.events[-1].usage == Usage(prompt_tokens=3, completion_tokens=3)
+    assert "w1" in result.cancelled and "w2" not in result.cancelled
+    record = result.record
+    assert (record.outcome, record.worker_id, record.attempts) == (Outcome.FINISHED, "w2", 2)
+    assert (record.prompt_tokens, record.completion_tokens) == (3, 3)
+
+
+def test_retryable_rejections_are_retried_then_reported(nats_url):
+    result = run(nats_url, [rejected(retryable=True)] * 3)
+    assert result.error.status == 503 and result.error.code == "draining"
+    assert len(result.submitted) == 3
+    assert (result.record.outcome, result.record.attempts) == (Outcome.REJECTED, 3)
+    assert result.record.worker_id is None
+
+
+def test_a_final_rejection_is_not_retried(nats_url):
+    result = run(nats_url, [rejected(retryable=False)])
+    assert (result.error.status, result.error.param) == (400, "prompt")
+    assert len(result.submitted) == 1
+    assert result.record.outcome == Outcome.REJECTED
+
+
+def test_a_request_that_fails_on_every_worker_fails_after_max_attempts(nats_url):
+    lost = then(accept("w1"), tokens(1, 40), failed(2, retryable=True))
+    result = run(nats_url, [lost] * 3)
+    assert result.error.status == 503 and "the engine thread died" in result.error.message
+    assert len(result.submitted) == 3
+    # Each move continued from everything streamed before it.
+    assert [len(r.prompt_token_ids) for r in result.submitted] == [3, 4, 5]
+    assert (result.record.outcome, result.record.attempts) == (Outcome.FAILED, 3)
+    assert result.record.completion_tokens == 0  # nothing finished, so no usage
+
+
+@pytest.mark.parametrize(
+    "script,status",
+    [
+        (then(accept("w1"), tokens(2, 40)), 502),  # seq 1 never came
+        (then(accept("w1"), tokens(1, 40), failed(2, retryable=False)), 500),
+    ],
+)
+def test_an_accepted_request_that_breaks_fails(nats_url, script, status):
+    result = run(nats_url, [script])
+    assert result.error.status == status
+    assert len(result.submitted) == 1
+    assert (result.record.outcome, result.record.worker_id) == (Outcome.FAILED, "w1")
+
+
+def test_a_move_that_finds_no_worker_is_a_failure_not_a_rejection(nats_url):
+    lost = then(accept("w1"), tokens(1, 40), failed(2, retryable=True))
+    result = run(nats_url, [lost, rejected(retryable=True), rejected(retryable=True)])
+    assert result.error.code == "draining"
+    assert [e.token_ids for e in result.events] == [[40]]  # the client saw output
+    assert (result.record.outcome, result.record.attempts) == (Outcome.FAILED, 3)
