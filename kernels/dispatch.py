@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from types import SimpleNamespace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -61,11 +62,28 @@ def choose_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> 
     return backend
 
 
-def load_ops(device: torch.device, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
-    """The five ops (``rms_norm``, ``apply_rotary``, ``silu_and_mul``, ``write_kv_cache``,
-    ``paged_attention``) of the backend chosen for ``device`` and the model's ``dtype``,
-    and which padded views of :class:`~lamina.kernels.reference.AttentionMetadata` their
-    attention reads (``dense_decodes``, ``dense_prefill``)."""
+@dataclass(frozen=True)
+class KernelOps:
+    """The ops of one kernel backend, as the model calls them; each backend module
+    (``reference``, ``cpu``, ``triton``) has a function of each name with the same
+    signature."""
+
+    backend: str
+    """``reference``, ``cpu`` or ``triton``."""
+    rms_norm: Callable
+    apply_rotary: Callable
+    silu_and_mul: Callable
+    write_kv_cache: Callable
+    paged_attention: Callable
+    dense_decodes: bool
+    """Whether attention reads decodes through the padded dense view of
+    :class:`~lamina.kernels.reference.AttentionMetadata` (the reference gathers blocks)."""
+    dense_prefill: bool
+    """Whether attention reads prefill chunks through the padded dense view."""
+
+
+def load_ops(device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
+    """The ops of the backend chosen for ``device`` and the model's ``dtype``."""
     from lamina.kernels import reference
 
     backend = choose_backend(device, dtype)
@@ -75,7 +93,7 @@ def load_ops(device: torch.device, dtype: torch.dtype = torch.float32) -> Simple
         from lamina.kernels import cpu as impl
     else:
         impl = reference
-    return SimpleNamespace(
+    return KernelOps(
         backend=backend,
         rms_norm=impl.rms_norm,
         apply_rotary=impl.apply_rotary,

@@ -5,11 +5,11 @@ On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs i
 * ``onednn``: each weight is packed for oneDNN at load and oneDNN's matmul runs on it. On
   the small-batch shapes that decoding makes, ``F.linear`` goes to MKL's sgemm, which on
   the AMD EPYC this project is measured on slows down sharply for a few rows; oneDNN's
-  packed matmul is 1.15-1.9x faster from 1 to 2048 rows (``benchmarks/cpu_linear.py``).
+  packed matmul is faster at every row count (``benchmarks/cpu_linear.py``).
 * ``native`` (the default with the ``cpu`` kernel backend on AVX2, :func:`native_linear`): the
   blocked matmul on a weight packed once at load (``kernels/cpu/gemm.cpp``), at every row
-  count: 1.1-1.3x oneDNN's from 64 to 2048 rows and as fast as a matrix-vector kernel at
-  one row (``benchmarks/cpu_linear.py``). Small weights stay on ``F.linear``.
+  count: faster than oneDNN's from 64 rows up and as fast as a matrix-vector kernel at
+  one row (figures in ``docs/performance.md``). Small weights stay on ``F.linear``.
 
 ``LAMINA_CPU_LINEAR=native|onednn|torch`` overrides the choice.
 

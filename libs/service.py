@@ -5,11 +5,10 @@ A service is an object with ``async start()`` (connect, subscribe, begin serving
 :func:`run` starts it, waits for SIGTERM or SIGINT, drains, closes and returns 0.
 
 Once a service has started, everything built so far (modules, the model, the tokenizer,
-the HTTP app: ~170-190K objects in the worker and the gateway) is moved out of the
-garbage collector's reach with ``gc.freeze()``: it lives as long as the process, and
-each full collection of it took 90-105 ms on the 2-vCPU development machine, a pause
-that landed on whatever request was in flight. Later full collections scan only what
-serving allocated.
+the HTTP app: a few hundred thousand objects) is moved out of the garbage collector's
+reach with ``gc.freeze()``: it lives as long as the process, and a full collection that
+scans it pauses whatever request is in flight for tens of milliseconds
+(``docs/performance.md``). Later full collections scan only what serving allocated.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def _gather(
     b, n = tables.shape
     _, _, bs, h, d = kv_cache.shape
     flat = tables.reshape(-1)
-    # index_select copies whole blocks; measured ~3x faster than advanced indexing on CPU.
+    # index_select copies whole blocks, which on CPU is faster than advanced indexing.
     blocks = torch.index_select(kv_cache[which], 0, flat)  # (B * n, bs, Hkv, D)
     if kv_scales is not None:
         blocks = kv_quant.dequantize_blocks(blocks, which, flat, kv_scales, dtype)
@@ -253,7 +253,7 @@ def prefill_attention(
     """Attention output ``(P, Hq, D)`` of the step's prefill tokens (``q``, ``k``, ``v``
     are the batch's rows after its decodes), one SDPA call per chunk, 4-D (a batch of one:
     on CPU, 3-D inputs take SDPA's math path with a materialised score matrix, 4-D ones its
-    flash kernel, 3-4x faster on 300-500 tokens).
+    flash kernel).
 
     A fresh prompt attends to its own new keys and values directly (as the cache holds
     them, if it is quantized) with the causal fast path. A chunk that continues a sequence

@@ -37,7 +37,7 @@ from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, Reje
 from lamina.schemas.v1.stats import WorkerState, WorkerStats
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.engine import Engine, EngineStats
-from lamina.services.engine_worker.engine_loop import EngineLoop, Outgoing
+from lamina.services.engine_worker.engine_thread import EngineThread, Outgoing
 from lamina.services.engine_worker.errors import InvalidRequestError
 from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Lifecycle
 
@@ -80,7 +80,7 @@ class WorkerService:
         self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.lifecycle = Lifecycle()
         self.bus: Bus | None = None
-        self.loop: EngineLoop | None = None
+        self.engine_thread: EngineThread | None = None
         self._outbox: asyncio.Queue[list[Outgoing]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
@@ -95,7 +95,7 @@ class WorkerService:
         self._tasks = [asyncio.create_task(self._heartbeat())]
         await self._publish_stats()
         aio = asyncio.get_running_loop()
-        self.loop = EngineLoop(
+        self.engine_thread = EngineThread(
             lambda: Engine(engine_config),  # built on the thread that steps it
             self.worker_id,
             subjects.worker_kv(self.worker_id),
@@ -103,8 +103,8 @@ class WorkerService:
             on_step_failure=lambda reason: aio.call_soon_threadsafe(self._degrade, reason),
             on_death=lambda reason: aio.call_soon_threadsafe(self._fail, reason),
         )
-        self.loop.start()
-        engine = await asyncio.to_thread(self.loop.wait_ready)
+        self.engine_thread.start()
+        engine = await asyncio.to_thread(self.engine_thread.wait_ready)
         wid = self.worker_id
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
@@ -154,7 +154,7 @@ class WorkerService:
             )
             return
         try:
-            self.loop.engine.validate(request.prompt_token_ids, request.sampling)
+            self.engine_thread.engine.validate(request.prompt_token_ids, request.sampling)
         except InvalidRequestError as exc:
             await self.bus.publish(
                 msg.reply,
@@ -173,7 +173,7 @@ class WorkerService:
         context = otel_context.get_current()
         accepted = Accepted(request_id=request.request_id, worker_id=self.worker_id)
         self._outbox.put_nowait([(msg.reply, accepted, context)])
-        self.loop.submit(request, msg.reply, context)
+        self.engine_thread.submit(request, msg.reply, context)
 
     @property
     def state(self) -> WorkerState:
@@ -197,18 +197,18 @@ class WorkerService:
 
     def _check_engine(self) -> None:
         """Turn a wedged engine thread into a failed worker (a dead one reports itself)."""
-        loop = self.loop
-        if loop is None or loop.engine is None or loop.dead:
+        thread = self.engine_thread
+        if thread is None or thread.engine is None or thread.dead:
             return
-        stalled = time.monotonic() - loop.beat
+        stalled = time.monotonic() - thread.beat
         if stalled > self.config.engine_stall_timeout:
-            loop.declare_wedged(
+            thread.declare_wedged(
                 f"the engine thread has been stuck for {stalled:.0f}s "
                 f"(engine_stall_timeout {self.config.engine_stall_timeout:g}s)"
             )
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
-        self.loop.cancel(cancel.request_id)
+        self.engine_thread.cancel(cancel.request_id)
 
     async def _on_control(self, command: ControlCommand, msg: Msg) -> None:
         ok, message = True, ""
@@ -217,7 +217,7 @@ class WorkerService:
                 case Drain():
                     self.lifecycle.move(Event.DRAIN, "drained by an operator")
                 case ResetPrefixCache():
-                    done = self.loop.call(lambda engine: engine.reset_prefix_cache())
+                    done = self.engine_thread.call(lambda engine: engine.reset_prefix_cache())
                     await asyncio.to_thread(done.wait, 5.0)
                 case Resume():
                     self.lifecycle.move(Event.RESUME)
@@ -250,9 +250,11 @@ class WorkerService:
     def worker_stats(self) -> WorkerStats:
         """The heartbeat: identity, state and limits, plus the engine's counters once it
         exists (zeros while the model loads)."""
-        engine = self.loop.engine if self.loop is not None else None
+        engine = self.engine_thread.engine if self.engine_thread is not None else None
         config = engine.config if engine is not None else self.config.engine
-        counters = (self.loop.stats if self.loop is not None else None) or EngineStats()
+        counters = (
+            self.engine_thread.stats if self.engine_thread is not None else None
+        ) or EngineStats()
         return WorkerStats(
             worker_id=self.worker_id,
             model=self.model_name,
@@ -278,20 +280,21 @@ class WorkerService:
         with contextlib.suppress(IllegalTransition):  # a failed worker has nothing to drain
             self.lifecycle.move(Event.SHUTDOWN, "shutting down (SIGTERM)")
         await self._publish_stats()
-        if self.loop is None or self.loop.engine is None:  # stopped while starting
+        thread = self.engine_thread
+        if thread is None or thread.engine is None:  # stopped while starting
             return
         deadline = time.monotonic() + self.config.drain_timeout
         while (
-            not self.loop.dead
-            and (self.loop.num_requests or self.loop.engine.has_work())
+            not thread.dead
+            and (thread.num_requests or thread.engine.has_work())
             and time.monotonic() < deadline
         ):
             await asyncio.sleep(0.05)
         await self._outbox.join()
 
     async def close(self) -> None:
-        if self.loop is not None:
-            self.loop.stop()
+        if self.engine_thread is not None:
+            self.engine_thread.stop()
         for task in self._tasks:
             task.cancel()
         if self.bus is not None:

@@ -2,10 +2,10 @@
 
 Litestar routes every request, but the two completion endpoints are mounted as ASGI
 handlers: Litestar's ``Request`` and ``Stream`` response (an anyio task group per
-stream, to listen for the disconnect) cost ~0.55 ms before a stream's first byte on the
-2-vCPU benchmark machine, a tenth of what the whole stack adds to the time to first
-token (``docs/performance.md``). What they did for these routes is here: read a bounded
-body, send JSON or server-sent events, and cancel the work when the client goes away.
+stream, to listen for the disconnect) add measurably to the time to first token on the
+hottest path of the stack (``docs/performance.md``, "Stack overhead"). What they did for
+these routes is here: read a bounded body, send JSON or server-sent events, and cancel
+the work when the client goes away.
 """
 
 from __future__ import annotations

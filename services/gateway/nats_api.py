@@ -17,14 +17,14 @@ from lamina.libs.bus import Bus
 from lamina.libs.errors import invalid_field
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.api import ApiDelta, ApiError, ApiFinished, ApiRequest
+from lamina.services.gateway.admission import Admission
 from lamina.services.gateway.errors import GenerationError, invalid_request
-from lamina.services.gateway.frontend import Frontend
 
 log = logging.getLogger("lamina.gateway.nats")
 
 
 def _prompt(request: ApiRequest) -> str | list[int] | list[dict[str, str]]:
-    """The request's one prompt, in the form ``Frontend.open`` takes."""
+    """The request's one prompt, in the form ``Admission.open`` takes."""
     given = [x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)]
     if sum(given) != 1:
         raise invalid_request(
@@ -59,9 +59,9 @@ def _undecodable(msg: Msg, exc: msgspec.DecodeError) -> ApiError:
 
 
 class NatsApi:
-    def __init__(self, bus: Bus, frontend: Frontend) -> None:
+    def __init__(self, bus: Bus, admission: Admission) -> None:
         self.bus = bus
-        self.frontend = frontend
+        self.admission = admission
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -84,7 +84,7 @@ class NatsApi:
     async def _serve(self, request: ApiRequest, reply: str) -> None:
         rid = request.request_id
         try:
-            stream = await self.frontend.open(
+            stream = await self.admission.admit(
                 request.model,
                 _prompt(request),
                 request.sampling,

@@ -14,6 +14,7 @@ from litestar import Litestar, Request, Response, asgi, get
 from litestar.types import Receive, Scope, Send
 
 from lamina.schemas.v1.generate import TokenLogprob, Usage
+from lamina.services.gateway.admission import Admission, TextDelta, TextStream
 from lamina.services.gateway.asgi import (
     BodyTooLarge,
     ClientDisconnected,
@@ -25,7 +26,6 @@ from lamina.services.gateway.asgi import (
     start_events,
 )
 from lamina.services.gateway.errors import GenerationError, invalid_request
-from lamina.services.gateway.frontend import Frontend, TextDelta, TextStream
 from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,15 +65,15 @@ def _error_body(exc: GenerationError) -> dict[str, Any]:
 
 
 class OpenAIApi:
-    """Route handlers bound to one :class:`Frontend`."""
+    """Route handlers bound to one :class:`Admission`."""
 
-    def __init__(self, frontend: Frontend, ready: Callable[[], bool]) -> None:
-        self.frontend = frontend
+    def __init__(self, admission: Admission, ready: Callable[[], bool]) -> None:
+        self.admission = admission
         self.ready = ready
 
     # ----------------------------------------------------------------------------- helpers
     def _token_text(self, token_id: int) -> str:
-        return self.frontend.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.admission.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _completion_logprobs(
         self, ids: list[int], lps: list[TokenLogprob] | None
@@ -123,7 +123,7 @@ class OpenAIApi:
                 sampling = body.sampling(16, body.logprobs)
         except InvalidRequest as exc:
             raise invalid_request(exc.message, exc.param) from exc
-        return await self.frontend.open(
+        return await self.admission.admit(
             body.model, prompt, sampling, body.sla(), body.stop_strings()
         )
 
@@ -183,7 +183,7 @@ class OpenAIApi:
         except GenerationError as exc:
             return exc.status, _error_body(exc)
         finally:
-            self.frontend.close_later(stream)
+            self.admission.close_later(stream)
         delta = TextDelta("".join(text), ids, lps or None, last.finish_reason, last.usage)
         return 200, build(delta, response_id, created, streaming=False)
 
@@ -215,7 +215,7 @@ class OpenAIApi:
                         "id": response_id,
                         "object": self._chunk_object(chat),
                         "created": created,
-                        "model": self.frontend.model_name,
+                        "model": self.admission.model_name,
                         "choices": [],
                         "usage": _usage(usage),
                     },
@@ -223,7 +223,7 @@ class OpenAIApi:
         except GenerationError as exc:
             await send_event(send, _error_body(exc))
         finally:
-            self.frontend.close_later(stream)
+            self.admission.close_later(stream)
         await send_event(send, b"[DONE]")
 
     @staticmethod
@@ -237,7 +237,7 @@ class OpenAIApi:
             "id": response_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": self.frontend.model_name,
+            "model": self.admission.model_name,
             "choices": [
                 {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             ],
@@ -251,7 +251,7 @@ class OpenAIApi:
             "id": response_id,
             "object": "text_completion",
             "created": created,
-            "model": self.frontend.model_name,
+            "model": self.admission.model_name,
             "choices": [
                 {
                     "index": 0,
@@ -277,7 +277,7 @@ class OpenAIApi:
             "id": response_id,
             "object": "chat.completion",
             "created": created,
-            "model": self.frontend.model_name,
+            "model": self.admission.model_name,
             "choices": [
                 {
                     "index": 0,
@@ -307,7 +307,7 @@ class OpenAIApi:
                 "object": "list",
                 "data": [
                     {
-                        "id": api.frontend.model_name,
+                        "id": api.admission.model_name,
                         "object": "model",
                         "created": 0,
                         "owned_by": "lamina",

@@ -185,7 +185,7 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
-    """Checked where both client APIs admit a chat (``Frontend``)."""
+    """Checked where both client APIs admit a chat (``Admission``)."""
     content: str | list[ContentPart]
 
     def text(self) -> str:

@@ -16,11 +16,11 @@ from lamina.libs.default_tokenizer import ensure_default_tokenizer
 from lamina.libs.errors import BusError
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
-from lamina.services.gateway.frontend import Frontend
+from lamina.services.gateway.admission import Admission
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.nats_api import NatsApi
 from lamina.services.gateway.openai_http import OpenAIApi
-from lamina.services.gateway.session import SessionSettings
+from lamina.services.gateway.remote_request import RetryPolicy
 from lamina.services.gateway.tokenizer import ModelTokenizer
 
 log = logging.getLogger("lamina.gateway")
@@ -64,15 +64,15 @@ class GatewayService:
         self.bus = bus = await Bus.connect(cfg.nats_url, "gateway")
         inbox = Inbox(bus)
         await inbox.start()
-        settings = SessionSettings(
+        settings = RetryPolicy(
             accept_timeout=cfg.accept_timeout,
             stall_timeout=cfg.stall_timeout,
             max_attempts=cfg.max_attempts,
         )
-        frontend = Frontend(bus, inbox, tokenizer, cfg.model_name or model_dir.name, settings)
-        self._nats_api = NatsApi(bus, frontend)
+        admission = Admission(bus, inbox, tokenizer, cfg.model_name or model_dir.name, settings)
+        self._nats_api = NatsApi(bus, admission)
         await self._nats_api.start()
-        app = OpenAIApi(frontend, ready=lambda: self.cluster_ready).app()
+        app = OpenAIApi(admission, ready=lambda: self.cluster_ready).app()
         self._server = _Server(
             uvicorn.Config(
                 app,
@@ -96,7 +96,7 @@ class GatewayService:
             await asyncio.sleep(0.02)
         log.info(
             "gateway serving model %s on http://%s:%d",
-            frontend.model_name,
+            admission.model_name,
             cfg.http_host,
             cfg.http_port,
         )

@@ -115,7 +115,7 @@ def test_a_second_worker_under_a_running_workers_id_refuses_to_start(nats_url, t
         try:
             with pytest.raises(WorkerIdInUse, match="'dup-worker' is already in use"):
                 await second.start()
-            assert second.loop is None  # refused before loading the model
+            assert second.engine_thread is None  # refused before loading the model
             assert first.state == "ready"  # the ping changed nothing
         finally:
             await second.bus.close()
@@ -237,7 +237,7 @@ def test_a_failed_step_degrades_the_worker_until_resumed(nats_url, tiny_model):
         await worker.start()
         bus = await Bus.connect(nats_url, "bus-test-degraded")
         try:
-            await asyncio.to_thread(worker.loop.call(break_step).wait, 10)
+            await asyncio.to_thread(worker.engine_thread.call(break_step).wait, 10)
             accepted, failed = await _stream(bus, generate("hit"), worker_id)
             assert isinstance(accepted, Accepted)
             assert isinstance(failed, Failed) and failed.retryable and not failed.tokens_sent
@@ -247,7 +247,7 @@ def test_a_failed_step_degrades_the_worker_until_resumed(nats_url, tiny_model):
             assert isinstance(rejected, Rejected) and rejected.reason == "degraded"
             assert rejected.retryable
 
-            await asyncio.to_thread(worker.loop.call(lambda e: delattr(e, "step")).wait, 10)
+            await asyncio.to_thread(worker.engine_thread.call(lambda e: delattr(e, "step")).wait, 10)
             ack = await bus.request(
                 subjects.worker_control(worker_id), Resume(), ControlAck, timeout=10
             )
@@ -299,7 +299,7 @@ def test_a_dead_engine_thread_turns_the_worker_failed(nats_url, tiny_model):
 
                 engine.take_kv_events = fail
 
-            await asyncio.to_thread(worker.loop.call(break_events).wait, 10)
+            await asyncio.to_thread(worker.engine_thread.call(break_events).wait, 10)
             accepted, failed = await _stream(bus, generate("held"), worker_id)
             assert isinstance(accepted, Accepted)
             assert isinstance(failed, Failed) and failed.retryable

@@ -1,10 +1,10 @@
 """One request's life on the bus, as the gateway sees it: submitted, accepted, streamed,
 moved to another worker when its worker is lost.
 
-:meth:`Generation.start` submits to the scheduler with a reply subject on this gateway's
+:meth:`RemoteRequest.start` submits to the scheduler with a reply subject on this gateway's
 inbox and waits for a worker's ``Accepted``, retrying retryable rejections and silent
 losses with back-off; only then does an HTTP response begin, so a refusal gets a real
-status code. :meth:`Generation.stream` yields the accepted attempt's token events until
+status code. :meth:`RemoteRequest.stream` yields the accepted attempt's token events until
 ``Finished``. When the attempt's worker is lost (it stops heartbeating, or it fails the
 request as retryable) the request moves: the prompt plus every token streamed so far is
 submitted again, through the same attempt loop, and the new worker's tokens continue the
@@ -64,7 +64,7 @@ class _WorkerLost(Exception):
 
 
 @dataclass(frozen=True)
-class SessionSettings:
+class RetryPolicy:
     accept_timeout: float = 5.0
     """Seconds to wait for a worker to accept before resubmitting."""
     stall_timeout: float = 60.0
@@ -77,13 +77,13 @@ class SessionSettings:
 
 
 @dataclass
-class Generation:
+class RemoteRequest:
     """One request: submit, accept, stream. Use ``async with`` so it always cleans up."""
 
     bus: Bus
     inbox: Inbox
     request: GenerateRequest
-    settings: SessionSettings
+    settings: RetryPolicy
     worker_id: str | None = None
     """The worker of the accepted attempt (None until one accepts)."""
     attempts: int = 0
@@ -112,7 +112,7 @@ class Generation:
             return Outcome.FAILED if self.worker_id is not None else Outcome.REJECTED
         return Outcome.CANCELLED
 
-    async def __aenter__(self) -> Generation:
+    async def __aenter__(self) -> RemoteRequest:
         r = self.request
         # The request's root span, with the OpenTelemetry GenAI attributes.
         self._span = tracer.start_span(

@@ -10,7 +10,7 @@ The thread also builds the engine. Torch's OpenMP runtime keeps a pool of worker
 for every thread that ever ran a parallel op, and once pools and their owners outnumber
 the cores it stops spinning between parallel regions and sleeps instead (libgomp's
 throttled spin): with the engine built on an executor thread and stepped on this one,
-each parallel op ran 10-20% slower on the 2-core benchmark machine.
+each parallel op ran slower (``docs/performance.md``, "Stack overhead").
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ log = logging.getLogger("lamina.worker.engine")
 Outgoing = tuple[str, Any, Any]  # (subject, message, trace context or None)
 _STATS_PERIOD_S = 0.1
 HANDOFF_WAIT_S = 0.002
-"""Most seconds :meth:`EngineLoop.submit` blocks the event loop handing a request to an
+"""Most seconds :meth:`EngineThread.submit` blocks the event loop handing a request to an
 idle engine thread (it normally takes tens of microseconds)."""
 
 
@@ -73,7 +73,7 @@ class _Call:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class EngineLoop(threading.Thread):
+class EngineThread(threading.Thread):
     """Owns the engine; see the module docstring."""
 
     def __init__(
@@ -123,8 +123,8 @@ class EngineLoop(threading.Thread):
         added the request. Woken by the queue, it still needs the GIL, which this thread
         would otherwise keep through the rest of its loop iteration (publishing
         ``Accepted``, flushing the socket). Blocked here, it lends the engine the GIL at
-        once: on the 2-vCPU benchmark machine, receipt to ``add_request`` went from ~590
-        to ~300 us. A busy engine takes the request at its next step; nothing waits then.
+        once, which shortens the time from receipt to ``add_request`` and so to the first
+        token. A busy engine takes the request at its next step; nothing waits then.
         """
         with self._lock:
             self._pending_adds += 1

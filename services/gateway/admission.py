@@ -20,7 +20,7 @@ from lamina.schemas.v1.generate import (
 from lamina.services.gateway.detokenizer import IncrementalDetokenizer
 from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.inbox import Inbox
-from lamina.services.gateway.session import Generation, SessionSettings
+from lamina.services.gateway.remote_request import RemoteRequest, RetryPolicy
 from lamina.services.gateway.tokenizer import ModelTokenizer, TemplateError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -41,26 +41,26 @@ class TextDelta:
 class TextStream:
     """An accepted request, read as text. Always :meth:`close` it (or use ``async with``)."""
 
-    def __init__(self, generation: Generation, detokenizer: IncrementalDetokenizer) -> None:
-        self.generation = generation
+    def __init__(self, remote: RemoteRequest, detokenizer: IncrementalDetokenizer) -> None:
+        self.remote = remote
         self.detokenizer = detokenizer
         self.completion_tokens = 0
 
     @property
     def request_id(self) -> str:
-        return self.generation.request.request_id
+        return self.remote.request.request_id
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.generation.request.prompt_token_ids)
+        return len(self.remote.request.prompt_token_ids)
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         detok = self.detokenizer
-        async for event in self.generation.stream():
+        async for event in self.remote.stream():
             self.completion_tokens += len(event.token_ids)
             text = detok.add(event.token_ids)
             if detok.stopped:  # a stop string matched: end here, cancel the rest
-                self.generation.stop_early()
+                self.remote.stop_early()
                 yield TextDelta(
                     text, event.token_ids, event.logprobs, FinishReason.STOP, self._usage()
                 )
@@ -76,7 +76,7 @@ class TextStream:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
 
     async def close(self) -> None:
-        await self.generation.__aexit__(None, None, None)
+        await self.remote.__aexit__(None, None, None)
 
     async def __aenter__(self) -> TextStream:
         return self
@@ -85,7 +85,7 @@ class TextStream:
         await self.close()
 
 
-class Frontend:
+class Admission:
     """Builds wire requests and opens text streams for both client APIs."""
 
     def __init__(
@@ -94,7 +94,7 @@ class Frontend:
         inbox: Inbox,
         tokenizer: ModelTokenizer,
         model_name: str,
-        settings: SessionSettings,
+        settings: RetryPolicy,
     ) -> None:
         self.bus = bus
         self.inbox = inbox
@@ -103,7 +103,7 @@ class Frontend:
         self.settings = settings
         self._cleanup: set[asyncio.Task] = set()
 
-    async def open(
+    async def admit(
         self,
         model: str | None,
         prompt: str | list[int] | list[dict[str, str]],
@@ -131,14 +131,14 @@ class Frontend:
             sampling=sampling,
             sla=sla,
         )
-        generation = Generation(self.bus, self.inbox, request, self.settings)
-        await generation.__aenter__()
+        remote = RemoteRequest(self.bus, self.inbox, request, self.settings)
+        await remote.__aenter__()
         try:
-            await generation.start()
+            await remote.start()
         except BaseException:
-            await generation.__aexit__(None, None, None)
+            await remote.__aexit__(None, None, None)
             raise
-        return TextStream(generation, IncrementalDetokenizer(self.tokenizer, stop))
+        return TextStream(remote, IncrementalDetokenizer(self.tokenizer, stop))
 
     def _prompt_ids(self, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
         try:

@@ -1,4 +1,4 @@
-"""A gateway ``Generation`` on a real nats-server against a scripted peer that answers
+"""A gateway ``RemoteRequest`` on a real nats-server against a scripted peer that answers
 ``sched.submit`` as a scheduler and its workers would: retries, moves, the ``seq``
 contract, and the outcome each way of ending leaves in the ``RequestRecord``."""
 
@@ -28,10 +28,10 @@ from lamina.schemas.v1.generate import (
 from lamina.schemas.v1.records import Outcome, RequestRecord
 from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.inbox import Inbox
-from lamina.services.gateway.session import Generation, SessionSettings
+from lamina.services.gateway.remote_request import RemoteRequest, RetryPolicy
 
 PROMPT = [5, 6, 7]
-SETTINGS = SessionSettings(accept_timeout=1.0, max_attempts=3, retry_backoff=0.01)
+SETTINGS = RetryPolicy(accept_timeout=1.0, max_attempts=3, retry_backoff=0.01)
 Script = Callable[[GenerateRequest], list[object]]
 
 
@@ -93,7 +93,7 @@ class Run:
 
 
 def run(nats_url: str, scripts: list[Script], max_tokens: int = 10) -> Run:
-    """One request through ``Generation``; the n-th submission gets ``scripts[n]``."""
+    """One request through ``RemoteRequest``; the n-th submission gets ``scripts[n]``."""
 
     async def main() -> Run:
         result = Run()
@@ -125,9 +125,9 @@ def run(nats_url: str, scripts: list[Script], max_tokens: int = 10) -> Run:
             sampling=Sampling(max_tokens=max_tokens, min_tokens=3),
         )
         try:
-            async with Generation(bus, inbox, request, SETTINGS) as generation:
-                await generation.start()
-                async for event in generation.stream():
+            async with RemoteRequest(bus, inbox, request, SETTINGS) as remote:
+                await remote.start()
+                async for event in remote.stream():
                     result.events.append(event)
         except GenerationError as exc:
             result.error = exc

@@ -1,4 +1,4 @@
-"""The worker's engine thread builds the engine it steps (see ``engine_loop.py`` for why),
+"""The worker's engine thread builds the engine it steps (see ``engine_thread.py`` for why),
 hands a failed build to whoever waits for it, takes a request at once when idle, and,
 should it die or wedge, fails what it held as retryable and says so."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from lamina.schemas.v1.generate import Failed, GenerateRequest, Sampling
-from lamina.services.engine_worker.engine_loop import EngineLoop
+from lamina.services.engine_worker.engine_thread import EngineThread
 from tests.engine.helpers import make_engine
 
 
@@ -47,7 +47,7 @@ def test_a_dead_engine_thread_fails_what_it_held_and_says_so(tiny_model):
     it: the requests it held and the ones still queued fail as retryable, and
     ``on_death`` is called once with the reason."""
     seen = Recorder()
-    loop = EngineLoop(
+    loop = EngineThread(
         lambda: make_engine(tiny_model), "w", "kv", emit=seen.emit, on_death=seen.on_death
     )
     loop.start()
@@ -72,7 +72,7 @@ def test_a_dead_engine_thread_fails_what_it_held_and_says_so(tiny_model):
 
 def test_a_wedged_engine_thread_is_declared_so(tiny_model):
     seen = Recorder()
-    loop = EngineLoop(
+    loop = EngineThread(
         lambda: make_engine(tiny_model), "w", "kv", emit=seen.emit, on_death=seen.on_death
     )
     loop.start()
@@ -104,7 +104,7 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_model):
         built_on.append(threading.current_thread())
         return make_engine(tiny_model)
 
-    loop = EngineLoop(build, "w", "kv", emit=lambda batch: None)
+    loop = EngineThread(build, "w", "kv", emit=lambda batch: None)
     loop.start()
     try:
         engine = loop.wait_ready()
@@ -118,7 +118,7 @@ def test_a_failed_build_reaches_the_waiter():
     def build():
         raise FileNotFoundError("no checkpoint at /nowhere")
 
-    loop = EngineLoop(build, "w", "kv", emit=lambda batch: None)
+    loop = EngineThread(build, "w", "kv", emit=lambda batch: None)
     loop.start()
     with pytest.raises(FileNotFoundError, match="/nowhere"):
         loop.wait_ready()
@@ -131,7 +131,7 @@ def test_an_idle_engine_has_a_submitted_request_when_submit_returns(tiny_model):
     submitting thread blocks until the idle engine thread has added the request. (This
     test thread keeps the GIL between ``submit`` and the check, so without the hand-off
     the engine thread could not have run in between.)"""
-    loop = EngineLoop(
+    loop = EngineThread(
         lambda: make_engine(tiny_model), "w", "kv", emit=lambda batch: None, handoff_wait=10.0
     )
     loop.start()
