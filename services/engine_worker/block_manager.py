@@ -1,4 +1,6 @@
-"""The paged KV pool: fixed-size blocks, reference counts and the prefix cache.
+"""The paged KV pool: fixed-size blocks, reference counts, each request's block table and
+the prefix cache. This is the only writer of a request's blocks: callers read a table with
+:meth:`BlockManager.block_table`, and :meth:`BlockManager.allocate` returns what it added.
 
 A block is in one of three states: in use (``ref_count > 0``), free and cached (its hash is
 in ``cached``: a later request with the same prefix can take it back), or free and empty.
@@ -27,6 +29,7 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._tables: dict[str, list[int]] = {}  # request id -> block ids, in token order
         self._num_registered: dict[str, int] = {}  # request id -> blocks offered to the cache
         self._events: list[KvEvent] = []
         self._next_event_id = 0
@@ -42,6 +45,10 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached free blocks count as free)."""
         return 1.0 - len(self.free) / self.num_blocks
+
+    def block_table(self, request: Request) -> list[int]:
+        """``request``'s block ids in token order (read only; empty when it holds none)."""
+        return self._tables.get(request.request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -66,30 +73,31 @@ class BlockManager:
     # -------------------------------------------------------------------------- allocation
     def allocate(
         self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
-    ) -> bool:
-        """Give ``request`` blocks for ``num_new_tokens`` more tokens; False if too few free.
+    ) -> list[int] | None:
+        """Blocks for ``num_new_tokens`` more tokens of ``request``: the block ids added to
+        its table (``[]`` when its blocks already hold them), or None, changing nothing,
+        when too few are free.
 
         For a request being admitted, ``cached_blocks`` is its prefix hit (from
-        :meth:`match_prefix`): those blocks are shared and its computed tokens advance past
-        them. Nothing changes when it returns False.
+        :meth:`match_prefix`): those blocks are shared, first in its table, and its
+        computed tokens (the caller's to advance) will start after them.
         """
         cached_blocks = cached_blocks or []
+        table = self._tables.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        have = len(request.block_ids) + len(cached_blocks)
-        need = self.blocks_needed(num_computed + num_new_tokens) - have
+        have = len(table) + len(cached_blocks)
+        need = max(self.blocks_needed(num_computed + num_new_tokens) - have, 0)
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if need + revived > len(self.free):
-            return False
-        if cached_blocks:
-            for block_id in cached_blocks:
-                if self.ref_counts[block_id] == 0:
-                    del self.free[block_id]
-                self.ref_counts[block_id] += 1
-            request.block_ids.extend(cached_blocks)
-            request.num_computed_tokens = num_computed
-        for _ in range(max(need, 0)):
-            request.block_ids.append(self._take_free_block())
-        return True
+            return None
+        for block_id in cached_blocks:
+            if self.ref_counts[block_id] == 0:
+                del self.free[block_id]
+            self.ref_counts[block_id] += 1
+        added = cached_blocks + [self._take_free_block() for _ in range(need)]
+        if added:
+            self._tables[request.request_id] = table + added
+        return added
 
     def record_prefix_lookup(self, request: Request, num_hit_blocks: int) -> None:
         """Count an admitted request's prompt against the prefix cache hit ratio."""
@@ -113,14 +121,12 @@ class BlockManager:
         Blocks are released tail first, so a request's last blocks are evicted before its
         first ones (a later request is likelier to share the start of a prompt).
         """
-        for block_id in reversed(request.block_ids):
+        for block_id in reversed(self._tables.pop(request.request_id, [])):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free[block_id] = None
                 if self.block_hash[block_id] is None:
                     self.free.move_to_end(block_id, last=False)
-        request.block_ids = []
-        request.num_computed_tokens = 0
         self._num_registered.pop(request.request_id, None)
 
     # ------------------------------------------------------------------------ prefix cache
@@ -134,9 +140,10 @@ class BlockManager:
             return
         run: list[int] = []  # consecutive newly stored hashes
         run_parent = ROOT_HASH
+        table = self._tables[request.request_id]
         for index in range(first, last):
             block_hash = request.block_hashes[index]
-            block_id = request.block_ids[index]
+            block_id = table[index]
             if block_hash in self.cached or self.block_hash[block_id] is not None:
                 # Already cached (a prefix hit, or an identical block of another request).
                 self._flush_stored(run_parent, run)

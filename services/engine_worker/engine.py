@@ -225,12 +225,7 @@ class Engine:
         started = time.perf_counter()
         logits = self.runner.execute(batch)
 
-        finishing_prefill: list[Request] = []
-        for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens:
-                finishing_prefill.append(request)
-            self.blocks.cache_computed_blocks(request)
+        finishing_prefill = self.scheduler.advance(batch)
         sampled, errors = self._sample(logits, finishing_prefill)
 
         outputs = []

@@ -57,9 +57,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         """Set by the engine when decode-only steps run from CUDA graphs."""
 
-    def execute(self, batch: ScheduledBatch, sample_all_chunks: bool = False) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits ``(S, vocab)`` for each request of ``batch`` that finishes its tokens this
-        step (or, with ``sample_all_chunks``, for every request: teacher-forced tests)."""
+        step (in batch order)."""
         requests, num_new = batch.requests, batch.num_new_tokens
         context = [r.num_computed_tokens for r in requests]
         ids: list[int] = []
@@ -71,7 +71,7 @@ class ModelRunner:
         ends = np.cumsum(n_arr)
         row = np.repeat(np.arange(len(requests)), n_arr)
         positions = np.arange(int(ends[-1])) - np.repeat(ends - n_arr - ctx_arr, n_arr)
-        tables = [r.block_ids for r in requests]
+        tables = batch.block_tables
         width = max(len(t) for t in tables)
         table = np.zeros((len(requests), width), dtype=np.int64)
         for i, t in enumerate(tables):
@@ -79,11 +79,8 @@ class ModelRunner:
         slots = table[row, positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
-        if sample_all_chunks:
-            sampled = ends - 1
-        else:
-            done = (ctx_arr + n_arr) == np.asarray([r.num_tokens for r in requests])
-            sampled = (ends - 1)[done]
+        done = (ctx_arr + n_arr) == np.asarray([r.num_tokens for r in requests])
+        sampled = (ends - 1)[done]
 
         graphs = self.decode_graphs
         if graphs is not None and batch.num_decodes == len(requests) and graphs.bucket(len(ids)):

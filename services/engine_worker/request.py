@@ -34,11 +34,12 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     """Prompt then output tokens."""
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    """Tokens whose KV is in the cache; written by the scheduler only. The blocks that
+    hold them are the block manager's (``BlockManager.block_table``)."""
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of every full block of ``token_ids``."""
     num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache at (last) admission."""
+    """Prompt tokens served from the prefix cache at (last) admission (the scheduler's)."""
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     """Per-request generator when the request carries a seed."""

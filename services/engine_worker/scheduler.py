@@ -24,6 +24,8 @@ class ScheduledBatch:
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    """Each request's block ids (the block manager's, read only)."""
     num_decodes: int = 0
     preempted: list[Request] = field(default_factory=list)
 
@@ -60,7 +62,7 @@ class Scheduler:
         elif request.status is Status.WAITING:
             self.waiting = [entry for entry in self.waiting if entry[1] is not request]
             heapq.heapify(self.waiting)
-        self.blocks.free_request(request)
+        self._release(request)
         request.status = Status.FINISHED
 
     def has_work(self) -> bool:
@@ -94,11 +96,13 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.blocks.allocate(request, num_new, hit):
+            if self.blocks.allocate(request, num_new, hit) is None:
                 break
             heapq.heappop(self.waiting)
             self.blocks.record_prefix_lookup(request, len(hit))
-            request.num_cached_tokens = len(hit) * self.blocks.block_size
+            request.num_computed_tokens = request.num_cached_tokens = (
+                len(hit) * self.blocks.block_size
+            )
             request.status = Status.RUNNING
             self.running.append(request)
             chosen.append((request, num_new))
@@ -109,6 +113,7 @@ class Scheduler:
         chosen.sort(key=lambda item: (item[1] != 1, item[0].num_tokens if item[1] == 1 else 0))
         batch.requests = [request for request, _ in chosen]
         batch.num_new_tokens = [n for _, n in chosen]
+        batch.block_tables = [self.blocks.block_table(request) for request in batch.requests]
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
         return batch
 
@@ -117,7 +122,7 @@ class Scheduler:
     ) -> bool:
         """Allocate for a running request, preempting from the back of ``running`` until it
         fits; False when ``request`` itself had to go."""
-        while not self.blocks.allocate(request, num_new):
+        while self.blocks.allocate(request, num_new) is None:
             victim = self.running.pop()  # sorted: lowest priority, latest arrival
             self._preempt(victim)
             preempted.append(victim)
@@ -127,9 +132,25 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Drop the request's KV; it will be recomputed (prompt plus output so far)."""
-        self.blocks.free_request(request)
+        self._release(request)
         self.num_preemptions += 1
         self.add(request)
+
+    def _release(self, request: Request) -> None:
+        self.blocks.free_request(request)
+        request.num_computed_tokens = 0
+
+    def advance(self, batch: ScheduledBatch) -> list[Request]:
+        """After ``batch`` ran: its tokens are computed, and the blocks they completed are
+        offered to the prefix cache. Returns the requests that have now computed all their
+        tokens: they sample their next token."""
+        done = []
+        for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens:
+                done.append(request)
+            self.blocks.cache_computed_blocks(request)
+        return done
 
     def num_queued_prefill_tokens(self) -> int:
         """Tokens still to prefill: all of each waiting request, the rest of each running

@@ -247,7 +247,9 @@ def test_a_failed_step_degrades_the_worker_until_resumed(nats_url, tiny_model):
             assert isinstance(rejected, Rejected) and rejected.reason == "degraded"
             assert rejected.retryable
 
-            await asyncio.to_thread(worker.engine_thread.call(lambda e: delattr(e, "step")).wait, 10)
+            await asyncio.to_thread(
+                worker.engine_thread.call(lambda e: delattr(e, "step")).wait, 10
+            )
             ack = await bus.request(
                 subjects.worker_control(worker_id), Resume(), ControlAck, timeout=10
             )

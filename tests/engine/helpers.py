@@ -58,33 +58,38 @@ def teacher_forced_logits(
     engine: Engine, sequences: list[list[int]], prompt_lens: list[int]
 ) -> list[torch.Tensor]:
     """Prefill each sequence's prompt together in one step, then feed the rest of each
-    sequence one token per step (all sequences in the same batch). Returns, per sequence,
+    sequence one token per step (all sequences in the same batch), as decoding would with
+    the sequence's own next token in place of the sampled one. Returns, per sequence,
     logits ``(len - prompt_len + 1, vocab)`` for positions ``prompt_len - 1`` onwards."""
+    blocks = engine.blocks
     requests = []
     for n, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
-        request = Request(f"tf{n}", seq[:p], Sampling(), max_tokens=len(seq), token_ids=list(seq))
-        assert engine.blocks.allocate(request, len(seq))
+        request = Request(f"tf{n}", seq[:p], Sampling(), max_tokens=len(seq))
+        assert blocks.allocate(request, len(seq)) is not None
         requests.append(request)
     collected: list[list[torch.Tensor]] = [[] for _ in sequences]
-    chunk = list(prompt_lens)
     while True:
-        live = [i for i, r in enumerate(requests) if r.num_computed_tokens < r.num_tokens]
+        # Decodes first, as the scheduler orders a batch.
+        live = sorted(
+            (r for r in requests if r.num_computed_tokens < len(sequences[requests.index(r)])),
+            key=lambda r: r.num_tokens - r.num_computed_tokens != 1,
+        )
         if not live:
             break
+        num_new = [r.num_tokens - r.num_computed_tokens for r in live]
         batch = ScheduledBatch(
-            requests=[requests[i] for i in live],
-            num_new_tokens=[chunk[i] for i in live],
-            num_decodes=sum(1 for i in live if chunk[i] == 1),
+            requests=live,
+            num_new_tokens=num_new,
+            block_tables=[blocks.block_table(r) for r in live],
+            num_decodes=num_new.count(1),
         )
-        order = sorted(range(len(live)), key=lambda j: batch.num_new_tokens[j] != 1)
-        batch.requests = [batch.requests[j] for j in order]
-        batch.num_new_tokens = [batch.num_new_tokens[j] for j in order]
-        logits = engine.runner.execute(batch, sample_all_chunks=True)
-        for row, request in enumerate(batch.requests):
+        logits = engine.runner.execute(batch)  # every request finishes its tokens
+        for row, request in enumerate(live):
             i = requests.index(request)
             collected[i].append(logits[row])
-            request.num_computed_tokens += chunk[i]
-            chunk[i] = 1
+            request.num_computed_tokens = request.num_tokens
+            if request.num_tokens < len(sequences[i]):
+                request.token_ids.append(sequences[i][request.num_tokens])
     for request in requests:
-        engine.blocks.free_request(request)
+        blocks.free_request(request)
     return [torch.stack(rows) for rows in collected]

@@ -19,7 +19,7 @@ def req(request_id: str, tokens: list[int]) -> Request:
 
 def compute_all(bm: BlockManager, r: Request, hit: list[int] | None = None) -> None:
     """Admit ``r`` (with its prefix hit), pretend its tokens were computed, cache them."""
-    assert bm.allocate(r, r.num_tokens - len(hit or []) * BS, hit)
+    assert bm.allocate(r, r.num_tokens - len(hit or []) * BS, hit) is not None
     r.num_computed_tokens = r.num_tokens
     bm.cache_computed_blocks(r)
 
@@ -27,21 +27,21 @@ def compute_all(bm: BlockManager, r: Request, hit: list[int] | None = None) -> N
 def test_allocation_takes_lowest_free_ids_in_order():
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = req("a", list(range(10)))  # 3 blocks
-    assert bm.allocate(a, 10)
-    assert a.block_ids == [0, 1, 2]
+    assert bm.allocate(a, 10) == [0, 1, 2]  # what it added
+    assert bm.block_table(a) == [0, 1, 2]
     assert bm.num_free_blocks == 5
-    assert bm.allocate(a, 2)  # 12 tokens still fit in 3 blocks
-    assert a.block_ids == [0, 1, 2]
+    assert bm.allocate(a, 2) == []  # 12 tokens still fit in 3 blocks
+    assert bm.block_table(a) == [0, 1, 2]
     a.num_computed_tokens = 12
-    assert bm.allocate(a, 1)
-    assert a.block_ids == [0, 1, 2, 3]
+    assert bm.allocate(a, 1) == [3]
+    assert bm.block_table(a) == [0, 1, 2, 3]
 
 
 def test_allocation_fails_without_side_effects():
     bm = BlockManager(num_blocks=2, block_size=BS)
     a = req("a", list(range(9)))
-    assert not bm.allocate(a, 9)
-    assert a.block_ids == [] and bm.num_free_blocks == 2
+    assert bm.allocate(a, 9) is None
+    assert bm.block_table(a) == [] and bm.num_free_blocks == 2
 
 
 def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute():
@@ -51,8 +51,9 @@ def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute():
     b = req("b", list(range(12)))  # identical: the last block must still be computed
     hit = bm.match_prefix(b)
     assert hit == [0, 1]
-    assert bm.allocate(b, 4, hit)
-    assert b.block_ids == [0, 1, 3] and b.num_computed_tokens == 8
+    assert bm.allocate(b, 4, hit) == [0, 1, 3]
+    assert bm.block_table(b) == [0, 1, 3]
+    assert b.num_computed_tokens == 0  # the scheduler advances it, not the block manager
     assert bm.ref_counts[:4] == [2, 2, 1, 1]
     c = req("c", [*range(8), 99, 98])
     assert bm.match_prefix(c) == [0, 1]
@@ -73,8 +74,7 @@ def test_freed_blocks_stay_cached_and_are_evicted_lru_tail_first():
     assert list(bm.free) == [4, 5, 1, 0, 3, 2]
     bm.take_events()
     c = req("c", list(range(200, 216)))  # 4 blocks: reuses 4, 5, then evicts 1, 0
-    assert bm.allocate(c, 16)
-    assert c.block_ids == [4, 5, 1, 0]
+    assert bm.allocate(c, 16) == [4, 5, 1, 0]
     assert [type(e) for e in bm.take_events()] == [BlockRemoved, BlockRemoved]
     assert bm.match_prefix(req("a2", [*range(8), 7])) == []  # a's prefix is gone
     assert bm.match_prefix(req("b2", list(range(100, 110)))) == [2, 3]  # b's survives
@@ -88,8 +88,8 @@ def test_cache_hit_revives_a_free_block():
     b = req("b", list(range(9)))
     hit = bm.match_prefix(b)
     assert hit == [0, 1]
-    assert bm.allocate(b, 1, hit)
-    assert b.block_ids == [0, 1, 2] and 0 not in bm.free and 1 not in bm.free
+    assert bm.allocate(b, 1, hit) == [0, 1, 2]
+    assert 0 not in bm.free and 1 not in bm.free
     assert bm.ref_counts == [1, 1, 1, 0]
 
 
@@ -99,7 +99,7 @@ def test_kv_events_are_numbered_without_gaps():
     compute_all(bm, a)
     bm.free_request(a)
     b = req("b", list(range(50, 66)))
-    assert bm.allocate(b, 16)  # evicts both of a's blocks
+    assert bm.allocate(b, 16) is not None  # evicts both of a's blocks
     bm.reset_prefix_cache()
     events = bm.take_events()
     assert [e.event_id for e in events] == [0, 1, 2, 3]
@@ -117,7 +117,7 @@ def test_stored_event_names_its_parent_when_extending_a_sequence():
     compute_all(bm, a)  # block 0 full
     a.token_ids += [6, 7, 8]
     a.update_block_hashes(BS)
-    assert bm.allocate(a, 3)
+    assert bm.allocate(a, 3) == [2]
     a.num_computed_tokens = 9
     bm.cache_computed_blocks(a)
     first, second = bm.take_events()
@@ -125,6 +125,16 @@ def test_stored_event_names_its_parent_when_extending_a_sequence():
     assert second == BlockStored(
         event_id=1, parent_hash=a.block_hashes[0], block_hashes=a.block_hashes[1:2]
     )
+
+
+def test_freeing_drops_the_table():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = req("a", list(range(8)))
+    compute_all(bm, a)
+    bm.free_request(a)
+    assert bm.block_table(a) == [] and bm.ref_counts == [0, 0, 0, 0]
+    bm.free_request(a)  # twice is harmless
+    assert bm.ref_counts == [0, 0, 0, 0]
 
 
 def test_prefix_caching_off_never_caches():
