@@ -45,9 +45,7 @@ def test_typed_publish_subscribe_and_queue_groups(nats_url):
         await member("b")
         for i in range(20):
             await bus.publish("t.cancel", Cancel(request_id=str(i)))
-        await bus.nc.flush()
-        await asyncio.sleep(0.2)
-        await bus.drain()
+        await bus.drain()  # the barrier: every message delivered and handled, then closed
         return got
 
     got = run(main())
@@ -96,9 +94,7 @@ def test_undecodable_message_is_answered_with_a_typed_error_and_dropped(nats_url
         reply = await bus.nc.request("t.typed", b'{"type":"Cancel","request_id":5}', timeout=2)
         bad = await bus.nc.request("t.typed", b"not json", timeout=2)
         await bus.publish("t.typed", Cancel(request_id="ok"))  # still subscribed
-        await bus.nc.flush()
-        await asyncio.sleep(0.1)
-        await bus.drain()
+        await bus.drain()  # the barrier: every message delivered and handled, then closed
         return reply, bad, handled
 
     reply, bad, handled = run(main())
@@ -188,7 +184,8 @@ def test_draining_after_the_server_went_away_closes_promptly():
     async def main():
         bus = await Bus.connect(server.url, "test")
         server.stop()
-        await asyncio.sleep(0.2)  # the client notices and starts reconnecting
+        while bus.nc.is_connected:  # until the client notices and starts reconnecting
+            await asyncio.sleep(0.01)
         await asyncio.wait_for(bus.drain(), timeout=5)
         return bus.nc.is_closed
 

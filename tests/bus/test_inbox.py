@@ -31,9 +31,9 @@ def test_late_acceptance_of_an_abandoned_request_is_cancelled(nats_url):
         abandoned = inbox.open(asyncio.Queue())
         inbox.close(abandoned)  # e.g. the client hung up while the request was queued
         await bus.publish(abandoned, Accepted(request_id="orphan", worker_id="w-late"))
+        # The inbox handles its messages in order: had the live request's Accepted made it
+        # cancel, that cancel would have come first.
         cancel = await asyncio.wait_for(cancels.get(), 5)
-        await asyncio.sleep(0.1)
-        assert cancels.empty()  # the live request was not cancelled
         await bus.drain()
         return delivered, cancel
 

@@ -84,7 +84,11 @@ def test_replicas_form_a_queue_group_each_submit_is_placed_once(nats_url):
             for i in range(20):
                 await h.submit(request(f"q{i}"))
             ids = [(await asyncio.wait_for(h.forwarded.get(), 5))[0].request_id for _ in range(20)]
-            await asyncio.sleep(0.2)  # a second copy of any submit would have arrived by now
+            # The barrier: each replica handles every submit it got and sends its forwards
+            # before its drain returns, and the client's drain takes in all sent to it.
+            for scheduler in h.schedulers:
+                await scheduler.bus.drain()
+            await h.bus.drain()
             assert sorted(ids) == sorted(f"q{i}" for i in range(20)) and h.forwarded.empty()
 
     asyncio.run(main())

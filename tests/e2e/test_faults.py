@@ -11,6 +11,9 @@ import httpx
 import openai
 import pytest
 
+from lamina.libs.bus import Bus
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
 from tests.e2e.conftest import make_stack
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -35,7 +38,7 @@ def test_killing_the_only_worker_fails_new_requests_fast_with_503(tiny_model, tm
         assert response.json()["error"]["type"] == "service_unavailable"
         assert elapsed < 10, f"took {elapsed:.1f}s"
         # Once the scheduler has declared the worker dead, rejection is immediate.
-        time.sleep(2)
+        wait_until_scheduler_forgets_alive(stack.nats_url, "worker-0", timeout=10)
         started = time.monotonic()
         response = httpx.post(
             stack.base_url + "/v1/completions",
@@ -45,6 +48,26 @@ def test_killing_the_only_worker_fails_new_requests_fast_with_503(tiny_model, tm
         assert response.status_code == 503
         assert time.monotonic() - started < 1.0
         assert httpx.get(stack.base_url + "/ready").status_code == 503
+
+
+def wait_until_scheduler_forgets_alive(nats_url: str, worker_id: str, timeout: float) -> None:
+    """Wait (bounded) until the scheduler's own view (``sched.status``) has ``worker_id``
+    dead or gone: the event the test means, not a guess at the heartbeat window."""
+
+    async def alive() -> bool:
+        bus = await Bus.connect(nats_url, "test-faults-status")
+        try:
+            status = await bus.request(
+                subjects.SCHED_STATUS, ClusterStatusRequest(), ClusterStatus, timeout=5
+            )
+        finally:
+            await bus.close()
+        return any(w.alive for w in status.workers if w.stats.worker_id == worker_id)
+
+    deadline = time.monotonic() + timeout
+    while asyncio.run(alive()):
+        assert time.monotonic() < deadline, f"the scheduler still has {worker_id} alive"
+        time.sleep(0.1)
 
 
 async def sigterm_under_load(stack, service: str, streams: int, max_tokens: int) -> list:

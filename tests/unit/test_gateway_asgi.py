@@ -62,7 +62,8 @@ def test_work_that_ends_first_is_not_cancelled():
         with ClientWatch(script(then=gone)) as client:
             await asyncio.sleep(0.01)
         gone.set()  # e.g. the response completed
-        await asyncio.sleep(0.05)
+        # The barrier: the watcher has ended, so nothing it could still do is missed.
+        await asyncio.gather(client._watcher, return_exceptions=True)
         return client.disconnected
 
     assert asyncio.run(main()) is False
