@@ -1,7 +1,9 @@
 """KV cache events: what a worker's prefix cache gained and lost, numbered without gaps.
 
 The scheduler keeps a cluster-wide prefix index from these; a gap in ``event_id`` tells it
-that it missed something and must resynchronise.
+that it missed something and must resynchronise: it sends ``KvSyncRequest`` to
+``worker.<id>.kv.sync`` and the worker answers on the reply subject with its whole cache
+as ``KvSnapshot`` parts, the events after ``next_event_id`` applying on top.
 """
 
 from __future__ import annotations
@@ -41,3 +43,25 @@ class KvEventBatch(Message):
     worker_id: str
     block_size: int
     events: list[KvEvent]
+    incarnation: str = ""
+    """Unique to one run of the worker process: a new one means a restarted worker, whose
+    cache and event numbering start again from nothing."""
+
+
+class KvSyncRequest(Message):
+    """scheduler → ``worker.<id>.kv.sync``: send me your cache as it is now."""
+
+
+class KvSnapshot(Message):
+    """One part of a worker's answer to ``KvSyncRequest``, on its reply subject: the hashes
+    of every cached block as of ``next_event_id`` (the first event the snapshot does not
+    cover). Large caches come in several parts, ``last`` on the final one; all parts are
+    taken from one consistent state."""
+
+    worker_id: str
+    incarnation: str
+    block_size: int
+    next_event_id: int
+    block_hashes: list[int]
+    part: int = 0
+    last: bool = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from lamina.schemas.v1.base import Message, OpenEnum
 from lamina.schemas.v1.generate import FinishReason
 
@@ -42,6 +44,20 @@ PLACED = "placed"
 """``PlacementRecord.reason`` of a request that was placed."""
 
 
+class ScoredWorker(msgspec.Struct, kw_only=True):
+    """One candidate worker as placement weighed it."""
+
+    worker_id: str
+    overlap_blocks: int
+    """Leading blocks of the prompt in its prefix cache."""
+    predicted_ttft_s: float
+    """Its queued prefill plus this request's uncached tokens over its measured prefill
+    rate, plus its running decodes' share of those steps (``scheduler/placement.py``)."""
+    kv_usage: float
+    """The fraction of its KV blocks in use, counting this request's uncached blocks."""
+    num_running: int
+
+
 class PlacementRecord(Message):
     """scheduler → ``events.placement`` for every placement decision."""
 
@@ -52,5 +68,19 @@ class PlacementRecord(Message):
     """:data:`PLACED` or the ``RejectReason``."""
     candidates: int
     score: float | None = None
+    """What the policy minimised for the chosen worker (``kv``: its predicted TTFT in
+    seconds; ``load``: its queued work in tokens)."""
     prefix_hit_blocks: int = 0
+    """Leading prompt blocks the chosen worker has cached, by the cluster prefix index."""
     attempt: int = 0
+    scheduler_id: str = ""
+    """The replica that decided (replicas count each other's placements as pending)."""
+    policy: str = ""
+    """``kv``, ``load`` or ``round-robin``."""
+    prompt_tokens: int = 0
+    predicted_ttft_s: float | None = None
+    """The chosen worker's predicted time to first token (any policy)."""
+    scored: list[ScoredWorker] = []
+    """Every worker that could take the request, as placement weighed it."""
+    timestamp_ms: int = 0
+    """Wall-clock time of the decision."""

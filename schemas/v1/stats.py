@@ -54,6 +54,9 @@ class WorkerStats(Message, gc=False):
     state_reason: str = ""
     """Why the worker is in its state when that is not obvious (``degraded``, ``failed``,
     a shutdown drain); empty otherwise."""
+    incarnation: str = ""
+    """Unique to one run of the worker process (as on its ``KvEventBatch``es): a new one
+    under the same id is a restart, so what was known of its cache is dropped."""
 
 
 class ClusterStatusRequest(Message):

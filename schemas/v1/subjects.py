@@ -30,3 +30,8 @@ def worker_stats(worker_id: str) -> str:
 
 def worker_kv(worker_id: str) -> str:
     return f"{PREFIX}.worker.{worker_id}.kv"
+
+
+def worker_kv_sync(worker_id: str) -> str:
+    """Request/reply: a scheduler asks the worker for a ``KvSnapshot`` of its cache."""
+    return f"{PREFIX}.worker.{worker_id}.kv.sync"

@@ -165,6 +165,11 @@ class BlockManager:
                 )
             )
 
+    def snapshot(self) -> tuple[list[int], int]:
+        """Every cached block's hash, and the id of the first event the list does not
+        cover (events not yet taken are already reflected in it)."""
+        return list(self.cached), self._next_event_id
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; blocks in use stay with their requests."""
         self.cached.clear()

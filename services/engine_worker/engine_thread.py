@@ -85,6 +85,7 @@ class EngineThread(threading.Thread):
         handoff_wait: float = HANDOFF_WAIT_S,
         on_step_failure: Callable[[str], None] = lambda reason: None,
         on_death: Callable[[str], None] = lambda reason: None,
+        incarnation: str = "",
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self._make_engine = make_engine
@@ -92,6 +93,8 @@ class EngineThread(threading.Thread):
         """Set by the thread once built (see :meth:`wait_ready`)."""
         self.worker_id = worker_id
         self.kv_subject = kv_subject
+        self.incarnation = incarnation
+        """Put on every ``KvEventBatch`` (see ``WorkerStats.incarnation``)."""
         self.emit = emit
         self.stats: EngineStats | None = None
         self._ready = threading.Event()
@@ -348,7 +351,10 @@ class EngineThread(threading.Thread):
         if not events:
             return []
         batch = KvEventBatch(
-            worker_id=self.worker_id, block_size=self.engine.config.block_size, events=events
+            worker_id=self.worker_id,
+            block_size=self.engine.config.block_size,
+            events=events,
+            incarnation=self.incarnation,
         )
         return [(self.kv_subject, batch, None)]
 

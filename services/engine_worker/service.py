@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -34,6 +35,7 @@ from lamina.schemas.v1.control import (
     Resume,
 )
 from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason
+from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
 from lamina.schemas.v1.stats import WorkerState, WorkerStats
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.engine import Engine, EngineStats
@@ -42,6 +44,9 @@ from lamina.services.engine_worker.errors import InvalidRequestError
 from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Lifecycle
 
 log = logging.getLogger("lamina.worker")
+
+SNAPSHOT_PART = 40_000
+"""Block hashes per ``KvSnapshot`` message: ~20 bytes each in JSON, under 1 MiB."""
 
 #: States in which a worker refuses requests with a reason of the same name.
 _REFUSING = (WorkerState.DRAINING, WorkerState.DEGRADED, WorkerState.FAILED)
@@ -79,6 +84,8 @@ class WorkerService:
         self.config = config
         self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.lifecycle = Lifecycle()
+        self.incarnation = uuid.uuid4().hex[:16]
+        """This run of the worker: a restart under the same id is a new incarnation."""
         self.bus: Bus | None = None
         self.engine_thread: EngineThread | None = None
         self._outbox: asyncio.Queue[list[Outgoing]] = asyncio.Queue()
@@ -102,6 +109,7 @@ class WorkerService:
             emit=lambda batch: aio.call_soon_threadsafe(self._outbox.put_nowait, batch),
             on_step_failure=lambda reason: aio.call_soon_threadsafe(self._degrade, reason),
             on_death=lambda reason: aio.call_soon_threadsafe(self._fail, reason),
+            incarnation=self.incarnation,
         )
         self.engine_thread.start()
         engine = await asyncio.to_thread(self.engine_thread.wait_ready)
@@ -109,6 +117,7 @@ class WorkerService:
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
         await bus.subscribe(subjects.worker_control(wid), ControlCommand, self._on_control)
+        await bus.subscribe(subjects.worker_kv_sync(wid), KvSyncRequest, self._on_kv_sync)
         self._tasks.append(asyncio.create_task(self._publish_outbox()))
         self.lifecycle.move(Event.LOADED)
         await self._publish_stats()
@@ -207,6 +216,29 @@ class WorkerService:
                 f"(engine_stall_timeout {self.config.engine_stall_timeout:g}s)"
             )
 
+    async def _on_kv_sync(self, _: KvSyncRequest, msg: Msg) -> None:
+        """Answer a scheduler that lost track of this worker's cache with all of it."""
+        if not msg.reply:
+            return
+        taken: list[tuple[list[int], int]] = []
+        done = self.engine_thread.call(lambda engine: taken.append(engine.blocks.snapshot()))
+        if not await asyncio.to_thread(done.wait, 5.0) or not taken:
+            log.warning("no KV snapshot within 5 s; the scheduler will ask again")
+            return
+        hashes, next_event_id = taken[0]
+        parts = [hashes[i : i + SNAPSHOT_PART] for i in range(0, len(hashes), SNAPSHOT_PART)]
+        for n, part in enumerate(parts or [[]]):
+            snapshot = KvSnapshot(
+                worker_id=self.worker_id,
+                incarnation=self.incarnation,
+                block_size=self.engine_thread.engine.config.block_size,
+                next_event_id=next_event_id,
+                block_hashes=part,
+                part=n,
+                last=n >= len(parts) - 1,
+            )
+            await self.bus.publish(msg.reply, snapshot)
+
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         self.engine_thread.cancel(cancel.request_id)
 
@@ -267,6 +299,7 @@ class WorkerService:
             timestamp_ms=int(time.time() * 1000),
             heartbeat_interval_s=self.config.stats_interval,
             state_reason=self.lifecycle.reason,
+            incarnation=self.incarnation,
             prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
             **dataclasses.asdict(counters),
         )

@@ -1,21 +1,100 @@
 """Admission and placement policy (pure: no I/O).
 
-Placement today is least queued work: a worker's score is the prefill tokens it has
-queued plus a decode-equivalent charge per running and waiting request, plus what has
-been placed on it since its last heartbeat. KV-aware placement comes later and will add
-a prefix-overlap term.
+Admission keeps the workers that can run the request (alive, ready, serving its model,
+with the context for it). Among them the policy chooses:
+
+* ``kv`` (the default): the lowest predicted time to first token among the workers with KV
+  room for the request after reuse, ties broken by decode load. For worker *w*, with
+  *Q* the prefill tokens it has queued (its heartbeat, plus what was placed on it since),
+  *U* this request's prompt tokens that *w* does not have cached (the cluster prefix
+  index), *R*\\ :sub:`p` and *R*\\ :sub:`d` its measured prefill and decode rates, and
+  *N* the sequences it is decoding::
+
+      ttft(w) = (Q + U) / R_p  +  decode_weight * N / R_d
+
+  The first term is the prefill work ahead of the request's first token, its own
+  included; reuse enters through *U*, in the same unit as load, so a long cached prefix
+  wins exactly when skipping its prefill saves more time than the worker's queue costs.
+  The second term is one engine step's worth of the decodes that share the steps. Both
+  rates are measured over whole engine steps, which already mix prefill and decode, so
+  the decode term is a correction for a worker busier than when its rates were
+  measured; ``decode_weight`` scales it (0 drops it). A worker that has not measured a
+  rate yet (it has served nothing) is given the median of the rates its peers measured,
+  else the configured prior: a fresh worker must look as fast as its peers, or it would
+  never be given the work that measures it.
+* ``load``: least queued work (queued prefill tokens plus a per-request charge), blind
+  to the cache.
+* ``round-robin``: each ready worker in turn.
+
+Dynamo scores ``overlap_weight * prefill_blocks + decode_blocks`` and llm-d sums weighted
+prefix, queue and KV-utilisation scorers; both add quantities of different units under
+tuned weights. Predicting the TTFT puts overlap and load in seconds, which is also what
+the SLA admission of a request's ``ttft_target_ms`` needs, and lets telemetry show the
+prediction next to the measured TTFT.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
 
 from lamina.schemas.v1.generate import GenerateRequest, RejectReason, context_overflow
+from lamina.schemas.v1.records import ScoredWorker
 from lamina.schemas.v1.stats import WorkerState
 from lamina.services.scheduler.registry import Candidate
 
-#: Prefill tokens one queued request is taken to be worth when comparing load.
+#: Prefill tokens one queued request is taken to be worth under the ``load`` policy.
 REQUEST_WEIGHT_TOKENS = 64
+
+
+class Policy(StrEnum):
+    KV = "kv"
+    LOAD = "load"
+    ROUND_ROBIN = "round-robin"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The constants of the ``kv`` policy's TTFT prediction."""
+
+    prefill_rate_prior: float = 2000.0
+    """Prefill tokens/s assumed for a worker that has not measured its own yet."""
+    decode_rate_prior: float = 200.0
+    """Decode tokens/s assumed likewise."""
+    decode_weight: float = 1.0
+    """Scale of the running-decodes term (0: prefill work alone)."""
+
+    def uncached_tokens(self, prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
+        """Prompt tokens a worker must compute: at least one (the engine always computes
+        the last prompt token, whose logits give the first output token)."""
+        return prompt_tokens - min(overlap_blocks * block_size, prompt_tokens - 1)
+
+    def predict_ttft(
+        self, worker: Candidate, uncached: int, rates: tuple[float, float] | None = None
+    ) -> float:
+        """``ttft(w)`` above; ``rates`` (prefill, decode) stand in for rates the worker
+        has not measured (default: the priors)."""
+        s = worker.stats
+        prefill_prior, decode_prior = rates or (self.prefill_rate_prior, self.decode_rate_prior)
+        queued = s.num_queued_prefill_tokens + worker.pending_tokens
+        prefill_rate = s.prefill_tokens_per_s or prefill_prior
+        decode_rate = s.decode_tokens_per_s or decode_prior
+        decode = self.decode_weight * s.num_running / decode_rate
+        return (queued + uncached) / prefill_rate + decode
+
+    def peer_rates(self, workers: list[Candidate]) -> tuple[float, float]:
+        """The median prefill and decode rates the workers measured (the priors where
+        none has)."""
+        prefill = [w.stats.prefill_tokens_per_s for w in workers if w.stats.prefill_tokens_per_s]
+        decode = [w.stats.decode_tokens_per_s for w in workers if w.stats.decode_tokens_per_s]
+        return (
+            statistics.median(prefill) if prefill else self.prefill_rate_prior,
+            statistics.median(decode) if decode else self.decode_rate_prior,
+        )
 
 
 @dataclass(frozen=True)
@@ -27,6 +106,9 @@ class Decision:
     candidates: int
     score: float | None = None
     retryable: bool = True
+    prefix_hit_blocks: int = 0
+    predicted_ttft_s: float | None = None
+    scored: list[ScoredWorker] = field(default_factory=list)
 
 
 def load_score(entry: Candidate) -> float:
@@ -38,35 +120,100 @@ def load_score(entry: Candidate) -> float:
     )
 
 
-def place(request: GenerateRequest, live: list[Candidate]) -> Decision:
-    """Pick the ready worker serving ``request.model`` with the least queued work."""
+Overlap = Callable[[list[int], list[str]], dict[str, int]]
+"""``(prompt token ids, worker ids) -> {worker id: cached leading blocks}``."""
+
+
+@dataclass
+class Placer:
+    """Chooses a worker by :class:`Policy`; keeps the round-robin turn."""
+
+    policy: Policy = Policy.KV
+    cost: CostModel = field(default_factory=CostModel)
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def place(self, request: GenerateRequest, live: list[Candidate], overlap: Overlap) -> Decision:
+        fits, refusal = admit(request, live)
+        if refusal is not None:
+            return refusal
+        prompt = request.prompt_token_ids
+        hits = overlap(prompt, [w.stats.worker_id for w in fits])
+        rates = self.cost.peer_rates(fits)
+        scored = [self._score(w, len(prompt), hits[w.stats.worker_id], rates) for w in fits]
+        by_id = {s.worker_id: s for s in scored}
+        if self.policy == Policy.KV:
+            roomy = [s for s, w in zip(scored, fits, strict=True) if self._has_room(w, s)]
+            best = min(
+                roomy or scored,
+                key=lambda s: (s.predicted_ttft_s, s.kv_usage, s.num_running, s.worker_id),
+            )
+            score = best.predicted_ttft_s
+        elif self.policy == Policy.LOAD:
+            chosen = min(fits, key=lambda w: (load_score(w), w.stats.worker_id))
+            best, score = by_id[chosen.stats.worker_id], load_score(chosen)
+        else:
+            ordered = sorted(fits, key=lambda w: w.stats.worker_id)
+            chosen = ordered[next(self._turn) % len(ordered)]
+            best, score = by_id[chosen.stats.worker_id], None
+        return Decision(
+            best.worker_id,
+            None,
+            "",
+            len(fits),
+            score,
+            prefix_hit_blocks=best.overlap_blocks,
+            predicted_ttft_s=best.predicted_ttft_s,
+            scored=scored,
+        )
+
+    def _score(
+        self,
+        worker: Candidate,
+        prompt_tokens: int,
+        overlap_blocks: int,
+        rates: tuple[float, float],
+    ) -> ScoredWorker:
+        s = worker.stats
+        uncached = self.cost.uncached_tokens(prompt_tokens, overlap_blocks, s.block_size)
+        new_blocks = math.ceil(uncached / s.block_size)
+        used = s.total_kv_blocks - s.free_kv_blocks + new_blocks
+        return ScoredWorker(
+            worker_id=s.worker_id,
+            overlap_blocks=overlap_blocks,
+            predicted_ttft_s=self.cost.predict_ttft(worker, uncached, rates),
+            kv_usage=used / s.total_kv_blocks if s.total_kv_blocks else 1.0,
+            num_running=s.num_running + worker.pending,
+        )
+
+    @staticmethod
+    def _has_room(worker: Candidate, scored: ScoredWorker) -> bool:
+        """Free KV blocks for the request's uncached prompt, after what is pending."""
+        s = worker.stats
+        pending_blocks = math.ceil(worker.pending_tokens / s.block_size)
+        return scored.kv_usage * s.total_kv_blocks + pending_blocks <= s.total_kv_blocks
+
+
+def admit(
+    request: GenerateRequest, live: list[Candidate]
+) -> tuple[list[Candidate], Decision | None]:
+    """The ready workers that can run ``request``, or the refusal when there are none."""
     if not live:
-        return Decision(None, RejectReason.NO_WORKER, "no engine worker is alive", 0)
+        return [], Decision(None, RejectReason.NO_WORKER, "no engine worker is alive", 0)
     serving = [w for w in live if w.stats.model == request.model]
     if not serving:
         models = sorted({w.stats.model for w in live})
-        return Decision(
-            None,
-            RejectReason.MODEL_NOT_FOUND,
-            f"no worker serves model {request.model!r}; available: {models}",
-            0,
-            retryable=False,
-        )
+        message = f"no worker serves model {request.model!r}; available: {models}"
+        return [], Decision(None, RejectReason.MODEL_NOT_FOUND, message, 0, retryable=False)
     ready = [w for w in serving if w.stats.state == WorkerState.READY]
     if not ready:
         states = ", ".join(sorted({w.stats.state for w in serving}))
         message = f"no worker for this model is ready (their states: {states})"
-        return Decision(None, RejectReason.NO_WORKER, message, len(serving))
+        return [], Decision(None, RejectReason.NO_WORKER, message, len(serving))
     prompt, wanted = len(request.prompt_token_ids), request.sampling.max_tokens
     fits = [w for w in ready if not context_overflow(prompt, wanted, w.stats.max_model_len)]
     if not fits:
         longest = max(w.stats.max_model_len for w in ready)
-        return Decision(
-            None,
-            RejectReason.INVALID_REQUEST,
-            context_overflow(prompt, wanted, longest) or "",
-            len(ready),
-            retryable=False,
-        )
-    best = min(fits, key=lambda w: (load_score(w), w.stats.worker_id))
-    return Decision(best.stats.worker_id, None, "", len(fits), load_score(best))
+        message = context_overflow(prompt, wanted, longest) or ""
+        refusal = Decision(None, RejectReason.INVALID_REQUEST, message, len(ready), retryable=False)
+        return [], refusal
+    return fits, None

@@ -1,5 +1,6 @@
-"""The scheduler's registry: the cluster view, plus what this replica placed on each worker
-since its last heartbeat (pure: no I/O)."""
+"""The scheduler's registry: the cluster view, the cluster prefix index, and what was
+placed on each worker since its last heartbeat, by this replica or another (pure: no I/O).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import time
 from dataclasses import dataclass
 
 from lamina.libs.cluster import Clock, ClusterView
+from lamina.schemas.v1.kv import KvEventBatch, KvSnapshot
+from lamina.schemas.v1.records import PlacementRecord
 from lamina.schemas.v1.stats import WorkerStats
+from lamina.services.scheduler.prefix_index import PrefixIndex
 
 
 @dataclass
@@ -18,28 +22,67 @@ class Candidate:
     pending: int = 0
     """Requests placed here since its last heartbeat (not yet in its stats)."""
     pending_tokens: int = 0
-    """Their prompt tokens."""
+    """Their uncached prompt tokens: prefill work not yet in its stats."""
 
 
 class Registry:
     def __init__(self, clock: Clock = time.monotonic, wall_clock: Clock = time.time) -> None:
         self.view = ClusterView(clock, wall_clock)
+        self.index = PrefixIndex()
         self._pending: dict[str, Candidate] = {}
 
-    def heartbeat(self, stats: WorkerStats) -> None:
-        """A heartbeat supersedes the estimate of what was placed before it."""
+    def heartbeat(self, stats: WorkerStats) -> bool:
+        """A heartbeat supersedes the estimate of what was placed before it. Returns True
+        when the index should ask this worker for a snapshot (never synced, or restarted
+        under the same id)."""
         self.view.heartbeat(stats)
         self._pending.pop(stats.worker_id, None)
+        kv = self.index.workers.get(stats.worker_id)
+        if kv is not None and kv.incarnation != stats.incarnation:
+            self.index.drop(stats.worker_id)  # a new process: its cache starts empty
+            kv = None
+        return kv is None or not kv.synced
 
-    def placed(self, worker_id: str, prompt_tokens: int) -> None:
-        entry = self.view.workers[worker_id]
+    def kv_events(self, batch: KvEventBatch) -> bool:
+        """Apply a worker's KV events; False when it must be asked for a snapshot."""
+        if batch.worker_id not in self.view.workers:
+            return True  # not heard from yet: its first heartbeat starts a sync
+        return self.index.apply(batch.worker_id, batch.incarnation, batch.block_size, batch.events)
+
+    def restore(self, parts: list[KvSnapshot]) -> None:
+        """Replace a worker's index entries with its snapshot (all its parts)."""
+        first = parts[0]
+        hashes = [h for part in parts for h in part.block_hashes]
+        self.index.restore(
+            first.worker_id, first.incarnation, first.block_size, hashes, first.next_event_id
+        )
+
+    def placed(self, worker_id: str, uncached_tokens: int) -> None:
+        """Count a request placed on ``worker_id`` until its next heartbeat shows it."""
+        entry = self.view.workers.get(worker_id)
+        if entry is None:
+            return
         pending = self._pending.setdefault(worker_id, Candidate(entry.stats))
         pending.pending += 1
-        pending.pending_tokens += prompt_tokens
+        pending.pending_tokens += uncached_tokens
+
+    def placed_by_peer(self, record: PlacementRecord) -> None:
+        """Count another replica's placement, unless the worker's heartbeat since then
+        already does."""
+        entry = self.view.workers.get(record.worker_id or "")
+        if entry is None or record.timestamp_ms <= entry.stats.timestamp_ms:
+            return
+        block_size = entry.stats.block_size
+        cached = min(record.prefix_hit_blocks * block_size, max(record.prompt_tokens - 1, 0))
+        self.placed(entry.stats.worker_id, record.prompt_tokens - cached)
 
     def candidates(self) -> list[Candidate]:
-        """Every live worker, with what was placed on it since its heartbeat."""
+        """Every live worker, with what was placed on it since its heartbeat. The index
+        forgets workers that are no longer alive (they come back through a snapshot)."""
+        live = self.view.live()
+        alive = {entry.stats.worker_id for entry in live}
+        for worker_id in [w for w in self.index.workers if w not in alive]:
+            self.index.drop(worker_id)
         return [
-            self._pending.get(entry.stats.worker_id) or Candidate(entry.stats)
-            for entry in self.view.live()
+            self._pending.get(entry.stats.worker_id) or Candidate(entry.stats) for entry in live
         ]

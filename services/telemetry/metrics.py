@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -273,6 +274,51 @@ class RequestMetrics:
         self.generation_tokens.labels(*labels).observe(record.completion_tokens)
 
 
+TTFT_ERROR_BUCKETS = [
+    *(-b for b in (5.0, 1.0, 0.5, 0.25, 0.1, 0.05, 0.02)),
+    *(0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
+]
+
+MAX_OPEN_PREDICTIONS = 10_000
+"""Placement predictions kept while their requests run (oldest dropped beyond it)."""
+
+
+class PredictionMetrics:
+    """The scheduler's predicted TTFT next to the one the gateway measured, per request
+    (joined by request id: the placement record comes first, the request record last)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.predicted = Histogram(
+            PREFIX + "predicted_time_to_first_token_seconds",
+            "The placed worker's time to first token as the scheduler predicted it.",
+            ["worker_id", "policy"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.error = Histogram(
+            PREFIX + "ttft_prediction_error_seconds",
+            "Measured minus predicted time to first token (positive: slower than predicted).",
+            ["worker_id"],
+            buckets=TTFT_ERROR_BUCKETS,
+            registry=registry,
+        )
+        self._open: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def placed(self, record: PlacementRecord) -> None:
+        if record.worker_id is None or record.predicted_ttft_s is None:
+            return
+        self.predicted.labels(record.worker_id, record.policy).observe(record.predicted_ttft_s)
+        self._open[record.request_id] = (record.worker_id, record.predicted_ttft_s)
+        self._open.move_to_end(record.request_id)  # a retry's placement replaces the first
+        while len(self._open) > MAX_OPEN_PREDICTIONS:
+            self._open.popitem(last=False)
+
+    def ended(self, record: RequestRecord) -> None:
+        worker_id, predicted = self._open.pop(record.request_id, (None, 0.0))
+        if record.ttft_s is not None and worker_id == record.worker_id:
+            self.error.labels(worker_id).observe(record.ttft_s - predicted)
+
+
 class Aggregator:
     """Everything telemetry knows, in its own :class:`CollectorRegistry`."""
 
@@ -287,6 +333,7 @@ class Aggregator:
             ["reason"],
             registry=self.registry,
         )
+        self.predictions = PredictionMetrics(self.registry)
 
     def observe_stats(self, stats: WorkerStats) -> None:
         """A worker heartbeat."""
@@ -295,10 +342,12 @@ class Aggregator:
     def observe_request(self, record: RequestRecord) -> None:
         """A request ended at the gateway."""
         self.requests.observe(record)
+        self.predictions.ended(record)
 
     def observe_placement(self, record: PlacementRecord) -> None:
         """The scheduler decided where (or whether) to place a request."""
         self.placements.labels(record.reason).inc()
+        self.predictions.placed(record)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

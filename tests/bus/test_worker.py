@@ -24,7 +24,13 @@ from lamina.schemas.v1.generate import (
     StreamEvent,
     Tokens,
 )
-from lamina.schemas.v1.kv import AllBlocksCleared, BlockStored, KvEventBatch
+from lamina.schemas.v1.kv import (
+    AllBlocksCleared,
+    BlockStored,
+    KvEventBatch,
+    KvSnapshot,
+    KvSyncRequest,
+)
 from lamina.schemas.v1.stats import WorkerState, WorkerStats
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.service import WorkerConfig, WorkerIdInUse, WorkerService
@@ -341,3 +347,55 @@ def test_resume_cannot_undo_a_shutdown_drain(nats_url, tiny_model):
             await worker.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_kv_snapshot_is_the_cache_the_events_describe(nats_url, tiny_model):
+    """What ``kv.sync`` answers is what a receiver of every KV event would hold, as of the
+    event id it names, under the incarnation the heartbeats and events carry."""
+    worker_id = "bus-kv-sync-worker"
+
+    async def main() -> None:
+        worker = WorkerService(worker_config(nats_url, worker_id, tiny_model))
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-kv-sync")
+        batches: list[KvEventBatch] = []
+
+        async def on_kv(batch: KvEventBatch, _msg) -> None:
+            batches.append(batch)
+
+        try:
+            await bus.subscribe(subjects.worker_kv(worker_id), KvEventBatch, on_kv)
+            for i in range(3):  # three prompts of three full blocks each
+                prompt = [5 + i, *range(100, 147)]
+                request = GenerateRequest(
+                    request_id=f"s{i}",
+                    model="lamina-tiny",
+                    prompt_token_ids=prompt,
+                    sampling=Sampling(max_tokens=2, temperature=0, ignore_eos=True),
+                )
+                assert isinstance((await _stream(bus, request, worker_id))[-1], Finished)
+            parts: asyncio.Queue[KvSnapshot] = asyncio.Queue()
+
+            async def on_part(part: KvSnapshot, _msg) -> None:
+                parts.put_nowait(part)
+
+            inbox = bus.inbox()
+            await bus.subscribe(inbox, KvSnapshot, on_part)
+            await bus.publish(subjects.worker_kv_sync(worker_id), KvSyncRequest(), reply=inbox)
+            snapshot = await asyncio.wait_for(parts.get(), 10)
+            await bus.drain()  # the barrier: every event published before it has arrived
+            held: set[int] = set()
+            for event in (e for b in batches for e in b.events):
+                if event.event_id < snapshot.next_event_id:
+                    held |= set(event.block_hashes) if isinstance(event, BlockStored) else set()
+            assert snapshot.last and snapshot.worker_id == worker_id
+            assert set(snapshot.block_hashes) == held and len(held) == 3 * 3
+            assert snapshot.next_event_id == sum(len(b.events) for b in batches)
+            assert {b.incarnation for b in batches} == {snapshot.incarnation}
+            assert worker.worker_stats().incarnation == snapshot.incarnation
+        finally:
+            await bus.close()
+            await worker.drain()
+            await worker.close()
+
+    asyncio.run(main())

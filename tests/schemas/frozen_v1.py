@@ -211,6 +211,20 @@ class KvEventBatch(Message):
     events: list[KvEvent]
 
 
+class KvSyncRequest(Message):
+    pass
+
+
+class KvSnapshot(Message):
+    worker_id: str
+    incarnation: str
+    block_size: int
+    next_event_id: int
+    block_hashes: list[int]
+    part: int = 0
+    last: bool = True
+
+
 # --- records.py ---------------------------------------------------------------------------
 
 

@@ -48,8 +48,15 @@ from lamina.schemas.v1.generate import (
     Tokens,
     Usage,
 )
-from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
-from lamina.schemas.v1.records import PlacementRecord, RequestRecord
+from lamina.schemas.v1.kv import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    KvSnapshot,
+    KvSyncRequest,
+)
+from lamina.schemas.v1.records import PlacementRecord, RequestRecord, ScoredWorker
 from lamina.schemas.v1.stats import (
     ClusterStatus,
     ClusterStatusRequest,
@@ -124,6 +131,7 @@ def golden_instances() -> dict[str, Message]:
         timestamp_ms=1767225600500,
         heartbeat_interval_s=0.25,
         state_reason="3 requests left to finish before exit (SIGTERM)",
+        incarnation="5c1e0a9b7d3f4e21",
     )
     instances: list[Message] = [
         ApiRequest(
@@ -208,6 +216,17 @@ def golden_instances() -> dict[str, Message]:
                 BlockRemoved(event_id=42, block_hashes=hashes[2:]),
                 AllBlocksCleared(event_id=43),
             ],
+            incarnation="5c1e0a9b7d3f4e21",
+        ),
+        KvSyncRequest(),
+        KvSnapshot(
+            worker_id=worker_id,
+            incarnation="5c1e0a9b7d3f4e21",
+            block_size=16,
+            next_event_id=44,
+            block_hashes=hashes,
+            part=1,
+            last=False,
         ),
         RequestRecord(
             request_id=request_id,
@@ -231,6 +250,20 @@ def golden_instances() -> dict[str, Message]:
             score=0.8125,
             prefix_hit_blocks=2,
             attempt=1,
+            scheduler_id="sched-node-1-311",
+            policy="kv",
+            prompt_tokens=40,
+            predicted_ttft_s=0.8125,
+            scored=[
+                ScoredWorker(
+                    worker_id=worker_id,
+                    overlap_blocks=2,
+                    predicted_ttft_s=0.8125,
+                    kv_usage=0.1,
+                    num_running=12,
+                )
+            ],
+            timestamp_ms=1767225600600,
         ),
         stats,
         ClusterStatusRequest(),

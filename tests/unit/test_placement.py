@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lamina.schemas.v1.generate import GenerateRequest, RejectReason, Sampling
+from lamina.schemas.v1.records import PlacementRecord
 from lamina.schemas.v1.stats import WorkerState, WorkerStats
-from lamina.services.scheduler.placement import REQUEST_WEIGHT_TOKENS, place
-from lamina.services.scheduler.registry import Registry
+from lamina.services.scheduler.placement import REQUEST_WEIGHT_TOKENS, CostModel, Placer, Policy
+from lamina.services.scheduler.registry import Candidate, Registry
 from tests.telemetry.helpers import make_stats
 
 
@@ -24,6 +27,14 @@ def request(prompt_len: int = 10, max_tokens: int = 10, model: str = "m") -> Gen
         prompt_token_ids=[1] * prompt_len,
         sampling=Sampling(max_tokens=max_tokens),
     )
+
+
+def no_overlap(prompt: list[int], workers: list[str]) -> dict[str, int]:
+    return dict.fromkeys(workers, 0)
+
+
+def place(submitted: GenerateRequest, live: list, policy: Policy = Policy.LOAD):
+    return Placer(policy).place(submitted, live, no_overlap)
 
 
 class Clock:
@@ -96,3 +107,103 @@ def test_rejections_are_typed():
     registry.heartbeat(stats("c", state=WorkerState.FAILED))
     registry.heartbeat(stats("d", state=WorkerState.UNKNOWN))  # from a newer worker
     assert place(request(), registry.candidates()).worker_id is None
+
+
+def test_the_predicted_ttft_by_the_numbers():
+    cost = CostModel(prefill_rate_prior=1000.0, decode_rate_prior=100.0, decode_weight=1.0)
+    busy = Candidate(
+        stats(
+            "w",
+            num_queued_prefill_tokens=300,
+            num_running=4,
+            prefill_tokens_per_s=2000.0,
+            decode_tokens_per_s=50.0,
+        ),
+        pending=1,
+        pending_tokens=100,
+    )
+    # (300 queued + 100 pending + 600 uncached) / 2000 + 4 running / 50
+    assert cost.predict_ttft(busy, 600) == pytest.approx(0.5 + 0.08)
+    fresh = Candidate(stats("f", prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0))
+    assert cost.predict_ttft(fresh, 500) == pytest.approx(0.5)  # the priors, nothing running
+    # A worker that has measured nothing looks like its peers, not like the prior.
+    assert cost.peer_rates([busy, fresh]) == (2000.0, 50.0)
+    assert cost.peer_rates([fresh]) == (1000.0, 100.0)
+    assert cost.predict_ttft(fresh, 500, cost.peer_rates([busy, fresh])) == pytest.approx(0.25)
+    # The engine always computes the last prompt token, however much is cached.
+    assert cost.uncached_tokens(64, overlap_blocks=4, block_size=16) == 1
+    assert cost.uncached_tokens(100, overlap_blocks=2, block_size=16) == 68
+
+
+def overlap_of(hits: dict[str, int]):
+    return lambda prompt, workers: {w: hits.get(w, 0) for w in workers}
+
+
+def test_kv_placement_goes_where_the_prefix_is_cached_unless_the_queue_costs_more():
+    clock = Clock()
+    registry = registry_at(clock)
+    registry.heartbeat(stats("cached", num_queued_prefill_tokens=200, prefill_tokens_per_s=1000.0))
+    registry.heartbeat(stats("cold", prefill_tokens_per_s=1000.0))
+    long_prompt = request(prompt_len=800)
+    placer = Placer(Policy.KV)
+    # 48 cached blocks of 16 = 768 tokens: (200 + 32) / 1000 beats (0 + 800) / 1000.
+    decision = placer.place(long_prompt, registry.candidates(), overlap_of({"cached": 48}))
+    assert (decision.worker_id, decision.prefix_hit_blocks) == ("cached", 48)
+    assert decision.predicted_ttft_s == pytest.approx(0.232)
+    assert {s.worker_id: s.overlap_blocks for s in decision.scored} == {"cached": 48, "cold": 0}
+    # A deep enough queue makes the cold worker faster after all.
+    registry.heartbeat(stats("cached", num_queued_prefill_tokens=900, prefill_tokens_per_s=1000.0))
+    decision = placer.place(long_prompt, registry.candidates(), overlap_of({"cached": 48}))
+    assert decision.worker_id == "cold"
+    # Load-blind policies ignore the cache.
+    registry.heartbeat(stats("cached", num_queued_prefill_tokens=200, prefill_tokens_per_s=1000.0))
+    load = Placer(Policy.LOAD).place(long_prompt, registry.candidates(), overlap_of({"cached": 48}))
+    assert load.worker_id == "cold"
+
+
+def test_kv_placement_skips_a_worker_without_room_and_breaks_ties_by_load():
+    registry = registry_at(Clock())
+    registry.heartbeat(stats("full", total_kv_blocks=100, free_kv_blocks=2))
+    registry.heartbeat(stats("roomy", total_kv_blocks=100, free_kv_blocks=90, num_running=3))
+    registry.heartbeat(stats("roomier", total_kv_blocks=100, free_kv_blocks=95, num_running=3))
+    placer = Placer(Policy.KV, CostModel(decode_weight=0.0))
+    decision = placer.place(request(prompt_len=64), registry.candidates(), no_overlap)
+    # All three predict the same TTFT; "full" has no room for 4 blocks; "roomier" is less
+    # loaded after the request.
+    assert decision.worker_id == "roomier"
+    assert {s.worker_id: s.kv_usage for s in decision.scored} == pytest.approx(
+        {"full": 1.02, "roomy": 0.14, "roomier": 0.09}
+    )
+
+
+def test_round_robin_takes_each_ready_worker_in_turn():
+    registry = registry_at(Clock())
+    for worker in ("a", "b", "c"):
+        registry.heartbeat(stats(worker))
+    placer = Placer(Policy.ROUND_ROBIN)
+    chosen = [
+        placer.place(request(), registry.candidates(), no_overlap).worker_id for _ in range(6)
+    ]
+    assert chosen == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_another_replicas_placement_counts_until_the_workers_next_heartbeat():
+    registry = registry_at(Clock())
+    registry.heartbeat(stats("w", timestamp_ms=1_000, block_size=16))
+    record = PlacementRecord(
+        request_id="r",
+        worker_id="w",
+        reason="placed",
+        candidates=1,
+        prefix_hit_blocks=2,
+        prompt_tokens=100,
+        scheduler_id="other",
+        timestamp_ms=1_500,
+    )
+    registry.placed_by_peer(record)
+    (candidate,) = registry.candidates()
+    assert (candidate.pending, candidate.pending_tokens) == (1, 100 - 32)
+    # A heartbeat taken after the placement includes it; a record older than it is ignored.
+    registry.heartbeat(stats("w", timestamp_ms=2_000))
+    registry.placed_by_peer(record)
+    assert registry.candidates()[0].pending == 0

@@ -1,0 +1,188 @@
+"""The cluster prefix index: which worker holds which cached KV block (pure: no I/O).
+
+Fed by every worker's KV events (``worker.<id>.kv``), it answers, for one prompt, how many
+leading blocks each worker has cached, in one pass over the prompt's block hashes. A
+block's hash chains the hashes before it (``libs/block_hash.py``), so a worker that has
+block ``i`` of a prompt cached has the whole prefix up to it in the same sequence; the
+walk stops for a worker at its first miss.
+
+Each cached block is one entry, ``hash -> bitmask of worker slots``, per block size, and
+each worker keeps the set of hashes it holds (to clear them when it resets its cache,
+dies or restarts). A worker's events are applied in ``event_id`` order; a gap means
+events were lost, and the worker is marked unsynced: its entries are dropped, and the
+service asks it for a snapshot (``KvSnapshot``), buffering the events that arrive
+meanwhile and applying those the snapshot does not already cover.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lamina.libs.block_hash import ROOT_HASH, hash_block
+from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+MAX_BUFFERED_EVENTS = 10_000
+"""Events kept per worker while its snapshot is awaited; beyond this it resyncs again."""
+
+
+@dataclass
+class WorkerKv:
+    """One worker's share of the index."""
+
+    slot: int
+    """Its bit in the index's masks."""
+    block_size: int
+    incarnation: str
+    next_event_id: int = 0
+    hashes: set[int] = field(default_factory=set)
+    synced: bool = True
+    """False from a gap until its snapshot is applied."""
+    buffered: list[KvEvent] = field(default_factory=list)
+
+
+class PrefixIndex:
+    """Cached blocks per worker, for the whole cluster."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerKv] = {}
+        self._owners: dict[int, dict[int, int]] = {}  # block size -> hash -> worker mask
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+
+    # ------------------------------------------------------------------------- updates
+    def apply(
+        self, worker_id: str, incarnation: str, block_size: int, events: list[KvEvent]
+    ) -> bool:
+        """Apply a worker's event batch. Returns False when the worker needs a snapshot
+        (a gap, or a worker not seen from its first event)."""
+        kv = self._worker(worker_id, incarnation, block_size)
+        if not kv.synced:
+            kv.buffered += events
+            if len(kv.buffered) > MAX_BUFFERED_EVENTS:
+                kv.buffered.clear()
+                return False
+            return True
+        for event in events:
+            if event.event_id < kv.next_event_id:
+                continue  # already covered (by a snapshot)
+            if event.event_id > kv.next_event_id:
+                self._desync(kv)
+                kv.buffered = [e for e in events if e.event_id >= event.event_id]
+                return False
+            self._apply_one(kv, event)
+            kv.next_event_id += 1
+        return True
+
+    def restore(
+        self,
+        worker_id: str,
+        incarnation: str,
+        block_size: int,
+        block_hashes: list[int],
+        next_event_id: int,
+    ) -> None:
+        """Replace a worker's entries with its snapshot (its cache as of ``next_event_id``),
+        then apply what was buffered after it."""
+        kv = self._worker(worker_id, incarnation, block_size)
+        self._clear(kv)
+        owners, bit = self._owners.setdefault(kv.block_size, {}), 1 << kv.slot
+        for block_hash in block_hashes:
+            owners[block_hash] = owners.get(block_hash, 0) | bit
+        kv.hashes = set(block_hashes)
+        kv.next_event_id = next_event_id
+        kv.synced = True
+        buffered, kv.buffered = kv.buffered, []
+        if buffered:
+            self.apply(worker_id, incarnation, block_size, buffered)
+
+    def drop(self, worker_id: str) -> None:
+        """Forget a worker (dead, or gone)."""
+        kv = self.workers.pop(worker_id, None)
+        if kv is not None:
+            self._clear(kv)
+            self._free_slots.append(kv.slot)
+
+    def _worker(self, worker_id: str, incarnation: str, block_size: int) -> WorkerKv:
+        kv = self.workers.get(worker_id)
+        if kv is not None and (kv.incarnation != incarnation or kv.block_size != block_size):
+            self.drop(worker_id)  # restarted: a new cache, numbered from 0 again
+            kv = None
+        if kv is None:
+            slot = self._free_slots.pop() if self._free_slots else self._take_slot()
+            kv = self.workers[worker_id] = WorkerKv(slot, block_size, incarnation)
+        return kv
+
+    def _take_slot(self) -> int:
+        self._next_slot += 1
+        return self._next_slot - 1
+
+    def _desync(self, kv: WorkerKv) -> None:
+        self._clear(kv)
+        kv.synced = False
+
+    def _apply_one(self, kv: WorkerKv, event: KvEvent) -> None:
+        owners, bit = self._owners.setdefault(kv.block_size, {}), 1 << kv.slot
+        match event:
+            case BlockStored(block_hashes=hashes):
+                for block_hash in hashes:
+                    owners[block_hash] = owners.get(block_hash, 0) | bit
+                kv.hashes.update(hashes)
+            case BlockRemoved(block_hashes=hashes):
+                for block_hash in hashes:
+                    if block_hash in kv.hashes:
+                        kv.hashes.discard(block_hash)
+                        self._unset(owners, block_hash, bit)
+            case AllBlocksCleared():
+                self._clear(kv)
+
+    def _clear(self, kv: WorkerKv) -> None:
+        owners, bit = self._owners.get(kv.block_size, {}), 1 << kv.slot
+        for block_hash in kv.hashes:
+            self._unset(owners, block_hash, bit)
+        kv.hashes = set()
+
+    @staticmethod
+    def _unset(owners: dict[int, int], block_hash: int, bit: int) -> None:
+        mask = owners.get(block_hash, 0) & ~bit
+        if mask:
+            owners[block_hash] = mask
+        else:
+            owners.pop(block_hash, None)
+
+    # ------------------------------------------------------------------------- lookups
+    def overlap(self, token_ids: list[int], worker_ids: list[str]) -> dict[str, int]:
+        """Leading blocks of ``token_ids`` each of ``worker_ids`` has cached (0 for a
+        worker the index does not know, or has not synced). One pass over the prompt per
+        block size in use, hashing a block only while some worker still matches."""
+        result = dict.fromkeys(worker_ids, 0)
+        by_size: dict[int, dict[int, str]] = {}  # block size -> slot -> worker id
+        for worker_id in worker_ids:
+            kv = self.workers.get(worker_id)
+            if kv is not None and kv.synced and kv.hashes:
+                by_size.setdefault(kv.block_size, {})[kv.slot] = worker_id
+        for block_size, slots in by_size.items():
+            owners = self._owners.get(block_size, {})
+            matching = sum(1 << slot for slot in slots)
+            parent, blocks = ROOT_HASH, 0
+            for start in range(0, len(token_ids) - block_size + 1, block_size):
+                parent = hash_block(parent, token_ids[start : start + block_size])
+                still = matching & owners.get(parent, 0)
+                if still != matching:
+                    _settle(result, slots, matching & ~still, blocks)
+                    matching = still
+                    if not matching:
+                        break
+                blocks += 1
+            _settle(result, slots, matching, blocks)
+        return result
+
+    def __len__(self) -> int:
+        """Cached (block, worker) entries in the index."""
+        return sum(len(kv.hashes) for kv in self.workers.values())
+
+
+def _settle(result: dict[str, int], slots: dict[int, str], mask: int, blocks: int) -> None:
+    """Record ``blocks`` for every worker whose slot is set in ``mask``."""
+    for slot, worker_id in slots.items():
+        if mask >> slot & 1:
+            result[worker_id] = blocks
