@@ -174,3 +174,40 @@ def test_the_index_syncs_places_by_prefix_and_resyncs_after_gaps_and_restarts(na
             await scheduler.close()
 
     asyncio.run(main())
+
+
+def test_a_replica_counts_the_other_replicas_placements_as_pending(nats_url):
+    async def main() -> tuple[int, int]:
+        replicas = [
+            SchedulerService(SchedulerConfig(nats_url=nats_url, scheduler_id=f"s-peer-{i}"))
+            for i in range(2)
+        ]
+        for replica in replicas:
+            await replica.start()
+            await replica.bus.nc.flush()
+        bus = await Bus.connect(nats_url, "test-kv-peers")
+        workers = Workers(bus)
+        await workers.start()
+        try:
+            await workers.heartbeat("a")
+            for replica in replicas:
+                await until(lambda r=replica: "a" in r.registry.view.workers, "the heartbeat")
+            await submit(bus, "burst-1")
+            await asyncio.wait_for(workers.forwarded.get(), 5)
+            record = await asyncio.wait_for(workers.records.get(), 5)
+            placer = next(r for r in replicas if r.scheduler_id == record.scheduler_id)
+            other = next(r for r in replicas if r is not placer)
+
+            def pending(replica: SchedulerService) -> int:
+                (candidate,) = replica.registry.candidates()
+                return candidate.pending
+
+            # The replica that placed it counts it at once; the other from its record.
+            await until(lambda: pending(other) == 1, "the peer's record")
+            return pending(placer), pending(other)
+        finally:
+            await bus.drain()
+            for replica in replicas:
+                await replica.close()
+
+    assert asyncio.run(main()) == (1, 1)

@@ -226,6 +226,33 @@ def test_placements_count_by_reason():
     } <= lines(agg)
 
 
+def test_the_predicted_ttft_is_shown_next_to_its_error_against_the_measured_one():
+    agg, _ = make_aggregator()
+    for request_id, predicted in [("fast", 0.02), ("slow", 0.5), ("retried", 0.1)]:
+        agg.observe_placement(
+            PlacementRecord(
+                request_id=request_id,
+                worker_id="w1",
+                reason="placed",
+                candidates=2,
+                policy="kv",
+                predicted_ttft_s=predicted,
+            )
+        )
+    agg.observe_request(make_record(request_id="fast", ttft_s=0.03))  # 10 ms slower
+    agg.observe_request(make_record(request_id="slow", ttft_s=0.2))  # 300 ms faster
+    # Served by another worker than the one predicted for (a move): no error observed.
+    agg.observe_request(make_record(request_id="retried", worker_id="w2", ttft_s=0.5))
+    got = lines(agg)
+    assert (
+        'lamina:predicted_time_to_first_token_seconds_count{policy="kv",worker_id="w1"} 3.0' in got
+    )
+    assert 'lamina:ttft_prediction_error_seconds_count{worker_id="w1"} 2.0' in got
+    assert 'lamina:ttft_prediction_error_seconds_bucket{le="-0.25",worker_id="w1"} 1.0' in got
+    assert 'lamina:ttft_prediction_error_seconds_bucket{le="0.02",worker_id="w1"} 2.0' in got
+    assert not agg.predictions._open  # every joined or ended request let go of its entry
+
+
 def test_cluster_view_has_every_stats_field_plus_liveness():
     agg, clock = make_aggregator()
     stats = make_stats("w1")
