@@ -13,13 +13,15 @@ temporary destinations and are named ``(temporary)`` to keep span names low-card
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
 import nats
-from nats.aio.client import Client
+from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import ConnectionReconnectingError, MaxPayloadError, NoRespondersError
@@ -174,6 +176,45 @@ class Bus:
         except msgspec.DecodeError as exc:
             bad = _try_decode_bad_message(reply.data)
             raise BadReply(subject, bad or str(exc)) from exc
+
+    async def request_many(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        response_type: type[T],
+        last: Callable[[T], bool],
+        timeout: float = 5.0,
+    ) -> list[T]:
+        """Send ``message`` and collect its replies, decoded as ``response_type``, up to
+        the one for which ``last(reply)`` is true (a reply too large for one message, sent
+        in parts). Raises :class:`NoResponders` or :class:`RequestTimeout` as
+        :meth:`request` does, and :class:`BadReply` for a part that does not decode."""
+        inbox = self.inbox()
+        parts: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def on_part(msg: Msg) -> None:
+            parts.put_nowait(msg)
+
+        subscription = await self.nc.subscribe(inbox, cb=on_part)
+        dec = decoder(response_type)
+        replies: list[T] = []
+        try:
+            await self.publish(subject, message, reply=inbox)
+            async with asyncio.timeout(timeout):
+                while not replies or not last(replies[-1]):
+                    msg = await parts.get()
+                    if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
+                        raise NoResponders(subject)
+                    try:
+                        replies.append(dec.decode(msg.data))
+                    except msgspec.DecodeError as exc:
+                        raise BadReply(subject, str(exc)) from exc
+        except TimeoutError as exc:
+            raise RequestTimeout(subject, timeout) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+        return replies
 
     async def reply(self, msg: Msg, message: msgspec.Struct) -> None:
         if msg.reply:

@@ -54,6 +54,8 @@ class ApiError(Message):
     message: str
     param: str | None = None
     error_code: str | None = None
+    retry_after_s: float | None = None
+    """For 429 (``overloaded``, ``deadline_unmeetable``): when to try again."""
 
 
 ApiEvent = ApiDelta | ApiFinished | ApiError

@@ -198,6 +198,15 @@ class RejectReason(OpenEnum):
     """The worker's last engine step failed; it waits for an operator's ``Resume``."""
     FAILED = "failed"
     """The worker's engine is gone."""
+    OVERLOADED = "overloaded"
+    """Every worker is saturated and the scheduler's queue is full: retry after
+    ``retry_after_s`` (HTTP 429)."""
+    DEADLINE_UNMEETABLE = "deadline_unmeetable"
+    """No worker is predicted to produce a first token before the request's deadline
+    (HTTP 429)."""
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    """The deadline passed while the request waited in the queue (or, on ``Failed``, while
+    it ran) (HTTP 504)."""
     UNKNOWN = "unknown"
     """A reason this peer does not know: treated as retryable when the message says so."""
 
@@ -211,6 +220,18 @@ class Rejected(Message):
     retryable: bool = False
     param: str | None = None
     """For ``invalid_request``: the offending field."""
+    retry_after_s: float | None = None
+    """For ``overloaded`` and ``deadline_unmeetable``: when trying again is likely to
+    work, from the cluster's measured drain rate."""
+
+
+class Queued(Message):
+    """scheduler → reply subject: no worker has room yet; the request waits in the
+    scheduler's queue (``position`` 0 is next) until ``Accepted`` or ``Rejected`` follows.
+    Cancel it there with ``Cancel`` on ``sched.cancel``."""
+
+    request_id: str
+    position: int
 
 
 class Failed(Message):
@@ -222,11 +243,15 @@ class Failed(Message):
     message: str
     retryable: bool
     tokens_sent: bool
+    reason: RejectReason | None = None
+    """Set when the cause is one of the typed ones (``deadline_exceeded``)."""
 
 
-StreamEvent = Accepted | Tokens | Finished | Rejected | Failed
-"""What a worker sends to a submission's reply subject: ``Rejected``, or ``Accepted``
-(``seq`` 0) and then ``Tokens`` and a last ``Finished`` or ``Failed`` numbered 1, 2, 3, ...
-without gaps. The ``seq`` contract: the worker publishes a reply subject's events from
-one task, in order; each submission (each retry or move of a request) has its own reply
-subject and numbering; a receiver that sees a gap has lost events, not reordered ones."""
+StreamEvent = Accepted | Tokens | Finished | Rejected | Failed | Queued
+"""What a submission's reply subject receives: from the scheduler, ``Rejected`` or
+``Queued`` (then, later, ``Rejected`` or the worker's events); from the worker,
+``Rejected``, or ``Accepted`` (``seq`` 0) and then ``Tokens`` and a last ``Finished`` or
+``Failed`` numbered 1, 2, 3, ... without gaps. The ``seq`` contract: the worker publishes
+a reply subject's events from one task, in order; each submission (each retry or move of
+a request) has its own reply subject and numbering; a receiver that sees a gap has lost
+events, not reordered ones."""

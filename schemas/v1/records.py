@@ -42,6 +42,9 @@ class RequestRecord(Message):
 
 PLACED = "placed"
 """``PlacementRecord.reason`` of a request that was placed."""
+QUEUED = "queued"
+"""``PlacementRecord.reason`` of a request put in the scheduler's queue (a second record
+follows when it leaves it)."""
 
 
 class ScoredWorker(msgspec.Struct, kw_only=True):
@@ -65,7 +68,7 @@ class PlacementRecord(Message):
     worker_id: str | None
     """None when the request was rejected."""
     reason: str
-    """:data:`PLACED` or the ``RejectReason``."""
+    """:data:`PLACED`, :data:`QUEUED` or the ``RejectReason``."""
     candidates: int
     score: float | None = None
     """What the policy minimised for the chosen worker (``kv``: its predicted TTFT in

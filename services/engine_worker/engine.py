@@ -154,8 +154,11 @@ class Engine:
         prompt_token_ids: list[int],
         params: Sampling | None = None,
         priority: int = 0,
+        deadline_ms: int | None = None,
     ) -> None:
-        """Queue a request; raises an :class:`InvalidRequestError` subclass if it cannot run."""
+        """Queue a request; raises an :class:`InvalidRequestError` subclass if it cannot run.
+        Lower ``priority`` runs first; within a priority, the earlier ``deadline_ms`` (Unix
+        ms; None: no deadline, last)."""
         params = params or Sampling()
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)
@@ -171,6 +174,7 @@ class Engine:
             params=params,
             max_tokens=max_tokens,
             priority=priority,
+            deadline_ms=deadline_ms,
             arrival=next(self._arrivals),
             generator=generator,
         )
@@ -305,10 +309,18 @@ class Engine:
         prefill = sum(num_new) - num_decodes
         seconds = max(seconds, 1e-9)
         a = _RATE_SMOOTHING
+        # Each rate starts at its first sample, not at zero (an average from zero would
+        # report a fresh engine several times slower than it is for its first steps).
         if prefill:
-            self._prefill_rate = (1 - a) * self._prefill_rate + a * prefill / seconds
+            rate = prefill / seconds
+            self._prefill_rate = (
+                (1 - a) * self._prefill_rate + a * rate if self._prefill_rate else rate
+            )
         if num_decodes:
-            self._decode_rate = (1 - a) * self._decode_rate + a * num_decodes / seconds
+            rate = num_decodes / seconds
+            self._decode_rate = (
+                (1 - a) * self._decode_rate + a * rate if self._decode_rate else rate
+            )
 
     # ------------------------------------------------------------------------------ state
     def stats(self) -> EngineStats:

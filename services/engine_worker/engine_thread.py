@@ -28,6 +28,7 @@ from lamina.schemas.v1.generate import (
     Failed,
     Finished,
     GenerateRequest,
+    RejectReason,
     TokenLogprob,
     Tokens,
     Usage,
@@ -52,6 +53,8 @@ class _Stream:
     reply: str
     context: Any
     seq: int = 1  # 0 was Accepted
+    deadline_ms: int | None = None
+    """Unix ms after which the request's result is useless (its SLA)."""
 
 
 @dataclass
@@ -204,6 +207,7 @@ class EngineThread(threading.Thread):
                     self.on_step_failure("engine step failed")
                     continue
                 self._emit_outputs(outputs)
+                self._stop_expired()
             self._refresh_stats()
 
     def _die(self, reason: str) -> None:
@@ -286,8 +290,13 @@ class EngineThread(threading.Thread):
         If the engine refuses it after all, that request fails alone."""
         rid = request.request_id
         try:
+            sla = request.sla
             self.engine.add_request(
-                rid, request.prompt_token_ids, request.sampling, priority=request.sla.priority
+                rid,
+                request.prompt_token_ids,
+                request.sampling,
+                priority=sla.priority,
+                deadline_ms=sla.deadline_ms,
             )
         except Exception as exc:  # a duplicate id, or a bug: the request's own failure
             if not isinstance(exc, InvalidRequestError):
@@ -298,7 +307,28 @@ class EngineThread(threading.Thread):
             )
             self.emit([(reply, failed, context)])
             return
-        self._streams[rid] = _Stream(reply, context)
+        self._streams[rid] = _Stream(reply, context, deadline_ms=request.sla.deadline_ms)
+
+    def _stop_expired(self) -> None:
+        """Stop every request whose deadline has passed: its blocks are freed at once and
+        its client told why (``Failed``, ``deadline_exceeded``)."""
+        now_ms = time.time() * 1000
+        batch: list[Outgoing] = []
+        for rid, stream in list(self._streams.items()):
+            if stream.deadline_ms is not None and stream.deadline_ms < now_ms:
+                self.engine.abort(rid)
+                del self._streams[rid]
+                failed = Failed(
+                    request_id=rid,
+                    seq=stream.seq,
+                    message="the request's deadline passed while it ran",
+                    retryable=False,
+                    tokens_sent=stream.seq > 1,
+                    reason=RejectReason.DEADLINE_EXCEEDED,
+                )
+                batch.append((stream.reply, failed, stream.context))
+        if batch:
+            self.emit(batch)
 
     def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
         batch: list[Outgoing] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,8 @@ class Request:
     """Resolved from ``params.max_tokens`` and the context length."""
     priority: int = 0
     """Lower values are served first and preempted last."""
+    deadline_ms: int | None = None
+    """Unix ms; within a priority, earlier deadlines are served first (None: last)."""
     arrival: int = 0
     """Engine-wide admission counter; breaks priority ties (earlier first)."""
     token_ids: list[int] = field(default_factory=list)
@@ -65,9 +68,11 @@ class Request:
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Scheduling order: priority, then arrival."""
-        return (self.priority, self.arrival)
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: priority, then earliest deadline, then arrival (the reverse
+        is the preemption order)."""
+        deadline = math.inf if self.deadline_ms is None else self.deadline_ms
+        return (self.priority, deadline, self.arrival)
 
     def update_block_hashes(self, block_size: int) -> None:
         """Extend ``block_hashes`` over any blocks of ``token_ids`` that became full."""

@@ -47,7 +47,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival)
+        self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lamina.schemas.v1.generate import Rejected, RejectReason
+from lamina.schemas.v1.generate import Failed, Rejected, RejectReason
 
 # Rejection reasons → HTTP status and OpenAI error type (an unknown reason: 503).
 _STATUS = {
@@ -12,8 +12,15 @@ _STATUS = {
     RejectReason.DRAINING: (503, "service_unavailable"),
     RejectReason.DEGRADED: (503, "service_unavailable"),
     RejectReason.FAILED: (503, "service_unavailable"),
+    RejectReason.OVERLOADED: (429, "rate_limit_error"),
+    RejectReason.DEADLINE_UNMEETABLE: (429, "rate_limit_error"),
+    RejectReason.DEADLINE_EXCEEDED: (504, "timeout"),
     RejectReason.UNKNOWN: (503, "service_unavailable"),
 }
+
+#: Retryable reasons that another submission right away would meet again: the client is
+#: told when to retry (``Retry-After``) instead of the gateway retrying at once.
+CLIENT_RETRIES = (RejectReason.OVERLOADED, RejectReason.DEADLINE_UNMEETABLE)
 
 
 class GenerationError(Exception):
@@ -26,15 +33,27 @@ class GenerationError(Exception):
         message: str,
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.error_type, self.message = status, error_type, message
         self.param, self.code = param, code
+        self.retry_after_s = retry_after_s
+        """When to try again (HTTP ``Retry-After``), for a 429."""
 
     @classmethod
     def from_rejected(cls, rejected: Rejected) -> GenerationError:
         status, kind = _STATUS[rejected.reason]
-        return cls(status, kind, rejected.message, rejected.param, str(rejected.reason))
+        code = str(rejected.reason)
+        return cls(status, kind, rejected.message, rejected.param, code, rejected.retry_after_s)
+
+    @classmethod
+    def from_failed(cls, failed: Failed, worker_id: str | None) -> GenerationError:
+        message = f"generation failed on worker {worker_id}: {failed.message}"
+        if failed.reason is not None:
+            status, kind = _STATUS[failed.reason]
+            return cls(status, kind, message, code=str(failed.reason))
+        return cls(500, "api_error", message)
 
 
 def invalid_request(message: str, param: str | None = None) -> GenerationError:

@@ -43,6 +43,7 @@ def _api_error(request_id: str | None, exc: GenerationError) -> ApiError:
         message=exc.message,
         param=exc.param,
         error_code=exc.code,
+        retry_after_s=exc.retry_after_s,
     )
 
 

@@ -5,6 +5,7 @@ prompt, comes back in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -62,6 +63,13 @@ def _usage(usage: Usage | None) -> dict[str, Any] | None:
 
 def _error_body(exc: GenerationError) -> dict[str, Any]:
     return error_body(exc.status, exc.error_type, exc.message, exc.param, exc.code)
+
+
+def _error_headers(exc: GenerationError) -> list[tuple[bytes, bytes]]:
+    """``Retry-After`` (whole seconds, rounded up) when the refusal says when."""
+    if exc.retry_after_s is None:
+        return []
+    return [(b"retry-after", b"%d" % max(1, math.ceil(exc.retry_after_s)))]
 
 
 class OpenAIApi:
@@ -147,12 +155,12 @@ class OpenAIApi:
             error = error_body(400, "invalid_request_error", exc.message, exc.param)
             await send_json(send, 400, error)
             return
-        status, payload = 200, None
+        status, payload, headers = 200, None, []
         with ClientWatch(receive) as client:
             try:
                 stream = await self._open(body)
             except GenerationError as exc:
-                status, payload = exc.status, _error_body(exc)
+                status, payload, headers = exc.status, _error_body(exc), _error_headers(exc)
             else:
                 chat = kind is ChatCompletionRequest
                 response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -166,7 +174,7 @@ class OpenAIApi:
         if payload is None:
             await end_body(send)
         else:
-            await send_json(send, status, payload)
+            await send_json(send, status, payload, headers)
 
     async def _collect(
         self, stream: TextStream, build: Callable, response_id: str, created: int

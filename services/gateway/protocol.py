@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import msgspec
@@ -96,6 +97,9 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     min_tokens: Count = 0
     stop_token_ids: list[TokenId] | None = None
     priority: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
+    # Lamina's SLA, both relative to the request's arrival (the wire's deadline is Unix ms)
+    ttft_target_ms: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)] | None = None
+    timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=10**12)] | None = None
     # Not implemented yet: decoded only to be refused (see _NOT_SUPPORTED).
     response_format: Any = None
     tools: Any = None
@@ -149,7 +153,11 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
             raise InvalidRequest(str(exc), invalid_field(exc) or "min_tokens") from exc
 
     def sla(self) -> Sla:
-        return Sla(priority=self.priority)
+        """The wire ``Sla``: ``timeout_ms`` becomes an absolute deadline from now."""
+        deadline = None
+        if self.timeout_ms is not None:
+            deadline = int(time.time() * 1000) + self.timeout_ms
+        return Sla(priority=self.priority, deadline_ms=deadline, ttft_target_ms=self.ttft_target_ms)
 
 
 class CompletionRequest(OpenAIBody, kw_only=True):

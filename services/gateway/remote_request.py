@@ -41,12 +41,13 @@ from lamina.schemas.v1.generate import (
     Finished,
     FinishReason,
     GenerateRequest,
+    Queued,
     Rejected,
     Tokens,
     Usage,
 )
 from lamina.schemas.v1.records import Outcome, RequestRecord
-from lamina.services.gateway.errors import GenerationError
+from lamina.services.gateway.errors import CLIENT_RETRIES, GenerationError
 from lamina.services.gateway.inbox import Inbox
 
 log = logging.getLogger("lamina.gateway")
@@ -95,6 +96,8 @@ class RemoteRequest:
     """Set when the gateway itself ends the request (a stop string matched)."""
     error: GenerationError | None = None
     """What ended the request, when an error did."""
+    queued: bool = False
+    """Waiting in a scheduler's queue (told by ``Queued``; cancelled there)."""
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)
@@ -178,9 +181,15 @@ class RemoteRequest:
             if self.attempts:
                 await asyncio.sleep(s.retry_backoff * 2 ** (self.attempts - 1))
             event = await self._submit(request)
+            while isinstance(event, Queued):  # the scheduler answers within its queue wait
+                self.queued = True
+                event = await self._next_event(s.stall_timeout)
+            if event is None and self.queued:  # the scheduler itself went quiet
+                await self._cancel()
             match event:
                 case Accepted(worker_id=worker_id):
                     self.worker_id, self._accepted_at = worker_id, time.monotonic()
+                    self.queued = False
                     return
                 case None:
                     error = GenerationError(
@@ -188,9 +197,11 @@ class RemoteRequest:
                         "service_unavailable",
                         f"no engine worker accepted the request within {s.accept_timeout:g}s",
                     )
-                case Rejected(retryable=True):
+                case Rejected(retryable=True) if event.reason not in CLIENT_RETRIES:
+                    self.queued = False
                     error = GenerationError.from_rejected(event)
                 case Rejected():
+                    self.queued = False
                     raise GenerationError.from_rejected(event)
                 case _:
                     raise _unexpected(event)
@@ -259,12 +270,8 @@ class RemoteRequest:
                     raise _WorkerLost(
                         f"generation failed on worker {self.worker_id}: {event.message}"
                     )
-                case Failed():  # the request itself cannot run
-                    raise GenerationError(
-                        500,
-                        "api_error",
-                        f"generation failed on worker {self.worker_id}: {event.message}",
-                    )
+                case Failed():  # the request itself cannot run (or its deadline passed)
+                    raise GenerationError.from_failed(event, self.worker_id)
                 case _:
                     raise _unexpected(event)
 
@@ -298,10 +305,15 @@ class RemoteRequest:
         return msgspec.structs.replace(finished, usage=usage)
 
     async def _cancel(self) -> None:
-        if self.worker_id is not None:
+        """Cancel wherever the request may be: its worker, and the scheduler's queue."""
+        subjects_ = [subjects.worker_cancel(self.worker_id)] if self.worker_id else []
+        if self.queued:
+            subjects_.append(subjects.SCHED_CANCEL)
+            self.queued = False
+        for subject in subjects_:
             with contextlib.suppress(Exception):
                 await self.bus.publish(
-                    subjects.worker_cancel(self.worker_id),
+                    subject,
                     Cancel(request_id=self.request.request_id),
                     context=trace.set_span_in_context(self._span),
                 )

@@ -4,16 +4,16 @@ Admission keeps the workers that can run the request (alive, ready, serving its 
 with the context for it). Among them the policy chooses:
 
 * ``kv`` (the default): the lowest predicted time to first token among the workers with KV
-  room for the request after reuse, ties broken by decode load. For worker *w*, with
-  *Q* the prefill tokens it has queued (its heartbeat, plus what was placed on it since),
-  *U* this request's prompt tokens that *w* does not have cached (the cluster prefix
-  index), *R*\\ :sub:`p` and *R*\\ :sub:`d` its measured prefill and decode rates, and
-  *N* the sequences it is decoding::
+  room for the request after reuse, ties broken by decode load. For worker w, with Q the
+  prefill tokens queued there now (``Candidate.queued_tokens``: what its heartbeat
+  reported plus what was placed there since, draining at its rate meanwhile), U this
+  request's prompt tokens that w does not have cached (the cluster prefix index), R_p
+  and R_d its measured prefill and decode rates, and N the sequences it is decoding::
 
       ttft(w) = (Q + U) / R_p  +  decode_weight * N / R_d
 
   The first term is the prefill work ahead of the request's first token, its own
-  included; reuse enters through *U*, in the same unit as load, so a long cached prefix
+  included; reuse enters through U, in the same unit as load, so a long cached prefix
   wins exactly when skipping its prefill saves more time than the worker's queue costs.
   The second term is one engine step's worth of the decodes that share the steps. Both
   rates are measured over whole engine steps, which already mix prefill and decode, so
@@ -80,9 +80,9 @@ class CostModel:
         has not measured (default: the priors)."""
         s = worker.stats
         prefill_prior, decode_prior = rates or (self.prefill_rate_prior, self.decode_rate_prior)
-        queued = s.num_queued_prefill_tokens + worker.pending_tokens
         prefill_rate = s.prefill_tokens_per_s or prefill_prior
         decode_rate = s.decode_tokens_per_s or decode_prior
+        queued = worker.queued_tokens
         decode = self.decode_weight * s.num_running / decode_rate
         return (queued + uncached) / prefill_rate + decode
 
@@ -106,6 +106,7 @@ class Decision:
     candidates: int
     score: float | None = None
     retryable: bool = True
+    retry_after_s: float | None = None
     prefix_hit_blocks: int = 0
     predicted_ttft_s: float | None = None
     scored: list[ScoredWorker] = field(default_factory=list)
@@ -130,12 +131,29 @@ class Placer:
 
     policy: Policy = Policy.KV
     cost: CostModel = field(default_factory=CostModel)
+    saturation_steps: float = 4.0
+    """A worker whose queued prefill exceeds this many engine steps' token budget, or whose
+    waiting requests reach ``max_num_seqs``, takes nothing more: requests wait in the
+    scheduler's queue instead, where priority and deadline order them."""
     _turn: itertools.count = field(default_factory=itertools.count)
 
+    def saturated(self, worker: Candidate) -> bool:
+        s = worker.stats
+        return (
+            worker.queued_tokens > self.saturation_steps * s.max_num_batched_tokens
+            or s.num_waiting + worker.pending >= s.max_num_seqs
+        )
+
     def place(self, request: GenerateRequest, live: list[Candidate], overlap: Overlap) -> Decision:
-        fits, refusal = admit(request, live)
+        """Where ``request`` goes; a refusal from admission; or, when every worker that
+        could run it is saturated, ``reason=OVERLOADED`` (the caller queues it)."""
+        admitted, refusal = admit(request, live)
         if refusal is not None:
             return refusal
+        fits = [w for w in admitted if not self.saturated(w)]
+        if not fits:
+            message = f"all {len(admitted)} workers for this model are saturated"
+            return Decision(None, RejectReason.OVERLOADED, message, len(admitted))
         prompt = request.prompt_token_ids
         hits = overlap(prompt, [w.stats.worker_id for w in fits])
         rates = self.cost.peer_rates(fits)

@@ -95,6 +95,17 @@ class PrefixIndex:
         if buffered:
             self.apply(worker_id, incarnation, block_size, buffered)
 
+    def assume_synced(self, worker_id: str, incarnation: str, block_size: int) -> None:
+        """Trust a worker's events from the next one on, without a snapshot (a worker that
+        cannot send one); what it cached before is unknown to the index."""
+        kv = self._worker(worker_id, incarnation, block_size)
+        if not kv.synced:
+            kv.synced = True
+            if kv.buffered:
+                kv.next_event_id = kv.buffered[0].event_id
+                buffered, kv.buffered = kv.buffered, []
+                self.apply(worker_id, incarnation, block_size, buffered)
+
     def drop(self, worker_id: str) -> None:
         """Forget a worker (dead, or gone)."""
         kv = self.workers.pop(worker_id, None)

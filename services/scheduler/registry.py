@@ -23,13 +23,24 @@ class Candidate:
     """Requests placed here since its last heartbeat (not yet in its stats)."""
     pending_tokens: int = 0
     """Their uncached prompt tokens: prefill work not yet in its stats."""
+    queued_tokens: float = 0.0
+    """Prefill tokens queued there now, as a fluid estimate: what its heartbeat reported
+    plus what was placed there since, draining at its measured prefill rate."""
 
 
 class Registry:
-    def __init__(self, clock: Clock = time.monotonic, wall_clock: Clock = time.time) -> None:
+    def __init__(
+        self,
+        clock: Clock = time.monotonic,
+        wall_clock: Clock = time.time,
+        prefill_rate_prior: float = 2000.0,
+    ) -> None:
         self.view = ClusterView(clock, wall_clock)
         self.index = PrefixIndex()
+        self.prefill_rate_prior = prefill_rate_prior
+        """Drain rate of a worker's queue before it has measured its own."""
         self._pending: dict[str, Candidate] = {}
+        self._backlog: dict[str, tuple[float, float]] = {}  # worker -> (tokens, as of when)
 
     def heartbeat(self, stats: WorkerStats) -> bool:
         """A heartbeat supersedes the estimate of what was placed before it. Returns True
@@ -37,6 +48,7 @@ class Registry:
         under the same id)."""
         self.view.heartbeat(stats)
         self._pending.pop(stats.worker_id, None)
+        self._backlog[stats.worker_id] = (stats.num_queued_prefill_tokens, self.view.clock())
         kv = self.index.workers.get(stats.worker_id)
         if kv is not None and kv.incarnation != stats.incarnation:
             self.index.drop(stats.worker_id)  # a new process: its cache starts empty
@@ -57,6 +69,13 @@ class Registry:
             first.worker_id, first.incarnation, first.block_size, hashes, first.next_event_id
         )
 
+    def assume_synced(self, worker_id: str) -> None:
+        """Index a worker that cannot send snapshots from its events alone."""
+        entry = self.view.workers.get(worker_id)
+        if entry is not None:
+            stats = entry.stats
+            self.index.assume_synced(worker_id, stats.incarnation, stats.block_size)
+
     def placed(self, worker_id: str, uncached_tokens: int) -> None:
         """Count a request placed on ``worker_id`` until its next heartbeat shows it."""
         entry = self.view.workers.get(worker_id)
@@ -65,6 +84,15 @@ class Registry:
         pending = self._pending.setdefault(worker_id, Candidate(entry.stats))
         pending.pending += 1
         pending.pending_tokens += uncached_tokens
+        now = self.view.clock()
+        self._backlog[worker_id] = (self._queued(worker_id, now) + uncached_tokens, now)
+
+    def _queued(self, worker_id: str, now: float) -> float:
+        """The worker's backlog now: the last known one less what drained since."""
+        tokens, since = self._backlog.get(worker_id, (0.0, now))
+        stats = self.view.workers[worker_id].stats
+        rate = stats.prefill_tokens_per_s or self.prefill_rate_prior
+        return max(0.0, tokens - rate * (now - since))
 
     def placed_by_peer(self, record: PlacementRecord) -> None:
         """Count another replica's placement, unless the worker's heartbeat since then
@@ -83,6 +111,10 @@ class Registry:
         alive = {entry.stats.worker_id for entry in live}
         for worker_id in [w for w in self.index.workers if w not in alive]:
             self.index.drop(worker_id)
-        return [
-            self._pending.get(entry.stats.worker_id) or Candidate(entry.stats) for entry in live
-        ]
+        now = self.view.clock()
+        candidates = []
+        for entry in live:
+            candidate = self._pending.get(entry.stats.worker_id) or Candidate(entry.stats)
+            candidate.queued_tokens = self._queued(entry.stats.worker_id, now)
+            candidates.append(candidate)
+        return candidates

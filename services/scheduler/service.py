@@ -13,8 +13,8 @@ late, or the worker restarted), is asked for a snapshot on ``worker.<id>.kv.sync
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -25,11 +25,12 @@ from nats.aio.msg import Msg
 
 from lamina.libs.bus import Bus
 from lamina.libs.config import option
-from lamina.libs.errors import PayloadTooLarge
+from lamina.libs.errors import BadReply, NoResponders, PayloadTooLarge, RequestTimeout
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.generate import GenerateRequest, Rejected, RejectReason
+from lamina.schemas.v1.control import Cancel
+from lamina.schemas.v1.generate import GenerateRequest, Queued, Rejected, RejectReason
 from lamina.schemas.v1.kv import KvEventBatch, KvSnapshot, KvSyncRequest
-from lamina.schemas.v1.records import PLACED, PlacementRecord
+from lamina.schemas.v1.records import PLACED, QUEUED, PlacementRecord
 from lamina.schemas.v1.stats import (
     ClusterStatus,
     ClusterStatusRequest,
@@ -37,10 +38,14 @@ from lamina.schemas.v1.stats import (
     WorkerStats,
     WorkerView,
 )
+from lamina.services.scheduler.admission_queue import AdmissionQueue
 from lamina.services.scheduler.placement import CostModel, Decision, Placer, Policy
 from lamina.services.scheduler.registry import Registry
 
 log = logging.getLogger("lamina.scheduler")
+
+EXPIRY_TICK_S = 0.05
+"""How often queued requests are checked against their deadlines."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,12 @@ class SchedulerConfig:
         CostModel.decode_weight, "weight of running decodes in the predicted TTFT (kv policy)"
     )
     sync_timeout: float = option(5.0, "seconds to wait for a worker's KV snapshot")
+    saturation_steps: float = option(
+        4.0, "queue requests when every worker has more than this many steps of prefill queued"
+    )
+    max_queue_requests: int = option(1024, "most requests waiting in this replica's queue")
+    max_queue_tokens: int = option(1 << 20, "most prompt tokens waiting in its queue")
+    max_queue_wait: float = option(30.0, "seconds a request may wait in the queue")
 
     def __post_init__(self) -> None:
         Policy(self.placement)  # a ValueError naming the value
@@ -69,9 +80,11 @@ class SchedulerService:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.scheduler_id = config.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.registry = Registry()
+        self.registry = Registry(prefill_rate_prior=config.prefill_rate_prior)
         cost = CostModel(config.prefill_rate_prior, config.decode_rate_prior, config.decode_weight)
-        self.placer = Placer(Policy(config.placement), cost)
+        self.placer = Placer(Policy(config.placement), cost, config.saturation_steps)
+        self.queue = AdmissionQueue(config.max_queue_requests, config.max_queue_tokens)
+        self._tasks: list[asyncio.Task] = []
         self.bus: Bus | None = None
         self._syncing: dict[str, asyncio.Task] = {}
 
@@ -84,10 +97,14 @@ class SchedulerService:
             subjects.SCHED_SUBMIT, GenerateRequest, self._on_submit, queue="scheduler"
         )
         await bus.subscribe(subjects.SCHED_STATUS, ClusterStatusRequest, self._on_status)
+        await bus.subscribe(subjects.SCHED_CANCEL, Cancel, self._on_cancel)
+        self._tasks.append(asyncio.create_task(self._expire()))
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if self.registry.heartbeat(stats) and stats.state == WorkerState.READY:
             self._sync(stats.worker_id)
+        if self.queue:  # the heartbeat may show room
+            await self._dispatch()
 
     async def _on_kv(self, batch: KvEventBatch, msg: Msg) -> None:
         if not self.registry.kv_events(batch):
@@ -105,53 +122,151 @@ class SchedulerService:
             task.add_done_callback(lambda _: self._syncing.pop(worker_id, None))
 
     async def _fetch_snapshot(self, worker_id: str) -> None:
-        parts: asyncio.Queue[KvSnapshot] = asyncio.Queue()
-        inbox = self.bus.inbox()
-
-        async def on_part(part: KvSnapshot, _msg: Msg) -> None:
-            parts.put_nowait(part)
-
-        subscription = await self.bus.subscribe(inbox, KvSnapshot, on_part, traced=False)
+        subject, timeout = subjects.worker_kv_sync(worker_id), self.config.sync_timeout
         try:
-            await self.bus.publish(subjects.worker_kv_sync(worker_id), KvSyncRequest(), reply=inbox)
-            received: list[KvSnapshot] = []
-            async with asyncio.timeout(self.config.sync_timeout):
-                while not received or not received[-1].last:
-                    received.append(await parts.get())
-            self.registry.restore(received)
-            log.info(
-                "KV index synced with %s: %d blocks as of event %d",
-                worker_id,
-                sum(len(p.block_hashes) for p in received),
-                received[0].next_event_id,
+            parts = await self.bus.request_many(
+                subject, KvSyncRequest(), KvSnapshot, lambda part: part.last, timeout
             )
-        except TimeoutError:
-            log.warning("no KV snapshot from %s within %gs", worker_id, self.config.sync_timeout)
-        finally:
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
+        except NoResponders:  # it does not answer kv.sync (yet): its events alone count
+            log.warning("%s does not answer KV syncs; its index entries may be stale", worker_id)
+            self.registry.assume_synced(worker_id)
+            return
+        except (RequestTimeout, BadReply) as exc:
+            log.warning("no KV snapshot from %s: %s", worker_id, exc)
+            return
+        self.registry.restore(parts)
+        log.info(
+            "KV index synced with %s: %d blocks as of event %d",
+            worker_id,
+            sum(len(p.block_hashes) for p in parts),
+            parts[0].next_event_id,
+        )
 
     async def _on_submit(self, request: GenerateRequest, msg: Msg) -> None:
         if not msg.reply:
             log.warning("submit %s has no reply subject; dropped", request.request_id)
             return
+        if self.queue:  # others are waiting: this one takes its turn among them
+            await self._enqueue(request, msg.reply)
+            await self._dispatch()
+            return
+        decision = self._decide(request)
+        if decision.reason == RejectReason.OVERLOADED:
+            await self._enqueue(request, msg.reply)
+        else:
+            await self._send(request, msg.reply, decision)
+
+    def _decide(self, request: GenerateRequest) -> Decision:
+        """Where ``request`` goes now, or why not; a deadline the chosen worker cannot
+        meet by the prediction is a refusal."""
         registry = self.registry
         decision = self.placer.place(request, registry.candidates(), registry.index.overlap)
+        deadline = request.sla.deadline_ms
+        if decision.worker_id is not None and deadline is not None:
+            eta_ms = time.time() * 1000 + (decision.predicted_ttft_s or 0.0) * 1000
+            if eta_ms > deadline:
+                return self._refusal(
+                    decision,
+                    RejectReason.DEADLINE_UNMEETABLE,
+                    f"the earliest predicted first token is {eta_ms - deadline:.0f} ms past "
+                    "the request's deadline",
+                )
+        return decision
+
+    def _refusal(self, decision: Decision, reason: RejectReason, message: str) -> Decision:
+        return Decision(
+            None, reason, message, decision.candidates, retry_after_s=self._retry_after()
+        )
+
+    def _drain_time(self) -> float:
+        """Seconds until the cluster has worked off its backlog (every worker's queued
+        prefill and this queue) at the prefill rates its workers measured."""
+        live = self.registry.candidates()
+        backlog = self.queue.tokens + sum(w.queued_tokens for w in live)
+        rate = (
+            sum(w.stats.prefill_tokens_per_s for w in live) or self.placer.cost.prefill_rate_prior
+        )
+        return backlog / rate
+
+    def _retry_after(self) -> float:
+        """``Retry-After`` for a refusal: the drain time in whole seconds, at least one."""
+        return max(1.0, math.ceil(self._drain_time()))
+
+    async def _enqueue(self, request: GenerateRequest, reply: str) -> None:
+        """Queue ``request`` (telling its client), or refuse it when the queue is full or
+        its deadline cannot be met after the work ahead of it."""
+        retry_after, wait = self._retry_after(), self._drain_time()
+        deadline = request.sla.deadline_ms
+        if deadline is not None and time.time() * 1000 + wait * 1000 > deadline:
+            message = f"the work ahead of it takes ~{wait:.2f}s, past its deadline"
+            decision = Decision(
+                None, RejectReason.DEADLINE_UNMEETABLE, message, 0, retry_after_s=retry_after
+            )
+        elif not self.queue.push(request, reply, time.monotonic(), int(time.time() * 1000)):
+            message = (
+                f"every worker is saturated and the queue is full ({len(self.queue)} "
+                f"requests, {self.queue.tokens} prompt tokens)"
+            )
+            decision = Decision(
+                None, RejectReason.OVERLOADED, message, 0, retry_after_s=retry_after
+            )
+        else:
+            position = self.queue.position(request.request_id)
+            await self.bus.publish(reply, Queued(request_id=request.request_id, position=position))
+            await self._record(request, Decision(None, None, "", 0), QUEUED)
+            return
+        await self._send(request, reply, decision)
+
+    async def _dispatch(self) -> None:
+        """Send queued requests, head first, while a worker has room for them."""
+        while (waiting := self.queue.peek()) is not None:
+            decision = self._decide(waiting.request)
+            if decision.reason == RejectReason.OVERLOADED:
+                return  # still no room: it keeps its place
+            self.queue.pop()
+            await self._send(waiting.request, waiting.reply, decision)
+
+    async def _expire(self) -> None:
+        """Answer queued requests whose deadline passed, or that waited too long."""
+        while True:
+            await asyncio.sleep(EXPIRY_TICK_S)
+            now_ms = int(time.time() * 1000)
+            expired = self.queue.expired(now_ms, time.monotonic(), self.config.max_queue_wait)
+            for waiting in expired:
+                request, deadline = waiting.request, waiting.request.sla.deadline_ms
+                if deadline is not None and deadline <= now_ms:
+                    reason, message = RejectReason.DEADLINE_EXCEEDED, "the deadline passed"
+                else:
+                    reason = RejectReason.OVERLOADED
+                    message = f"no worker had room within {self.config.max_queue_wait:g}s"
+                decision = Decision(None, reason, message + " while queued", 0)
+                if reason == RejectReason.OVERLOADED:
+                    decision = self._refusal(decision, reason, decision.message)
+                await self._send(request, waiting.reply, decision)
+
+    async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
+        if self.queue.remove(cancel.request_id) is not None:
+            log.info("request %s left the queue (cancelled)", cancel.request_id)
+
+    async def _send(self, request: GenerateRequest, reply: str, decision: Decision) -> None:
+        """Forward ``request`` to the chosen worker, or answer its refusal; then record."""
         if decision.worker_id is None:
+            retryable = decision.retryable and decision.reason != RejectReason.DEADLINE_EXCEEDED
             await self.bus.publish(
-                msg.reply,
+                reply,
                 Rejected(
                     request_id=request.request_id,
                     reason=decision.reason,
                     message=decision.message,
-                    retryable=decision.retryable,
+                    retryable=retryable,
+                    retry_after_s=decision.retry_after_s,
                 ),
             )
         else:
             forwarded = msgspec.structs.replace(request, worker_id=decision.worker_id)
             try:
                 await self.bus.publish(
-                    subjects.worker_generate(decision.worker_id), forwarded, reply=msg.reply
+                    subjects.worker_generate(decision.worker_id), forwarded, reply=reply
                 )
             except PayloadTooLarge as exc:  # the worker id pushed it over the limit
                 message = f"the request is too large to forward: {exc}"
@@ -159,7 +274,7 @@ class SchedulerService:
                     None, RejectReason.INVALID_REQUEST, message, decision.candidates
                 )
                 await self.bus.publish(
-                    msg.reply,
+                    reply,
                     Rejected(
                         request_id=request.request_id,
                         reason=decision.reason,
@@ -168,24 +283,25 @@ class SchedulerService:
                     ),
                 )
             else:
-                prompt, worker = (
+                worker = self.registry.view.workers[decision.worker_id]
+                uncached = self.placer.cost.uncached_tokens(
                     len(request.prompt_token_ids),
-                    registry.view.workers[decision.worker_id],
+                    decision.prefix_hit_blocks,
+                    worker.stats.block_size,
                 )
-                cost = self.placer.cost
-                uncached = cost.uncached_tokens(
-                    prompt, decision.prefix_hit_blocks, worker.stats.block_size
-                )
-                registry.placed(decision.worker_id, uncached)
+                self.registry.placed(decision.worker_id, uncached)
         # The record is for telemetry: off the request's critical path. Yielding once lets
         # the client's flusher task put the forward on the wire before the record is built.
         await asyncio.sleep(0)
+        await self._record(request, decision, decision.reason or PLACED)
+
+    async def _record(self, request: GenerateRequest, decision: Decision, reason: str) -> None:
         await self.bus.publish(
             subjects.EVENTS_PLACEMENT,
             PlacementRecord(
                 request_id=request.request_id,
                 worker_id=decision.worker_id,
-                reason=decision.reason or PLACED,
+                reason=reason,
                 candidates=decision.candidates,
                 score=decision.score,
                 prefix_hit_blocks=decision.prefix_hit_blocks,
@@ -211,7 +327,7 @@ class SchedulerService:
         await asyncio.sleep(0)
 
     async def close(self) -> None:
-        for task in list(self._syncing.values()):
+        for task in [*self._syncing.values(), *self._tasks]:
             task.cancel()
         if self.bus is not None:
             await self.bus.drain()

@@ -5,6 +5,7 @@ contract, and the outcome each way of ending leaves in the ``RequestRecord``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from lamina.schemas.v1.generate import (
     Finished,
     FinishReason,
     GenerateRequest,
+    Queued,
     Rejected,
     RejectReason,
     Sampling,
@@ -71,6 +73,22 @@ def failed(seq: int, retryable: bool) -> Script:
     ]
 
 
+def queued() -> Script:
+    return lambda r: [Queued(request_id=r.request_id, position=0)]
+
+
+def overloaded() -> Script:
+    return lambda r: [
+        Rejected(
+            request_id=r.request_id,
+            reason=RejectReason.OVERLOADED,
+            message="queue full",
+            retryable=True,
+            retry_after_s=2.5,
+        )
+    ]
+
+
 def rejected(retryable: bool) -> Script:
     return lambda r: [
         Rejected(
@@ -92,8 +110,11 @@ class Run:
     record: RequestRecord | None = None
 
 
-def run(nats_url: str, scripts: list[Script], max_tokens: int = 10) -> Run:
-    """One request through ``RemoteRequest``; the n-th submission gets ``scripts[n]``."""
+def run(
+    nats_url: str, scripts: list[Script], max_tokens: int = 10, hang_up_when_queued: bool = False
+) -> Run:
+    """One request through ``RemoteRequest``; the n-th submission gets ``scripts[n]``.
+    ``hang_up_when_queued``: the client goes away once the request is queued."""
 
     async def main() -> Run:
         result = Run()
@@ -108,11 +129,15 @@ def run(nats_url: str, scripts: list[Script], max_tokens: int = 10) -> Run:
         async def on_cancel(cancel: Cancel, msg) -> None:
             result.cancelled.append(msg.subject.split(".")[-2])
 
+        async def on_queue_cancel(cancel: Cancel, msg) -> None:
+            result.cancelled.append("queue")
+
         async def on_record(record: RequestRecord, msg) -> None:
             records.put_nowait(record)
 
         await peer.subscribe(subjects.SCHED_SUBMIT, GenerateRequest, on_submit)
         await peer.subscribe(subjects.worker_cancel("*"), Cancel, on_cancel)
+        await peer.subscribe(subjects.SCHED_CANCEL, Cancel, on_queue_cancel)
         await peer.subscribe(subjects.EVENTS_REQUEST, RequestRecord, on_record)
         await peer.nc.flush()
         bus = await Bus.connect(nats_url, "test-generation-gateway")
@@ -126,9 +151,17 @@ def run(nats_url: str, scripts: list[Script], max_tokens: int = 10) -> Run:
         )
         try:
             async with RemoteRequest(bus, inbox, request, SETTINGS) as remote:
-                await remote.start()
-                async for event in remote.stream():
-                    result.events.append(event)
+                if hang_up_when_queued:  # as a disconnect cancels the HTTP handler
+                    started = asyncio.create_task(remote.start())
+                    while not remote.queued:
+                        await asyncio.sleep(0.01)
+                    started.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await started
+                else:
+                    await remote.start()
+                    async for event in remote.stream():
+                        result.events.append(event)
         except GenerationError as exc:
             result.error = exc
         result.record = await asyncio.wait_for(records.get(), 5)
@@ -209,3 +242,23 @@ def test_a_move_that_finds_no_worker_is_a_failure_not_a_rejection(nats_url):
     assert result.error.code == "draining"
     assert [e.token_ids for e in result.events] == [[40]]  # the client saw output
     assert (result.record.outcome, result.record.attempts) == (Outcome.FAILED, 3)
+
+
+def test_a_queued_request_waits_for_its_worker_without_resubmitting(nats_url):
+    result = run(nats_url, [then(queued(), accept("w1"), tokens(1, 40), finished(2, 1))])
+    assert result.error is None and len(result.submitted) == 1
+    assert (result.record.outcome, result.record.worker_id) == (Outcome.FINISHED, "w1")
+
+
+def test_an_overloaded_cluster_is_not_retried_at_once_and_says_when(nats_url):
+    result = run(nats_url, [overloaded()] * 3)
+    assert len(result.submitted) == 1  # the client retries, after Retry-After
+    assert (result.error.status, result.error.code) == (429, "overloaded")
+    assert result.error.retry_after_s == 2.5
+    assert result.record.outcome == Outcome.REJECTED
+
+
+def test_a_client_that_hangs_up_while_queued_takes_the_request_out_of_the_queue(nats_url):
+    result = run(nats_url, [queued()], hang_up_when_queued=True)
+    assert result.cancelled == ["queue"]
+    assert result.record.outcome == Outcome.CANCELLED

@@ -5,10 +5,21 @@ taken off their generate subjects) and a gateway (submits with a reply subject).
 from __future__ import annotations
 
 import asyncio
+import time
+
+import msgspec
 
 from lamina.libs.bus import Bus, encode
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.generate import GenerateRequest, Rejected, Sampling, StreamEvent
+from lamina.schemas.v1.control import Cancel
+from lamina.schemas.v1.generate import (
+    GenerateRequest,
+    Queued,
+    Rejected,
+    Sampling,
+    Sla,
+    StreamEvent,
+)
 from lamina.services.scheduler.service import SchedulerConfig, SchedulerService
 from tests.telemetry.helpers import make_stats
 
@@ -26,10 +37,19 @@ class Harness:
     """Scheduler replicas, and a test client that heartbeats as ``worker`` and records what
     is forwarded to it and what comes back on the reply subject."""
 
-    def __init__(self, nats_url: str, worker: str, replicas: int, **stats: object) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        worker: str,
+        replicas: int,
+        config: dict[str, object] | None = None,
+        **stats: object,
+    ) -> None:
         self.nats_url, self.worker, self.stats = nats_url, worker, stats
         self.schedulers = [
-            SchedulerService(SchedulerConfig(nats_url=nats_url, scheduler_id=f"s{i}"))
+            SchedulerService(
+                SchedulerConfig(nats_url=nats_url, scheduler_id=f"s{i}", **(config or {}))
+            )
             for i in range(replicas)
         ]
         self.forwarded: asyncio.Queue[tuple[GenerateRequest, str]] = asyncio.Queue()
@@ -50,8 +70,7 @@ class Harness:
 
         await bus.subscribe(subjects.worker_generate(self.worker), GenerateRequest, on_forward)
         await bus.subscribe(self.reply, StreamEvent, on_reply)
-        heartbeat = make_stats(self.worker, num_running=0, num_waiting=0, **self.stats)
-        await bus.publish(subjects.worker_stats(self.worker), heartbeat)
+        await self.heartbeat()
         for scheduler in self.schedulers:  # every replica hears every heartbeat
             while self.worker not in scheduler.registry.view.workers:
                 await asyncio.sleep(0.01)
@@ -61,6 +80,11 @@ class Harness:
         await self.bus.close()
         for scheduler in self.schedulers:
             await scheduler.close()
+
+    async def heartbeat(self, **stats: object) -> None:
+        beat = dict(num_running=0, num_waiting=0, timestamp_ms=int(time.time() * 1000))
+        heartbeat = make_stats(self.worker, **(beat | self.stats | stats))
+        await self.bus.publish(subjects.worker_stats(self.worker), heartbeat)
 
     async def submit(self, submitted: GenerateRequest) -> None:
         await self.bus.publish(subjects.SCHED_SUBMIT, submitted, reply=self.reply)
@@ -80,7 +104,7 @@ def test_a_submit_is_forwarded_to_the_worker_keeping_its_reply_subject(nats_url)
 
 def test_replicas_form_a_queue_group_each_submit_is_placed_once(nats_url):
     async def main() -> None:
-        async with Harness(nats_url, "bus-sched-q", replicas=2) as h:
+        async with Harness(nats_url, "bus-sched-q", replicas=2, max_num_seqs=64) as h:
             for i in range(20):
                 await h.submit(request(f"q{i}"))
             ids = [(await asyncio.wait_for(h.forwarded.get(), 5))[0].request_id for _ in range(20)]
@@ -111,5 +135,60 @@ def test_a_forward_over_max_payload_is_rejected_not_lost(nats_url):
             assert isinstance(rejected, Rejected) and rejected.reason == "invalid_request"
             assert rejected.param == "prompt" and "max_payload" in rejected.message
             assert h.forwarded.empty()
+
+    asyncio.run(main())
+
+
+def sla_request(rid: str, priority: int = 0, deadline_in_ms: int | None = None) -> GenerateRequest:
+    deadline = None if deadline_in_ms is None else int(time.time() * 1000) + deadline_in_ms
+    return msgspec.structs.replace(request(rid), sla=Sla(priority=priority, deadline_ms=deadline))
+
+
+async def next_reply(h: Harness) -> StreamEvent:
+    return await asyncio.wait_for(h.replies.get(), 5)
+
+
+def test_a_saturated_cluster_queues_by_priority_and_deadline_and_answers_at_once_when_full(
+    nats_url,
+):
+    config = {"max_queue_requests": 3, "max_queue_wait": 1.0}
+    # One worker whose queue is already deeper than four steps of its budget: saturated.
+    busy = {
+        "num_queued_prefill_tokens": 5000,
+        "max_num_batched_tokens": 512,
+        "prefill_tokens_per_s": 20_000.0,  # the backlog drains in a quarter second
+    }
+
+    async def main() -> None:
+        async with Harness(nats_url, "bus-sched-sla", replicas=1, config=config, **busy) as h:
+            await h.submit(sla_request("low", priority=5))
+            await h.submit(sla_request("late", priority=1, deadline_in_ms=60_000))
+            await h.submit(sla_request("soon", priority=1, deadline_in_ms=30_000))
+            queued = [await next_reply(h) for _ in range(3)]
+            assert [type(e) for e in queued] == [Queued] * 3
+            assert [e.position for e in queued] == [0, 0, 0]  # each was the head when queued
+            # The queue holds three: a fourth is refused at once, with when to retry.
+            await h.submit(sla_request("extra"))
+            full = await next_reply(h)
+            assert isinstance(full, Rejected) and full.reason == "overloaded" and full.retryable
+            assert full.retry_after_s >= 1
+            # A client that hangs up leaves the queue.
+            await h.bus.publish(subjects.SCHED_CANCEL, Cancel(request_id="late"))
+            await h.bus.nc.flush()
+            # A heartbeat with room lets the queue drain: priority first, then deadline.
+            await h.heartbeat(**(busy | {"num_queued_prefill_tokens": 0}))
+            order = [(await asyncio.wait_for(h.forwarded.get(), 5))[0].request_id for _ in "ab"]
+            assert order == ["soon", "low"]
+            # A request whose deadline passes while queued is told so, and not retried.
+            await h.heartbeat(**busy)
+            await h.submit(sla_request("expiring", deadline_in_ms=800))
+            assert isinstance(await next_reply(h), Queued)
+            expired = await next_reply(h)
+            assert isinstance(expired, Rejected) and expired.reason == "deadline_exceeded"
+            assert not expired.retryable
+            # One that cannot be served before its deadline is refused at once.
+            await h.submit(sla_request("hopeless", deadline_in_ms=1))
+            hopeless = await next_reply(h)
+            assert isinstance(hopeless, Rejected) and hopeless.reason == "deadline_unmeetable"
 
     asyncio.run(main())

@@ -111,6 +111,16 @@ def test_priorities_order_admission(model):
     assert [o.request_id for o in first] == ["urgent"]
 
 
+def test_within_a_priority_the_earliest_deadline_is_admitted_first(model):
+    engine = make_engine(model, max_num_seqs=1)
+    engine.add_request("no-deadline", [5, 6, 7], greedy(2), priority=1)
+    engine.add_request("later", [5, 6, 8], greedy(2), priority=1, deadline_ms=2_000)
+    engine.add_request("sooner", [5, 6, 9], greedy(2), priority=1, deadline_ms=1_000)
+    engine.add_request("urgent", [5, 6, 10], greedy(2), priority=0, deadline_ms=9_000)
+    finished = [o.request_id for o in _all_outputs(engine) if o.finished]
+    assert finished == ["urgent", "sooner", "later", "no-deadline"]
+
+
 def test_abort_frees_everything_at_once(model):
     engine = make_engine(model, max_num_batched_tokens=16)
     engine.add_request("a", list(range(3, 60)), greedy(50))

@@ -7,9 +7,17 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import pytest
 
-from lamina.schemas.v1.generate import Failed, GenerateRequest, Sampling
+from lamina.schemas.v1.generate import (
+    Failed,
+    Finished,
+    GenerateRequest,
+    RejectReason,
+    Sampling,
+    Sla,
+)
 from lamina.services.engine_worker.engine_thread import EngineThread
 from tests.engine.helpers import make_engine
 
@@ -147,3 +155,27 @@ def test_an_idle_engine_has_a_submitted_request_when_submit_returns(tiny_model):
     finally:
         loop.stop()
         loop.join(timeout=5)
+
+
+def test_a_request_past_its_deadline_is_stopped_and_its_blocks_freed(tiny_model):
+    seen = Recorder()
+    thread = EngineThread(lambda: make_engine(tiny_model), "w", "kv", emit=seen.emit)
+    thread.start()
+    try:
+        engine = thread.wait_ready()
+        request = msgspec.structs.replace(
+            long_request("r0"), sla=Sla(deadline_ms=int(time.time() * 1000) + 20)
+        )
+        thread.submit(request, reply="inbox")
+        deadline = time.monotonic() + 10
+        while not seen.failed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (failed,) = seen.failed()
+        assert failed.reason == RejectReason.DEADLINE_EXCEEDED and not failed.retryable
+        assert not any(isinstance(m, Finished) for m in seen.messages)  # 200 tokens take longer
+        done = thread.call(lambda e: None)  # the barrier: the thread has moved on
+        assert done.wait(5)
+        assert not engine.has_work() and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    finally:
+        thread.stop()
+        thread.join(timeout=5)

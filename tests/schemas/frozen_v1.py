@@ -109,6 +109,11 @@ class Failed(Message):
     tokens_sent: bool
 
 
+class Queued(Message):
+    request_id: str
+    position: int
+
+
 # --- api.py (continued: uses generate.py's structs) ---------------------------------------
 
 

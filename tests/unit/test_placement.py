@@ -121,8 +121,9 @@ def test_the_predicted_ttft_by_the_numbers():
         ),
         pending=1,
         pending_tokens=100,
+        queued_tokens=400.0,  # its 300 queued plus the 100 placed since
     )
-    # (300 queued + 100 pending + 600 uncached) / 2000 + 4 running / 50
+    # (400 queued + 600 uncached) / 2000 + 4 running / 50
     assert cost.predict_ttft(busy, 600) == pytest.approx(0.5 + 0.08)
     fresh = Candidate(stats("f", prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0))
     assert cost.predict_ttft(fresh, 500) == pytest.approx(0.5)  # the priors, nothing running
@@ -207,3 +208,16 @@ def test_another_replicas_placement_counts_until_the_workers_next_heartbeat():
     registry.heartbeat(stats("w", timestamp_ms=2_000))
     registry.placed_by_peer(record)
     assert registry.candidates()[0].pending == 0
+
+
+def test_a_workers_backlog_drains_at_its_rate_between_heartbeats():
+    clock = Clock()
+    registry = registry_at(clock)
+    registry.heartbeat(stats("w", num_queued_prefill_tokens=1000, prefill_tokens_per_s=2000.0))
+    clock.now = 0.25  # 500 tokens' worth of prefill later
+    assert registry.candidates()[0].queued_tokens == pytest.approx(500)
+    registry.placed("w", 300)  # counted in full when placed, then drains too
+    clock.now = 0.5
+    assert registry.candidates()[0].queued_tokens == pytest.approx(300)
+    clock.now = 1.4  # nothing left, however long ago (still alive: 3 intervals)
+    assert registry.candidates()[0].queued_tokens == 0

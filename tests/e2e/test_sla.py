@@ -1,0 +1,56 @@
+"""SLA admission on a real stack with one worker that runs one sequence at a time: a burst
+beyond what it and the scheduler's queue hold is answered 429 with ``Retry-After`` (and
+what was queued still runs); a deadline that cannot be met is refused at once; one that
+passes while the request waits is a 504 ``deadline_exceeded``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from tests.e2e.conftest import make_stack
+
+
+async def complete(client: httpx.AsyncClient, **body: object) -> httpx.Response:
+    payload = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "ignore_eos": True} | body
+    return await client.post("/v1/completions", json=payload)
+
+
+def test_overload_deadlines_and_queueing_through_http(tiny_model, tmp_path):
+    stack = make_stack(
+        tiny_model,
+        tmp_path,
+        worker_args=["--max-num-seqs", "1"],
+        extra_env={"LAMINA_MAX_QUEUE_REQUESTS": "2"},
+    )
+
+    async def main(base_url: str) -> dict[str, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            burst = await asyncio.gather(*(complete(client) for _ in range(6)))
+            hopeless = await complete(client, timeout_ms=1)
+            # A long request holds the worker; one behind it has a short deadline.
+            long = asyncio.create_task(complete(client, max_tokens=1500))
+            await asyncio.sleep(0.1)
+            short = await complete(client, timeout_ms=300)
+            return {"burst": burst, "hopeless": [hopeless], "long": [await long], "short": [short]}
+
+    with stack:
+        got = asyncio.run(main(stack.base_url))
+    statuses = sorted(r.status_code for r in got["burst"])
+    refused = [r for r in got["burst"] if r.status_code == 429]
+    # One sequence on the worker (two, if a heartbeat lands mid-burst) and two in the queue
+    # get in; the rest are refused at once.
+    assert len(refused) >= 2 and set(statuses) <= {200, 429}, statuses
+    for response in refused:
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "overloaded")
+        assert int(response.headers["retry-after"]) >= 1
+    (hopeless,) = got["hopeless"]
+    assert hopeless.status_code == 429, hopeless.text
+    assert hopeless.json()["error"]["code"] == "deadline_unmeetable"
+    assert int(hopeless.headers["retry-after"]) >= 1
+    (short,) = got["short"]
+    assert short.status_code == 504, short.text
+    assert short.json()["error"]["code"] == "deadline_exceeded"
+    assert got["long"][0].status_code == 200
