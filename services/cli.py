@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
+    if argv and argv[0] == "ctl":
+        from lamina.services.ctl import main as ctl
+
+        return ctl(argv[1:])
     if argv and argv[0] == "up":
         from lamina.services.launcher import main as up
 
@@ -35,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in SERVICES:
         commands.add_parser(name, help=f"run the {name} service (see `lamina {name} --help`)")
     commands.add_parser("up", help="run the whole stack locally (see `lamina up --help`)")
+    commands.add_parser("ctl", help="operate a running cluster (see `lamina ctl --help`)")
     schemas = commands.add_parser("schemas", help="wire schema tools")
     schemas.add_subparsers(dest="schemas_command").add_parser(
         "export", help="write JSON Schema for every wire type (`lamina schemas export DIR`)"

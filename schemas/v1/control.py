@@ -20,6 +20,15 @@ class Resume(Message):
     """Take new requests again after a drain (cordon lifted)."""
 
 
+class Cordon(Message):
+    """Place nothing new here (schedulers skip a cordoned worker), but keep serving what
+    it has and whatever still reaches it; unlike ``Drain``, it refuses nothing."""
+
+
+class Uncordon(Message):
+    """Lift a cordon."""
+
+
 class ResetPrefixCache(Message):
     """Forget every cached prefix block."""
 
@@ -38,4 +47,4 @@ class ControlAck(Message):
     message: str = ""
 
 
-ControlCommand = Drain | Resume | ResetPrefixCache | Ping
+ControlCommand = Drain | Resume | ResetPrefixCache | Ping | Cordon | Uncordon

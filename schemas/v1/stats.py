@@ -57,6 +57,8 @@ class WorkerStats(Message, gc=False):
     incarnation: str = ""
     """Unique to one run of the worker process (as on its ``KvEventBatch``es): a new one
     under the same id is a restart, so what was known of its cache is dropped."""
+    cordoned: bool = False
+    """An operator cordoned it: schedulers place nothing new here."""
 
 
 class ClusterStatusRequest(Message):
@@ -74,3 +76,7 @@ class WorkerView(Message):
 class ClusterStatus(Message):
     scheduler_id: str
     workers: list[WorkerView]
+    queued: int = 0
+    """Requests waiting in this scheduler replica's queue."""
+    queued_tokens: int = 0
+    """Their prompt tokens."""

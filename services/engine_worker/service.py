@@ -29,10 +29,12 @@ from lamina.schemas.v1.control import (
     Cancel,
     ControlAck,
     ControlCommand,
+    Cordon,
     Drain,
     Ping,
     ResetPrefixCache,
     Resume,
+    Uncordon,
 )
 from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason
 from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
@@ -84,6 +86,8 @@ class WorkerService:
         self.config = config
         self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.lifecycle = Lifecycle()
+        self.cordoned = False
+        """Set by ``Cordon``: schedulers place nothing new here (see ``WorkerStats``)."""
         self.incarnation = uuid.uuid4().hex[:16]
         """This run of the worker: a restart under the same id is a new incarnation."""
         self.bus: Bus | None = None
@@ -253,6 +257,13 @@ class WorkerService:
                     await asyncio.to_thread(done.wait, 5.0)
                 case Resume():
                     self.lifecycle.move(Event.RESUME)
+                case Cordon() | Uncordon():
+                    self.cordoned = isinstance(command, Cordon)
+                    log.info(
+                        "worker %s %s",
+                        self.worker_id,
+                        "cordoned" if self.cordoned else "uncordoned",
+                    )
         except IllegalTransition as exc:
             ok, message = False, str(exc)
         if not isinstance(command, Ping):  # a ping is only answered
@@ -300,6 +311,7 @@ class WorkerService:
             heartbeat_interval_s=self.config.stats_interval,
             state_reason=self.lifecycle.reason,
             incarnation=self.incarnation,
+            cordoned=self.cordoned,
             prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
             **dataclasses.asdict(counters),
         )

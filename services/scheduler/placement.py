@@ -211,6 +211,11 @@ class Placer:
         return scored.kv_usage * s.total_kv_blocks + pending_blocks <= s.total_kv_blocks
 
 
+def _shown_state(worker: Candidate) -> str:
+    s = worker.stats
+    return "cordoned" if s.cordoned and s.state == WorkerState.READY else str(s.state)
+
+
 def admit(
     request: GenerateRequest, live: list[Candidate]
 ) -> tuple[list[Candidate], Decision | None]:
@@ -222,9 +227,9 @@ def admit(
         models = sorted({w.stats.model for w in live})
         message = f"no worker serves model {request.model!r}; available: {models}"
         return [], Decision(None, RejectReason.MODEL_NOT_FOUND, message, 0, retryable=False)
-    ready = [w for w in serving if w.stats.state == WorkerState.READY]
+    ready = [w for w in serving if w.stats.state == WorkerState.READY and not w.stats.cordoned]
     if not ready:
-        states = ", ".join(sorted({w.stats.state for w in serving}))
+        states = ", ".join(sorted({_shown_state(w) for w in serving}))
         message = f"no worker for this model is ready (their states: {states})"
         return [], Decision(None, RejectReason.NO_WORKER, message, len(serving))
     prompt, wanted = len(request.prompt_token_ids), request.sampling.max_tokens

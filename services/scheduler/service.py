@@ -320,7 +320,13 @@ class SchedulerService:
             WorkerView(stats=e.stats, alive=alive, last_seen_ms=e.last_seen_ms)
             for e, alive in self.registry.view.snapshot()
         ]
-        await self.bus.reply(msg, ClusterStatus(scheduler_id=self.scheduler_id, workers=views))
+        status = ClusterStatus(
+            scheduler_id=self.scheduler_id,
+            workers=views,
+            queued=len(self.queue),
+            queued_tokens=self.queue.tokens,
+        )
+        await self.bus.reply(msg, status)
 
     async def drain(self) -> None:
         """Nothing is held here: in-flight requests live on workers and gateways."""

@@ -174,6 +174,14 @@ class Ping(Message):  # added in session 6, after the first release of v1
     pass
 
 
+class Cordon(Message):
+    pass
+
+
+class Uncordon(Message):
+    pass
+
+
 class ControlAck(Message):
     worker_id: str
     ok: bool

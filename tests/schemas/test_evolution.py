@@ -29,10 +29,12 @@ from lamina.schemas.v1.control import (
     Cancel,
     ControlAck,
     ControlCommand,
+    Cordon,
     Drain,
     Ping,
     ResetPrefixCache,
     Resume,
+    Uncordon,
 )
 from lamina.schemas.v1.errors import BadMessage
 from lamina.schemas.v1.generate import (
@@ -133,6 +135,7 @@ def golden_instances() -> dict[str, Message]:
         heartbeat_interval_s=0.25,
         state_reason="3 requests left to finish before exit (SIGTERM)",
         incarnation="5c1e0a9b7d3f4e21",
+        cordoned=True,
     )
     instances: list[Message] = [
         ApiRequest(
@@ -204,6 +207,8 @@ def golden_instances() -> dict[str, Message]:
         Cancel(request_id=request_id),
         Drain(),
         Resume(),
+        Cordon(),
+        Uncordon(),
         ResetPrefixCache(),
         Ping(),
         ControlAck(worker_id=worker_id, ok=True, state="draining", message="3 requests in flight"),
@@ -276,6 +281,8 @@ def golden_instances() -> dict[str, Message]:
         ClusterStatus(
             scheduler_id="sched-a-311",
             workers=[WorkerView(stats=stats, alive=True, last_seen_ms=1767225600750)],
+            queued=2,
+            queued_tokens=640,
         ),
     ]
     return {type(instance).__name__: instance for instance in instances}

@@ -221,3 +221,13 @@ def test_a_workers_backlog_drains_at_its_rate_between_heartbeats():
     assert registry.candidates()[0].queued_tokens == pytest.approx(300)
     clock.now = 1.4  # nothing left, however long ago (still alive: 3 intervals)
     assert registry.candidates()[0].queued_tokens == 0
+
+
+def test_a_cordoned_worker_gets_nothing_new_and_says_why():
+    registry = registry_at(Clock())
+    registry.heartbeat(stats("a", cordoned=True))
+    refused = place(request(), registry.candidates())
+    assert (refused.worker_id, refused.reason) == (None, RejectReason.NO_WORKER)
+    assert "cordoned" in refused.message
+    registry.heartbeat(stats("b"))
+    assert place(request(), registry.candidates(), Policy.KV).worker_id == "b"

@@ -1,0 +1,155 @@
+"""``lamina ctl``: operate a running cluster over NATS.
+
+``status`` asks a scheduler (``sched.status``) for its view and prints one line per
+worker. ``drain``, ``resume``, ``cordon``, ``uncordon`` and ``reset-prefix-cache`` send
+that control command to each named worker (or ``--all`` the scheduler knows) on
+``worker.<id>.control`` and print its acknowledgement. Exit status 1 when anything
+failed: no scheduler, an unknown worker, a worker that did not answer or refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from lamina.libs.bus import Bus
+from lamina.libs.errors import BadReply, NoResponders, RequestTimeout
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.control import (
+    ControlAck,
+    Cordon,
+    Drain,
+    ResetPrefixCache,
+    Resume,
+    Uncordon,
+)
+from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
+
+COMMANDS: dict[str, Callable[[], object]] = {
+    "drain": Drain,
+    "resume": Resume,
+    "cordon": Cordon,
+    "uncordon": Uncordon,
+    "reset-prefix-cache": ResetPrefixCache,
+}
+
+COLUMNS = ("worker", "state", "alive", "kv used", "running", "waiting", "queued prefill")
+COLUMNS += ("prefill tok/s", "decode tok/s", "prefix hits")
+
+
+class CtlError(Exception):
+    """What the operator is told, on one line."""
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lamina ctl", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--nats-url",
+        default=os.environ.get("LAMINA_NATS_URL") or "nats://127.0.0.1:4222",
+        help="NATS server URL (env LAMINA_NATS_URL; default: lamina up's)",
+    )
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for answers")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("status", help="every worker as the scheduler sees it")
+    for name in COMMANDS:
+        sub = commands.add_parser(name, help=f"send {COMMANDS[name].__name__} to workers")
+        sub.add_argument("workers", nargs="*", help="worker ids")
+        sub.add_argument("--all", action="store_true", help="every worker the scheduler knows")
+    args = parser.parse_args(argv)
+    if args.command in COMMANDS and bool(args.workers) == args.all:
+        parser.error(f"{args.command}: name the workers, or pass --all (not both)")
+    return args
+
+
+async def cluster_status(bus: Bus, timeout: float) -> ClusterStatus:
+    try:
+        return await bus.request(
+            subjects.SCHED_STATUS, ClusterStatusRequest(), ClusterStatus, timeout=timeout
+        )
+    except (NoResponders, RequestTimeout) as exc:
+        raise CtlError(f"no scheduler answered on {subjects.SCHED_STATUS} ({exc})") from exc
+
+
+def status_table(status: ClusterStatus) -> str:
+    rows = [COLUMNS]
+    for view in status.workers:
+        s = view.stats
+        state = "cordoned" if s.cordoned and s.state == "ready" else str(s.state)
+        rows.append(
+            (
+                s.worker_id,
+                state,
+                "yes" if view.alive else "no",
+                f"{s.kv_cache_usage:.0%}",
+                str(s.num_running),
+                str(s.num_waiting),
+                str(s.num_queued_prefill_tokens),
+                f"{s.prefill_tokens_per_s:.0f}",
+                f"{s.decode_tokens_per_s:.0f}",
+                f"{s.prefix_cache_hit_ratio:.0%}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    queue = f"scheduler {status.scheduler_id}: {status.queued} queued"
+    queue += f" ({status.queued_tokens} prompt tokens)"
+    return "\n".join([queue, *(line.rstrip() for line in lines)])
+
+
+async def control(args: argparse.Namespace, bus: Bus) -> list[str]:
+    """Send the command to each target; the lines to print. Raises :class:`CtlError` for
+    targets that are unknown, and after sending when any failed."""
+    known = [view.stats.worker_id for view in (await cluster_status(bus, args.timeout)).workers]
+    targets = known if args.all else args.workers
+    unknown = [w for w in targets if w not in known]
+    if unknown:
+        raise CtlError(
+            f"unknown worker(s) {', '.join(unknown)}; known: {', '.join(known) or 'none'}"
+        )
+    lines, failed = [], False
+    for worker_id in targets:
+        try:
+            ack = await bus.request(
+                subjects.worker_control(worker_id),
+                COMMANDS[args.command](),
+                ControlAck,
+                timeout=args.timeout,
+            )
+        except (NoResponders, RequestTimeout, BadReply) as exc:
+            lines.append(f"{worker_id}: no answer ({exc})")
+            failed = True
+            continue
+        verdict = "ok" if ack.ok else f"refused: {ack.message}"
+        lines.append(f"{worker_id}: {verdict} (now {ack.state})")
+        failed |= not ack.ok
+    if failed:
+        raise CtlError("\n".join(lines))
+    return lines
+
+
+async def run(args: argparse.Namespace) -> str:
+    logging.getLogger("lamina.bus").setLevel(logging.ERROR)  # its retries are not news here
+    try:
+        bus = await asyncio.wait_for(Bus.connect(args.nats_url, "lamina-ctl"), args.timeout)
+    except TimeoutError as exc:  # the client retries an unreachable server forever
+        raise CtlError(f"cannot reach NATS at {args.nats_url} within {args.timeout:g}s") from exc
+    try:
+        if args.command == "status":
+            return status_table(await cluster_status(bus, args.timeout))
+        return "\n".join(await control(args, bus))
+    finally:
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        print(asyncio.run(run(args)))
+    except CtlError as exc:
+        print(f"lamina ctl: {exc}", file=sys.stderr)
+        return 1
+    return 0
