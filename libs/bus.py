@@ -84,10 +84,13 @@ class Bus:
     def __init__(self, nc: Client, name: str) -> None:
         self.nc = nc
         self.name = name
+        self.on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        """Called after each reconnect: what was published meanwhile was not received."""
 
     @classmethod
     async def connect(cls, url: str, name: str, **options: Any) -> Bus:
         """Connect to ``url``; reconnects forever with the client's default back-off."""
+        bus: Bus | None = None
 
         async def on_error(exc: Exception) -> None:
             log.warning("nats error: %s", exc)
@@ -97,6 +100,8 @@ class Bus:
 
         async def on_reconnect() -> None:
             log.info("reconnected to nats")
+            for callback in bus.on_reconnect if bus is not None else []:
+                await callback()
 
         nc = await nats.connect(
             url,
@@ -108,7 +113,8 @@ class Bus:
             reconnected_cb=on_reconnect,
             **options,
         )
-        return cls(nc, name)
+        bus = cls(nc, name)
+        return bus
 
     @property
     def max_payload(self) -> int:

@@ -112,6 +112,20 @@ class Decision:
     scored: list[ScoredWorker] = field(default_factory=list)
 
 
+def drain_time(workers: list[Candidate], queued_tokens: int, rate_prior: float) -> float:
+    """Seconds until the cluster has worked off its backlog (every worker's queued prefill
+    plus ``queued_tokens`` in the scheduler's queue) at the sum of the prefill rates its
+    workers measured (``rate_prior`` when none has)."""
+    backlog = queued_tokens + sum(w.queued_tokens for w in workers)
+    rate = sum(w.stats.prefill_tokens_per_s for w in workers) or rate_prior
+    return backlog / rate
+
+
+def retry_after(drain_s: float) -> float:
+    """``Retry-After`` for a refusal: the drain time in whole seconds, at least one."""
+    return max(1.0, float(math.ceil(drain_s)))
+
+
 def load_score(entry: Candidate) -> float:
     s = entry.stats
     return (

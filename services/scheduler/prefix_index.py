@@ -127,6 +127,12 @@ class PrefixIndex:
         self._next_slot += 1
         return self._next_slot - 1
 
+    def desync(self, worker_id: str) -> None:
+        """Distrust a worker's entries until its next snapshot (events may be lost)."""
+        kv = self.workers.get(worker_id)
+        if kv is not None:
+            self._desync(kv)
+
     def _desync(self, kv: WorkerKv) -> None:
         self._clear(kv)
         kv.synced = False

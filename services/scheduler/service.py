@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import socket
 import time
@@ -39,7 +38,14 @@ from lamina.schemas.v1.stats import (
     WorkerView,
 )
 from lamina.services.scheduler.admission_queue import AdmissionQueue
-from lamina.services.scheduler.placement import CostModel, Decision, Placer, Policy
+from lamina.services.scheduler.placement import (
+    CostModel,
+    Decision,
+    Placer,
+    Policy,
+    drain_time,
+    retry_after,
+)
 from lamina.services.scheduler.registry import Registry
 
 log = logging.getLogger("lamina.scheduler")
@@ -90,6 +96,7 @@ class SchedulerService:
 
     async def start(self) -> None:
         self.bus = bus = await Bus.connect(self.config.nats_url, f"scheduler-{self.scheduler_id}")
+        bus.on_reconnect.append(self._resync_all)
         await bus.subscribe(subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False)
         await bus.subscribe(subjects.WORKER_KV_ALL, KvEventBatch, self._on_kv, traced=False)
         await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, self._on_peer_placement)
@@ -113,6 +120,13 @@ class SchedulerService:
     async def _on_peer_placement(self, record: PlacementRecord, msg: Msg) -> None:
         if record.scheduler_id != self.scheduler_id and record.worker_id is not None:
             self.registry.placed_by_peer(record)
+
+    async def _resync_all(self) -> None:
+        """After a reconnect, KV events may have been missed without a gap showing yet (an
+        idle worker sends none): every worker's entries are distrusted, and each is asked
+        for a snapshot at its next heartbeat (which also shows it is back on the bus)."""
+        for worker_id in list(self.registry.index.workers):
+            self.registry.index.desync(worker_id)
 
     def _sync(self, worker_id: str) -> None:
         """Ask ``worker_id`` for its KV snapshot, once at a time per worker."""
@@ -181,16 +195,11 @@ class SchedulerService:
     def _drain_time(self) -> float:
         """Seconds until the cluster has worked off its backlog (every worker's queued
         prefill and this queue) at the prefill rates its workers measured."""
-        live = self.registry.candidates()
-        backlog = self.queue.tokens + sum(w.queued_tokens for w in live)
-        rate = (
-            sum(w.stats.prefill_tokens_per_s for w in live) or self.placer.cost.prefill_rate_prior
-        )
-        return backlog / rate
+        prior = self.placer.cost.prefill_rate_prior
+        return drain_time(self.registry.candidates(), self.queue.tokens, prior)
 
     def _retry_after(self) -> float:
-        """``Retry-After`` for a refusal: the drain time in whole seconds, at least one."""
-        return max(1.0, math.ceil(self._drain_time()))
+        return retry_after(self._drain_time())
 
     async def _enqueue(self, request: GenerateRequest, reply: str) -> None:
         """Queue ``request`` (telling its client), or refuse it when the queue is full or

@@ -152,12 +152,8 @@ def test_a_saturated_cluster_queues_by_priority_and_deadline_and_answers_at_once
     nats_url,
 ):
     config = {"max_queue_requests": 3, "max_queue_wait": 1.0}
-    # One worker whose queue is already deeper than four steps of its budget: saturated.
-    busy = {
-        "num_queued_prefill_tokens": 5000,
-        "max_num_batched_tokens": 512,
-        "prefill_tokens_per_s": 20_000.0,  # the backlog drains in a quarter second
-    }
+    # One worker whose waiting requests fill its max_num_seqs: saturated until it says not.
+    busy = {"num_waiting": 8, "max_num_seqs": 8, "prefill_tokens_per_s": 20_000.0}
 
     async def main() -> None:
         async with Harness(nats_url, "bus-sched-sla", replicas=1, config=config, **busy) as h:
@@ -176,7 +172,7 @@ def test_a_saturated_cluster_queues_by_priority_and_deadline_and_answers_at_once
             await h.bus.publish(subjects.SCHED_CANCEL, Cancel(request_id="late"))
             await h.bus.nc.flush()
             # A heartbeat with room lets the queue drain: priority first, then deadline.
-            await h.heartbeat(**(busy | {"num_queued_prefill_tokens": 0}))
+            await h.heartbeat(**(busy | {"num_waiting": 0}))
             order = [(await asyncio.wait_for(h.forwarded.get(), 5))[0].request_id for _ in "ab"]
             assert order == ["soon", "low"]
             # A request whose deadline passes while queued is told so, and not retried.
@@ -187,7 +183,7 @@ def test_a_saturated_cluster_queues_by_priority_and_deadline_and_answers_at_once
             assert isinstance(expired, Rejected) and expired.reason == "deadline_exceeded"
             assert not expired.retryable
             # One that cannot be served before its deadline is refused at once.
-            await h.submit(sla_request("hopeless", deadline_in_ms=1))
+            await h.submit(sla_request("hopeless", deadline_in_ms=-1))
             hopeless = await next_reply(h)
             assert isinstance(hopeless, Rejected) and hopeless.reason == "deadline_unmeetable"
 

@@ -211,3 +211,36 @@ def test_a_replica_counts_the_other_replicas_placements_as_pending(nats_url):
                 await replica.close()
 
     assert asyncio.run(main()) == (1, 1)
+
+
+def test_a_scheduler_that_reconnects_resyncs_every_worker():
+    """Events published while it was cut off are lost without a gap showing (an idle
+    worker sends no more): after a reconnect it asks every worker again, at its next
+    heartbeat."""
+    from lamina.libs.nats_server import NatsServer, free_port
+
+    port = free_port()
+
+    async def main() -> list[str]:
+        server = NatsServer(port=port).start()
+        scheduler = SchedulerService(SchedulerConfig(nats_url=server.url, scheduler_id="s-re"))
+        await scheduler.start()
+        bus = await Bus.connect(server.url, "test-kv-reconnect")
+        workers = Workers(bus)
+        await workers.start()
+        try:
+            await workers.heartbeat("a")
+            synced = [await asyncio.wait_for(workers.syncs.get(), 5)]
+            server.stop()
+            await until(lambda: not scheduler.bus.nc.is_connected, "the scheduler noticing")
+            server = NatsServer(port=port).start()  # the same address, a fresh server
+            await until(lambda: scheduler.bus.nc.is_connected and bus.nc.is_connected, "both back")
+            await workers.heartbeat("a")  # the worker is back: the scheduler asks it again
+            synced.append(await asyncio.wait_for(workers.syncs.get(), 10))
+            return synced
+        finally:
+            await bus.close()
+            await scheduler.close()
+            server.stop()
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == ["a", "a"]

@@ -7,7 +7,14 @@ import pytest
 from lamina.schemas.v1.generate import GenerateRequest, RejectReason, Sampling
 from lamina.schemas.v1.records import PlacementRecord
 from lamina.schemas.v1.stats import WorkerState, WorkerStats
-from lamina.services.scheduler.placement import REQUEST_WEIGHT_TOKENS, CostModel, Placer, Policy
+from lamina.services.scheduler.placement import (
+    REQUEST_WEIGHT_TOKENS,
+    CostModel,
+    Placer,
+    Policy,
+    drain_time,
+    retry_after,
+)
 from lamina.services.scheduler.registry import Candidate, Registry
 from tests.telemetry.helpers import make_stats
 
@@ -231,3 +238,15 @@ def test_a_cordoned_worker_gets_nothing_new_and_says_why():
     assert "cordoned" in refused.message
     registry.heartbeat(stats("b"))
     assert place(request(), registry.candidates(), Policy.KV).worker_id == "b"
+
+
+def test_retry_after_is_the_clusters_drain_time_in_whole_seconds():
+    workers = [
+        Candidate(stats("a", prefill_tokens_per_s=1000.0), queued_tokens=1500.0),
+        Candidate(stats("b", prefill_tokens_per_s=3000.0), queued_tokens=500.0),
+    ]
+    # (1500 + 500 + 6000 queued in the scheduler) / (1000 + 3000) tokens/s = 2 s
+    assert drain_time(workers, 6000, rate_prior=100.0) == pytest.approx(2.0)
+    assert retry_after(2.0) == 2.0 and retry_after(2.01) == 3.0 and retry_after(0.1) == 1.0
+    unmeasured = [Candidate(stats("c", prefill_tokens_per_s=0.0), queued_tokens=300.0)]
+    assert drain_time(unmeasured, 0, rate_prior=100.0) == pytest.approx(3.0)
