@@ -73,6 +73,14 @@ class Stack:
             ["--worker-id", f"worker-{index}", "--model", str(self.model), *self.worker_args],
         )
 
+    def start_scheduler(self, scheduler_id: str) -> subprocess.Popen:
+        """Another scheduler replica (the queue group splits submits between replicas)."""
+        return self._spawn(
+            f"scheduler-{scheduler_id}",
+            "lamina.services.scheduler",
+            ["--scheduler-id", scheduler_id],
+        )
+
     def start(self, timeout: float = 180.0) -> Stack:
         """Start everything (``with Stack(...)`` already does); once only: a second start
         would orphan the first processes and run two workers under one id on one bus."""

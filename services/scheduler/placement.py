@@ -198,6 +198,22 @@ class Placer:
             scored=scored,
         )
 
+    def earliest_ttft(
+        self, request: GenerateRequest, live: list[Candidate], overlap: Overlap
+    ) -> float:
+        """The lowest predicted TTFT over every worker that could run ``request``, saturated
+        or not (0 when none could): what a queued request waits at least."""
+        admitted, _ = admit(request, live)
+        if not admitted:
+            return 0.0
+        prompt = request.prompt_token_ids
+        hits = overlap(prompt, [w.stats.worker_id for w in admitted])
+        rates = self.cost.peer_rates(admitted)
+        return min(
+            self._score(w, len(prompt), hits[w.stats.worker_id], rates).predicted_ttft_s
+            for w in admitted
+        )
+
     def _score(
         self,
         worker: Candidate,

@@ -204,7 +204,11 @@ class SchedulerService:
     async def _enqueue(self, request: GenerateRequest, reply: str) -> None:
         """Queue ``request`` (telling its client), or refuse it when the queue is full or
         its deadline cannot be met after the work ahead of it."""
-        retry_after, wait = self._retry_after(), self._drain_time()
+        registry = self.registry
+        first_token = self.placer.earliest_ttft(
+            request, registry.candidates(), registry.index.overlap
+        )
+        retry_after, wait = self._retry_after(), self._drain_time() + first_token
         deadline = request.sla.deadline_ms
         if deadline is not None and time.time() * 1000 + wait * 1000 > deadline:
             message = f"the work ahead of it takes ~{wait:.2f}s, past its deadline"

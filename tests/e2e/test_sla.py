@@ -1,7 +1,8 @@
 """SLA admission on a real stack with one worker that runs one sequence at a time: a burst
 beyond what it and the scheduler's queue hold is answered 429 with ``Retry-After`` (and
 what was queued still runs); a deadline that cannot be met is refused at once; one that
-passes while the request waits is a 504 ``deadline_exceeded``."""
+passes while the request waits is a 504 ``deadline_exceeded``; queued requests are served
+by priority."""
 
 from __future__ import annotations
 
@@ -54,3 +55,32 @@ def test_overload_deadlines_and_queueing_through_http(tiny_model, tmp_path):
     assert short.status_code == 504, short.text
     assert short.json()["error"]["code"] == "deadline_exceeded"
     assert got["long"][0].status_code == 200
+
+
+def test_queued_requests_are_served_by_priority(tiny_model, tmp_path):
+    stack = make_stack(tiny_model, tmp_path, worker_args=["--max-num-seqs", "1"])
+
+    async def main(base_url: str) -> list[str]:
+        done: list[str] = []
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+
+            async def run(name: str, **body: object) -> None:
+                response = await complete(client, **body)
+                assert response.status_code == 200, response.text
+                done.append(name)
+
+            # One long request runs; one more waits on the worker; the rest queue.
+            first = asyncio.create_task(run("first", max_tokens=1500))
+            await asyncio.sleep(0.2)
+            second = asyncio.create_task(run("second", max_tokens=8))
+            await asyncio.sleep(0.2)
+            background = [asyncio.create_task(run(f"background-{i}", priority=5)) for i in range(3)]
+            await asyncio.sleep(0.2)
+            urgent = asyncio.create_task(run("urgent", priority=0))
+            await asyncio.gather(first, second, *background, urgent)
+        return done
+
+    with stack:
+        done = asyncio.run(main(stack.base_url))
+    queued = [name for name in done if name.startswith(("background", "urgent"))]
+    assert queued[0] == "urgent", done
