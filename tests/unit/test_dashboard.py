@@ -16,10 +16,17 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/lam
 def exposed_names() -> set[str]:
     aggregator = Aggregator()
     aggregator.observe_stats(make_stats())
-    aggregator.observe_request(make_record())
     aggregator.observe_placement(
-        PlacementRecord(request_id="r", worker_id="w1", reason="placed", candidates=1)
+        PlacementRecord(
+            request_id="r1",
+            worker_id="w1",
+            reason="placed",
+            candidates=1,
+            policy="kv",
+            predicted_ttft_s=0.02,
+        )
     )
+    aggregator.observe_request(make_record())  # joins the prediction: an error is observed
     text = aggregator.render().decode()
     return {
         line.split("{")[0].split(" ")[0]
