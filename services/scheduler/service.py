@@ -342,8 +342,14 @@ class SchedulerService:
         await self.bus.reply(msg, status)
 
     async def drain(self) -> None:
-        """Nothing is held here: in-flight requests live on workers and gateways."""
-        await asyncio.sleep(0)
+        """Hand back what waits in the queue (retryable: the gateway resubmits it, and
+        another replica takes it); in-flight requests live on workers and gateways."""
+        while (waiting := self.queue.peek()) is not None:
+            self.queue.pop()
+            message = f"scheduler {self.scheduler_id} is shutting down"
+            await self._send(
+                waiting.request, waiting.reply, Decision(None, RejectReason.DRAINING, message, 0)
+            )
 
     async def close(self) -> None:
         for task in [*self._syncing.values(), *self._tasks]:

@@ -188,3 +188,18 @@ def test_a_saturated_cluster_queues_by_priority_and_deadline_and_answers_at_once
             assert isinstance(hopeless, Rejected) and hopeless.reason == "deadline_unmeetable"
 
     asyncio.run(main())
+
+
+def test_a_scheduler_that_shuts_down_hands_its_queue_back_as_retryable(nats_url):
+    busy = {"num_waiting": 8, "max_num_seqs": 8}
+
+    async def main() -> None:
+        async with Harness(nats_url, "bus-sched-drain", replicas=1, **busy) as h:
+            await h.submit(sla_request("waiting"))
+            assert isinstance(await next_reply(h), Queued)
+            await h.schedulers[0].drain()
+            handed_back = await next_reply(h)
+            assert isinstance(handed_back, Rejected) and handed_back.reason == "draining"
+            assert handed_back.retryable and not h.schedulers[0].queue
+
+    asyncio.run(main())
