@@ -4,7 +4,11 @@ moved to another worker when its worker is lost.
 :meth:`RemoteRequest.start` submits to the scheduler with a reply subject on this gateway's
 inbox and waits for a worker's ``Accepted``, retrying retryable rejections and silent
 losses with back-off; only then does an HTTP response begin, so a refusal gets a real
-status code. :meth:`RemoteRequest.stream` yields the accepted attempt's token events until
+status code. A scheduler that queues the request says ``Queued``: the wait for
+acceptance then has no accept timer (the scheduler answers within its queue wait), and
+closing the request takes it out of the queue. ``overloaded`` and
+``deadline_unmeetable`` are not retried here: the client is told when to retry.
+:meth:`RemoteRequest.stream` yields the accepted attempt's token events until
 ``Finished``. When the attempt's worker is lost (it stops heartbeating, or it fails the
 request as retryable) the request moves: the prompt plus every token streamed so far is
 submitted again, through the same attempt loop, and the new worker's tokens continue the
