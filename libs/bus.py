@@ -234,6 +234,7 @@ class Bus:
         queue: str = "",
         traced: bool = True,
         bad_reply: Callable[[Msg, msgspec.DecodeError], msgspec.Struct] | None = None,
+        no_responders: Callable[[Msg], Awaitable[None]] | None = None,
     ) -> Subscription:
         """Call ``handler(decoded, msg)`` for each message on ``subject``.
 
@@ -241,11 +242,17 @@ class Bus:
         the CONSUMER span, for very hot subscriptions whose publishers are already traced.
         A message that does not decode is answered, when it has a reply subject, with
         ``bad_reply(msg, error)`` (default: a :class:`BadMessage`): a subject whose clients
-        read their own error type (the NATS request API) says so here.
+        read their own error type (the NATS request API) says so here. On a reply
+        subject, ``no_responders(msg)`` is called for the server's "no responders" status
+        (what was published with this reply subject reached no subscriber).
         """
         dec = decoder(message_type)
 
         async def callback(msg: Msg) -> None:
+            status = msg.headers.get("Status") if msg.headers else None
+            if status == NO_RESPONDERS_STATUS and no_responders is not None:
+                await no_responders(msg)
+                return
             try:
                 decoded = dec.decode(msg.data)
             except (msgspec.DecodeError, RecursionError) as exc:

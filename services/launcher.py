@@ -171,6 +171,7 @@ class UpConfig:
     metrics_port: int = option(9400, "telemetry's HTTP port (/metrics, /v1/cluster)")
     nats_url: str = option("", "use this NATS server instead of starting one")
     nats_port: int = option(4222, "port of the embedded NATS server (0: any free port)")
+    api_key: str = option("", "API keys the gateway requires (comma-separated; none: open)")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         nats_url=config.nats_url or None,
         nats_port=config.nats_port,
         worker_args=[*to_argv(dataclasses.replace(engine, model=None)), *names],
-        gateway_args=names,
+        gateway_args=[*names, *(["--api-key", config.api_key] if config.api_key else [])],
     )
     stopping = False
 

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from lamina.schemas.v1.base import Message, OpenEnum
+from lamina.schemas.v1.generate import INT64_MAX, Count
+
+# A heartbeat is believed only within these bounds (a forged one with a negative load or
+# interval fails to decode and is dropped, so it cannot draw traffic).
+Size = Annotated[int, msgspec.Meta(gt=0, le=INT64_MAX)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+Interval = Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
 
 
 class WorkerState(OpenEnum):
@@ -31,26 +43,26 @@ class WorkerStats(Message, gc=False):
     model: str
     device: str
     state: WorkerState
-    block_size: int
-    total_kv_blocks: int
-    free_kv_blocks: int
-    kv_cache_usage: float
-    prefix_cache_hit_ratio: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_running: int
-    num_waiting: int
-    num_queued_prefill_tokens: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    timestamp_ms: int
-    heartbeat_interval_s: float = 0.5
+    block_size: Size
+    total_kv_blocks: Count
+    free_kv_blocks: Count
+    kv_cache_usage: Fraction
+    prefix_cache_hit_ratio: Fraction
+    prefix_cache_queries: Count
+    prefix_cache_hits: Count
+    num_running: Count
+    num_waiting: Count
+    num_queued_prefill_tokens: Count
+    max_num_batched_tokens: Size
+    max_num_seqs: Size
+    max_model_len: Count
+    prefill_tokens_per_s: Rate
+    decode_tokens_per_s: Rate
+    num_preemptions: Count
+    prompt_tokens_total: Count
+    generation_tokens_total: Count
+    timestamp_ms: Count
+    heartbeat_interval_s: Interval = 0.5
     state_reason: str = ""
     """Why the worker is in its state when that is not obvious (``degraded``, ``failed``,
     a shutdown drain); empty otherwise."""

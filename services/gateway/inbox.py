@@ -16,6 +16,11 @@ from lamina.schemas.v1.generate import Accepted, StreamEvent
 from lamina.schemas.v1.stats import WorkerStats
 
 
+class Undeliverable:
+    """Queued for a submission that reached no subscriber (no scheduler is running, or the
+    worker it was forwarded to is gone): NATS's "no responders" status."""
+
+
 class Inbox:
     """This gateway's reply subjects, ``<inbox>.<n>`` with a fresh ``n`` per submission
     (late events of an abandoned attempt land nowhere), one subscription for all; and the
@@ -32,7 +37,11 @@ class Inbox:
     async def start(self) -> None:
         # Producers (workers) trace their publishes; a CONSUMER span per token is noise.
         await self.bus.subscribe(
-            f"{self.prefix}.*", StreamEvent | BadMessage, self._route, traced=False
+            f"{self.prefix}.*",
+            StreamEvent | BadMessage,
+            self._route,
+            traced=False,
+            no_responders=self._undeliverable,
         )
         await self.bus.subscribe(
             subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False
@@ -54,6 +63,11 @@ class Inbox:
 
     def close(self, subject: str) -> None:
         self._queues.pop(subject.rsplit(".", 1)[-1], None)
+
+    async def _undeliverable(self, msg: Msg) -> None:
+        queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
+        if queue is not None:
+            queue.put_nowait(Undeliverable())
 
     async def _route(self, event: StreamEvent | BadMessage, msg: Msg) -> None:
         queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])

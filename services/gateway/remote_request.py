@@ -52,7 +52,7 @@ from lamina.schemas.v1.generate import (
 )
 from lamina.schemas.v1.records import Outcome, RequestRecord
 from lamina.services.gateway.errors import CLIENT_RETRIES, GenerationError
-from lamina.services.gateway.inbox import Inbox
+from lamina.services.gateway.inbox import Inbox, Undeliverable
 
 log = logging.getLogger("lamina.gateway")
 tracer = trace.get_tracer("lamina.gateway")
@@ -200,6 +200,13 @@ class RemoteRequest:
                         503,
                         "service_unavailable",
                         f"no engine worker accepted the request within {s.accept_timeout:g}s",
+                    )
+                case Undeliverable():  # nothing listens: retried with back-off, quickly
+                    error = GenerationError(
+                        503,
+                        "service_unavailable",
+                        "no scheduler is running (or the worker it chose is gone)",
+                        retry_after_s=1.0,
                     )
                 case Rejected(retryable=True) if event.reason not in CLIENT_RETRIES:
                     self.queued = False

@@ -14,6 +14,7 @@ from lamina.libs.bus import Bus
 from lamina.libs.config import option
 from lamina.libs.default_tokenizer import ensure_default_tokenizer
 from lamina.libs.errors import BusError
+from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
 from lamina.services.gateway.admission import Admission
@@ -39,6 +40,10 @@ class GatewayConfig:
     stall_timeout: float = option(60.0, "seconds without events before a request fails")
     max_attempts: int = option(3, "submissions per request before giving up")
     graceful_shutdown: float = option(60.0, "seconds SIGTERM waits for open HTTP requests")
+    api_key: str = option(
+        "", "API keys clients must send as Authorization: Bearer (comma-separated; none: open)"
+    )
+    api_key_file: str = option("", "file of API keys, one per line (added to --api-key)")
 
 
 class _Server(uvicorn.Server):
@@ -73,6 +78,9 @@ class GatewayService:
         self._nats_api = NatsApi(bus, admission)
         await self._nats_api.start()
         app = OpenAIApi(admission, ready=lambda: self.cluster_ready).app()
+        keys = load_keys(cfg.api_key, cfg.api_key_file)
+        if keys:  # /health and /ready stay open: orchestrators probe them without a key
+            app = ApiKeys(app, keys, open_paths=("/health", "/ready"))
         self._server = _Server(
             uvicorn.Config(
                 app,

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from lamina.libs.bus import Bus
 from lamina.libs.config import option
+from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import PlacementRecord, RequestRecord
 from lamina.schemas.v1.stats import WorkerStats
@@ -49,6 +50,10 @@ class TelemetryConfig:
     nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
     http_host: str = option("127.0.0.1", "address to serve /metrics, /v1/cluster, /health on")
     http_port: int = option(9400, "HTTP port (0: any free port)")
+    metrics_api_key: str = option(
+        "", "keys for /metrics and /v1/cluster (Authorization: Bearer; none: open)"
+    )
+    metrics_api_key_file: str = option("", "file of keys, one per line (added to the above)")
 
 
 def build_app(aggregator: Aggregator, is_ready: Callable[[], bool]) -> Litestar:
@@ -161,6 +166,9 @@ class TelemetryService:
         self._socket = sock = listen(self.config.http_host, self.config.http_port)
         self.http_port = sock.getsockname()[1]
         app = build_app(self.aggregator, lambda: self.ready)
+        keys = load_keys(self.config.metrics_api_key, self.config.metrics_api_key_file)
+        if keys:
+            app = ApiKeys(app, keys, open_paths=("/health", "/ready"))
         server_config = uvicorn.Config(
             app,
             host=self.config.http_host,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -262,3 +263,27 @@ def test_a_client_that_hangs_up_while_queued_takes_the_request_out_of_the_queue(
     result = run(nats_url, [queued()], hang_up_when_queued=True)
     assert result.cancelled == ["queue"]
     assert result.record.outcome == Outcome.CANCELLED
+
+
+def test_with_no_scheduler_the_answer_is_a_fast_503_with_retry_after(nats_url):
+    """NATS answers a submit nobody receives with a "no responders" status: retried with
+    back-off, then a 503, without waiting out the accept timeout."""
+
+    async def main() -> tuple[GenerationError, float, int]:
+        bus = await Bus.connect(nats_url, "test-no-scheduler")
+        inbox = Inbox(bus)
+        await inbox.start()
+        request = GenerateRequest(request_id="r-alone", model="tiny", prompt_token_ids=PROMPT)
+        started = time.monotonic()
+        slow_accept = RetryPolicy(accept_timeout=30.0, max_attempts=3, retry_backoff=0.01)
+        try:
+            async with RemoteRequest(bus, inbox, request, slow_accept) as remote:
+                with pytest.raises(GenerationError) as refused:
+                    await remote.start()
+            return refused.value, time.monotonic() - started, remote.attempts
+        finally:
+            await bus.drain()
+
+    error, elapsed, attempts = asyncio.run(main())
+    assert (error.status, error.retry_after_s, attempts) == (503, 1.0, 3)
+    assert elapsed < 5  # far under one 30 s accept timeout

@@ -203,3 +203,29 @@ def test_a_scheduler_that_shuts_down_hands_its_queue_back_as_retryable(nats_url)
             assert handed_back.retryable and not h.schedulers[0].queue
 
     asyncio.run(main())
+
+
+def test_a_heartbeat_out_of_bounds_is_not_believed(nats_url):
+    """A forged heartbeat (negative queued tokens, so its load would always win; or a
+    negative interval, which made every worker look dead) does not decode: dropped."""
+
+    async def main() -> None:
+        async with Harness(nats_url, "bus-sched-real", replicas=1) as h:
+            registry = h.schedulers[0].registry
+            for forged in (
+                {"num_queued_prefill_tokens": -(10**9)},
+                {"heartbeat_interval_s": -1.0},
+                {"kv_cache_usage": 7.0},
+            ):
+                stats = make_stats("bus-sched-forged", **forged)
+                await h.bus.publish(subjects.worker_stats("bus-sched-forged"), stats)
+            # The barrier: a good heartbeat sent after them has been handled.
+            await h.bus.publish(
+                subjects.worker_stats("bus-sched-late"), make_stats("bus-sched-late")
+            )
+            while "bus-sched-late" not in registry.view.workers:
+                await asyncio.sleep(0.01)
+            assert "bus-sched-forged" not in registry.view.workers
+            assert registry.view.workers["bus-sched-real"].stats.heartbeat_interval_s > 0
+
+    asyncio.run(main())

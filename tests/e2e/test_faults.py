@@ -183,3 +183,21 @@ def test_sigterm_to_the_gateway_finishes_its_open_streams_then_exits(tiny_model,
         with pytest.raises(httpx.TransportError):  # and it takes no new connections
             httpx.get(stack.base_url + "/health", timeout=2)
         assert stack.procs["gateway"].wait(30) == 0
+
+
+def test_with_the_scheduler_gone_a_request_gets_its_503_within_a_second(tiny_model, tmp_path):
+    with make_stack(tiny_model, tmp_path) as stack:
+        scheduler = stack.procs["scheduler"]
+        scheduler.send_signal(signal.SIGKILL)
+        scheduler.wait()
+        started = time.monotonic()
+        response = httpx.post(
+            stack.base_url + "/v1/completions",
+            timeout=30,
+            json={"prompt": "anyone there?", "max_tokens": 4},
+        )
+        elapsed = time.monotonic() - started
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "1"
+    assert "no scheduler is running" in response.json()["error"]["message"]
+    assert elapsed < 1.0, f"took {elapsed:.2f}s"

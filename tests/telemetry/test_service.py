@@ -131,3 +131,29 @@ def test_config_from_flags_and_environment():
     assert config == TelemetryConfig(nats_url="nats://n:4222", http_port=9500)
     assert TelemetryConfig().http_host == "127.0.0.1"
     assert TelemetryConfig().http_port == 9400
+
+
+def test_metrics_behind_their_own_key_and_probes_open(nats_url):
+    async def main() -> dict[str, int]:
+        config = TelemetryConfig(nats_url=nats_url, http_port=0, metrics_api_key="scrape")
+        service = TelemetryService(config)
+        await service.start()
+        try:
+            base = f"http://127.0.0.1:{service.http_port}"
+            async with httpx.AsyncClient(base_url=base, timeout=5.0) as http:
+                keyed = {"Authorization": "Bearer scrape"}
+                return {
+                    "health": await status(http, "/health"),
+                    "metrics": await status(http, "/metrics"),
+                    "cluster": await status(http, "/v1/cluster"),
+                    "metrics with key": (await http.get("/metrics", headers=keyed)).status_code,
+                }
+        finally:
+            await service.close()
+
+    assert asyncio.run(main()) == {
+        "health": 200,
+        "metrics": 401,
+        "cluster": 401,
+        "metrics with key": 200,
+    }

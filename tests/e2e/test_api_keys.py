@@ -1,0 +1,38 @@
+"""The gateway with API keys: no key and a wrong key are 401 in OpenAI's shape, either
+configured key works, the OpenAI client sends it as it should, and probes stay open."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import make_stack
+
+
+def test_the_gateway_takes_only_requests_with_a_key(tiny_model, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("from-file\n")
+    stack = make_stack(
+        tiny_model, tmp_path, gateway_args=["--api-key", "k1", "--api-key-file", str(keys)]
+    )
+    body = {"prompt": "Once", "max_tokens": 2}
+    with stack:
+        url = stack.base_url
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/ready").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.post(url + "/v1/completions", json=body, headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models").status_code == 401
+        for key in ("k1", "from-file"):
+            response = httpx.post(
+                url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert response.status_code == 200, response.text
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
+        assert client.completions.create(model="lamina-tiny", **body).choices
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model="lamina-tiny", **body)
