@@ -49,10 +49,17 @@ class NatsServer:
         self._log: IO[bytes] | None = None
 
     @property
+    def running(self) -> bool:
+        """Started and not exited since."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> NatsServer:
+        if self._log is not None:  # started before, and since exited
+            self._log.close()
         args = [find_binary(), "-a", self.host, "-p", str(self.port)]
         if self.jetstream:
             self._store = tempfile.TemporaryDirectory(prefix="lamina-nats-")

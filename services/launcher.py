@@ -2,7 +2,10 @@
 
 An embedded ``nats-server`` (unless ``--nats-url`` points at one), one scheduler, one
 telemetry, N engine workers and one gateway, all started with the same entry points and
-``LAMINA_*`` environment that ``compose.yaml`` uses. Ctrl-C or SIGTERM stops them in
+``LAMINA_*`` environment that ``compose.yaml`` uses. It supervises them: a service that
+exits (crashed, killed, or a worker stopped by SIGTERM after draining: a rolling restart)
+is started again with back-off, the embedded ``nats-server`` on its own port included,
+while the others keep serving. Ctrl-C or SIGTERM to ``lamina up`` stops them all, in
 order: the gateway first (no new requests), then workers (they drain), then the rest.
 """
 
@@ -42,6 +45,11 @@ class Stack:
     log_dir: Path | None = None
     nats: NatsServer | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    specs: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+    """How each service was started (module, arguments), to start it again."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Restarts so far, per service (``nats-server`` included)."""
+    _due: dict[str, float] = field(default_factory=dict)  # service -> when to restart it
 
     @property
     def base_url(self) -> str:
@@ -64,7 +72,38 @@ class Stack:
             stderr=subprocess.STDOUT if out else None,
         )
         self.procs[name] = proc
+        self.specs[name] = (module, args)
         return proc
+
+    def supervise(self) -> list[str]:
+        """Restart what exited, with back-off (1 s doubling to 30 s per service), the
+        embedded ``nats-server`` on its own port included; the rest keep serving. Call it
+        periodically; returns what it logged."""
+        now, said = time.monotonic(), []
+        if self.nats is not None and not self.nats.running:
+            said.append(self._restart_later("nats-server", None, now))
+        for name, proc in list(self.procs.items()):
+            if proc.poll() is not None:
+                said.append(self._restart_later(name, proc.returncode, now))
+        for name, due in list(self._due.items()):
+            if due <= now:
+                del self._due[name]
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                if name == "nats-server":
+                    self.nats.start()
+                else:
+                    self._spawn(name, *self.specs[name])
+                said.append(f"restarted {name} (restart {self.restarts[name]})")
+        return [line for line in said if line]
+
+    def _restart_later(self, name: str, code: int | None, now: float) -> str:
+        if name in self._due:
+            return ""
+        delay = min(30.0, 2.0 ** self.restarts.get(name, 0))
+        self._due[name] = now + delay
+        self.procs.pop(name, None)
+        how = "stopped" if code is None else f"exited with {code}"
+        return f"{name} {how}; restarting it in {delay:g}s"
 
     def start_worker(self, index: int) -> subprocess.Popen:
         return self._spawn(
@@ -214,10 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     print("Ctrl-C stops everything.", flush=True)
     try:
         while not stopping:
-            dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-            if dead:
-                print(f"{', '.join(dead)} exited; stopping the stack", file=sys.stderr)
-                break
+            for line in stack.supervise():
+                print(line, file=sys.stderr, flush=True)
             time.sleep(0.5)
     finally:
         stack.stop()
