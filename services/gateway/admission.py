@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from lamina.libs.bus import Bus
@@ -41,10 +41,16 @@ class TextDelta:
 class TextStream:
     """An accepted request, read as text. Always :meth:`close` it (or use ``async with``)."""
 
-    def __init__(self, remote: RemoteRequest, detokenizer: IncrementalDetokenizer) -> None:
+    def __init__(
+        self,
+        remote: RemoteRequest,
+        detokenizer: IncrementalDetokenizer,
+        on_close: Callable[[], None] = lambda: None,
+    ) -> None:
         self.remote = remote
         self.detokenizer = detokenizer
         self.completion_tokens = 0
+        self._on_close = on_close
 
     @property
     def request_id(self) -> str:
@@ -76,13 +82,27 @@ class TextStream:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
 
     async def close(self) -> None:
-        await self.remote.__aexit__(None, None, None)
+        on_close, self._on_close = self._on_close, lambda: None  # once, however often closed
+        try:
+            await self.remote.__aexit__(None, None, None)
+        finally:
+            on_close()
 
     async def __aenter__(self) -> TextStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """What one gateway holds at once before it sheds new requests with a 429."""
+
+    max_open_requests: int = 4096
+    """Requests admitted and not yet finished."""
+    max_open_prompt_tokens: int = 1 << 24
+    """Their prompt tokens together."""
 
 
 class Admission:
@@ -95,12 +115,18 @@ class Admission:
         tokenizer: ModelTokenizer,
         model_name: str,
         settings: RetryPolicy,
+        limits: AdmissionLimits | None = None,
     ) -> None:
         self.bus = bus
         self.inbox = inbox
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.settings = settings
+        self.limits = limits or AdmissionLimits()
+        self.open_requests = 0
+        """Requests admitted and not yet closed (waiting, queued or streaming)."""
+        self.open_prompt_tokens = 0
+        """Their prompt tokens."""
         self._cleanup: set[asyncio.Task] = set()
 
     async def admit(
@@ -124,21 +150,48 @@ class Admission:
                 "model",
                 "model_not_found",
             )
+        ids = self._prompt_ids(prompt)
+        self._hold(len(ids))
         request = GenerateRequest(
             request_id=request_id or uuid.uuid4().hex,
             model=self.model_name,
-            prompt_token_ids=self._prompt_ids(prompt),
+            prompt_token_ids=ids,
             sampling=sampling,
             sla=sla,
         )
         remote = RemoteRequest(self.bus, self.inbox, request, self.settings)
+        stream = TextStream(
+            remote, IncrementalDetokenizer(self.tokenizer, stop), lambda: self._release(len(ids))
+        )
         await remote.__aenter__()
         try:
             await remote.start()
         except BaseException:
-            await remote.__aexit__(None, None, None)
+            await stream.close()
             raise
-        return TextStream(remote, IncrementalDetokenizer(self.tokenizer, stop))
+        return stream
+
+    def _hold(self, prompt_tokens: int) -> None:
+        """Count a request in, or shed it (429) when this gateway already holds its most."""
+        limits = self.limits
+        if (
+            self.open_requests >= limits.max_open_requests
+            or self.open_prompt_tokens + prompt_tokens > limits.max_open_prompt_tokens
+        ):
+            raise GenerationError(
+                429,
+                "rate_limit_error",
+                f"the gateway holds its most open requests ({self.open_requests}, "
+                f"{self.open_prompt_tokens} prompt tokens); retry shortly",
+                code="overloaded",
+                retry_after_s=1.0,
+            )
+        self.open_requests += 1
+        self.open_prompt_tokens += prompt_tokens
+
+    def _release(self, prompt_tokens: int) -> None:
+        self.open_requests -= 1
+        self.open_prompt_tokens -= prompt_tokens
 
     def _prompt_ids(self, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
         try:

@@ -17,7 +17,7 @@ from lamina.libs.errors import BusError
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
-from lamina.services.gateway.admission import Admission
+from lamina.services.gateway.admission import Admission, AdmissionLimits
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.nats_api import NatsApi
 from lamina.services.gateway.openai_http import OpenAIApi
@@ -44,6 +44,8 @@ class GatewayConfig:
         "", "API keys clients must send as Authorization: Bearer (comma-separated; none: open)"
     )
     api_key_file: str = option("", "file of API keys, one per line (added to --api-key)")
+    max_open_requests: int = option(4096, "requests held at once before new ones get a 429")
+    max_open_prompt_tokens: int = option(1 << 24, "their prompt tokens, likewise")
 
 
 class _Server(uvicorn.Server):
@@ -74,7 +76,9 @@ class GatewayService:
             stall_timeout=cfg.stall_timeout,
             max_attempts=cfg.max_attempts,
         )
-        admission = Admission(bus, inbox, tokenizer, cfg.model_name or model_dir.name, settings)
+        limits = AdmissionLimits(cfg.max_open_requests, cfg.max_open_prompt_tokens)
+        name = cfg.model_name or model_dir.name
+        admission = Admission(bus, inbox, tokenizer, name, settings, limits)
         self._nats_api = NatsApi(bus, admission)
         await self._nats_api.start()
         app = OpenAIApi(admission, ready=lambda: self.cluster_ready).app()

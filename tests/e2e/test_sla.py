@@ -84,3 +84,22 @@ def test_queued_requests_are_served_by_priority(tiny_model, tmp_path):
         done = asyncio.run(main(stack.base_url))
     queued = [name for name in done if name.startswith(("background", "urgent"))]
     assert queued[0] == "urgent", done
+
+
+def test_the_gateway_sheds_beyond_what_it_holds_and_lets_go_when_requests_end(tiny_model, tmp_path):
+    stack = make_stack(tiny_model, tmp_path, gateway_args=["--max-open-requests", "1"])
+
+    async def main(base_url: str) -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            long = asyncio.create_task(complete(client, max_tokens=1500))
+            await asyncio.sleep(0.3)
+            shed = await complete(client)
+            first = await long
+            after = await complete(client)
+        return first, shed, after
+
+    with stack:
+        first, shed, after = asyncio.run(main(stack.base_url))
+    assert first.status_code == 200 and after.status_code == 200, (first.text, after.text)
+    assert shed.status_code == 429 and shed.headers["retry-after"] == "1"
+    assert shed.json()["error"]["code"] == "overloaded"
