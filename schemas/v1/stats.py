@@ -73,6 +73,17 @@ class WorkerStats(Message, gc=False):
     """An operator cordoned it: schedulers place nothing new here."""
 
 
+class GatewayAlive(Message):
+    """Published on ``gateway.<id>.alive`` every ``interval_s``: the requests whose reply
+    subjects start with ``inbox_prefix`` still have someone to stream to. A worker stops
+    those requests once the heartbeats stop (three intervals), instead of generating
+    into a dead inbox until ``max_tokens``."""
+
+    gateway_id: str
+    inbox_prefix: str
+    interval_s: Interval = 1.0
+
+
 class ClusterStatusRequest(Message):
     """Ask a scheduler (``sched.status``) for its view of the cluster."""
 

@@ -12,6 +12,7 @@ EVENTS_REQUEST = f"{PREFIX}.events.request"
 EVENTS_PLACEMENT = f"{PREFIX}.events.placement"
 WORKER_STATS_ALL = f"{PREFIX}.worker.*.stats"
 WORKER_KV_ALL = f"{PREFIX}.worker.*.kv"
+GATEWAY_ALIVE_ALL = f"{PREFIX}.gateway.*.alive"
 
 
 def worker_generate(worker_id: str) -> str:
@@ -32,6 +33,10 @@ def worker_stats(worker_id: str) -> str:
 
 def worker_kv(worker_id: str) -> str:
     return f"{PREFIX}.worker.{worker_id}.kv"
+
+
+def gateway_alive(gateway_id: str) -> str:
+    return f"{PREFIX}.gateway.{gateway_id}.alive"
 
 
 def worker_kv_sync(worker_id: str) -> str:

@@ -142,6 +142,11 @@ class EngineThread(threading.Thread):
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))
 
+    def replies(self) -> list[tuple[str, str]]:
+        """``(request id, reply subject)`` of every request the thread streams, as of now
+        (a copy, safe to take from another thread)."""
+        return [(rid, stream.reply) for rid, stream in list(self._streams.items())]
+
     def call(self, fn: Callable[[Engine], None]) -> threading.Event:
         """Run ``fn(engine)`` on the engine thread; the returned event is set after."""
         command = _Call(fn)

@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
 from lamina.libs.bus import Bus
+from lamina.libs.cluster import MISSED_HEARTBEATS
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, NoResponders, RequestTimeout
 from lamina.schemas.v1 import subjects
@@ -38,7 +39,7 @@ from lamina.schemas.v1.control import (
 )
 from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason
 from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
-from lamina.schemas.v1.stats import WorkerState, WorkerStats
+from lamina.schemas.v1.stats import GatewayAlive, WorkerState, WorkerStats
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.engine import Engine, EngineStats
 from lamina.services.engine_worker.engine_thread import EngineThread, Outgoing
@@ -86,6 +87,8 @@ class WorkerService:
         self.config = config
         self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.lifecycle = Lifecycle()
+        self._gateways: dict[str, tuple[float, float]] = {}
+        """Gateway inbox prefix -> (when last heard, its heartbeat interval)."""
         self.cordoned = False
         """Set by ``Cordon``: schedulers place nothing new here (see ``WorkerStats``)."""
         self.incarnation = uuid.uuid4().hex[:16]
@@ -122,6 +125,9 @@ class WorkerService:
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
         await bus.subscribe(subjects.worker_control(wid), ControlCommand, self._on_control)
         await bus.subscribe(subjects.worker_kv_sync(wid), KvSyncRequest, self._on_kv_sync)
+        await bus.subscribe(
+            subjects.GATEWAY_ALIVE_ALL, GatewayAlive, self._on_gateway_alive, traced=False
+        )
         self._tasks.append(asyncio.create_task(self._publish_outbox()))
         self.lifecycle.move(Event.LOADED)
         await self._publish_stats()
@@ -243,6 +249,22 @@ class WorkerService:
             )
             await self.bus.publish(msg.reply, snapshot)
 
+    async def _on_gateway_alive(self, alive: GatewayAlive, msg: Msg) -> None:
+        self._gateways[alive.inbox_prefix] = (time.monotonic(), alive.interval_s)
+
+    def _stop_orphans(self) -> None:
+        """Cancel the requests of a gateway that stopped heartbeating: nobody reads their
+        tokens. A reply subject of a requester never heard from is left alone."""
+        now, orphaned = time.monotonic(), []
+        for request_id, reply in self.engine_thread.replies():
+            seen = self._gateways.get(reply.rsplit(".", 1)[0])
+            if seen is not None and now - seen[0] > MISSED_HEARTBEATS * seen[1]:
+                orphaned.append(request_id)
+        for request_id in orphaned:
+            self.engine_thread.cancel(request_id)
+        if orphaned:
+            log.warning("stopped %d requests whose gateway is gone", len(orphaned))
+
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         self.engine_thread.cancel(cancel.request_id)
 
@@ -287,6 +309,8 @@ class WorkerService:
         while True:
             await asyncio.sleep(self.config.stats_interval)
             self._check_engine()
+            if self.engine_thread is not None and self.engine_thread.engine is not None:
+                self._stop_orphans()
             with contextlib.suppress(Exception):
                 await self._publish_stats()
 

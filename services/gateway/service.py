@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from lamina.libs.default_tokenizer import ensure_default_tokenizer
 from lamina.libs.errors import BusError
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
+from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, GatewayAlive
 from lamina.services.gateway.admission import Admission, AdmissionLimits
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.nats_api import NatsApi
@@ -25,6 +27,9 @@ from lamina.services.gateway.remote_request import RetryPolicy
 from lamina.services.gateway.tokenizer import ModelTokenizer
 
 log = logging.getLogger("lamina.gateway")
+
+GATEWAY_HEARTBEAT_S = 2.0
+"""How often the gateway tells workers it still reads its inbox."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class GatewayService:
         self._tasks = [
             asyncio.create_task(self._server.serve()),
             asyncio.create_task(self._watch_cluster()),
+            asyncio.create_task(self._heartbeat(inbox.prefix)),
         ]
         while not self._server.started:
             if self._tasks[0].done():  # e.g. the port is taken
@@ -126,6 +132,19 @@ class GatewayService:
             except BusError:
                 self.cluster_ready = False
             await asyncio.sleep(0.5)
+
+    async def _heartbeat(self, inbox_prefix: str) -> None:
+        """Tell workers this gateway still reads its inbox (``GatewayAlive``)."""
+        gateway_id = f"{socket.gethostname()}-{os.getpid()}"
+        alive = GatewayAlive(
+            gateway_id=gateway_id, inbox_prefix=inbox_prefix, interval_s=GATEWAY_HEARTBEAT_S
+        )
+        while True:  # never ends early: workers would stop this gateway's requests
+            try:
+                await self.bus.publish(subjects.gateway_alive(gateway_id), alive)
+            except Exception:  # disconnected for now: the next beat may go through
+                log.warning("gateway heartbeat not sent", exc_info=True)
+            await asyncio.sleep(GATEWAY_HEARTBEAT_S)
 
     async def drain(self) -> None:
         """Stop accepting connections and let open requests finish."""

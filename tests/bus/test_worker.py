@@ -5,8 +5,10 @@ on the reply subject."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from lamina.libs.bus import Bus
@@ -31,7 +33,7 @@ from lamina.schemas.v1.kv import (
     KvSnapshot,
     KvSyncRequest,
 )
-from lamina.schemas.v1.stats import WorkerState, WorkerStats
+from lamina.schemas.v1.stats import GatewayAlive, WorkerState, WorkerStats
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.service import WorkerConfig, WorkerIdInUse, WorkerService
 
@@ -399,3 +401,53 @@ def test_a_kv_snapshot_is_the_cache_the_events_describe(nats_url, tiny_model):
             await worker.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_stops_the_requests_of_a_gateway_that_stopped_heartbeating(nats_url, tiny_model):
+    worker_id = "bus-orphan-worker"
+
+    async def main() -> tuple[list, list]:
+        worker = WorkerService(worker_config(nats_url, worker_id, tiny_model, stats_interval=0.1))
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-gateway")
+        prefix = bus.inbox()
+        alive = GatewayAlive(gateway_id="gw-test", inbox_prefix=prefix, interval_s=0.1)
+        orphan: list = []
+        try:
+            await bus.subscribe(f"{prefix}.*", StreamEvent, lambda e, m: _append(orphan, e))
+            await bus.publish(subjects.gateway_alive("gw-test"), alive)
+            await bus.nc.flush()
+            long = GenerateRequest(
+                request_id="orphan",
+                model="lamina-tiny",
+                prompt_token_ids=[5, 6, 7, 8],
+                sampling=Sampling(max_tokens=2000, ignore_eos=True),  # seconds of work
+            )
+            await bus.publish(subjects.worker_generate(worker_id), long, reply=f"{prefix}.1")
+            while not any(isinstance(e, Tokens) for e in orphan):
+                await asyncio.sleep(0.01)
+            # The gateway goes silent (no more heartbeats): within three intervals plus a
+            # check, the worker drops the request and frees its blocks.
+            deadline = time.monotonic() + 5
+            while worker.engine_thread.replies() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            # A requester that never heartbeat (a test client, say) is left alone.
+            kept = msgspec.structs.replace(
+                long, request_id="kept", sampling=Sampling(max_tokens=20, ignore_eos=True)
+            )
+            other = await _stream(bus, kept, worker_id)
+            engine = worker.engine_thread.engine
+            return orphan, other, engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        finally:
+            await bus.close()
+            await worker.drain()
+            await worker.close()
+
+    orphan, other, all_free = asyncio.run(main())
+    assert not any(isinstance(e, Finished) for e in orphan)  # stopped, not finished
+    assert isinstance(other[-1], Finished) and other[-1].usage.completion_tokens == 20
+    assert all_free
+
+
+async def _append(events: list, event) -> None:
+    events.append(event)

@@ -300,6 +300,12 @@ class ClusterStatusRequest(Message):
     pass
 
 
+class GatewayAlive(Message):
+    gateway_id: str
+    inbox_prefix: str
+    interval_s: float = 1.0
+
+
 class WorkerView(Message):
     stats: WorkerStats
     alive: bool

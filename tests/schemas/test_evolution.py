@@ -63,6 +63,7 @@ from lamina.schemas.v1.records import PlacementRecord, RequestRecord, ScoredWork
 from lamina.schemas.v1.stats import (
     ClusterStatus,
     ClusterStatusRequest,
+    GatewayAlive,
     WorkerState,
     WorkerStats,
     WorkerView,
@@ -277,6 +278,7 @@ def golden_instances() -> dict[str, Message]:
         ),
         stats,
         ClusterStatusRequest(),
+        GatewayAlive(gateway_id="gw-node-2-88", inbox_prefix="_INBOX.aB3dE5", interval_s=2.0),
         WorkerView(stats=stats, alive=True, last_seen_ms=1767225600750),
         ClusterStatus(
             scheduler_id="sched-a-311",
