@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,9 @@ from pathlib import Path
 from lamina.libs.config import option, parse_config, to_argv
 from lamina.libs.nats_server import NatsServer, free_port
 from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.default_model import ensure_default_model
+from lamina.services.engine_worker.errors import ModelLoadError
+from lamina.services.engine_worker.model_config import ModelConfig
 
 
 @dataclass
@@ -214,10 +218,46 @@ class UpConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
+def preflight(config: UpConfig, model: Path) -> str | None:
+    """What would stop the stack, found before any process is spawned: a taken port, or
+    a model directory that cannot be served. None when all is well."""
+    ports = [("--http-port", config.http_port), ("--metrics-port", config.metrics_port)]
+    if not config.nats_url:
+        ports.append(("--nats-port", config.nats_port))
+    for flag, port in ports:
+        if port and not port_is_free(config.http_host, port):
+            return f"port {port} on {config.http_host} is in use ({flag})"
+    if not model.is_dir():
+        return f"model directory {model} does not exist (--model)"
+    try:
+        ModelConfig.from_dir(model)
+    except ModelLoadError as exc:
+        return f"model {model} cannot be served: {exc}"
+    if not any(model.glob("*.safetensors")):
+        return f"model {model} has no *.safetensors weights"
+    if not (model / "tokenizer.json").is_file():
+        return f"model {model} has no tokenizer.json"
+    return None
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(UpConfig, argv, prog="lamina up")
-    engine = config.engine.with_model()  # once, before the workers race to create it
-    model = engine.model
+    # The default model is made once, here, before the workers race to create it.
+    model = config.engine.model or ensure_default_model()
+    problem = preflight(config, model)
+    if problem is not None:
+        print(f"lamina up: {problem}", file=sys.stderr)
+        return 2
     names = ["--model-name", config.model_name] if config.model_name else []
     stack = Stack(
         model=model,
@@ -227,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port=config.metrics_port,
         nats_url=config.nats_url or None,
         nats_port=config.nats_port,
-        worker_args=[*to_argv(dataclasses.replace(engine, model=None)), *names],
+        worker_args=[*to_argv(dataclasses.replace(config.engine, model=None)), *names],
         gateway_args=[*names, *(["--api-key", config.api_key] if config.api_key else [])],
     )
     stopping = False
@@ -240,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         stack.start()
-    except (RuntimeError, TimeoutError):
+    except (RuntimeError, TimeoutError) as exc:
         if not stopping:
-            raise
+            print(f"lamina up: {exc} (logs: each service's output above)", file=sys.stderr)
+            return 1
         # Ctrl-C during start-up: the services got it too and stopped; not a failure.
         print("stopped during start-up", file=sys.stderr)
         return 0

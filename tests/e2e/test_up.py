@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from lamina.libs.nats_server import free_port
 
@@ -73,3 +76,45 @@ def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
     assert f"OpenAI API   http://127.0.0.1:{port}/v1" in text, text
     assert f"metrics      http://127.0.0.1:{metrics_port}/metrics" in text, text
     assert f"NATS         nats://127.0.0.1:{nats_port}" in text, text
+
+
+def up(*args: str, home: Path) -> subprocess.CompletedProcess:
+    program = "import sys; from lamina.services.cli import main; sys.exit(main())"
+    command = [sys.executable, "-c", program, "up"]
+    return subprocess.run(
+        [*command, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LAMINA_HOME": str(home)},
+    )
+
+
+def test_lamina_up_refuses_plainly_before_starting_anything(tiny_model, tmp_path):
+    """A taken port or a model that cannot be served is one line and a non-zero exit,
+    before any process is spawned."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = up("--model", str(tiny_model), "--http-port", str(port), home=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"lamina up: port {port} on 127.0.0.1 is in use (--http-port)"
+
+    missing = up("--model", str(tmp_path / "nowhere"), home=tmp_path)
+    assert missing.returncode == 2 and "does not exist (--model)" in missing.stderr
+
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    shutil.copy(tiny_model / "config.json", weightless / "config.json")
+    result = up("--model", str(weightless), home=tmp_path)
+    assert result.returncode == 2 and "has no *.safetensors weights" in result.stderr
+
+    alien = tmp_path / "alien"
+    shutil.copytree(tiny_model, alien)
+    config = json.loads((alien / "config.json").read_text())
+    (alien / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2Model"]}))
+    unsupported = up("--model", str(alien), home=tmp_path)
+    assert unsupported.returncode == 2 and "'GPT2Model'] is not supported" in unsupported.stderr
+    for refused in (missing, result, unsupported):
+        assert len(refused.stderr.splitlines()) == 1, refused.stderr  # one line, no traceback
