@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
 from lamina.libs.bus import Bus
-from lamina.libs.cluster import MISSED_HEARTBEATS
+from lamina.libs.cluster import FORGET_AFTER_S, MISSED_HEARTBEATS
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, NoResponders, RequestTimeout
 from lamina.schemas.v1 import subjects
@@ -256,6 +256,9 @@ class WorkerService:
         """Cancel the requests of a gateway that stopped heartbeating: nobody reads their
         tokens. A reply subject of a requester never heard from is left alone."""
         now, orphaned = time.monotonic(), []
+        for prefix, (seen, interval) in list(self._gateways.items()):
+            if now - seen > FORGET_AFTER_S + MISSED_HEARTBEATS * interval:  # long gone
+                del self._gateways[prefix]
         for request_id, reply in self.engine_thread.replies():
             seen = self._gateways.get(reply.rsplit(".", 1)[0])
             if seen is not None and now - seen[0] > MISSED_HEARTBEATS * seen[1]:
