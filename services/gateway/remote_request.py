@@ -202,6 +202,7 @@ class RemoteRequest:
                         f"no engine worker accepted the request within {s.accept_timeout:g}s",
                     )
                 case Undeliverable():  # nothing listens: retried with back-off, quickly
+                    self.queued = False
                     error = GenerationError(
                         503,
                         "service_unavailable",
