@@ -127,6 +127,9 @@ class Admission:
         """Requests admitted and not yet closed (waiting, queued or streaming)."""
         self.open_prompt_tokens = 0
         """Their prompt tokens."""
+        self.max_context = 0
+        """The longest context any live worker has (0: not known yet), from the cluster
+        view: a prompt too long for it is refused before it is tokenized."""
         self._cleanup: set[asyncio.Task] = set()
 
     async def admit(
@@ -193,9 +196,22 @@ class Admission:
         self.open_requests -= 1
         self.open_prompt_tokens -= prompt_tokens
 
+    def _refuse_hopeless_length(self, chars: int, param: str) -> None:
+        """Tokenizing holds the event loop (the tokenizer keeps the GIL), so text that
+        cannot fit any worker's context, whatever it tokenizes to, is refused first. The
+        bound is generous (4x): a normalizer may drop characters."""
+        limit = 4 * self.max_context * self.tokenizer.max_token_chars
+        if self.max_context and chars > limit:
+            raise invalid_request(
+                f"the prompt ({chars} characters) cannot fit the longest context served "
+                f"({self.max_context} tokens)",
+                param,
+            )
+
     def _prompt_ids(self, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
         try:
             if isinstance(prompt, str):
+                self._refuse_hopeless_length(len(prompt), "prompt")
                 ids = self.tokenizer.encode(prompt)
             elif prompt and isinstance(prompt[0], dict):
                 for i, message in enumerate(prompt):
@@ -205,6 +221,8 @@ class Admission:
                             + ", ".join(CHAT_ROLES),
                             f"messages[{i}].role",
                         )
+                chars = sum(len(message.get("content") or "") for message in prompt)
+                self._refuse_hopeless_length(chars, "messages")
                 ids = self.tokenizer.encode_chat(prompt)
             else:
                 ids = list(prompt)

@@ -68,6 +68,7 @@ class GatewayService:
         self._tasks: list[asyncio.Task] = []
         self._server: _Server | None = None
         self._nats_api: NatsApi | None = None
+        self._admission: Admission | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -84,6 +85,7 @@ class GatewayService:
         limits = AdmissionLimits(cfg.max_open_requests, cfg.max_open_prompt_tokens)
         name = cfg.model_name or model_dir.name
         admission = Admission(bus, inbox, tokenizer, name, settings, limits)
+        self._admission = admission
         self._nats_api = NatsApi(bus, admission)
         await self._nats_api.start()
         app = OpenAIApi(admission, ready=lambda: self.cluster_ready).app()
@@ -129,6 +131,8 @@ class GatewayService:
                 self.cluster_ready = any(
                     w.alive and w.stats.state == "ready" for w in status.workers
                 )
+                lengths = [w.stats.max_model_len for w in status.workers if w.alive]
+                self._admission.max_context = max(lengths, default=0)
             except BusError:
                 self.cluster_ready = False
             await asyncio.sleep(0.5)

@@ -41,6 +41,9 @@ class ModelTokenizer:
         env.globals["raise_exception"] = _raise
         self.chat_template = env.from_string(template) if template else None
         self.vocab_size = self.tokenizer.get_vocab_size()
+        self.max_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
+        """The longest token's text: no token covers more characters of a prompt (a
+        byte-level token's string has a character per byte it covers)."""
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import msgspec
@@ -145,6 +146,23 @@ def test_an_unknown_model_is_the_same_404_from_both(stack):
         error["message"],
     )
     assert error["code"] == "model_not_found"
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(stack):
+    """Tokenizing holds the gateway's event loop: text far beyond any worker's context is a
+    400 at once, and the gateway keeps answering others meanwhile."""
+    huge = "Once upon a time " * 200_000  # 3.4 MB of text against a 1,024-token context
+    started = time.monotonic()
+    for path, body in (
+        ("/v1/completions", {"prompt": huge, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+    ):
+        response = httpx.post(stack.base_url + path, json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "cannot fit the longest context served (1024 tokens)" in error["message"]
+        assert error["param"] in ("prompt", "messages")
+    assert time.monotonic() - started < 3  # tokenizing it took seconds
 
 
 def test_the_worker_still_serves_after_every_bad_request(stack):

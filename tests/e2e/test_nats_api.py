@@ -52,6 +52,7 @@ def test_nats_request_api_errors_are_typed(stack):
     assert isinstance(error, ApiError) and error.code == 400 and error.param == "prompt"
     (error,) = call(stack.nats_url, ApiRequest(prompt="x", sampling=Sampling(max_tokens=10**9)))
     assert isinstance(error, ApiError) and error.code == 400
-    # Under max_payload as text, over it as token ids: refused, not lost.
+    # Far beyond any worker's context as text: refused before it is tokenized, not lost
+    # (over HTTP, token ids over max_payload are refused too: test_openai_api.py).
     (error,) = call(stack.nats_url, ApiRequest(prompt="Once upon a time. " * 40_000))
-    assert isinstance(error, ApiError) and error.code == 400 and "too large" in error.message
+    assert isinstance(error, ApiError) and error.code == 400 and "cannot fit" in error.message
