@@ -39,6 +39,9 @@ class Registry:
         self.index = PrefixIndex()
         self.prefill_rate_prior = prefill_rate_prior
         """Drain rate of a worker's queue before it has measured its own."""
+        self.quarantined: set[str] = set()
+        """Workers taken out of placement until they answer a ping (one did not accept a
+        request it was sent; a forged heartbeat's worker never will)."""
         self._pending: dict[str, Candidate] = {}
         self._backlog: dict[str, tuple[float, float]] = {}  # worker -> (tokens, as of when)
 
@@ -107,8 +110,8 @@ class Registry:
     def candidates(self) -> list[Candidate]:
         """Every live worker, with what was placed on it since its heartbeat. The index
         forgets workers that are no longer alive (they come back through a snapshot)."""
-        live = self.view.live()
-        alive = {entry.stats.worker_id for entry in live}
+        live = [e for e in self.view.live() if e.stats.worker_id not in self.quarantined]
+        alive = {entry.stats.worker_id for entry in self.view.live()}
         for worker_id in [w for w in self.index.workers if w not in alive]:
             self.index.drop(worker_id)
         now = self.view.clock()

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
@@ -24,9 +25,9 @@ from nats.aio.msg import Msg
 
 from lamina.libs.bus import Bus
 from lamina.libs.config import option
-from lamina.libs.errors import BadReply, NoResponders, PayloadTooLarge, RequestTimeout
+from lamina.libs.errors import BadReply, BusError, NoResponders, PayloadTooLarge, RequestTimeout
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.control import Cancel
+from lamina.schemas.v1.control import Cancel, ControlAck, Ping
 from lamina.schemas.v1.generate import GenerateRequest, Queued, Rejected, RejectReason
 from lamina.schemas.v1.kv import KvEventBatch, KvSnapshot, KvSyncRequest
 from lamina.schemas.v1.records import PLACED, QUEUED, PlacementRecord
@@ -49,6 +50,9 @@ from lamina.services.scheduler.placement import (
 from lamina.services.scheduler.registry import Registry
 
 log = logging.getLogger("lamina.scheduler")
+
+MAX_TRACKED_PLACEMENTS = 10_000
+"""Recent placements remembered, to know which worker a resubmission comes back from."""
 
 EXPIRY_TICK_S = 0.05
 """How often queued requests are checked against their deadlines."""
@@ -93,6 +97,8 @@ class SchedulerService:
         self._tasks: list[asyncio.Task] = []
         self.bus: Bus | None = None
         self._syncing: dict[str, asyncio.Task] = {}
+        self._placed_on: OrderedDict[str, str] = OrderedDict()  # request id -> worker
+        self._pinging: set[str] = set()
 
     async def start(self) -> None:
         self.bus = bus = await Bus.connect(self.config.nats_url, f"scheduler-{self.scheduler_id}")
@@ -110,6 +116,8 @@ class SchedulerService:
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if self.registry.heartbeat(stats) and stats.state == WorkerState.READY:
             self._sync(stats.worker_id)
+        if stats.worker_id in self.registry.quarantined:
+            self._ping(stats.worker_id)
         if self.queue:  # the heartbeat may show room
             await self._dispatch()
 
@@ -156,10 +164,40 @@ class SchedulerService:
             parts[0].next_event_id,
         )
 
+    def _suspect(self, request: GenerateRequest) -> None:
+        """A resubmission: the worker the last attempt went to did not see it through (it
+        did not accept in time, could not be reached, or was lost). It gets nothing new
+        until it answers a ping."""
+        worker_id = self._placed_on.pop(request.request_id, None)
+        if worker_id is not None and worker_id not in self.registry.quarantined:
+            log.warning(
+                "%s did not see request %s through; pinging it", worker_id, request.request_id
+            )
+            self.registry.quarantined.add(worker_id)
+            self._ping(worker_id)
+
+    def _ping(self, worker_id: str) -> None:
+        if worker_id in self._pinging:
+            return
+        self._pinging.add(worker_id)
+        task = asyncio.get_running_loop().create_task(self._ping_once(worker_id))
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: (self._pinging.discard(worker_id), self._tasks.remove(t)))
+
+    async def _ping_once(self, worker_id: str) -> None:
+        try:
+            await self.bus.request(subjects.worker_control(worker_id), Ping(), ControlAck, 1.0)
+        except BusError:
+            return  # still quarantined; its next heartbeat pings again
+        self.registry.quarantined.discard(worker_id)
+        log.info("%s answered its ping: placing on it again", worker_id)
+
     async def _on_submit(self, request: GenerateRequest, msg: Msg) -> None:
         if not msg.reply:
             log.warning("submit %s has no reply subject; dropped", request.request_id)
             return
+        if request.attempt:
+            self._suspect(request)
         if self.queue:  # others are waiting: this one takes its turn among them
             await self._enqueue(request, msg.reply)
             await self._dispatch()
@@ -303,6 +341,9 @@ class SchedulerService:
                     worker.stats.block_size,
                 )
                 self.registry.placed(decision.worker_id, uncached)
+                self._placed_on[request.request_id] = decision.worker_id
+                while len(self._placed_on) > MAX_TRACKED_PLACEMENTS:
+                    self._placed_on.popitem(last=False)
         # The record is for telemetry: off the request's critical path. Yielding once lets
         # the client's flusher task put the forward on the wire before the record is built.
         await asyncio.sleep(0)

@@ -11,7 +11,7 @@ import msgspec
 
 from lamina.libs.bus import Bus, encode
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.control import Cancel
+from lamina.schemas.v1.control import Cancel, ControlAck, Ping
 from lamina.schemas.v1.generate import (
     GenerateRequest,
     Queued,
@@ -227,5 +227,39 @@ def test_a_heartbeat_out_of_bounds_is_not_believed(nats_url):
                 await asyncio.sleep(0.01)
             assert "bus-sched-forged" not in registry.view.workers
             assert registry.view.workers["bus-sched-real"].stats.heartbeat_interval_s > 0
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_did_not_see_a_request_through_is_skipped_until_it_answers_a_ping(
+    nats_url,
+):
+    """A forged heartbeat's worker (here: the test's, which answers nothing) draws one
+    request at most: its resubmission takes the worker out of placement, and it comes
+    back only once it answers a ping."""
+
+    async def main() -> None:
+        async with Harness(nats_url, "bus-sched-ghost", replicas=1) as h:
+            await h.submit(request("first"))
+            forwarded, _ = await asyncio.wait_for(h.forwarded.get(), 5)
+            assert forwarded.request_id == "first"
+            # The gateway resubmits it (the ghost never accepted): the ghost is skipped.
+            await h.submit(msgspec.structs.replace(request("first"), attempt=1))
+            refused = await next_reply(h)
+            assert isinstance(refused, Rejected) and refused.reason == "no_worker"
+            assert "bus-sched-ghost" in h.schedulers[0].registry.quarantined
+
+            async def answer(ping: Ping, msg) -> None:
+                ack = ControlAck(worker_id="bus-sched-ghost", ok=True, state="ready")
+                await h.bus.reply(msg, ack)
+
+            await h.bus.subscribe(subjects.worker_control("bus-sched-ghost"), Ping, answer)
+            await h.bus.nc.flush()
+            await h.heartbeat()  # its next heartbeat pings it again; now it answers
+            while "bus-sched-ghost" in h.schedulers[0].registry.quarantined:
+                await asyncio.sleep(0.01)
+            await h.submit(request("second"))
+            forwarded, _ = await asyncio.wait_for(h.forwarded.get(), 5)
+            assert forwarded.request_id == "second"
 
     asyncio.run(main())

@@ -47,7 +47,11 @@ def test_killing_the_only_worker_fails_new_requests_fast_with_503(tiny_model, tm
         )
         assert response.status_code == 503
         assert time.monotonic() - started < 1.0
-        assert httpx.get(stack.base_url + "/ready").status_code == 503
+        # The gateway polls the scheduler's view (every 0.5 s): /ready follows it.
+        deadline = time.monotonic() + 5
+        while httpx.get(stack.base_url + "/ready").status_code != 503:
+            assert time.monotonic() < deadline, "/ready still says ready"
+            time.sleep(0.1)
 
 
 def wait_until_scheduler_forgets_alive(nats_url: str, worker_id: str, timeout: float) -> None:
