@@ -119,8 +119,20 @@ class OpenAIApi:
             )
         return {"content": content}
 
-    async def _open(self, body: CompletionRequest | ChatCompletionRequest) -> TextStream:
-        """Submit ``body``; every way it can be refused is a :class:`GenerationError`."""
+    async def _open(
+        self, body: CompletionRequest | ChatCompletionRequest, best_priority: int | None = None
+    ) -> TextStream:
+        """Submit ``body``; every way it can be refused is a :class:`GenerationError`.
+        ``best_priority``: the lowest ``priority`` the caller's API key may ask for."""
+        if best_priority is not None and body.priority < best_priority:
+            raise GenerationError(
+                403,
+                "permission_error",
+                f"priority {body.priority} is better than this API key may ask for "
+                f"({best_priority})",
+                "priority",
+                "priority_not_allowed",
+            )
         try:
             body.refuse_unsupported()
             if isinstance(body, ChatCompletionRequest):
@@ -158,7 +170,7 @@ class OpenAIApi:
         status, payload, headers = 200, None, []
         with ClientWatch(receive) as client:
             try:
-                stream = await self._open(body)
+                stream = await self._open(body, scope.get("lamina.best_priority"))
             except GenerationError as exc:
                 status, payload, headers = exc.status, _error_body(exc), _error_headers(exc)
             else:

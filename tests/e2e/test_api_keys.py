@@ -1,5 +1,6 @@
 """The gateway with API keys: no key and a wrong key are 401 in OpenAI's shape, either
-configured key works, the OpenAI client sends it as it should, and probes stay open."""
+configured key works, the OpenAI client sends it as it should, probes stay open, and a
+key that carries a best priority cannot ask for a better one (403)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.e2e.conftest import make_stack
 
 def test_the_gateway_takes_only_requests_with_a_key(tiny_model, tmp_path):
     keys = tmp_path / "keys"
-    keys.write_text("from-file\n")
+    keys.write_text("from-file\ntenant 5\n")  # tenant: priority 5 at best
     stack = make_stack(
         tiny_model, tmp_path, gateway_args=["--api-key", "k1", "--api-key-file", str(keys)]
     )
@@ -31,6 +32,13 @@ def test_the_gateway_takes_only_requests_with_a_key(tiny_model, tmp_path):
                 url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
             )
             assert response.status_code == 200, response.text
+        tenant = {"Authorization": "Bearer tenant"}
+        for priority, status in ((5, 200), (9, 200), (0, 403)):
+            response = httpx.post(
+                url + "/v1/completions", json=body | {"priority": priority}, headers=tenant
+            )
+            assert response.status_code == status, response.text
+        assert response.json()["error"]["code"] == "priority_not_allowed"
         client = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
         assert client.completions.create(model="lamina-tiny", **body).choices
         wrong = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)

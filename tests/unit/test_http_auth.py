@@ -52,6 +52,18 @@ def test_any_configured_key_passes(authorization):
     assert call(guard, "/v1/models", authorization)[0] == 200
 
 
+def test_the_matched_keys_best_priority_reaches_the_app():
+    seen = {}
+
+    async def remember(scope, receive, send) -> None:
+        seen["best"] = scope["lamina.best_priority"]
+        await app(scope, receive, send)
+
+    guard = ApiKeys(remember, {"tenant": 5, "admin": None}, open_paths=[])
+    assert call(guard, "/v1/completions", b"Bearer tenant")[0] == 200 and seen["best"] == 5
+    assert call(guard, "/v1/completions", b"Bearer admin")[0] == 200 and seen["best"] is None
+
+
 def test_open_paths_need_no_key():
     guard = ApiKeys(app, ["k1"], open_paths=["/health", "/ready"])
     assert call(guard, "/health", None)[0] == 200
@@ -61,9 +73,17 @@ def test_open_paths_need_no_key():
 
 def test_keys_come_from_the_flag_and_a_file(tmp_path):
     keys = tmp_path / "keys"
-    keys.write_text("# team a\nfile-key-1\n\n  file-key-2  \n")
-    assert load_keys(" a, b ,", str(keys)) == ["a", "b", "file-key-1", "file-key-2"]
-    assert load_keys("") == []
+    keys.write_text("# team a\nfile-key-1\n\n  file-key-2  5\n")
+    assert load_keys(" a, b ,", str(keys)) == {
+        "a": None,
+        "b": None,
+        "file-key-1": None,
+        "file-key-2": 5,  # its requests may ask for priority 5 or worse (higher), no better
+    }
+    assert load_keys("") == {}
+    keys.write_text("k1 high\n")
+    with pytest.raises(ValueError, match="expected 'key \\[best_priority\\]'"):
+        load_keys("", str(keys))
     with pytest.raises(ValueError, match="cannot read the API keys file"):
         load_keys("", str(tmp_path / "missing"))
     with pytest.raises(ValueError):
