@@ -53,8 +53,6 @@ class _Stream:
     reply: str
     context: Any
     seq: int = 1  # 0 was Accepted
-    deadline_ms: int | None = None
-    """Unix ms after which the request's result is useless (its SLA)."""
 
 
 @dataclass
@@ -104,6 +102,7 @@ class EngineThread(threading.Thread):
         self._startup_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._deadlines: dict[str, int] = {}  # request id -> Unix ms, for those that have one
         self._stopping = threading.Event()
         self._stats_at = 0.0
         self._lock = threading.Lock()
@@ -312,15 +311,23 @@ class EngineThread(threading.Thread):
             )
             self.emit([(reply, failed, context)])
             return
-        self._streams[rid] = _Stream(reply, context, deadline_ms=request.sla.deadline_ms)
+        self._streams[rid] = _Stream(reply, context)
+        if request.sla.deadline_ms is not None:
+            self._deadlines[rid] = request.sla.deadline_ms
 
     def _stop_expired(self) -> None:
         """Stop every request whose deadline has passed: its blocks are freed at once and
         its client told why (``Failed``, ``deadline_exceeded``)."""
+        if not self._deadlines:  # the common case: nothing to look at each step
+            return
         now_ms = time.time() * 1000
         batch: list[Outgoing] = []
-        for rid, stream in list(self._streams.items()):
-            if stream.deadline_ms is not None and stream.deadline_ms < now_ms:
+        for rid, deadline_ms in list(self._deadlines.items()):
+            stream = self._streams.get(rid)
+            if stream is None:  # it ended some other way
+                del self._deadlines[rid]
+            elif deadline_ms < now_ms:
+                del self._deadlines[rid]
                 self.engine.abort(rid)
                 del self._streams[rid]
                 failed = Failed(

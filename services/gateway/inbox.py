@@ -62,15 +62,18 @@ class Inbox:
         return f"{self.prefix}.{key}"
 
     def close(self, subject: str) -> None:
-        self._queues.pop(subject.rsplit(".", 1)[-1], None)
+        self._queues.pop(_key(subject), None)
+
+    def _queue_of(self, subject: str) -> asyncio.Queue | None:
+        return self._queues.get(_key(subject))
 
     async def _undeliverable(self, msg: Msg) -> None:
-        queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
+        queue = self._queue_of(msg.subject)
         if queue is not None:
             queue.put_nowait(Undeliverable())
 
     async def _route(self, event: StreamEvent | BadMessage, msg: Msg) -> None:
-        queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
+        queue = self._queue_of(msg.subject)
         if queue is not None:
             queue.put_nowait(event)
         elif isinstance(event, Accepted):
@@ -79,3 +82,8 @@ class Inbox:
             await self.bus.publish(
                 subjects.worker_cancel(event.worker_id), Cancel(request_id=event.request_id)
             )
+
+
+def _key(subject: str) -> str:
+    """``<inbox>.<n>`` -> ``n``."""
+    return subject.rsplit(".", 1)[-1]

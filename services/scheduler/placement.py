@@ -168,10 +168,7 @@ class Placer:
         if not fits:
             message = f"all {len(admitted)} workers for this model are saturated"
             return Decision(None, RejectReason.OVERLOADED, message, len(admitted))
-        prompt = request.prompt_token_ids
-        hits = overlap(prompt, [w.stats.worker_id for w in fits])
-        rates = self.cost.peer_rates(fits)
-        scored = [self._score(w, len(prompt), hits[w.stats.worker_id], rates) for w in fits]
+        scored = self._score_all(request, fits, overlap)
         by_id = {s.worker_id: s for s in scored}
         if self.policy == Policy.KV:
             roomy = [s for s, w in zip(scored, fits, strict=True) if self._has_room(w, s)]
@@ -204,15 +201,19 @@ class Placer:
         """The lowest predicted TTFT over every worker that could run ``request``, saturated
         or not (0 when none could): what a queued request waits at least."""
         admitted, _ = admit(request, live)
-        if not admitted:
-            return 0.0
+        scored = self._score_all(request, admitted, overlap)
+        return min((s.predicted_ttft_s for s in scored), default=0.0)
+
+    def _score_all(
+        self, request: GenerateRequest, workers: list[Candidate], overlap: Overlap
+    ) -> list[ScoredWorker]:
+        """Each of ``workers`` scored for ``request``, in order."""
+        if not workers:
+            return []
         prompt = request.prompt_token_ids
-        hits = overlap(prompt, [w.stats.worker_id for w in admitted])
-        rates = self.cost.peer_rates(admitted)
-        return min(
-            self._score(w, len(prompt), hits[w.stats.worker_id], rates).predicted_ttft_s
-            for w in admitted
-        )
+        hits = overlap(prompt, [w.stats.worker_id for w in workers])
+        rates = self.cost.peer_rates(workers)
+        return [self._score(w, len(prompt), hits[w.stats.worker_id], rates) for w in workers]
 
     def _score(
         self,

@@ -108,15 +108,18 @@ class Registry:
         self.placed(entry.stats.worker_id, record.prompt_tokens - cached)
 
     def candidates(self) -> list[Candidate]:
-        """Every live worker, with what was placed on it since its heartbeat. The index
-        forgets workers that are no longer alive (they come back through a snapshot)."""
-        live = [e for e in self.view.live() if e.stats.worker_id not in self.quarantined]
-        alive = {entry.stats.worker_id for entry in self.view.live()}
+        """Every live worker not quarantined, with what was placed on it since its
+        heartbeat. The index forgets workers that are no longer alive (they come back
+        through a snapshot)."""
+        live = self.view.live()
+        alive = {entry.stats.worker_id for entry in live}
         for worker_id in [w for w in self.index.workers if w not in alive]:
             self.index.drop(worker_id)
         now = self.view.clock()
         candidates = []
         for entry in live:
+            if entry.stats.worker_id in self.quarantined:
+                continue
             candidate = self._pending.get(entry.stats.worker_id) or Candidate(entry.stats)
             candidate.queued_tokens = self._queued(entry.stats.worker_id, now)
             candidates.append(candidate)

@@ -47,7 +47,7 @@ from lamina.services.scheduler.placement import (
     drain_time,
     retry_after,
 )
-from lamina.services.scheduler.registry import Registry
+from lamina.services.scheduler.registry import Candidate, Registry
 
 log = logging.getLogger("lamina.scheduler")
 
@@ -226,32 +226,26 @@ class SchedulerService:
         return decision
 
     def _refusal(self, decision: Decision, reason: RejectReason, message: str) -> Decision:
-        return Decision(
-            None, reason, message, decision.candidates, retry_after_s=self._retry_after()
-        )
+        """A retryable refusal that says when to retry."""
+        wait = retry_after(self._drain_time(self.registry.candidates()))
+        return Decision(None, reason, message, decision.candidates, retry_after_s=wait)
 
-    def _drain_time(self) -> float:
+    def _drain_time(self, live: list[Candidate]) -> float:
         """Seconds until the cluster has worked off its backlog (every worker's queued
         prefill and this queue) at the prefill rates its workers measured."""
-        prior = self.placer.cost.prefill_rate_prior
-        return drain_time(self.registry.candidates(), self.queue.tokens, prior)
-
-    def _retry_after(self) -> float:
-        return retry_after(self._drain_time())
+        return drain_time(live, self.queue.tokens, self.placer.cost.prefill_rate_prior)
 
     async def _enqueue(self, request: GenerateRequest, reply: str) -> None:
         """Queue ``request`` (telling its client), or refuse it when the queue is full or
         its deadline cannot be met after the work ahead of it."""
-        registry = self.registry
-        first_token = self.placer.earliest_ttft(
-            request, registry.candidates(), registry.index.overlap
-        )
-        retry_after, wait = self._retry_after(), self._drain_time() + first_token
+        live = self.registry.candidates()
+        drain = self._drain_time(live)
+        wait = drain + self.placer.earliest_ttft(request, live, self.registry.index.overlap)
         deadline = request.sla.deadline_ms
         if deadline is not None and time.time() * 1000 + wait * 1000 > deadline:
             message = f"the work ahead of it takes ~{wait:.2f}s, past its deadline"
             decision = Decision(
-                None, RejectReason.DEADLINE_UNMEETABLE, message, 0, retry_after_s=retry_after
+                None, RejectReason.DEADLINE_UNMEETABLE, message, 0, retry_after_s=retry_after(drain)
             )
         elif not self.queue.push(request, reply, time.monotonic(), int(time.time() * 1000)):
             message = (
@@ -259,7 +253,7 @@ class SchedulerService:
                 f"requests, {self.queue.tokens} prompt tokens)"
             )
             decision = Decision(
-                None, RejectReason.OVERLOADED, message, 0, retry_after_s=retry_after
+                None, RejectReason.OVERLOADED, message, 0, retry_after_s=retry_after(drain)
             )
         else:
             position = self.queue.position(request.request_id)
@@ -284,16 +278,19 @@ class SchedulerService:
             now_ms = int(time.time() * 1000)
             expired = self.queue.expired(now_ms, time.monotonic(), self.config.max_queue_wait)
             for waiting in expired:
-                request, deadline = waiting.request, waiting.request.sla.deadline_ms
+                deadline = waiting.request.sla.deadline_ms
                 if deadline is not None and deadline <= now_ms:
-                    reason, message = RejectReason.DEADLINE_EXCEEDED, "the deadline passed"
+                    message = "the deadline passed while queued"
+                    decision = Decision(
+                        None, RejectReason.DEADLINE_EXCEEDED, message, 0, retryable=False
+                    )
                 else:
-                    reason = RejectReason.OVERLOADED
-                    message = f"no worker had room within {self.config.max_queue_wait:g}s"
-                decision = Decision(None, reason, message + " while queued", 0)
-                if reason == RejectReason.OVERLOADED:
-                    decision = self._refusal(decision, reason, decision.message)
-                await self._send(request, waiting.reply, decision)
+                    wait = self.config.max_queue_wait
+                    message = f"no worker had room within {wait:g}s while queued"
+                    decision = self._refusal(
+                        Decision(None, None, "", 0), RejectReason.OVERLOADED, message
+                    )
+                await self._send(waiting.request, waiting.reply, decision)
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         if self.queue.remove(cancel.request_id) is not None:
@@ -302,14 +299,13 @@ class SchedulerService:
     async def _send(self, request: GenerateRequest, reply: str, decision: Decision) -> None:
         """Forward ``request`` to the chosen worker, or answer its refusal; then record."""
         if decision.worker_id is None:
-            retryable = decision.retryable and decision.reason != RejectReason.DEADLINE_EXCEEDED
             await self.bus.publish(
                 reply,
                 Rejected(
                     request_id=request.request_id,
                     reason=decision.reason,
                     message=decision.message,
-                    retryable=retryable,
+                    retryable=decision.retryable,
                     retry_after_s=decision.retry_after_s,
                 ),
             )

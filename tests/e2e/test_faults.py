@@ -19,21 +19,26 @@ from tests.e2e.conftest import make_stack
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
+def kill_and_ask(stack, service: str) -> tuple[httpx.Response, float]:
+    """SIGKILL ``service``, then one completion: its response and how long it took."""
+    proc = stack.procs[service]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    started = time.monotonic()
+    response = httpx.post(
+        stack.base_url + "/v1/completions",
+        timeout=30,
+        json={"prompt": "anyone there?", "max_tokens": 4},
+    )
+    return response, time.monotonic() - started
+
+
 def test_killing_the_only_worker_fails_new_requests_fast_with_503(tiny_model, tmp_path):
     stack = make_stack(
         tiny_model, tmp_path, gateway_args=["--accept-timeout", "1", "--max-attempts", "2"]
     )
     with stack:
-        worker = stack.procs["worker-0"]
-        worker.send_signal(signal.SIGKILL)
-        worker.wait()
-        started = time.monotonic()
-        response = httpx.post(
-            stack.base_url + "/v1/completions",
-            timeout=30,
-            json={"prompt": "anyone there?", "max_tokens": 4},
-        )
-        elapsed = time.monotonic() - started
+        response, elapsed = kill_and_ask(stack, "worker-0")
         assert response.status_code == 503, response.text
         assert response.json()["error"]["type"] == "service_unavailable"
         assert elapsed < 10, f"took {elapsed:.1f}s"
@@ -191,16 +196,7 @@ def test_sigterm_to_the_gateway_finishes_its_open_streams_then_exits(tiny_model,
 
 def test_with_the_scheduler_gone_a_request_gets_its_503_within_a_second(tiny_model, tmp_path):
     with make_stack(tiny_model, tmp_path) as stack:
-        scheduler = stack.procs["scheduler"]
-        scheduler.send_signal(signal.SIGKILL)
-        scheduler.wait()
-        started = time.monotonic()
-        response = httpx.post(
-            stack.base_url + "/v1/completions",
-            timeout=30,
-            json={"prompt": "anyone there?", "max_tokens": 4},
-        )
-        elapsed = time.monotonic() - started
+        response, elapsed = kill_and_ask(stack, "scheduler")
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"] == "1"
     assert "no scheduler is running" in response.json()["error"]["message"]
