@@ -39,7 +39,8 @@ RUN pip install --no-deps . \
     && rm -rf build *.egg-info
 
 # The default model (seeded, no network), owned by the runtime user.
-RUN mkdir -p "$LAMINA_HOME" && chown lamina:lamina "$LAMINA_HOME"
+# /credentials: compose's credential volume, which takes this ownership when first made.
+RUN mkdir -p "$LAMINA_HOME" /credentials && chown lamina:lamina "$LAMINA_HOME" /credentials
 USER lamina
 RUN lamina model init \
     && python -c "from lamina.kernels.cpu import load_library; load_library()"

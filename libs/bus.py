@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
-import nats
 from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -30,7 +31,15 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from lamina.libs.errors import BadReply, NoResponders, PayloadTooLarge, RequestTimeout
+from lamina.libs.config import option
+from lamina.libs.errors import (
+    BadReply,
+    NoResponders,
+    NotAdmitted,
+    PayloadTooLarge,
+    RequestTimeout,
+)
+from lamina.libs.nats_auth import identity_of, inbox_prefix
 from lamina.schemas.v1.errors import BadMessage
 
 log = logging.getLogger("lamina.bus")
@@ -78,6 +87,34 @@ def _attributes(subject: str, size: int, operation: str) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class NatsConfig:
+    """How a process reaches the bus; embedded in every service's config."""
+
+    nats_url: str = option(
+        "nats://127.0.0.1:4222", "NATS server URL (several, comma-separated: a cluster)"
+    )
+    nats_credential: str = option(
+        "", "this process's NATS credential, an nkey seed file <identity>.nk (none: anonymous)"
+    )
+    nats_tls_ca: str = option(
+        "", "CA certificate to verify the NATS server's with (tls:// URLs; none: system CAs)"
+    )
+
+    def connect_options(self) -> dict[str, Any]:
+        """``nats.connect`` keywords for the credential and TLS settings."""
+        options: dict[str, Any] = {}
+        if self.nats_credential:
+            options["nkeys_seed"] = self.nats_credential
+            options["inbox_prefix"] = inbox_prefix(identity_of(self.nats_credential))
+        if self.nats_tls_ca:
+            options["tls"] = ssl.create_default_context(cafile=self.nats_tls_ca)
+        return options
+
+    async def connect(self, name: str, **options: Any) -> Bus:
+        return await Bus.connect(self.nats_url, name, **self.connect_options(), **options)
+
+
 class Bus:
     """A NATS connection with typed, traced messaging."""
 
@@ -89,10 +126,18 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, **options: Any) -> Bus:
-        """Connect to ``url``; reconnects forever with the client's default back-off."""
+        """Connect to ``url``; reconnects forever with the client's default back-off.
+        Raises :class:`NotAdmitted` at once when the server refuses the credential on the
+        first connection (retrying would not change its mind); later refusals, while a
+        server reloads its users, are retried like any other disconnection."""
         bus: Bus | None = None
+        refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
         async def on_error(exc: Exception) -> None:
+            if bus is None and "authorization violation" in str(exc).lower():
+                if not refused.done():
+                    refused.set_result(str(exc))
+                return
             log.warning("nats error: %s", exc)
 
         async def on_disconnect() -> None:
@@ -103,17 +148,27 @@ class Bus:
             for callback in bus.on_reconnect if bus is not None else []:
                 await callback()
 
-        nc = await nats.connect(
-            url,
-            name=name,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-            **options,
+        client = Client()
+        connecting = asyncio.ensure_future(
+            client.connect(
+                url.split(","),
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                **options,
+            )
         )
-        bus = cls(nc, name)
+        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await client.close()
+            raise NotAdmitted(url, refused.result())
+        connecting.result()
+        bus = cls(client, name)
         return bus
 
     @property

@@ -18,6 +18,17 @@ class BusError(Exception):
     """Base of every error the bus library raises."""
 
 
+class NotAdmitted(BusError):
+    """The NATS server refused this process's credential (or its lack of one)."""
+
+    def __init__(self, url: str, error: str) -> None:
+        super().__init__(
+            f"the NATS server at {url} refused the connection ({error}): pass the "
+            "credential it admits with --nats-credential / LAMINA_NATS_CREDENTIAL"
+        )
+        self.url = url
+
+
 class NoResponders(BusError):
     def __init__(self, subject: str) -> None:
         super().__init__(f"no service is subscribed to {subject!r}")

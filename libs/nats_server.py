@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -39,11 +40,18 @@ class NatsServer:
     """
 
     def __init__(
-        self, port: int | None = None, jetstream: bool = False, host: str = "127.0.0.1"
+        self,
+        port: int | None = None,
+        jetstream: bool = False,
+        host: str = "127.0.0.1",
+        config: Path | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.jetstream = jetstream
+        self.config = config
+        """A configuration file (``-c``): who may connect, and with what permissions
+        (``lamina.libs.nats_auth``). The address and port given here override its own."""
         self._store: tempfile.TemporaryDirectory | None = None
         self._proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
@@ -61,6 +69,8 @@ class NatsServer:
         if self._log is not None:  # started before, and since exited
             self._log.close()
         args = [find_binary(), "-a", self.host, "-p", str(self.port)]
+        if self.config is not None:
+            args += ["-c", str(self.config)]
         if self.jetstream:
             self._store = tempfile.TemporaryDirectory(prefix="lamina-nats-")
             args += ["-js", "-sd", self._store.name]
@@ -86,6 +96,12 @@ class NatsServer:
                 time.sleep(0.02)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout}s")
+
+    def reload(self) -> None:
+        """Re-read the configuration file (new credentials), as ``nats-server --signal
+        reload`` does; connected clients stay connected."""
+        if self.running:
+            self._proc.send_signal(signal.SIGHUP)
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

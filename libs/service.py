@@ -20,6 +20,7 @@ import logging
 import signal
 from typing import Protocol
 
+from lamina.libs.errors import NotAdmitted
 from lamina.libs.telemetry_setup import setup_logging, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("lamina.service")
@@ -52,7 +53,11 @@ async def _serve(name: str, service: Service) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    try:
+        await service.start()
+    except NotAdmitted as exc:  # a configuration problem: one line, not a traceback
+        log.error("%s cannot start: %s", name, exc)
+        return 1
     gc.collect()
     gc.freeze()  # see the module docstring
     log.info("%s started", name)

@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from lamina.services.ctl import main as ctl
 
         return ctl(argv[1:])
+    if argv and argv[0] == "creds":
+        from lamina.services.creds import main as creds
+
+        return creds(argv[1:])
     if argv and argv[0] == "up":
         from lamina.services.launcher import main as up
 
@@ -40,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         commands.add_parser(name, help=f"run the {name} service (see `lamina {name} --help`)")
     commands.add_parser("up", help="run the whole stack locally (see `lamina up --help`)")
     commands.add_parser("ctl", help="operate a running cluster (see `lamina ctl --help`)")
+    commands.add_parser("creds", help="the bus's credentials (see `lamina creds --help`)")
     schemas = commands.add_parser("schemas", help="wire schema tools")
     schemas.add_subparsers(dest="schemas_command").add_parser(
         "export", help="write JSON Schema for every wire type (`lamina schemas export DIR`)"

@@ -16,8 +16,9 @@ import os
 import sys
 from collections.abc import Callable
 
-from lamina.libs.bus import Bus
-from lamina.libs.errors import BadReply, NoResponders, RequestTimeout
+from lamina.libs.bus import Bus, NatsConfig
+from lamina.libs.config import lamina_home
+from lamina.libs.errors import BadReply, NoResponders, NotAdmitted, RequestTimeout
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import (
     ControlAck,
@@ -51,6 +52,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--nats-url",
         default=os.environ.get("LAMINA_NATS_URL") or "nats://127.0.0.1:4222",
         help="NATS server URL (env LAMINA_NATS_URL; default: lamina up's)",
+    )
+    operator = lamina_home() / "nats" / "operator.nk"
+    parser.add_argument(
+        "--nats-credential",
+        default=os.environ.get("LAMINA_NATS_CREDENTIAL")
+        or (str(operator) if operator.exists() else ""),
+        help="NATS credential to act with (env LAMINA_NATS_CREDENTIAL; default: lamina up's "
+        "operator.nk under LAMINA_HOME/nats, where it exists)",
+    )
+    parser.add_argument(
+        "--nats-tls-ca", default=os.environ.get("LAMINA_NATS_TLS_CA", ""), help="see lamina up"
     )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for answers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -134,7 +146,10 @@ async def control(args: argparse.Namespace, bus: Bus) -> list[str]:
 async def run(args: argparse.Namespace) -> str:
     logging.getLogger("lamina.bus").setLevel(logging.ERROR)  # its retries are not news here
     try:
-        bus = await asyncio.wait_for(Bus.connect(args.nats_url, "lamina-ctl"), args.timeout)
+        nats = NatsConfig(args.nats_url, args.nats_credential, args.nats_tls_ca)
+        bus = await asyncio.wait_for(nats.connect("lamina-ctl"), args.timeout)
+    except NotAdmitted as exc:
+        raise CtlError(str(exc)) from exc
     except TimeoutError as exc:  # the client retries an unreachable server forever
         raise CtlError(f"cannot reach NATS at {args.nats_url} within {args.timeout:g}s") from exc
     try:

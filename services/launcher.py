@@ -7,6 +7,11 @@ exits (crashed, killed, or a worker stopped by SIGTERM after draining: a rolling
 is started again with back-off, the embedded ``nats-server`` on its own port included,
 while the others keep serving. Ctrl-C or SIGTERM to ``lamina up`` stops them all, in
 order: the gateway first (no new requests), then workers (they drain), then the rest.
+
+The bus is closed by default: the embedded server admits only the identities of a
+credential store under ``LAMINA_HOME/nats`` (``lamina.libs.nats_auth``), and each service
+connects as its own (each worker as ``worker.<its id>``). ``api.default`` is made for the
+first NATS API client.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lamina.libs.config import option, parse_config, to_argv
+from lamina.libs.bus import NatsConfig
+from lamina.libs.config import lamina_home, option, parse_config, to_argv
+from lamina.libs.nats_auth import DEPLOYMENT, CredentialStore
 from lamina.libs.nats_server import NatsServer, free_port
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
@@ -43,14 +50,17 @@ class Stack:
     nats_url: str | None = None
     nats_port: int = 0
     """Port of the embedded NATS server when ``nats_url`` is None (0: any free port)."""
+    credentials: Path | None = None
+    """A credential store: each service connects as its own identity, and the embedded
+    server admits only the store's. None: an open bus."""
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     nats: NatsServer | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    specs: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
-    """How each service was started (module, arguments), to start it again."""
+    specs: dict[str, tuple[str, list[str], str]] = field(default_factory=dict)
+    """How each service was started (module, arguments, identity), to start it again."""
     restarts: dict[str, int] = field(default_factory=dict)
     """Restarts so far, per service (``nats-server`` included)."""
     _due: dict[str, float] = field(default_factory=dict)  # service -> when to restart it
@@ -63,8 +73,27 @@ class Stack:
     def metrics_url(self) -> str:
         return f"http://{self.http_host}:{self.metrics_port}/metrics"
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "LAMINA_NATS_URL": self.nats_url or "", **self.extra_env}
+    def nats_config(self, identity: str) -> NatsConfig:
+        """How a process connects to this stack's bus as ``identity`` (made if new, and
+        then admitted by the running embedded server)."""
+        if self.credentials is None:
+            return NatsConfig(self.nats_url or "")
+        store = CredentialStore(self.credentials)
+        new = not store.path(identity).exists()
+        (path,) = store.ensure(identity)
+        if new and self.nats is not None:
+            self.nats.reload()
+            time.sleep(0.2)  # the reload is asynchronous; a client this early is refused
+        return NatsConfig(self.nats_url or "", nats_credential=str(path))
+
+    def _spawn(self, name: str, module: str, args: list[str], identity: str) -> subprocess.Popen:
+        bus = self.nats_config(identity)
+        env = {
+            **os.environ,
+            "LAMINA_NATS_URL": bus.nats_url,
+            "LAMINA_NATS_CREDENTIAL": bus.nats_credential,
+            **self.extra_env,
+        }
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +105,7 @@ class Stack:
             stderr=subprocess.STDOUT if out else None,
         )
         self.procs[name] = proc
-        self.specs[name] = (module, args)
+        self.specs[name] = (module, args, identity)
         return proc
 
     def supervise(self) -> list[str]:
@@ -110,10 +139,12 @@ class Stack:
         return f"{name} {how}; restarting it in {delay:g}s"
 
     def start_worker(self, index: int) -> subprocess.Popen:
+        wid = f"worker-{index}"
         return self._spawn(
-            f"worker-{index}",
+            wid,
             "lamina.services.engine_worker",
-            ["--worker-id", f"worker-{index}", "--model", str(self.model), *self.worker_args],
+            ["--worker-id", wid, "--model", str(self.model), *self.worker_args],
+            f"worker.{wid}",
         )
 
     def start_scheduler(self, scheduler_id: str) -> subprocess.Popen:
@@ -122,6 +153,7 @@ class Stack:
             f"scheduler-{scheduler_id}",
             "lamina.services.scheduler",
             ["--scheduler-id", scheduler_id],
+            "scheduler",
         )
 
     def start(self, timeout: float = 180.0) -> Stack:
@@ -130,13 +162,21 @@ class Stack:
         if self.procs:
             raise RuntimeError("the stack is already started")
         if self.nats_url is None:
-            self.nats = NatsServer(port=self.nats_port or None).start()
+            self.nats = NatsServer(port=self.nats_port or None)
+            if self.credentials is not None:
+                store = CredentialStore(self.credentials)
+                store.ensure(
+                    *DEPLOYMENT, *(f"worker.worker-{i}" for i in range(self.workers))
+                )
+                self.nats.config = store.write_server_config(self.nats.host, self.nats.port)
+            self.nats.start()
             self.nats_url = self.nats.url
-        self._spawn("scheduler", "lamina.services.scheduler", [])
+        self._spawn("scheduler", "lamina.services.scheduler", [], "scheduler")
         self._spawn(
             "telemetry",
             "lamina.services.telemetry",
             ["--http-host", self.http_host, "--http-port", str(self.metrics_port)],
+            "telemetry",
         )
         for index in range(self.workers):
             self.start_worker(index)
@@ -152,6 +192,7 @@ class Stack:
                 str(self.http_port),
                 *self.gateway_args,
             ],
+            "gateway",
         )
         self.wait_ready(timeout)
         return self
@@ -215,6 +256,9 @@ class UpConfig:
     nats_url: str = option("", "use this NATS server instead of starting one")
     nats_port: int = option(4222, "port of the embedded NATS server (0: any free port)")
     api_key: str = option("", "API keys the gateway requires (comma-separated; none: open)")
+    nats_auth: bool = option(
+        True, "the embedded NATS server admits only credentials under LAMINA_HOME/nats"
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -267,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port=config.metrics_port,
         nats_url=config.nats_url or None,
         nats_port=config.nats_port,
+        credentials=lamina_home() / "nats" if config.nats_auth else None,
         worker_args=[*to_argv(dataclasses.replace(config.engine, model=None)), *names],
         gateway_args=[*names, *(["--api-key", config.api_key] if config.api_key else [])],
     )
@@ -289,7 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"Lamina is up: {config.workers} worker(s) serving {config.model_name or model.name}")
     print(f"  OpenAI API   {stack.base_url}/v1  (try: curl {stack.base_url}/v1/models)")
-    print(f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate)")
+    if stack.credentials is None:
+        print(f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate)")
+    else:
+        api = stack.nats_config("api.default").nats_credential
+        print(f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate.default")
+        print(f"               as {api}; more clients: lamina creds add api.<name>)")
     print(f"  metrics      {stack.metrics_url}")
     print("Ctrl-C stops everything.", flush=True)
     try:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
+TOKEN = r"[A-Za-z0-9_-]{1,64}"
+"""What a name inside a subject (a worker id, a client name) may be: one subject token."""
+_TOKEN = re.compile(TOKEN)
+
 PREFIX = "lamina.v1"
 API_GENERATE = f"{PREFIX}.api.generate"
 SCHED_SUBMIT = f"{PREFIX}.sched.submit"
@@ -42,3 +48,18 @@ def gateway_alive(gateway_id: str) -> str:
 def worker_kv_sync(worker_id: str) -> str:
     """Request/reply: a scheduler asks the worker for a ``KvSnapshot`` of its cache."""
     return f"{PREFIX}.worker.{worker_id}.kv.sync"
+
+
+def check_token(what: str, name: str) -> str:
+    """``name`` if it can be one subject token, else a ``ValueError`` that says why."""
+    if not _TOKEN.fullmatch(name):
+        raise ValueError(
+            f"{what} {name!r} cannot name a subject: use 1-64 letters, digits, '-' or '_'"
+        )
+    return name
+
+
+def sender_worker(subject: str) -> str:
+    """The worker id a ``worker.<id>.*`` subject belongs to. The bus's permissions let a
+    worker publish only on its own, so a message there speaks for that worker only."""
+    return subject[len(PREFIX) + 8 :].split(".", 1)[0]  # "<PREFIX>.worker.<id>...."

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
-from lamina.libs.bus import Bus
+from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.cluster import FORGET_AFTER_S, MISSED_HEARTBEATS
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, NoResponders, RequestTimeout
@@ -60,7 +61,7 @@ class WorkerConfig:
     """Engine worker: owns one device, its model and KV pool. Every engine setting is a
     flag and a ``LAMINA_*`` variable of its own (``EngineConfig``'s fields)."""
 
-    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    nats: NatsConfig = field(default_factory=NatsConfig)
     worker_id: str = option("", "unique worker id (default: <host>-<pid>)")
     model_name: str = option("", "served model name (default: the model directory's name)")
     stats_interval: float = option(0.5, "seconds between WorkerStats heartbeats")
@@ -85,7 +86,10 @@ class WorkerIdInUse(RuntimeError):
 class WorkerService:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:48]  # a.b.c: one token
+        self.worker_id = subjects.check_token(
+            "worker id", config.worker_id or f"{host}-{os.getpid()}"
+        )
         self.lifecycle = Lifecycle()
         self._gateways: dict[str, tuple[float, float]] = {}
         """Gateway inbox prefix -> (when last heard, its heartbeat interval)."""
@@ -100,7 +104,7 @@ class WorkerService:
 
     async def start(self) -> None:
         cfg = self.config
-        self.bus = bus = await Bus.connect(cfg.nats_url, f"worker-{self.worker_id}")
+        self.bus = bus = await cfg.nats.connect(f"worker-{self.worker_id}")
         await self._check_id_is_free()  # before loading a model, which can take minutes
         engine_config = cfg.engine.with_model()
         self.model_name = cfg.model_name or engine_config.model.name

@@ -48,7 +48,8 @@ class Inbox:
         )
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
-        self.cluster.heartbeat(stats)
+        if stats.worker_id == subjects.sender_worker(msg.subject):  # not one posing as another
+            self.cluster.heartbeat(stats)
 
     def worker_serving(self, worker_id: str, since: float) -> bool:
         """Whether the worker holding a request (accepted at ``since``) still serves it:

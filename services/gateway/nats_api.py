@@ -3,6 +3,13 @@
 A client publishes an ``ApiRequest`` with a reply subject and receives a stream of
 ``ApiDelta`` events ending in ``ApiFinished`` (or a single ``ApiError``) there. Gateways
 share the subject in the ``gateway`` queue group.
+
+On a bus with credentials (``lamina.libs.nats_auth``), client ``api.<name>`` publishes on
+``lamina.v1.api.generate.<name>``, the only subject it may publish on, and reads only its
+own inbox. NATS does not check a message's reply subject against its sender's
+permissions, so the gateway does: a request whose answers would go to another client's
+inbox is dropped unanswered (any answer would land in that inbox), so one client cannot
+write into another's stream.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from nats.aio.msg import Msg
 
 from lamina.libs.bus import Bus
 from lamina.libs.errors import invalid_field
+from lamina.libs.nats_auth import inbox_prefix
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.api import ApiDelta, ApiError, ApiFinished, ApiRequest
 from lamina.services.gateway.admission import Admission
@@ -66,17 +74,19 @@ class NatsApi:
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        await self.bus.subscribe(
-            subjects.API_GENERATE,
-            ApiRequest,
-            self._on_request,
-            queue="gateway",
-            bad_reply=_undecodable,
-        )
+        for subject in (subjects.API_GENERATE, f"{subjects.API_GENERATE}.*"):
+            await self.bus.subscribe(
+                subject, ApiRequest, self._on_request, queue="gateway", bad_reply=_undecodable
+            )
 
     async def _on_request(self, request: ApiRequest, msg: Msg) -> None:
         if not msg.reply:
             log.warning("API request without a reply subject dropped")
+            return
+        client = msg.subject[len(subjects.API_GENERATE) + 1 :]
+        if client and not msg.reply.startswith(inbox_prefix(f"api.{client}") + "."):
+            # Answer nobody: the reply subject is exactly what cannot be trusted.
+            log.warning("API request from %s with another's reply subject refused", client)
             return
         task = asyncio.create_task(self._serve(request, msg.reply))
         self._tasks.add(task)

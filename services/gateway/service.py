@@ -7,12 +7,12 @@ import contextlib
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 
-from lamina.libs.bus import Bus
+from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.default_tokenizer import ensure_default_tokenizer
 from lamina.libs.errors import BusError
@@ -36,7 +36,7 @@ GATEWAY_HEARTBEAT_S = 2.0
 class GatewayConfig:
     """Gateway: OpenAI-compatible HTTP API and NATS request API."""
 
-    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    nats: NatsConfig = field(default_factory=NatsConfig)
     model: str = option("", "checkpoint directory for the tokenizer (default: default model)")
     model_name: str = option("", "served model name (default: the directory name)")
     http_host: str = option("127.0.0.1", "HTTP listen address")
@@ -74,7 +74,7 @@ class GatewayService:
         cfg = self.config
         model_dir = Path(cfg.model) if cfg.model else ensure_default_tokenizer()
         tokenizer = await asyncio.to_thread(ModelTokenizer, model_dir)
-        self.bus = bus = await Bus.connect(cfg.nats_url, "gateway")
+        self.bus = bus = await cfg.nats.connect("gateway")
         inbox = Inbox(bus)
         await inbox.start()
         settings = RetryPolicy(

@@ -18,12 +18,12 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.msg import Msg
 
-from lamina.libs.bus import Bus
+from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, BusError, NoResponders, PayloadTooLarge, RequestTimeout
 from lamina.schemas.v1 import subjects
@@ -62,7 +62,7 @@ EXPIRY_TICK_S = 0.05
 class SchedulerConfig:
     """Scheduler: worker registry, admission and placement."""
 
-    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    nats: NatsConfig = field(default_factory=NatsConfig)
     scheduler_id: str = option("", "replica id (default: <host>-<pid>)")
     placement: str = option("kv", "placement policy: kv (predicted TTFT), load, round-robin")
     prefill_rate_prior: float = option(
@@ -101,7 +101,7 @@ class SchedulerService:
         self._pinging: set[str] = set()
 
     async def start(self) -> None:
-        self.bus = bus = await Bus.connect(self.config.nats_url, f"scheduler-{self.scheduler_id}")
+        self.bus = bus = await self.config.nats.connect(f"scheduler-{self.scheduler_id}")
         bus.on_reconnect.append(self._resync_all)
         await bus.subscribe(subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False)
         await bus.subscribe(subjects.WORKER_KV_ALL, KvEventBatch, self._on_kv, traced=False)
@@ -114,6 +114,8 @@ class SchedulerService:
         self._tasks.append(asyncio.create_task(self._expire()))
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
+        if stats.worker_id != subjects.sender_worker(msg.subject):
+            return  # one worker posing as another
         if self.registry.heartbeat(stats) and stats.state == WorkerState.READY:
             self._sync(stats.worker_id)
         if stats.worker_id in self.registry.quarantined:
@@ -122,6 +124,8 @@ class SchedulerService:
             await self._dispatch()
 
     async def _on_kv(self, batch: KvEventBatch, msg: Msg) -> None:
+        if batch.worker_id != subjects.sender_worker(msg.subject):
+            return
         if not self.registry.kv_events(batch):
             self._sync(batch.worker_id)
 

@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -29,7 +29,7 @@ from litestar import Litestar, Response, get
 from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from lamina.libs.bus import Bus
+from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.schemas.v1 import subjects
@@ -47,7 +47,7 @@ HTTP_TIMEOUT_S = 5.0
 class TelemetryConfig:
     """Telemetry: Prometheus metrics and a cluster view from heartbeats and records."""
 
-    nats_url: str = option("nats://127.0.0.1:4222", "NATS server URL")
+    nats: NatsConfig = field(default_factory=NatsConfig)
     http_host: str = option("127.0.0.1", "address to serve /metrics, /v1/cluster, /health on")
     http_port: int = option(9400, "HTTP port (0: any free port)")
     metrics_api_key: str = option(
@@ -129,9 +129,9 @@ class TelemetryService:
         """Connect (retrying forever), subscribe, and only then publish ``self.bus``."""
         name = f"telemetry-{socket.gethostname()}-{os.getpid()}"
         try:
-            bus = await Bus.connect(self.config.nats_url, name)
+            bus = await self.config.nats.connect(name)
         except Exception:
-            log.exception("telemetry could not connect to %s", self.config.nats_url)
+            log.exception("telemetry could not connect to %s", self.config.nats.nats_url)
             return
         try:
             await self._subscribe(bus)
@@ -143,7 +143,7 @@ class TelemetryService:
             await bus.close()
             return
         self.bus = bus
-        log.info("telemetry connected to %s", self.config.nats_url)
+        log.info("telemetry connected to %s", self.config.nats.nats_url)
 
     async def _subscribe(self, bus: Bus) -> None:
         """Hear heartbeats and records (no queue group: every replica hears everything)."""
@@ -153,7 +153,8 @@ class TelemetryService:
         await bus.nc.flush()  # the server has our subscriptions before we say ready
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
-        self.aggregator.observe_stats(stats)
+        if stats.worker_id == subjects.sender_worker(msg.subject):  # not one posing as another
+            self.aggregator.observe_stats(stats)
 
     async def _on_request(self, record: RequestRecord, msg: Msg) -> None:
         self.aggregator.observe_request(record)

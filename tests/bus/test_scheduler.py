@@ -9,7 +9,7 @@ import time
 
 import msgspec
 
-from lamina.libs.bus import Bus, encode
+from lamina.libs.bus import Bus, NatsConfig, encode
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel, ControlAck, Ping
 from lamina.schemas.v1.generate import (
@@ -48,7 +48,7 @@ class Harness:
         self.nats_url, self.worker, self.stats = nats_url, worker, stats
         self.schedulers = [
             SchedulerService(
-                SchedulerConfig(nats_url=nats_url, scheduler_id=f"s{i}", **(config or {}))
+                SchedulerConfig(nats=NatsConfig(nats_url), scheduler_id=f"s{i}", **(config or {}))
             )
             for i in range(replicas)
         ]

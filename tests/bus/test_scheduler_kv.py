@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from lamina.libs.block_hash import hash_blocks
-from lamina.libs.bus import Bus
+from lamina.libs.bus import Bus, NatsConfig
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.generate import GenerateRequest, Sampling
 from lamina.schemas.v1.kv import BlockStored, KvEventBatch, KvSnapshot, KvSyncRequest
@@ -119,7 +119,9 @@ async def until(predicate, what: str, timeout: float = 5.0) -> None:
 
 def test_the_index_syncs_places_by_prefix_and_resyncs_after_gaps_and_restarts(nats_url):
     async def main() -> None:
-        scheduler = SchedulerService(SchedulerConfig(nats_url=nats_url, scheduler_id="s-kv"))
+        scheduler = SchedulerService(
+            SchedulerConfig(nats=NatsConfig(nats_url), scheduler_id="s-kv")
+        )
         await scheduler.start()
         await scheduler.bus.nc.flush()
         bus = await Bus.connect(nats_url, "test-kv-workers")
@@ -179,7 +181,7 @@ def test_the_index_syncs_places_by_prefix_and_resyncs_after_gaps_and_restarts(na
 def test_a_replica_counts_the_other_replicas_placements_as_pending(nats_url):
     async def main() -> tuple[int, int]:
         replicas = [
-            SchedulerService(SchedulerConfig(nats_url=nats_url, scheduler_id=f"s-peer-{i}"))
+            SchedulerService(SchedulerConfig(nats=NatsConfig(nats_url), scheduler_id=f"s-peer-{i}"))
             for i in range(2)
         ]
         for replica in replicas:
@@ -223,7 +225,9 @@ def test_a_scheduler_that_reconnects_resyncs_every_worker():
 
     async def main() -> list[str]:
         server = NatsServer(port=port).start()
-        scheduler = SchedulerService(SchedulerConfig(nats_url=server.url, scheduler_id="s-re"))
+        scheduler = SchedulerService(
+            SchedulerConfig(nats=NatsConfig(server.url), scheduler_id="s-re")
+        )
         await scheduler.start()
         bus = await Bus.connect(server.url, "test-kv-reconnect")
         workers = Workers(bus)

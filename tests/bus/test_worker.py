@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from lamina.libs.bus import Bus
+from lamina.libs.bus import Bus, NatsConfig
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import ControlAck, Drain, ResetPrefixCache, Resume
 from lamina.schemas.v1.errors import BadMessage
@@ -42,7 +42,7 @@ WORKER = "bus-test-worker"
 
 def worker_config(nats_url: str, worker_id: str, model: Path, **options) -> WorkerConfig:
     return WorkerConfig(
-        nats_url=nats_url, worker_id=worker_id, engine=EngineConfig(model=model), **options
+        nats=NatsConfig(nats_url), worker_id=worker_id, engine=EngineConfig(model=model), **options
     )
 
 

@@ -10,7 +10,7 @@ import httpx
 import prometheus_client
 import pytest
 
-from lamina.libs.bus import Bus
+from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import parse_config
 from lamina.libs.nats_server import NatsServer, free_port
 from lamina.schemas.v1 import subjects
@@ -37,7 +37,7 @@ async def status(http: httpx.AsyncClient, path: str) -> int:
 async def scenario() -> str:
     nats_port = free_port()
     service = TelemetryService(
-        TelemetryConfig(nats_url=f"nats://127.0.0.1:{nats_port}", http_port=0)
+        TelemetryConfig(nats=NatsConfig(f"nats://127.0.0.1:{nats_port}"), http_port=0)
     )
     server = NatsServer(port=nats_port)
     await service.start()
@@ -113,7 +113,7 @@ def test_service_serves_metrics_from_the_bus():
 
 def test_close_without_nats_is_prompt():
     async def start_and_close() -> None:
-        config = TelemetryConfig(nats_url=f"nats://127.0.0.1:{free_port()}", http_port=0)
+        config = TelemetryConfig(nats=NatsConfig(f"nats://127.0.0.1:{free_port()}"), http_port=0)
         service = TelemetryService(config)
         await service.start()
         await service.drain()
@@ -128,14 +128,14 @@ def test_config_from_flags_and_environment():
     config = parse_config(
         TelemetryConfig, ["--http-port", "9500"], env={"LAMINA_NATS_URL": "nats://n:4222"}
     )
-    assert config == TelemetryConfig(nats_url="nats://n:4222", http_port=9500)
+    assert config == TelemetryConfig(nats=NatsConfig("nats://n:4222"), http_port=9500)
     assert TelemetryConfig().http_host == "127.0.0.1"
     assert TelemetryConfig().http_port == 9400
 
 
 def test_metrics_behind_their_own_key_and_probes_open(nats_url):
     async def main() -> dict[str, int]:
-        config = TelemetryConfig(nats_url=nats_url, http_port=0, metrics_api_key="scrape")
+        config = TelemetryConfig(nats=NatsConfig(nats_url), http_port=0, metrics_api_key="scrape")
         service = TelemetryService(config)
         await service.start()
         try:

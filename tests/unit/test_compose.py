@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from lamina.libs.config import ENV_PREFIX, parse_config, settings
-from lamina.services import cli
+from lamina.libs.nats_auth import DEPLOYMENT
+from lamina.services import cli, creds
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -27,6 +28,8 @@ DOCKERFILE = ROOT / "Dockerfile"
 THIRD_PARTY = {"nats", "prometheus", "grafana"}
 #: The stack: each runs ``lamina <service>``.
 LAMINA_SERVICES = {"scheduler", "gateway", "worker", "telemetry"}
+#: Runs once, before NATS: ``lamina creds init`` into the credential volume.
+CREDENTIALS = "credentials"
 #: ``LAMINA_*`` variables read process-wide (libs, default model), not config fields.
 PROCESS_WIDE_ENV = {"LAMINA_HOME", "LAMINA_LOG_LEVEL", "LAMINA_TRACE_FILE"}
 
@@ -82,7 +85,7 @@ def flag_fields(argv: list[str]) -> dict[str, str]:
 
 
 def test_the_stack_is_all_there() -> None:
-    assert set(BUILT) == LAMINA_SERVICES
+    assert set(BUILT) == LAMINA_SERVICES | {CREDENTIALS}
     assert set(SERVICES) - set(BUILT) <= THIRD_PARTY, "an unknown service without a build"
 
 
@@ -97,7 +100,7 @@ def test_runs_a_real_lamina_subcommand(name: str, capsys) -> None:
         assert command[0] == name
 
 
-@pytest.mark.parametrize("name", BUILT)
+@pytest.mark.parametrize("name", sorted(LAMINA_SERVICES))
 def test_is_built_from_the_dockerfile_and_waits_for_nats(name: str) -> None:
     spec = SERVICES[name]
     build = spec["build"]
@@ -129,7 +132,26 @@ def test_flags_and_env_are_fields_of_the_service_config(name: str) -> None:
     for field, raw in flag_fields(argv).items():
         if raw:
             assert str(fields[field].value(config)) == raw
-    assert config.nats_url == "nats://nats:4222"
+    assert config.nats.nats_url == "nats://nats:4222"
+
+
+def test_nats_admits_exactly_the_credentials_the_services_use() -> None:
+    """``credentials`` makes the identities and the server's configuration; the server
+    reads that configuration, and each service connects with one of those identities."""
+    init = creds.parse(SERVICES[CREDENTIALS]["command"][1:])
+    volume = SERVICES[CREDENTIALS]["volumes"][0].split(":")[1]
+    assert init.command == "init" and str(init.dir) == volume
+    made = set(DEPLOYMENT) | set(init.identities)
+    nats = SERVICES["nats"]
+    assert nats["command"][nats["command"].index("-c") + 1] == f"{volume}/server.conf"
+    assert SERVICES["nats"]["depends_on"][CREDENTIALS]["condition"] == (
+        "service_completed_successfully"
+    )
+    for name in sorted(LAMINA_SERVICES):
+        credential = Path(environment(SERVICES[name])["LAMINA_NATS_CREDENTIAL"])
+        assert str(credential.parent) == volume and credential.suffix == ".nk", name
+        assert credential.stem in made, f"{name} connects as {credential.stem}, never made"
+        assert f"{volume}:ro" in " ".join(SERVICES[name]["volumes"])
 
 
 def test_worker_scales() -> None:

@@ -1,0 +1,65 @@
+"""``lamina creds``: the bus's credentials (``lamina.libs.nats_auth``).
+
+``init`` makes the services' credentials (and any identities named) and writes
+``server.conf`` for ``nats-server -c``: what a NATS server that ``lamina up`` did not start
+(compose, a cluster) needs. ``add`` makes more (a worker on another host, an API client)
+and rewrites the user list; a running server admits them after ``nats-server --signal
+reload``. ``list`` prints the identities and their grants. Existing credentials are
+never replaced: whoever holds one stays admitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lamina.libs.config import lamina_home
+from lamina.libs.nats_auth import DEPLOYMENT, BadIdentity, CredentialStore, permissions
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lamina creds", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=lamina_home() / "nats",
+        help="the credential store (default: LAMINA_HOME/nats, where lamina up keeps it)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    init = commands.add_parser("init", help="the services' credentials and server.conf")
+    init.add_argument("identities", nargs="*", help="more: worker.<id>, worker, api.<name>")
+    init.add_argument("--host", default="0.0.0.0", help="address the server listens on")
+    init.add_argument("--port", type=int, default=4222, help="port the server listens on")
+    init.add_argument("--tls-cert", default="", help="server certificate (PEM): TLS only")
+    init.add_argument("--tls-key", default="", help="its private key (PEM)")
+    add = commands.add_parser("add", help="make credentials for more identities")
+    add.add_argument("identities", nargs="+", help="worker.<id>, worker, api.<name>, ...")
+    commands.add_parser("list", help="every identity and what it may publish and subscribe")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    store = CredentialStore(args.dir)
+    try:
+        if args.command == "init":
+            for path in store.ensure(*DEPLOYMENT, *args.identities):
+                print(path)
+            if bool(args.tls_cert) != bool(args.tls_key):
+                raise BadIdentity("--tls-cert and --tls-key go together")
+            conf = store.write_server_config(args.host, args.port, args.tls_cert, args.tls_key)
+            print(f"nats-server -c {conf}")
+        elif args.command == "add":
+            for path in store.ensure(*args.identities):
+                print(path)
+            print("a running nats-server admits them after: nats-server --signal reload")
+        else:
+            for identity in store.identities():
+                grants = permissions(identity)
+                print(f"{identity}\n  publish   {' '.join(grants.publish) or '(nothing)'}")
+                print(f"  subscribe {' '.join(grants.subscribe) or '(nothing)'}")
+    except BadIdentity as exc:
+        print(f"lamina creds: {exc}", file=sys.stderr)
+        return 2
+    return 0
