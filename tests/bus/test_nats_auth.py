@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import stat
+import subprocess
 
 import nats
 import pytest
@@ -150,3 +152,79 @@ def test_telemetry_only_listens(secured):
         assert any("violation for subscription" in e for e in telemetry.errors)
 
     asyncio.run(main())
+
+
+def make_certificates(root) -> tuple[str, str, str]:
+    """A CA and a server certificate for 127.0.0.1 it signed (openssl, no network)."""
+    ca_key, ca, key, csr, cert = (
+        str(root / n) for n in ("ca.key", "ca.pem", "s.key", "s.csr", "s.pem")
+    )
+    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        ca_key,
+        "-out",
+        ca,
+        "-days",
+        "1",
+        "-subj",
+        "/CN=lamina-test-ca",
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        key,
+        "-out",
+        csr,
+        "-subj",
+        "/CN=127.0.0.1",
+    )
+    ext = root / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca,
+        "-CAkey",
+        ca_key,
+        "-CAcreateserial",
+        "-out",
+        cert,
+        "-days",
+        "1",
+        "-extfile",
+        str(ext),
+    )
+    return ca, cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make certificates")
+def test_tls_with_credentials(tmp_path):
+    ca, cert, key = make_certificates(tmp_path)
+    store = CredentialStore(tmp_path / "nats")
+    (gateway,) = store.ensure("gateway")
+    server = NatsServer()
+    server.config = store.write_server_config(server.host, server.port, cert, key)
+
+    async def main() -> None:
+        url = f"tls://{server.host}:{server.port}"
+        bus = await NatsConfig(url, str(gateway), ca).connect("tls-test")
+        await bus.nc.flush()
+        assert bus.nc.is_connected and bus.nc.connected_url.scheme == "tls"
+        await bus.close()
+        with pytest.raises(TimeoutError):  # a server it cannot verify: never connected
+            await asyncio.wait_for(NatsConfig(url, str(gateway)).connect("no-ca"), 2)
+
+    with server:
+        asyncio.run(main())
