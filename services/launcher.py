@@ -165,9 +165,7 @@ class Stack:
             self.nats = NatsServer(port=self.nats_port or None)
             if self.credentials is not None:
                 store = CredentialStore(self.credentials)
-                store.ensure(
-                    *DEPLOYMENT, *(f"worker.worker-{i}" for i in range(self.workers))
-                )
+                store.ensure(*DEPLOYMENT, *(f"worker.worker-{i}" for i in range(self.workers)))
                 self.nats.config = store.write_server_config(self.nats.host, self.nats.port)
             self.nats.start()
             self.nats_url = self.nats.url

@@ -127,6 +127,13 @@ class GenerateRequest(Message):
     attempt: int = 0
     worker_id: str | None = None
     """Set by the scheduler when it forwards the request."""
+    replayed_output_tokens: Count = 0
+    """The last this-many ``prompt_token_ids`` are output the request produced before it
+    moved (the gateway replays them; ``sampling.max_tokens`` and ``min_tokens`` already
+    count them as done). The engine counts them as output where sampling looks at output
+    (presence and frequency penalties, a seed's random stream), so a move is exact. A
+    worker that predates the field reads them as prompt: the move is then approximate
+    under those settings, as it was, but never wrong in length."""
 
 
 class Usage(msgspec.Struct, kw_only=True):

@@ -155,14 +155,16 @@ class Engine:
         params: Sampling | None = None,
         priority: int = 0,
         deadline_ms: int | None = None,
+        replayed: int = 0,
     ) -> None:
         """Queue a request; raises an :class:`InvalidRequestError` subclass if it cannot run.
         Lower ``priority`` runs first; within a priority, the earlier ``deadline_ms`` (Unix
-        ms; None: no deadline, last)."""
+        ms; None: no deadline, last). The last ``replayed`` prompt tokens are output the
+        request produced elsewhere before it moved (``GenerateRequest``)."""
         params = params or Sampling()
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)
-        max_tokens = self.validate(prompt_token_ids, params)
+        max_tokens = self.validate(prompt_token_ids, params, replayed)
         prompt_len = len(prompt_token_ids)
         generator = None
         if params.seed is not None:
@@ -177,13 +179,15 @@ class Engine:
             deadline_ms=deadline_ms,
             arrival=next(self._arrivals),
             generator=generator,
+            num_replayed=replayed,
+            pending_draws=replayed if generator is not None else 0,
         )
         request.update_block_hashes(self.config.block_size)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self._prompt_tokens += prompt_len
 
-    def validate(self, prompt_token_ids: list[int], params: Sampling) -> int:
+    def validate(self, prompt_token_ids: list[int], params: Sampling, replayed: int = 0) -> int:
         """Check a request against the model; return its resolved ``max_tokens``.
 
         Reads only immutable configuration, so other threads may call it (the worker
@@ -203,6 +207,12 @@ class Engine:
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise TokenOutOfVocabError(min(ids) if min(ids) < 0 else max(ids), vocab, name)
         prompt_len = len(prompt_token_ids)
+        if not 0 <= replayed < prompt_len:
+            raise InvalidRequestError(
+                "replayed_output_tokens",
+                f"{replayed} replayed output tokens in a prompt of {prompt_len}: "
+                "at least one token must be the prompt's own",
+            )
         max_tokens = params.max_tokens or max(self.max_model_len - prompt_len, 0)
         if context_overflow(prompt_len, max_tokens, self.max_model_len):
             raise PromptTooLongError(prompt_len, max_tokens, self.max_model_len)

@@ -301,6 +301,7 @@ class EngineThread(threading.Thread):
                 request.sampling,
                 priority=sla.priority,
                 deadline_ms=sla.deadline_ms,
+                replayed=request.replayed_output_tokens,
             )
         except Exception as exc:  # a duplicate id, or a bug: the request's own failure
             if not isinstance(exc, InvalidRequestError):

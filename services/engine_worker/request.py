@@ -46,6 +46,11 @@ class Request:
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     """Per-request generator when the request carries a seed."""
+    num_replayed: int = 0
+    """The last this-many prompt tokens are output produced before the request moved."""
+    pending_draws: int = 0
+    """Draws of ``generator`` the tokens it replays took where they were sampled: the
+    sampler skips them before its next draw, so a seeded stream continues exactly."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -66,6 +71,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Output here and, before it moved, elsewhere: what penalties count."""
+        return self.token_ids[len(self.prompt_token_ids) - self.num_replayed :]
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -82,7 +82,7 @@ class Sampler:
         freq = upload([r.params.frequency_penalty for r in requests], torch.float32, dev)
         # Counts over generated tokens drive presence/frequency (OpenAI); the repetition
         # penalty covers prompt and output (Hugging Face / vLLM).
-        output_counts = _token_counts([r.output_token_ids for r in requests], vocab, dev)
+        output_counts = _token_counts([r.generated_token_ids for r in requests], vocab, dev)
         seen = output_counts > 0
         if any(r != 1.0 for r in reps):
             seen_any = seen | (
@@ -106,6 +106,9 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, request in enumerate(requests):
             if request.generator is not None and not greedy[row]:
+                for _ in range(request.pending_draws):  # where its replayed tokens drew
+                    noise[row].exponential_(generator=request.generator)
+                request.pending_draws = 0
                 noise[row].exponential_(generator=request.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)

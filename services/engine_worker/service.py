@@ -177,7 +177,9 @@ class WorkerService:
             )
             return
         try:
-            self.engine_thread.engine.validate(request.prompt_token_ids, request.sampling)
+            self.engine_thread.engine.validate(
+                request.prompt_token_ids, request.sampling, request.replayed_output_tokens
+            )
         except InvalidRequestError as exc:
             await self.bus.publish(
                 msg.reply,

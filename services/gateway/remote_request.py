@@ -302,6 +302,7 @@ class RemoteRequest:
             self.request,
             prompt_token_ids=self.request.prompt_token_ids + self.streamed,
             sampling=sampling,
+            replayed_output_tokens=done,
         )
 
     def _whole_request_usage(self, finished: Finished) -> Finished:

@@ -150,39 +150,65 @@ def test_a_worker_dying_mid_stream_ends_the_stream_in_seconds(tiny_model, tmp_pa
         assert elapsed < 10, f"took {elapsed:.1f}s"  # not the 60 s stall timeout
 
 
-def test_a_stream_migrates_when_its_worker_dies(tiny_model, tmp_path):
+PENALISED = {  # settings that look at the output so far: a move must carry it as output
+    "max_tokens": 600,
+    "temperature": 0,
+    "ignore_eos": True,
+    "frequency_penalty": 0.6,
+    "presence_penalty": 0.4,
+    "repetition_penalty": 1.3,
+    "min_tokens": 550,
+}
+
+
+def test_streams_migrate_token_exact_when_their_worker_is_killed(tiny_model, tmp_path):
+    """SIGKILL the busier of two workers mid-stream: every stream completes, with the text
+    an undisturbed run gives (greedy, with output-sensitive penalties) and full usage."""
     stack = make_stack(tiny_model, tmp_path, workers=2, worker_args=["--max-model-len", "2048"])
+    prompts = [f"keep going {i}" for i in range(4)]
     with stack:
-        body = {
-            "prompt": "keep going",
-            "max_tokens": 1500,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        url = stack.base_url + "/v1/completions"
+        expected = [
+            httpx.post(url, json=PENALISED | {"prompt": p}, timeout=60).json()["choices"][0]["text"]
+            for p in prompts
+        ]
         cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
-        chunks = []
-        with httpx.stream(
-            "POST", stack.base_url + "/v1/completions", json=body, timeout=120
-        ) as response:
-            lines = (line for line in response.iter_lines() if line.startswith("data: "))
-            serving = None
-            deadline = time.monotonic() + 10
-            while serving is None and time.monotonic() < deadline:
-                chunks.append(next(lines))
-                workers = httpx.get(cluster).json()["workers"]
-                busy = [w["worker_id"] for w in workers if w["num_running"] > 0]
-                serving = busy[0] if busy else None
-            assert serving is not None, "no worker reported the request as running"
-            stack.procs[serving].kill()
-            chunks += list(lines)
-        assert chunks[-1] == "data: [DONE]"
-        assert not any('"error"' in c for c in chunks)
-        usage = json.loads(chunks[-2].removeprefix("data: "))["usage"]
-        assert usage["completion_tokens"] == 1500
-        finish = [json.loads(c.removeprefix("data: "))["choices"] for c in chunks[:-2]]
-        assert [c[0]["finish_reason"] for c in finish if c][-1] == "length"
+
+        async def stream(client: httpx.AsyncClient, prompt: str, flowing: asyncio.Event):
+            body = PENALISED | {"prompt": prompt, "stream": True}
+            body["stream_options"] = {"include_usage": True}
+            text, usage, errors = "", None, []
+            async with client.stream("POST", url, json=body, timeout=120) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line.removeprefix("data: "))
+                    errors += [chunk["error"]] if "error" in chunk else []
+                    text += "".join(c["text"] for c in chunk.get("choices", []))
+                    usage = chunk.get("usage") or usage
+                    flowing.set()
+            return text, usage, errors
+
+        async def main():
+            async with httpx.AsyncClient() as client:
+                flowing = [asyncio.Event() for _ in prompts]
+                tasks = [
+                    asyncio.create_task(stream(client, p, f))
+                    for p, f in zip(prompts, flowing, strict=True)
+                ]
+                for event in flowing:
+                    await asyncio.wait_for(event.wait(), 30)
+                workers = (await client.get(cluster)).json()["workers"]
+                busiest = max(workers, key=lambda w: w["num_running"])
+                assert busiest["num_running"] > 0, workers
+                stack.procs[busiest["worker_id"]].kill()
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(main())
+    for (text, usage, errors), want in zip(results, expected, strict=True):
+        assert errors == []
+        assert text == want
+        assert usage["completion_tokens"] == 600
 
 
 def test_sigterm_to_the_gateway_finishes_its_open_streams_then_exits(tiny_model, tmp_path):

@@ -3,6 +3,7 @@ validated; blocks all come back."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -271,3 +272,40 @@ def _all_outputs(engine):
     while engine.has_work():
         outputs += engine.step()
     return outputs
+
+
+MOVES = {
+    "frequency_penalty": dict(temperature=0.0, frequency_penalty=1.5),
+    "presence_penalty": dict(temperature=0.0, presence_penalty=1.5),
+    "repetition_penalty": dict(temperature=0.0, repetition_penalty=1.8),
+    "min_tokens": dict(temperature=0.0, min_tokens=10, ignore_eos=False),
+    "seeded": dict(temperature=1.0, seed=7),
+    "all": dict(temperature=0.9, seed=3, frequency_penalty=0.7, presence_penalty=0.4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOVES))
+def test_a_moved_request_continues_exactly_as_if_it_had_not(model, name):
+    """A request resumed after ``done`` tokens (the prompt plus its replayed output, the
+    gateway's move) produces the rest as the undisturbed run did, when the engine is told
+    which prompt tokens are replayed output; told nothing, penalties and seeds drift."""
+    total, done, prompt = 16, 6, list(range(30, 45))
+    params = Sampling(max_tokens=total, **({"ignore_eos": True} | MOVES[name]))
+    (whole,) = run_to_completion(make_engine(model), {"r": prompt}, params).values()
+    rest = msgspec.structs.replace(
+        params, max_tokens=total - done, min_tokens=max(0, params.min_tokens - done)
+    )
+    outputs = {}
+    for replayed in (done, 0):
+        engine = make_engine(model)
+        engine.add_request("r", prompt + whole[:done], rest, replayed=replayed)
+        outputs[replayed] = drain(engine)["r"]
+    assert outputs[done] == whole[done:]
+    if name not in ("min_tokens", "repetition_penalty"):  # these look at prompt and output
+        assert outputs[0] != whole[done:], "the test cannot tell a drifting move"
+
+
+def test_replayed_output_must_leave_a_prompt(model):
+    engine = make_engine(model)
+    with pytest.raises(InvalidRequestError, match="replayed"):
+        engine.add_request("r", [1, 2, 3], Sampling(max_tokens=2), replayed=3)

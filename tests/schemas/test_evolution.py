@@ -177,6 +177,7 @@ def golden_instances() -> dict[str, Message]:
             sla=sla,
             attempt=1,
             worker_id=worker_id,
+            replayed_output_tokens=2,
         ),
         Accepted(request_id=request_id, worker_id=worker_id, seq=0),
         Tokens(request_id=request_id, seq=1, token_ids=[1576, 4996], logprobs=logprobs),
