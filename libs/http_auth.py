@@ -6,8 +6,9 @@ one of the keys; otherwise it is answered 401 in OpenAI's error shape (``code``
 is compared with every configured key in constant time (``hmac.compare_digest``, no early
 exit), so timing tells nothing about which key, or how much of one, was right.
 
-A key may carry the best (lowest) ``priority`` its requests may ask for: the app finds it
-in the scope under ``lamina.best_priority`` (None: any).
+A key may carry the best (lowest) ``priority`` its requests may ask for, which the app
+finds in the scope under ``lamina.best_priority`` (None: any), and rate limits
+(``lamina.libs.rate_limit``), which find the key under ``lamina.api_key``.
 """
 
 from __future__ import annotations
@@ -15,29 +16,46 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Any]
 
-_UNAUTHORIZED = json.dumps(
-    {
-        "error": {
-            "message": "missing or incorrect API key: send Authorization: Bearer <key>",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "invalid_api_key",
-        }
-    }
-).encode()
+
+@dataclass(frozen=True)
+class Limits:
+    """One key's rate limits (None: unlimited); enforced by ``lamina.libs.rate_limit``."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    concurrent: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return (self.requests_per_minute, self.tokens_per_minute, self.concurrent) != (None,) * 3
 
 
-def load_keys(keys: str, keys_file: str = "") -> dict[str, int | None]:
-    """``{key: best priority or None}`` from a comma-separated list (no priority) and a
-    file of one ``key [best_priority]`` per line (``#`` comments and blank lines
-    ignored). Raises ``ValueError`` for an unreadable file or a bad line."""
-    found: dict[str, int | None] = {k.strip(): None for k in keys.split(",") if k.strip()}
+@dataclass(frozen=True)
+class KeyPolicy:
+    """What a key may do."""
+
+    best_priority: int | None = None
+    limits: Limits = field(default_factory=Limits)
+
+
+KEY_LINE = "key [best_priority] [rpm=N] [tpm=N] [concurrent=N]"
+_LIMIT_FIELDS = {"rpm": "requests_per_minute", "tpm": "tokens_per_minute"}
+_LIMIT_FIELDS["concurrent"] = "concurrent"
+
+
+def load_keys(keys: str, keys_file: str = "") -> dict[str, KeyPolicy]:
+    """Every key and its policy, from a comma-separated list (no priority, no limits) and
+    a file of one ``key [best_priority] [rpm=N] [tpm=N] [concurrent=N]`` per line (``#``
+    comments and blank lines ignored). Raises ``ValueError`` for an unreadable file or a
+    bad line."""
+    found = {k.strip(): KeyPolicy() for k in keys.split(",") if k.strip()}
     if keys_file:
         try:
             lines = Path(keys_file).read_text().splitlines()
@@ -45,12 +63,46 @@ def load_keys(keys: str, keys_file: str = "") -> dict[str, int | None]:
             raise ValueError(f"cannot read the API keys file {keys_file}: {exc}") from exc
         for number, line in enumerate(lines, 1):
             fields = line.split()
-            if not fields or fields[0].startswith("#"):
-                continue
-            if len(fields) > 2 or (len(fields) == 2 and not fields[1].lstrip("-").isdigit()):
-                raise ValueError(f"{keys_file}:{number}: expected 'key [best_priority]'")
-            found[fields[0]] = int(fields[1]) if len(fields) == 2 else None
+            if fields and not fields[0].startswith("#"):
+                try:
+                    found[fields[0]] = _policy(fields[1:])
+                except ValueError as exc:
+                    raise ValueError(f"{keys_file}:{number}: expected '{KEY_LINE}'") from exc
     return found
+
+
+def _policy(fields: list[str]) -> KeyPolicy:
+    best, limits = None, {}
+    for position, item in enumerate(fields):
+        name, equals, value = item.partition("=")
+        if not equals and position == 0:
+            best = int(item)
+        elif name in _LIMIT_FIELDS and value.isdigit() and int(value) > 0:
+            limits[_LIMIT_FIELDS[name]] = int(value)
+        else:
+            raise ValueError(item)
+    return KeyPolicy(best, Limits(**limits))
+
+
+async def send_error(
+    send: Any,
+    status: int,
+    message: str,
+    code: str,
+    headers: list[tuple[bytes, bytes]],
+    error_type: str = "invalid_request_error",
+) -> None:
+    """An error response in OpenAI's shape, before any app has answered."""
+    body = json.dumps(
+        {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    ).encode()
+    start_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        *headers,
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": start_headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class ApiKeys:
@@ -59,30 +111,30 @@ class ApiKeys:
     def __init__(
         self,
         app: ASGIApp,
-        keys: Mapping[str, int | None] | Iterable[str],
+        keys: Mapping[str, KeyPolicy] | Iterable[str],
         open_paths: Iterable[str],
     ) -> None:
         self.app = app
-        priorities = keys if isinstance(keys, Mapping) else dict.fromkeys(keys)
-        self.keys = [(k.encode(), p) for k, p in priorities.items()]
+        policies = keys if isinstance(keys, Mapping) else dict.fromkeys(keys, KeyPolicy())
+        self.keys = [(k.encode(), p.best_priority) for k, p in policies.items()]
         if not self.keys:
             raise ValueError("ApiKeys needs at least one key")
         self.open_paths = frozenset(open_paths)
 
-    def match(self, authorization: bytes) -> tuple[bool, int | None]:
-        """Whether the header carries a key, and that key's best priority."""
+    def match(self, authorization: bytes) -> tuple[bytes | None, int | None]:
+        """The key the header carries (None: none of ours), and its best priority."""
         scheme, _, token = authorization.partition(b" ")
         if scheme.lower() != b"bearer":
             token = b""
-        matched, best = False, None
+        matched, best = None, None
         for key, priority in self.keys:  # every key, always: no early exit
             equal = hmac.compare_digest(token.strip(), key)
-            matched |= equal
+            matched = key if equal else matched
             best = priority if equal else best
         return matched, best
 
     def allowed(self, authorization: bytes) -> bool:
-        return self.match(authorization)[0]
+        return self.match(authorization)[0] is not None
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
@@ -90,18 +142,14 @@ class ApiKeys:
             return
         headers = dict(scope.get("headers") or [])
         matched, best = self.match(headers.get(b"authorization", b""))
-        if matched:
-            await self.app({**scope, "lamina.best_priority": best}, receive, send)
+        if matched is not None:
+            scope = {**scope, "lamina.best_priority": best, "lamina.api_key": matched.decode()}
+            await self.app(scope, receive, send)
             return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", b"%d" % len(_UNAUTHORIZED)),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
+        await send_error(
+            send,
+            401,
+            "missing or incorrect API key: send Authorization: Bearer <key>",
+            "invalid_api_key",
+            [(b"www-authenticate", b"Bearer")],
         )
-        await send({"type": "http.response.body", "body": _UNAUTHORIZED})

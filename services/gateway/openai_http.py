@@ -178,9 +178,16 @@ class OpenAIApi:
                 response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
                 created = int(time.time())
                 if body.stream:
-                    await self._stream(stream, body, build, response_id, created, chat, send)
+                    usage = await self._stream(
+                        stream, body, build, response_id, created, chat, send
+                    )
                 else:
-                    status, payload = await self._collect(stream, build, response_id, created)
+                    status, payload, usage = await self._collect(
+                        stream, build, response_id, created
+                    )
+                charge = scope.get("lamina.charge")  # the key's tokens per minute
+                if charge is not None and usage is not None:
+                    charge(usage.prompt_tokens + usage.completion_tokens)
         if client.disconnected:
             return
         if payload is None:
@@ -190,8 +197,8 @@ class OpenAIApi:
 
     async def _collect(
         self, stream: TextStream, build: Callable, response_id: str, created: int
-    ) -> tuple[int, dict[str, Any]]:
-        """A whole non-streaming response: ``(status, body)``."""
+    ) -> tuple[int, dict[str, Any], Usage | None]:
+        """A whole non-streaming response: ``(status, body, usage)``."""
         try:
             text, ids, lps, last = [], [], [], None
             async for delta in stream.deltas():
@@ -201,11 +208,11 @@ class OpenAIApi:
                     lps += delta.logprobs
                 last = delta
         except GenerationError as exc:
-            return exc.status, _error_body(exc)
+            return exc.status, _error_body(exc), None
         finally:
             self.admission.close_later(stream)
         delta = TextDelta("".join(text), ids, lps or None, last.finish_reason, last.usage)
-        return 200, build(delta, response_id, created, streaming=False)
+        return 200, build(delta, response_id, created, streaming=False), last.usage
 
     async def _stream(
         self,
@@ -216,8 +223,8 @@ class OpenAIApi:
         created: int,
         chat: bool,
         send: Send,
-    ) -> None:
-        """Send the events of a streaming response, up to ``data: [DONE]``."""
+    ) -> Usage | None:
+        """Send the events of a streaming response, up to ``data: [DONE]``; its usage."""
         await start_events(send)
         try:
             if chat:  # OpenAI opens a chat stream with the role
@@ -245,6 +252,7 @@ class OpenAIApi:
         finally:
             self.admission.close_later(stream)
         await send_event(send, b"[DONE]")
+        return usage
 
     @staticmethod
     def _chunk_object(chat: bool) -> str:

@@ -17,6 +17,8 @@ from lamina.libs.config import option
 from lamina.libs.default_tokenizer import ensure_default_tokenizer
 from lamina.libs.errors import BusError
 from lamina.libs.http_auth import ApiKeys, load_keys
+from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
+from lamina.libs.rate_limit import RateLimits
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, GatewayAlive
 from lamina.services.gateway.admission import Admission, AdmissionLimits
@@ -45,6 +47,9 @@ class GatewayConfig:
     stall_timeout: float = option(60.0, "seconds without events before a request fails")
     max_attempts: int = option(3, "submissions per request before giving up")
     graceful_shutdown: float = option(60.0, "seconds SIGTERM waits for open HTTP requests")
+    http_header_timeout: float = option(
+        HEADER_TIMEOUT_S, "seconds a client may take to send a request's head (then a 408)"
+    )
     api_key: str = option(
         "", "API keys clients must send as Authorization: Bearer (comma-separated; none: open)"
     )
@@ -91,17 +96,16 @@ class GatewayService:
         app = OpenAIApi(admission, ready=lambda: self.cluster_ready).app()
         keys = load_keys(cfg.api_key, cfg.api_key_file)
         if keys:  # /health and /ready stay open: orchestrators probe them without a key
+            app = RateLimits(app, {key: policy.limits for key, policy in keys.items()})
             app = ApiKeys(app, keys, open_paths=("/health", "/ready"))
         self._server = _Server(
-            uvicorn.Config(
+            server_config(
                 app,
-                host=cfg.http_host,
-                port=cfg.http_port,
-                lifespan="off",
+                cfg.http_host,
+                cfg.http_port,
+                cfg.http_header_timeout,
                 log_level="warning",
                 timeout_graceful_shutdown=int(cfg.graceful_shutdown),
-                http="httptools",
-                access_log=False,
             )
         )
         self._tasks = [

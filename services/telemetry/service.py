@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.http_auth import ApiKeys, load_keys
+from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import PlacementRecord, RequestRecord
 from lamina.schemas.v1.stats import WorkerStats
@@ -170,16 +171,15 @@ class TelemetryService:
         keys = load_keys(self.config.metrics_api_key, self.config.metrics_api_key_file)
         if keys:
             app = ApiKeys(app, keys, open_paths=("/health", "/ready"))
-        server_config = uvicorn.Config(
+        config = server_config(
             app,
-            host=self.config.http_host,
-            port=self.http_port,
-            lifespan="off",
+            self.config.http_host,
+            self.http_port,
+            HEADER_TIMEOUT_S,
             log_config=None,
-            access_log=False,
             timeout_graceful_shutdown=2,
         )
-        self._server = server = EmbeddedServer(server_config)
+        self._server = server = EmbeddedServer(config)
         self._serving = serving = asyncio.create_task(server.serve(sockets=[sock]))
         deadline = asyncio.get_running_loop().time() + HTTP_TIMEOUT_S
         while not server.started:

@@ -1,6 +1,7 @@
 """The gateway with API keys: no key and a wrong key are 401 in OpenAI's shape, either
 configured key works, the OpenAI client sends it as it should, probes stay open, and a
-key that carries a best priority cannot ask for a better one (403)."""
+key that carries a best priority cannot ask for a better one (403), and a key's rate
+limit answers as OpenAI's does (429, ``Retry-After``, ``x-ratelimit-*``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.e2e.conftest import make_stack
 
 def test_the_gateway_takes_only_requests_with_a_key(tiny_model, tmp_path):
     keys = tmp_path / "keys"
-    keys.write_text("from-file\ntenant 5\n")  # tenant: priority 5 at best
+    keys.write_text("from-file\ntenant 5\nmetered rpm=2 tpm=100000\n")  # tenant: 5 at best
     stack = make_stack(
         tiny_model, tmp_path, gateway_args=["--api-key", "k1", "--api-key-file", str(keys)]
     )
@@ -44,3 +45,13 @@ def test_the_gateway_takes_only_requests_with_a_key(tiny_model, tmp_path):
         wrong = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model="lamina-tiny", **body)
+        metered = {"Authorization": "Bearer metered"}
+        first, second, third = (
+            httpx.post(url + "/v1/completions", json=body, headers=metered) for _ in range(3)
+        )
+        assert (first.status_code, second.status_code) == (200, 200)
+        assert first.headers["x-ratelimit-limit-requests"] == "2"
+        assert second.headers["x-ratelimit-remaining-requests"] == "0"
+        assert int(second.headers["x-ratelimit-remaining-tokens"]) < 100000  # usage charged
+        assert third.status_code == 429 and third.headers["retry-after"] == "30"
+        assert third.json()["error"]["code"] == "rate_limit_exceeded"

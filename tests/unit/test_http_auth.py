@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from lamina.libs.http_auth import ApiKeys, load_keys
+from lamina.libs.http_auth import ApiKeys, KeyPolicy, Limits, load_keys
 
 
 async def app(scope, receive, send) -> None:
@@ -59,7 +59,7 @@ def test_the_matched_keys_best_priority_reaches_the_app():
         seen["best"] = scope["lamina.best_priority"]
         await app(scope, receive, send)
 
-    guard = ApiKeys(remember, {"tenant": 5, "admin": None}, open_paths=[])
+    guard = ApiKeys(remember, {"tenant": KeyPolicy(5), "admin": KeyPolicy()}, open_paths=[])
     assert call(guard, "/v1/completions", b"Bearer tenant")[0] == 200 and seen["best"] == 5
     assert call(guard, "/v1/completions", b"Bearer admin")[0] == 200 and seen["best"] is None
 
@@ -73,17 +73,25 @@ def test_open_paths_need_no_key():
 
 def test_keys_come_from_the_flag_and_a_file(tmp_path):
     keys = tmp_path / "keys"
-    keys.write_text("# team a\nfile-key-1\n\n  file-key-2  5\n")
+    keys.write_text(
+        "# team a\nfile-key-1\n\n  file-key-2  5\nbatch 9 rpm=60 tpm=10000 concurrent=2\n"
+        "capped concurrent=1\n"
+    )
     assert load_keys(" a, b ,", str(keys)) == {
-        "a": None,
-        "b": None,
-        "file-key-1": None,
-        "file-key-2": 5,  # its requests may ask for priority 5 or worse (higher), no better
+        "a": KeyPolicy(),
+        "b": KeyPolicy(),
+        "file-key-1": KeyPolicy(),
+        "file-key-2": KeyPolicy(5),  # it may ask for priority 5 or worse (higher), no better
+        "batch": KeyPolicy(
+            9, Limits(requests_per_minute=60, tokens_per_minute=10000, concurrent=2)
+        ),
+        "capped": KeyPolicy(None, Limits(concurrent=1)),
     }
     assert load_keys("") == {}
-    keys.write_text("k1 high\n")
-    with pytest.raises(ValueError, match="expected 'key \\[best_priority\\]'"):
-        load_keys("", str(keys))
+    for bad in ("k1 high", "k1 5 6", "k1 rpm=0", "k1 rpm=x", "k1 burst=5"):
+        keys.write_text(bad + "\n")
+        with pytest.raises(ValueError, match="expected 'key \\[best_priority\\] \\[rpm=N\\]"):
+            load_keys("", str(keys))
     with pytest.raises(ValueError, match="cannot read the API keys file"):
         load_keys("", str(tmp_path / "missing"))
     with pytest.raises(ValueError):

@@ -1,0 +1,106 @@
+"""The HTTP server under slow, silent and old clients: a real uvicorn on loopback, raw
+sockets as the clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import uvicorn
+
+from lamina.libs.http_server import server_config
+from lamina.libs.nats_server import free_port
+
+PARTS = [b"data: one\n\n", b"data: two\n\n", b"data: three\n\n"]
+
+
+async def app(scope, receive, send) -> None:
+    """``/stream``: three parts without a length; anything else: a short fixed body."""
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for part in PARTS:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b""})
+        return
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+    )
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def serving(header_timeout: float = 0.5):
+    port = free_port()
+    server = uvicorn.Server(
+        server_config(app, "127.0.0.1", port, header_timeout, log_level="error")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return server, task, port
+
+
+async def exchange(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    data = await asyncio.wait_for(reader.read(), 5)  # to EOF: the server closes
+    writer.close()
+    return data
+
+
+def test_an_http10_client_gets_an_unframed_stream_then_the_close():
+    async def main() -> None:
+        server, task, port = await serving()
+        old = await exchange(port, b"GET /stream HTTP/1.0\r\n\r\n")
+        new = await exchange(port, b"GET /stream HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        server.should_exit = True
+        await task
+        head, body = old.split(b"\r\n\r\n", 1)
+        assert b"chunked" not in head.lower() and b"connection: close" in head.lower()
+        assert body == b"".join(PARTS)
+        assert b"transfer-encoding: chunked" in new.lower()  # HTTP/1.1 keeps its framing
+
+    asyncio.run(main())
+
+
+def test_slow_and_silent_clients_are_cut_off_while_others_are_served():
+    async def main() -> None:
+        server, task, port = await serving(header_timeout=0.5)
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(200)]
+        slow = []
+        for _ in range(20):  # slowloris: a head that never ends
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n")
+            slow.append((reader, writer))
+        started = time.monotonic()
+        answers = [await exchange(port, b"GET / HTTP/1.0\r\n\r\n") for _ in range(20)]
+        served_in = time.monotonic() - started
+        cut = [await asyncio.wait_for(r.read(), 3) for r, _ in slow + idle]
+        server.should_exit = True
+        await task
+        assert all(a.endswith(b"ok") for a in answers) and served_in < 2
+        assert all(c.startswith(b"HTTP/1.1 408") for c in cut)
+
+    asyncio.run(main())
+
+
+def test_a_head_dribbled_a_header_at_a_time_is_cut_off_all_the_same():
+    async def main() -> tuple[bytes, float]:
+        server, task, port = await serving(header_timeout=0.5)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+        answer = asyncio.create_task(reader.read())  # read as it comes: before any reset
+        writer.write(b"GET / HTTP/1.1\r\n")
+        with contextlib.suppress(ConnectionError):
+            while not answer.done() and time.monotonic() - started < 3:
+                writer.write(b"x-slow: yes\r\n")
+                await asyncio.sleep(0.1)
+        cut = await asyncio.wait_for(answer, 3)
+        elapsed = time.monotonic() - started
+        server.should_exit = True
+        await task
+        return cut, elapsed
+
+    cut, elapsed = asyncio.run(main())
+    assert cut.startswith(b"HTTP/1.1 408") and 0.4 < elapsed < 1.5
