@@ -106,6 +106,7 @@ def permissions(identity: str) -> Permissions:
                 subjects.worker_cancel("*"),
                 subjects.gateway_alive("*"),
                 subjects.EVENTS_REQUEST,
+                subjects.EVENTS_SERVICE,
                 f"{inbox_prefix('api')}.>",  # streams to NATS API clients
             ),
             subscribe=(
@@ -122,6 +123,7 @@ def permissions(identity: str) -> Permissions:
                 subjects.worker_kv_sync("*"),
                 subjects.worker_control("*"),  # Ping, to take a worker out of quarantine
                 subjects.EVENTS_PLACEMENT,
+                subjects.EVENTS_SERVICE,
                 gateway_inboxes,  # Queued, then the refusal of a request it held
             ),
             subscribe=(
@@ -137,11 +139,12 @@ def permissions(identity: str) -> Permissions:
         )
     if role == "telemetry":
         return Permissions(
-            publish=(),
+            publish=(subjects.EVENTS_SERVICE,),  # its own start, as every service does
             subscribe=(
                 subjects.WORKER_STATS_ALL,
                 subjects.EVENTS_REQUEST,
                 subjects.EVENTS_PLACEMENT,
+                subjects.EVENTS_SERVICE,
             ),
         )
     if role == "operator":
@@ -156,6 +159,7 @@ def permissions(identity: str) -> Permissions:
                 subjects.worker_stats(wid),
                 subjects.worker_kv(wid),
                 subjects.worker_control(wid),  # "is my id free?" at start-up
+                subjects.EVENTS_SERVICE,
                 gateway_inboxes,  # the request's stream
             ),
             subscribe=(f"{P}.worker.{wid}.>", subjects.GATEWAY_ALIVE_ALL, own_inbox),

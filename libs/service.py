@@ -17,13 +17,31 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 from typing import Protocol
 
+from lamina.libs.bus import Bus
 from lamina.libs.errors import NotAdmitted
 from lamina.libs.telemetry_setup import setup_logging, setup_tracing, shutdown_tracing
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.records import ServiceStarted
 
 log = logging.getLogger("lamina.service")
+
+
+RESTARTS_ENV = "LAMINA_RESTARTS"
+"""Set by ``lamina up`` on a service it restarts: how many times it has."""
+
+
+async def announce(bus: Bus, service: str, instance: str) -> None:
+    """Tell the cluster (telemetry) this service has started serving."""
+    restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
+    started = ServiceStarted(service=service, instance=instance, restarts=restarts)
+    try:
+        await bus.publish(subjects.EVENTS_SERVICE, started)
+    except Exception:  # a count of starts is not worth failing a start for
+        log.warning("could not announce the start of %s %s", service, instance, exc_info=True)
 
 
 class Service(Protocol):

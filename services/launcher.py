@@ -32,6 +32,7 @@ from lamina.libs.bus import NatsConfig
 from lamina.libs.config import lamina_home, option, parse_config, to_argv
 from lamina.libs.nats_auth import DEPLOYMENT, CredentialStore
 from lamina.libs.nats_server import NatsServer, free_port
+from lamina.libs.service import RESTARTS_ENV
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.errors import ModelLoadError
@@ -92,6 +93,7 @@ class Stack:
             **os.environ,
             "LAMINA_NATS_URL": bus.nats_url,
             "LAMINA_NATS_CREDENTIAL": bus.nats_credential,
+            RESTARTS_ENV: str(self.restarts.get(name, 0)),  # telemetry counts them
             **self.extra_env,
         }
         out = None

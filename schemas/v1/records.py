@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from lamina.schemas.v1.base import Message, OpenEnum
-from lamina.schemas.v1.generate import FinishReason
+from lamina.schemas.v1.generate import Count, FinishReason
 
 
 class Outcome(OpenEnum):
@@ -87,3 +87,16 @@ class PlacementRecord(Message):
     """Every worker that could take the request, as placement weighed it."""
     timestamp_ms: int = 0
     """Wall-clock time of the decision."""
+
+
+class ServiceStarted(Message):
+    """Every service → ``events.service`` once it serves: telemetry counts starts (and
+    so restarts) per service, whatever restarted it."""
+
+    service: str
+    """``gateway``, ``scheduler``, ``worker`` or ``telemetry``."""
+    instance: str
+    """Its id (a worker's id, a replica's)."""
+    restarts: Count = 0
+    """How many times its supervisor (``lamina up``) had restarted it before this start;
+    0 where no supervisor counts (one that restarts containers counts on its own)."""

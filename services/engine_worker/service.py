@@ -26,6 +26,7 @@ from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.cluster import FORGET_AFTER_S, MISSED_HEARTBEATS
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, NoResponders, RequestTimeout
+from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import (
     Cancel,
@@ -145,6 +146,7 @@ class WorkerService:
             blocks.block_size,
             engine_config.kv_cache_dtype,
         )
+        await announce(bus, "worker", wid)
 
     async def _check_id_is_free(self) -> None:
         """Refuse to start under an id a running worker already serves: both would take

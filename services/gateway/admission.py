@@ -21,6 +21,7 @@ from lamina.services.gateway.detokenizer import IncrementalDetokenizer
 from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.remote_request import RemoteRequest, RetryPolicy
+from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ModelTokenizer, TemplateError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -116,10 +117,13 @@ class Admission:
         model_name: str,
         settings: RetryPolicy,
         limits: AdmissionLimits | None = None,
+        pool: TokenizePool | None = None,
     ) -> None:
         self.bus = bus
         self.inbox = inbox
         self.tokenizer = tokenizer
+        self.pool = pool or TokenizePool(tokenizer)
+        """Where prompts are tokenized: long ones off the event loop."""
         self.model_name = model_name
         self.settings = settings
         self.limits = limits or AdmissionLimits()
@@ -153,7 +157,7 @@ class Admission:
                 "model",
                 "model_not_found",
             )
-        ids = self._prompt_ids(prompt)
+        ids = await self._prompt_ids(prompt)
         self._hold(len(ids))
         request = GenerateRequest(
             request_id=request_id or uuid.uuid4().hex,
@@ -197,9 +201,9 @@ class Admission:
         self.open_prompt_tokens -= prompt_tokens
 
     def _refuse_hopeless_length(self, chars: int, param: str) -> None:
-        """Tokenizing holds the event loop (the tokenizer keeps the GIL), so text that
-        cannot fit any worker's context, whatever it tokenizes to, is refused first. The
-        bound is generous (4x): a normalizer may drop characters."""
+        """Text that cannot fit any worker's context, whatever it tokenizes to, is refused
+        before it costs a tokenizer's time. The bound is generous (4x): a normalizer may
+        drop characters."""
         limit = 4 * self.max_context * self.tokenizer.max_token_chars
         if self.max_context and chars > limit:
             raise invalid_request(
@@ -208,11 +212,11 @@ class Admission:
                 param,
             )
 
-    def _prompt_ids(self, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
+    async def _prompt_ids(self, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
         try:
             if isinstance(prompt, str):
                 self._refuse_hopeless_length(len(prompt), "prompt")
-                ids = self.tokenizer.encode(prompt)
+                ids = await self.pool.encode(prompt)
             elif prompt and isinstance(prompt[0], dict):
                 for i, message in enumerate(prompt):
                     if message["role"] not in CHAT_ROLES:
@@ -223,7 +227,7 @@ class Admission:
                         )
                 chars = sum(len(message.get("content") or "") for message in prompt)
                 self._refuse_hopeless_length(chars, "messages")
-                ids = self.tokenizer.encode_chat(prompt)
+                ids = await self.pool.encode(prompt)
             else:
                 ids = list(prompt)
         except TemplateError as exc:

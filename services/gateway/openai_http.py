@@ -27,6 +27,7 @@ from lamina.services.gateway.asgi import (
     start_events,
 )
 from lamina.services.gateway.errors import GenerationError, invalid_request
+from lamina.services.gateway.openapi import openapi_document
 from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -343,6 +344,12 @@ class OpenAIApi:
                 ],
             }
 
+        document = openapi_document()
+
+        @get("/openapi.json")
+        async def openapi() -> dict[str, Any]:
+            return document
+
         @get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok"}
@@ -359,7 +366,7 @@ class OpenAIApi:
             return error_response(status, kind, getattr(exc, "detail", None) or str(exc))
 
         return Litestar(
-            route_handlers=[completions, chat_completions, models, health, ready],
+            route_handlers=[completions, chat_completions, models, openapi, health, ready],
             exception_handlers={Exception: on_error},
             openapi_config=None,
             logging_config=None,  # keep the service's own log format

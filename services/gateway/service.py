@@ -19,6 +19,7 @@ from lamina.libs.errors import BusError
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
 from lamina.libs.rate_limit import RateLimits
+from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, GatewayAlive
 from lamina.services.gateway.admission import Admission, AdmissionLimits
@@ -26,6 +27,7 @@ from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.nats_api import NatsApi
 from lamina.services.gateway.openai_http import OpenAIApi
 from lamina.services.gateway.remote_request import RetryPolicy
+from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ModelTokenizer
 
 log = logging.getLogger("lamina.gateway")
@@ -56,6 +58,9 @@ class GatewayConfig:
     api_key_file: str = option("", "file of API keys, one per line (added to --api-key)")
     max_open_requests: int = option(4096, "requests held at once before new ones get a 429")
     max_open_prompt_tokens: int = option(1 << 24, "their prompt tokens, likewise")
+    tokenizer_workers: int = option(
+        1, "processes that tokenize long prompts off the event loop (0: all on it)"
+    )
 
 
 class _Server(uvicorn.Server):
@@ -74,6 +79,8 @@ class GatewayService:
         self._server: _Server | None = None
         self._nats_api: NatsApi | None = None
         self._admission: Admission | None = None
+        self._tokenize: TokenizePool | None = None
+        self.gateway_id = f"{socket.gethostname()}-{os.getpid()}"
 
     async def start(self) -> None:
         cfg = self.config
@@ -89,7 +96,9 @@ class GatewayService:
         )
         limits = AdmissionLimits(cfg.max_open_requests, cfg.max_open_prompt_tokens)
         name = cfg.model_name or model_dir.name
-        admission = Admission(bus, inbox, tokenizer, name, settings, limits)
+        self._tokenize = pool = TokenizePool(tokenizer, model_dir, cfg.tokenizer_workers)
+        await pool.start()
+        admission = Admission(bus, inbox, tokenizer, name, settings, limits, pool)
         self._admission = admission
         self._nats_api = NatsApi(bus, admission)
         await self._nats_api.start()
@@ -118,6 +127,7 @@ class GatewayService:
                 self._tasks[0].result()
                 raise RuntimeError(f"HTTP server on {cfg.http_host}:{cfg.http_port} stopped")
             await asyncio.sleep(0.02)
+        await announce(bus, "gateway", self.gateway_id)
         log.info(
             "gateway serving model %s on http://%s:%d",
             admission.model_name,
@@ -143,7 +153,7 @@ class GatewayService:
 
     async def _heartbeat(self, inbox_prefix: str) -> None:
         """Tell workers this gateway still reads its inbox (``GatewayAlive``)."""
-        gateway_id = f"{socket.gethostname()}-{os.getpid()}"
+        gateway_id = self.gateway_id
         alive = GatewayAlive(
             gateway_id=gateway_id, inbox_prefix=inbox_prefix, interval_s=GATEWAY_HEARTBEAT_S
         )
@@ -165,5 +175,7 @@ class GatewayService:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._tokenize is not None:
+            self._tokenize.close()
         if self.bus is not None:
             await self.bus.drain()

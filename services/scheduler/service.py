@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, BusError, NoResponders, PayloadTooLarge, RequestTimeout
+from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel, ControlAck, Ping
 from lamina.schemas.v1.generate import GenerateRequest, Queued, Rejected, RejectReason
@@ -112,6 +113,7 @@ class SchedulerService:
         await bus.subscribe(subjects.SCHED_STATUS, ClusterStatusRequest, self._on_status)
         await bus.subscribe(subjects.SCHED_CANCEL, Cancel, self._on_cancel)
         self._tasks.append(asyncio.create_task(self._expire()))
+        await announce(bus, "scheduler", self.scheduler_id)
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if stats.worker_id != subjects.sender_worker(msg.subject):

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lamina.libs.cluster import MISSED_HEARTBEATS, Clock, ClusterView, WorkerEntry
-from lamina.schemas.v1.records import Outcome, PlacementRecord, RequestRecord
+from lamina.schemas.v1.records import Outcome, PlacementRecord, RequestRecord, ServiceStarted
 from lamina.schemas.v1.stats import WorkerState, WorkerStats
 
 PREFIX = "lamina:"
@@ -334,6 +334,23 @@ class Aggregator:
             registry=self.registry,
         )
         self.predictions = PredictionMetrics(self.registry)
+        self.starts = Counter(
+            PREFIX + "service_starts_total",
+            "Services that began serving, by service (each restart is one more).",
+            ["service"],
+            registry=self.registry,
+        )
+        self.restarts = Gauge(
+            PREFIX + "service_restarts",
+            "Times lamina up's supervisor has restarted each service instance.",
+            ["service", "instance"],
+            registry=self.registry,
+        )
+
+    def observe_start(self, started: ServiceStarted) -> None:
+        """A service began serving (its first start, or a restart)."""
+        self.starts.labels(started.service).inc()
+        self.restarts.labels(started.service, started.instance).set(started.restarts)
 
     def observe_stats(self, stats: WorkerStats) -> None:
         """A worker heartbeat."""

@@ -33,8 +33,9 @@ from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
+from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.records import PlacementRecord, RequestRecord
+from lamina.schemas.v1.records import PlacementRecord, RequestRecord, ServiceStarted
 from lamina.schemas.v1.stats import WorkerStats
 from lamina.services.telemetry.metrics import Aggregator
 
@@ -145,17 +146,22 @@ class TelemetryService:
             return
         self.bus = bus
         log.info("telemetry connected to %s", self.config.nats.nats_url)
+        await announce(bus, "telemetry", name)
 
     async def _subscribe(self, bus: Bus) -> None:
         """Hear heartbeats and records (no queue group: every replica hears everything)."""
         await bus.subscribe(subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False)
         await bus.subscribe(subjects.EVENTS_REQUEST, RequestRecord, self._on_request)
         await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, self._on_placement)
+        await bus.subscribe(subjects.EVENTS_SERVICE, ServiceStarted, self._on_service)
         await bus.nc.flush()  # the server has our subscriptions before we say ready
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if stats.worker_id == subjects.sender_worker(msg.subject):  # not one posing as another
             self.aggregator.observe_stats(stats)
+
+    async def _on_service(self, started: ServiceStarted, msg: Msg) -> None:
+        self.aggregator.observe_start(started)
 
     async def _on_request(self, record: RequestRecord, msg: Msg) -> None:
         self.aggregator.observe_request(record)

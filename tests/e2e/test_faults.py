@@ -159,56 +159,143 @@ PENALISED = {  # settings that look at the output so far: a move must carry it a
     "repetition_penalty": 1.3,
     "min_tokens": 550,
 }
+PROMPTS = [f"keep going {i}" for i in range(4)]
+
+
+def undisturbed(stack, body: dict) -> list[str]:
+    """Each of ``PROMPTS``' texts, one request at a time, before any fault."""
+    url = stack.base_url + "/v1/completions"
+    return [
+        httpx.post(url, json=body | {"prompt": p}, timeout=60).json()["choices"][0]["text"]
+        for p in PROMPTS
+    ]
+
+
+def streams_through(stack, body: dict, fault) -> list[tuple[str, dict | None, list]]:
+    """Stream ``PROMPTS`` at once; once every one is flowing, ``await fault(client)``;
+    return each stream's ``(text, final usage, error chunks)``."""
+    url = stack.base_url + "/v1/completions"
+
+    async def stream(client: httpx.AsyncClient, prompt: str, flowing: asyncio.Event):
+        request = body | {"prompt": prompt, "stream": True}
+        request["stream_options"] = {"include_usage": True}
+        text, usage, errors = "", None, []
+        async with client.stream("POST", url, json=request, timeout=120) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                errors += [chunk["error"]] if "error" in chunk else []
+                text += "".join(c["text"] for c in chunk.get("choices", []))
+                usage = chunk.get("usage") or usage
+                flowing.set()
+        return text, usage, errors
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            flowing = [asyncio.Event() for _ in PROMPTS]
+            tasks = [
+                asyncio.create_task(stream(client, p, f))
+                for p, f in zip(PROMPTS, flowing, strict=True)
+            ]
+            for event in flowing:
+                await asyncio.wait_for(event.wait(), 30)
+            await fault(client)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 150)
+
+    return asyncio.run(main())
+
+
+def assert_exact(results: list, expected: list[str], tokens: int) -> None:
+    """Every stream completed with no error, the undisturbed text and whole usage."""
+    for (text, usage, errors), want in zip(results, expected, strict=True):
+        assert errors == []
+        assert text == want
+        assert usage["completion_tokens"] == tokens
+
+
+async def busiest_worker(stack, client: httpx.AsyncClient) -> str:
+    cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
+    workers = (await client.get(cluster)).json()["workers"]
+    busiest = max(workers, key=lambda w: w["num_running"])
+    assert busiest["num_running"] > 0, workers
+    return busiest["worker_id"]
+
+
+def two_workers(tiny_model, tmp_path):
+    return make_stack(tiny_model, tmp_path, workers=2, worker_args=["--max-model-len", "2048"])
 
 
 def test_streams_migrate_token_exact_when_their_worker_is_killed(tiny_model, tmp_path):
     """SIGKILL the busier of two workers mid-stream: every stream completes, with the text
     an undisturbed run gives (greedy, with output-sensitive penalties) and full usage."""
-    stack = make_stack(tiny_model, tmp_path, workers=2, worker_args=["--max-model-len", "2048"])
-    prompts = [f"keep going {i}" for i in range(4)]
-    with stack:
+    with two_workers(tiny_model, tmp_path) as stack:
+        expected = undisturbed(stack, PENALISED)
+
+        async def kill(client) -> None:
+            stack.procs[await busiest_worker(stack, client)].kill()
+
+        results = streams_through(stack, PENALISED, kill)
+    assert_exact(results, expected, 600)
+
+
+def test_a_worker_stopped_past_its_heartbeats_loses_its_streams_to_the_other_and_no_token_doubles(
+    tiny_model, tmp_path
+):
+    """SIGSTOP the busier worker for longer than the heartbeat window, then SIGCONT: its
+    streams moved meanwhile, and what it sends on waking lands nowhere."""
+    with two_workers(tiny_model, tmp_path) as stack:
+        expected = undisturbed(stack, PENALISED)
+
+        async def stop_then_continue(client) -> None:
+            proc = stack.procs[await busiest_worker(stack, client)]
+            proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(4)  # the gateway declares it lost after 1.5 s
+            proc.send_signal(signal.SIGCONT)
+
+        results = streams_through(stack, PENALISED, stop_then_continue)
+    assert_exact(results, expected, 600)
+
+
+def test_in_flight_streams_outlive_a_killed_scheduler_and_new_requests_wait_for_its_successor(
+    tiny_model, tmp_path
+):
+    """Tokens flow worker to gateway: the scheduler's loss does not touch open streams.
+    New requests get a fast 503 until a scheduler is back, then succeed."""
+    with two_workers(tiny_model, tmp_path) as stack:
+        expected = undisturbed(stack, PENALISED)
         url = stack.base_url + "/v1/completions"
-        expected = [
-            httpx.post(url, json=PENALISED | {"prompt": p}, timeout=60).json()["choices"][0]["text"]
-            for p in prompts
-        ]
-        cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
+        during: list[int] = []
 
-        async def stream(client: httpx.AsyncClient, prompt: str, flowing: asyncio.Event):
-            body = PENALISED | {"prompt": prompt, "stream": True}
-            body["stream_options"] = {"include_usage": True}
-            text, usage, errors = "", None, []
-            async with client.stream("POST", url, json=body, timeout=120) as response:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line.removeprefix("data: "))
-                    errors += [chunk["error"]] if "error" in chunk else []
-                    text += "".join(c["text"] for c in chunk.get("choices", []))
-                    usage = chunk.get("usage") or usage
-                    flowing.set()
-            return text, usage, errors
+        async def kill(client) -> None:
+            proc = stack.procs.pop("scheduler")
+            proc.kill()
+            proc.wait()
+            during.append(
+                (await client.post(url, json={"prompt": "x", "max_tokens": 2})).status_code
+            )
+            stack.start_scheduler("successor")
 
-        async def main():
-            async with httpx.AsyncClient() as client:
-                flowing = [asyncio.Event() for _ in prompts]
-                tasks = [
-                    asyncio.create_task(stream(client, p, f))
-                    for p, f in zip(prompts, flowing, strict=True)
-                ]
-                for event in flowing:
-                    await asyncio.wait_for(event.wait(), 30)
-                workers = (await client.get(cluster)).json()["workers"]
-                busiest = max(workers, key=lambda w: w["num_running"])
-                assert busiest["num_running"] > 0, workers
-                stack.procs[busiest["worker_id"]].kill()
-                return await asyncio.gather(*tasks)
+        results = streams_through(stack, PENALISED, kill)
+        after = httpx.post(url, json={"prompt": "after", "max_tokens": 2}, timeout=30)
+    assert_exact(results, expected, 600)
+    assert during == [503] and after.status_code == 200
 
-        results = asyncio.run(main())
-    for (text, usage, errors), want in zip(results, expected, strict=True):
-        assert errors == []
-        assert text == want
-        assert usage["completion_tokens"] == 600
+
+def test_a_killed_nats_server_restarted_on_its_port_loses_no_accepted_request(tiny_model, tmp_path):
+    """SIGKILL nats-server mid-stream and start it again on the same port: the services
+    reconnect and every stream that was accepted completes, with the undisturbed text."""
+    with two_workers(tiny_model, tmp_path) as stack:
+        expected = undisturbed(stack, PENALISED)
+
+        async def cut_the_bus(client) -> None:
+            stack.nats._proc.kill()
+            stack.nats._proc.wait()
+            await asyncio.sleep(1)
+            await asyncio.to_thread(stack.nats.start)
+
+        results = streams_through(stack, PENALISED, cut_the_bus)
+    assert_exact(results, expected, 600)
 
 
 def test_sigterm_to_the_gateway_finishes_its_open_streams_then_exits(tiny_model, tmp_path):
@@ -227,3 +314,29 @@ def test_with_the_scheduler_gone_a_request_gets_its_503_within_a_second(tiny_mod
     assert response.headers["retry-after"] == "1"
     assert "no scheduler is running" in response.json()["error"]["message"]
     assert elapsed < 1.0, f"took {elapsed:.2f}s"
+
+
+def test_a_killed_gateways_requests_stop_on_their_worker_and_free_its_blocks(tiny_model, tmp_path):
+    """SIGKILL the gateway mid-stream: the worker stops generating for it within a few
+    gateway heartbeats (not after max_tokens) and gives the request's blocks back."""
+    max_tokens = 8000
+    stack = make_stack(tiny_model, tmp_path, worker_args=["--max-model-len", "8192"])
+    with stack:
+        cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
+        body = {"prompt": "on and on", "max_tokens": max_tokens, "ignore_eos": True}
+        with httpx.stream(
+            "POST", stack.base_url + "/v1/completions", json=body | {"stream": True}, timeout=30
+        ) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: {"))
+            stack.procs["gateway"].kill()
+            killed = time.monotonic()
+        worker = None
+        while time.monotonic() - killed < 20:
+            (worker,) = httpx.get(cluster).json()["workers"]
+            if worker["num_running"] == 0 and time.monotonic() - killed > 1:
+                break
+            time.sleep(0.2)
+        stopped_after = time.monotonic() - killed
+    assert worker["num_running"] == 0 and stopped_after < 12, (stopped_after, worker)
+    assert worker["generation_tokens_total"] < max_tokens  # stopped, not finished
+    assert worker["free_kv_blocks"] == worker["total_kv_blocks"]

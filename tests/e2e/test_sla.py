@@ -7,6 +7,8 @@ by priority."""
 from __future__ import annotations
 
 import asyncio
+import statistics
+import time
 
 import httpx
 
@@ -103,3 +105,40 @@ def test_the_gateway_sheds_beyond_what_it_holds_and_lets_go_when_requests_end(ti
     assert first.status_code == 200 and after.status_code == 200, (first.text, after.text)
     assert shed.status_code == 429 and shed.headers["retry-after"] == "1"
     assert shed.json()["error"]["code"] == "overloaded"
+
+
+def test_at_twice_its_capacity_the_stack_answers_only_200s_and_429s_and_health_stays_fast(
+    tiny_model, tmp_path
+):
+    """Waves of twice as many requests as the gateway holds (``--max-open-requests 8``),
+    while a prober times ``/health``: every answer is a 200 or a 429, and the probe's
+    p99 stays under 50 ms."""
+    capacity, waves = 8, 10
+    stack = make_stack(tiny_model, tmp_path, gateway_args=["--max-open-requests", str(capacity)])
+
+    async def main(base_url: str) -> tuple[list[int], list[float]]:
+        statuses, probes, done = [], [], asyncio.Event()
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+
+            async def probe() -> None:
+                async with httpx.AsyncClient(base_url=base_url, timeout=5) as prober:
+                    while not done.is_set():
+                        started = time.perf_counter()
+                        assert (await prober.get("/health")).status_code == 200
+                        probes.append(time.perf_counter() - started)
+                        await asyncio.sleep(0.01)
+
+            prober = asyncio.create_task(probe())
+            for _ in range(waves):
+                burst = [complete(client, max_tokens=64) for _ in range(2 * capacity)]
+                statuses += [r.status_code for r in await asyncio.gather(*burst)]
+            done.set()
+            await prober
+        return statuses, probes
+
+    with stack:
+        statuses, probes = asyncio.run(main(stack.base_url))
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= waves * capacity // 2
+    assert len(statuses) == waves * 2 * capacity
+    p99 = statistics.quantiles(probes, n=100)[98]
+    assert p99 < 0.05, f"/health p99 {p99 * 1000:.1f} ms over {len(probes)} probes"

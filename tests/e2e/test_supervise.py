@@ -81,6 +81,8 @@ def test_lamina_up_restarts_what_exits_and_keeps_serving(tiny_model, tmp_path):
         os.kill(worker, signal.SIGTERM)  # a rolling restart: it drains, exits 0, comes back
         until(lambda: child(proc.pid, "lamina.services.engine_worker") != worker, "the worker")
         until(lambda: completes(base), "requests on the new worker")
+        restarted = 'lamina:service_restarts{instance="worker-0",service="worker"} 1.0'
+        until(lambda: restarted in httpx.get(metrics + "/metrics").text, "the restart counted")
 
         nats = child(proc.pid, "nats-server")
         os.kill(nats, signal.SIGKILL)

@@ -317,6 +317,12 @@ class ClusterStatus(Message):
     workers: list[WorkerView]
 
 
+class ServiceStarted(Message):
+    service: str
+    instance: str
+    restarts: int = 0
+
+
 #: Every frozen message type by name (its wire tag).
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls

@@ -59,7 +59,12 @@ from lamina.schemas.v1.kv import (
     KvSnapshot,
     KvSyncRequest,
 )
-from lamina.schemas.v1.records import PlacementRecord, RequestRecord, ScoredWorker
+from lamina.schemas.v1.records import (
+    PlacementRecord,
+    RequestRecord,
+    ScoredWorker,
+    ServiceStarted,
+)
 from lamina.schemas.v1.stats import (
     ClusterStatus,
     ClusterStatusRequest,
@@ -287,6 +292,7 @@ def golden_instances() -> dict[str, Message]:
             queued=2,
             queued_tokens=640,
         ),
+        ServiceStarted(service="worker", instance=worker_id, restarts=2),
     ]
     return {type(instance).__name__: instance for instance in instances}
 

@@ -7,7 +7,7 @@ import prometheus_client
 from prometheus_client import generate_latest
 
 from lamina.libs.cluster import FORGET_AFTER_S
-from lamina.schemas.v1.records import PlacementRecord
+from lamina.schemas.v1.records import PlacementRecord, ServiceStarted
 from lamina.services.telemetry.metrics import (
     TOKEN_BUCKETS,
     Aggregator,
@@ -287,3 +287,16 @@ def test_own_registry_not_the_global_one():
 def test_token_buckets_are_one_two_five():
     assert one_two_five_buckets(60) == [1.0, 2.0, 5.0, 10.0, 20.0, 50.0]
     assert TOKEN_BUCKETS[-1] == 100_000.0
+
+
+def test_service_starts_are_counted_and_the_supervisors_restarts_shown():
+    agg, _ = make_aggregator()
+    for restarts in (0, 1, 2):  # a worker started, then restarted twice by lamina up
+        agg.observe_start(ServiceStarted(service="worker", instance="w0", restarts=restarts))
+    agg.observe_start(ServiceStarted(service="gateway", instance="g1"))
+    assert {
+        'lamina:service_starts_total{service="worker"} 3.0',
+        'lamina:service_starts_total{service="gateway"} 1.0',
+        'lamina:service_restarts{instance="w0",service="worker"} 2.0',
+        'lamina:service_restarts{instance="g1",service="gateway"} 0.0',
+    } <= lines(agg)

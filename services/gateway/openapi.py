@@ -1,0 +1,96 @@
+"""The gateway's OpenAPI document (``GET /openapi.json``), built from the very msgspec
+types that decode request bodies, so the document cannot drift from what is accepted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from lamina.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_ERRORS = {
+    "400": "the request is invalid (the field is named)",
+    "401": "no or wrong API key",
+    "403": "the key may not ask for this priority",
+    "404": "no such model",
+    "413": "the body is too large",
+    "429": "overloaded or rate-limited: see Retry-After",
+    "503": "no worker can take it: see Retry-After",
+    "504": "its deadline passed",
+}
+
+
+def _generation(operation: str, summary: str, body: dict[str, Any]) -> dict[str, Any]:
+    responses: dict[str, Any] = {
+        "200": {
+            "description": "the completion, or its server-sent events when stream is true",
+            "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {},
+            },
+        }
+    }
+    for status, description in _ERRORS.items():
+        responses[status] = {
+            "description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+    return {
+        "post": {
+            "operationId": operation,
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": responses,
+        }
+    }
+
+
+def _probe(operation: str, summary: str) -> dict[str, Any]:
+    return {
+        "get": {
+            "operationId": operation,
+            "summary": summary,
+            "security": [],
+            "responses": {"200": {"description": "yes"}, "503": {"description": "not yet"}},
+        }
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    (completion, chat), schemas = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest], ref_template="#/components/schemas/{name}"
+    )
+    models = {"description": "the served model", "content": {"application/json": {}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Lamina gateway (OpenAI-compatible)", "version": "v1"},
+        "paths": {
+            "/v1/completions": _generation("createCompletion", "complete a prompt", completion),
+            "/v1/chat/completions": _generation("createChatCompletion", "chat", chat),
+            "/v1/models": {"get": {"operationId": "listModels", "responses": {"200": models}}},
+            "/health": _probe("health", "the process is alive"),
+            "/ready": _probe("ready", "a worker is ready to serve"),
+        },
+        "components": {
+            "schemas": {**schemas, "Error": _ERROR},
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"apiKey": []}],
+    }
