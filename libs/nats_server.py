@@ -45,10 +45,13 @@ class NatsServer:
         jetstream: bool = False,
         host: str = "127.0.0.1",
         config: Path | None = None,
+        tls: tuple[str, str] | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.jetstream = jetstream
+        self.tls = tls
+        """(certificate, private key) PEM files: clients must then connect over TLS."""
         self.config = config
         """A configuration file (``-c``): who may connect, and with what permissions
         (``lamina.libs.nats_auth``). The address and port given here override its own."""
@@ -63,7 +66,7 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> NatsServer:
         if self._log is not None:  # started before, and since exited
@@ -71,6 +74,8 @@ class NatsServer:
         args = [find_binary(), "-a", self.host, "-p", str(self.port)]
         if self.config is not None:
             args += ["-c", str(self.config)]
+        if self.tls is not None:
+            args += ["--tls", "--tlscert", self.tls[0], "--tlskey", self.tls[1]]
         if self.jetstream:
             self._store = tempfile.TemporaryDirectory(prefix="lamina-nats-")
             args += ["-js", "-sd", self._store.name]

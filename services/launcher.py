@@ -54,6 +54,9 @@ class Stack:
     credentials: Path | None = None
     """A credential store: each service connects as its own identity, and the embedded
     server admits only the store's. None: an open bus."""
+    nats_tls: tuple[str, str, str] | None = None
+    """(certificate, key, CA) PEM files: the embedded server speaks only TLS with that
+    certificate, and the services verify it with that CA."""
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
@@ -77,15 +80,16 @@ class Stack:
     def nats_config(self, identity: str) -> NatsConfig:
         """How a process connects to this stack's bus as ``identity`` (made if new, and
         then admitted by the running embedded server)."""
+        ca = self.nats_tls[2] if self.nats_tls else ""
         if self.credentials is None:
-            return NatsConfig(self.nats_url or "")
+            return NatsConfig(self.nats_url or "", nats_tls_ca=ca)
         store = CredentialStore(self.credentials)
         new = not store.path(identity).exists()
         (path,) = store.ensure(identity)
         if new and self.nats is not None:
             self.nats.reload()
             time.sleep(0.2)  # the reload is asynchronous; a client this early is refused
-        return NatsConfig(self.nats_url or "", nats_credential=str(path))
+        return NatsConfig(self.nats_url or "", nats_credential=str(path), nats_tls_ca=ca)
 
     def _spawn(self, name: str, module: str, args: list[str], identity: str) -> subprocess.Popen:
         bus = self.nats_config(identity)
@@ -93,6 +97,7 @@ class Stack:
             **os.environ,
             "LAMINA_NATS_URL": bus.nats_url,
             "LAMINA_NATS_CREDENTIAL": bus.nats_credential,
+            "LAMINA_NATS_TLS_CA": bus.nats_tls_ca,
             RESTARTS_ENV: str(self.restarts.get(name, 0)),  # telemetry counts them
             **self.extra_env,
         }
@@ -164,7 +169,8 @@ class Stack:
         if self.procs:
             raise RuntimeError("the stack is already started")
         if self.nats_url is None:
-            self.nats = NatsServer(port=self.nats_port or None)
+            tls = self.nats_tls[:2] if self.nats_tls else None
+            self.nats = NatsServer(port=self.nats_port or None, tls=tls)
             if self.credentials is not None:
                 store = CredentialStore(self.credentials)
                 store.ensure(*DEPLOYMENT, *(f"worker.worker-{i}" for i in range(self.workers)))
@@ -259,6 +265,9 @@ class UpConfig:
     nats_auth: bool = option(
         True, "the embedded NATS server admits only credentials under LAMINA_HOME/nats"
     )
+    nats_tls_cert: str = option("", "serve the embedded NATS over TLS with this certificate")
+    nats_tls_key: str = option("", "its private key (PEM)")
+    nats_tls_ca: str = option("", "the CA the services verify NATS's certificate with")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -271,6 +280,15 @@ def preflight(config: UpConfig, model: Path) -> str | None:
     for flag, port in ports:
         if port and not port_is_free(config.http_host, port):
             return f"port {port} on {config.http_host} is in use ({flag})"
+    if bool(config.nats_tls_cert) != bool(config.nats_tls_key):
+        return "--nats-tls-cert and --nats-tls-key go together"
+    for flag, path in (
+        ("--nats-tls-cert", config.nats_tls_cert),
+        ("--nats-tls-key", config.nats_tls_key),
+        ("--nats-tls-ca", config.nats_tls_ca),
+    ):
+        if path and not Path(path).is_file():
+            return f"{path} is not a file ({flag})"
     if not model.is_dir():
         return f"model directory {model} does not exist (--model)"
     try:
@@ -312,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         nats_url=config.nats_url or None,
         nats_port=config.nats_port,
         credentials=lamina_home() / "nats" if config.nats_auth else None,
+        nats_tls=(config.nats_tls_cert, config.nats_tls_key, config.nats_tls_ca)
+        if config.nats_tls_cert
+        else None,
         worker_args=[*to_argv(dataclasses.replace(config.engine, model=None)), *names],
         gateway_args=[*names, *(["--api-key", config.api_key] if config.api_key else [])],
     )

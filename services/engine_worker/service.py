@@ -165,6 +165,9 @@ class WorkerService:
         if not msg.reply:
             log.warning("generate request %s has no reply subject; dropped", request.request_id)
             return
+        if self._gone(msg.reply, time.monotonic()):  # e.g. it waited in a scheduler's queue
+            log.warning("request %s dropped: its gateway is gone", request.request_id)
+            return
         state = self.lifecycle.state
         if state != WorkerState.READY:
             reason = RejectReason(state) if state in _REFUSING else RejectReason.NO_WORKER
@@ -263,18 +266,20 @@ class WorkerService:
     def _stop_orphans(self) -> None:
         """Cancel the requests of a gateway that stopped heartbeating: nobody reads their
         tokens. A reply subject of a requester never heard from is left alone."""
-        now, orphaned = time.monotonic(), []
+        now = time.monotonic()
         for prefix, (seen, interval) in list(self._gateways.items()):
             if now - seen > FORGET_AFTER_S + MISSED_HEARTBEATS * interval:  # long gone
                 del self._gateways[prefix]
-        for request_id, reply in self.engine_thread.replies():
-            seen = self._gateways.get(reply.rsplit(".", 1)[0])
-            if seen is not None and now - seen[0] > MISSED_HEARTBEATS * seen[1]:
-                orphaned.append(request_id)
+        orphaned = [rid for rid, reply in self.engine_thread.replies() if self._gone(reply, now)]
         for request_id in orphaned:
             self.engine_thread.cancel(request_id)
         if orphaned:
             log.warning("stopped %d requests whose gateway is gone", len(orphaned))
+
+    def _gone(self, reply: str, now: float) -> bool:
+        """Whether the gateway that reads ``reply`` has stopped heartbeating."""
+        seen = self._gateways.get(reply.rsplit(".", 1)[0])
+        return seen is not None and now - seen[0] > MISSED_HEARTBEATS * seen[1]
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         self.engine_thread.cancel(cancel.request_id)

@@ -7,7 +7,6 @@ import asyncio
 import os
 import shutil
 import stat
-import subprocess
 
 import nats
 import pytest
@@ -18,6 +17,7 @@ from lamina.libs.nats_auth import CredentialStore, api_subject
 from lamina.libs.nats_server import NatsServer
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Drain
+from tests.certificates import make_certificates
 
 IDENTITIES = ("gateway", "scheduler", "telemetry", "operator", "worker.w0", "worker.w1")
 IDENTITIES += ("api.alice", "api.bob")
@@ -152,61 +152,6 @@ def test_telemetry_listens_and_cannot_submit(secured):
         assert any("violation for subscription" in e for e in telemetry.errors)
 
     asyncio.run(main())
-
-
-def make_certificates(root) -> tuple[str, str, str]:
-    """A CA and a server certificate for 127.0.0.1 it signed (openssl, no network)."""
-    ca_key, ca, key, csr, cert = (
-        str(root / n) for n in ("ca.key", "ca.pem", "s.key", "s.csr", "s.pem")
-    )
-    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        ca_key,
-        "-out",
-        ca,
-        "-days",
-        "1",
-        "-subj",
-        "/CN=lamina-test-ca",
-    )
-    run(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        key,
-        "-out",
-        csr,
-        "-subj",
-        "/CN=127.0.0.1",
-    )
-    ext = root / "san.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    run(
-        "x509",
-        "-req",
-        "-in",
-        csr,
-        "-CA",
-        ca,
-        "-CAkey",
-        ca_key,
-        "-CAcreateserial",
-        "-out",
-        cert,
-        "-days",
-        "1",
-        "-extfile",
-        str(ext),
-    )
-    return ca, cert, key
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make certificates")

@@ -207,7 +207,8 @@ def test_a_scheduler_that_shuts_down_hands_its_queue_back_as_retryable(nats_url)
 
 def test_a_heartbeat_out_of_bounds_is_not_believed(nats_url):
     """A forged heartbeat (negative queued tokens, so its load would always win; or a
-    negative interval, which made every worker look dead) does not decode: dropped."""
+    negative interval, which made every worker look dead) does not decode: dropped. One
+    for a worker other than its subject names is dropped too."""
 
     async def main() -> None:
         async with Harness(nats_url, "bus-sched-real", replicas=1) as h:
@@ -219,6 +220,9 @@ def test_a_heartbeat_out_of_bounds_is_not_believed(nats_url):
             ):
                 stats = make_stats("bus-sched-forged", **forged)
                 await h.bus.publish(subjects.worker_stats("bus-sched-forged"), stats)
+            # Well-formed, but on another worker's subject: one worker posing as another.
+            posing = make_stats("bus-sched-forged", num_queued_prefill_tokens=0)
+            await h.bus.publish(subjects.worker_stats("bus-sched-late"), posing)
             # The barrier: a good heartbeat sent after them has been handled.
             await h.bus.publish(
                 subjects.worker_stats("bus-sched-late"), make_stats("bus-sched-late")

@@ -317,26 +317,45 @@ def test_with_the_scheduler_gone_a_request_gets_its_503_within_a_second(tiny_mod
 
 
 def test_a_killed_gateways_requests_stop_on_their_worker_and_free_its_blocks(tiny_model, tmp_path):
-    """SIGKILL the gateway mid-stream: the worker stops generating for it within a few
-    gateway heartbeats (not after max_tokens) and gives the request's blocks back."""
-    max_tokens = 8000
-    stack = make_stack(tiny_model, tmp_path, worker_args=["--max-model-len", "8192"])
+    """SIGKILL the gateway under 24 open streams (two run at a time, the rest wait): the
+    worker stops them within a few gateway heartbeats, not after all their tokens, and
+    gives their blocks back."""
+    streams, max_tokens = 24, 2000
+    stack = make_stack(
+        tiny_model, tmp_path, worker_args=["--max-model-len", "2048", "--max-num-seqs", "2"]
+    )
     with stack:
         cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
-        body = {"prompt": "on and on", "max_tokens": max_tokens, "ignore_eos": True}
-        with httpx.stream(
-            "POST", stack.base_url + "/v1/completions", json=body | {"stream": True}, timeout=30
-        ) as response:
-            next(line for line in response.iter_lines() if line.startswith("data: {"))
-            stack.procs["gateway"].kill()
-            killed = time.monotonic()
+        body = {"prompt": "on and on", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+
+        async def open_streams() -> None:
+            flowing = asyncio.Event()
+
+            async def one(client: httpx.AsyncClient) -> None:
+                url = stack.base_url + "/v1/completions"
+                async with client.stream("POST", url, json=body, timeout=60) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            flowing.set()
+
+            async with httpx.AsyncClient() as client:
+                tasks = [asyncio.create_task(one(client)) for _ in range(streams)]
+                await asyncio.wait_for(flowing.wait(), 30)
+                # Every request is in, and the worker has heard the gateway's heartbeat (every
+                # 2 s; a worker leaves alone the requests of a requester it never heard).
+                await asyncio.sleep(2.5)
+                stack.procs["gateway"].kill()
+                await asyncio.gather(*tasks, return_exceptions=True)  # connections drop
+
+        asyncio.run(open_streams())
+        killed = time.monotonic()
         worker = None
-        while time.monotonic() - killed < 20:
+        while time.monotonic() - killed < 30:
             (worker,) = httpx.get(cluster).json()["workers"]
-            if worker["num_running"] == 0 and time.monotonic() - killed > 1:
+            if worker["num_running"] == 0 and worker["num_waiting"] == 0:
                 break
             time.sleep(0.2)
         stopped_after = time.monotonic() - killed
     assert worker["num_running"] == 0 and stopped_after < 12, (stopped_after, worker)
-    assert worker["generation_tokens_total"] < max_tokens  # stopped, not finished
+    assert worker["generation_tokens_total"] < streams * max_tokens / 2  # stopped early
     assert worker["free_kv_blocks"] == worker["total_kv_blocks"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 
 import httpx
 import msgspec
@@ -17,6 +18,7 @@ from lamina.libs.nats_auth import api_subject, inbox_prefix
 from lamina.schemas.v1.api import ApiError, ApiEvent, ApiFinished, ApiRequest
 from lamina.schemas.v1.generate import Sampling
 from lamina.services import ctl
+from tests.certificates import make_certificates
 from tests.e2e.conftest import make_stack
 
 REQUEST = ApiRequest(prompt="Hello", sampling=Sampling(max_tokens=4, ignore_eos=True))
@@ -92,3 +94,18 @@ def test_a_closed_bus_serves_its_own_and_refuses_the_rest(tiny_model, tmp_path, 
         assert code == 0 and "worker-0" in capsys.readouterr().out
         code = ctl.main(["--nats-url", stack.nats_url, "--nats-credential", "", "status"])
         assert code == 1 and "refused" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make certificates")
+def test_the_whole_stack_over_tls_with_credentials(tiny_model, tmp_path):
+    ca, cert, key = make_certificates(tmp_path)
+    stack = make_stack(
+        tiny_model, tmp_path, credentials=tmp_path / "nats", nats_tls=(cert, key, ca)
+    )
+    with stack:
+        assert stack.nats_url.startswith("tls://")
+        body = {"prompt": "Once", "max_tokens": 3, "ignore_eos": True}
+        response = httpx.post(stack.base_url + "/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        events = asyncio.run(ask(stack.nats_config("api.default"), "api.default"))
+        assert isinstance(events[-1], ApiFinished), events

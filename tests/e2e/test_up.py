@@ -116,5 +116,7 @@ def test_lamina_up_refuses_plainly_before_starting_anything(tiny_model, tmp_path
     (alien / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2Model"]}))
     unsupported = up("--model", str(alien), home=tmp_path)
     assert unsupported.returncode == 2 and "'GPT2Model'] is not supported" in unsupported.stderr
-    for refused in (missing, result, unsupported):
+    half_tls = up("--model", str(tiny_model), "--nats-tls-cert", str(alien), home=tmp_path)
+    assert half_tls.returncode == 2 and "go together" in half_tls.stderr
+    for refused in (missing, result, unsupported, half_tls):
         assert len(refused.stderr.splitlines()) == 1, refused.stderr  # one line, no traceback
