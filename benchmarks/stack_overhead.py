@@ -35,7 +35,7 @@ from pathlib import Path
 
 import msgspec
 
-from lamina.libs.bus import Bus
+from lamina.libs.bus import NatsConfig
 from lamina.libs.nats_server import free_port
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import ControlAck, ResetPrefixCache
@@ -156,9 +156,9 @@ async def paired_ttfts(
     return local, stack
 
 
-async def reset_worker_cache(nats_url: str) -> None:
-    """The worker's ``ResetPrefixCache`` control command, over the bus."""
-    bus = await Bus.connect(nats_url, "benchmark")
+async def reset_worker_cache(operator: NatsConfig) -> None:
+    """The worker's ``ResetPrefixCache`` control command, over the bus, as an operator."""
+    bus = await operator.connect("benchmark")
     ack = await bus.request(
         subjects.worker_control("worker-0"), ResetPrefixCache(), ControlAck, timeout=10
     )
@@ -228,6 +228,7 @@ def main() -> None:
             http_port=free_port(),
             metrics_port=free_port(),
             log_dir=Path(logs),
+            credentials=Path(logs) / "nats",  # the closed bus lamina up runs
             worker_args=["--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)],
             extra_env=env,
         ) as stack,
@@ -237,10 +238,11 @@ def main() -> None:
         for run in range(args.runs):
             engine.reset_prefix_cache()
             theirs.append(engine_throughput(engine, work))
-            asyncio.run(reset_worker_cache(stack.nats_url))  # every run computes every prompt
+            operator = stack.nats_config("operator")
+            asyncio.run(reset_worker_cache(operator))  # every run computes every prompt
             ours.append(asyncio.run(stack_throughput(stack.http_host, stack.http_port, work)))
             engine.reset_prefix_cache()
-            asyncio.run(reset_worker_cache(stack.nats_url))
+            asyncio.run(reset_worker_cache(stack.nats_config("operator")))
             local, remote = asyncio.run(
                 paired_ttfts(
                     engine,
