@@ -139,7 +139,7 @@ def permissions(identity: str) -> Permissions:
         )
     if role == "telemetry":
         return Permissions(
-            publish=(subjects.EVENTS_SERVICE,),  # its own start, as every service does
+            publish=(),
             subscribe=(
                 subjects.WORKER_STATS_ALL,
                 subjects.EVENTS_REQUEST,

@@ -90,8 +90,9 @@ class PlacementRecord(Message):
 
 
 class ServiceStarted(Message):
-    """Every service → ``events.service`` once it serves: telemetry counts starts (and
-    so restarts) per service, whatever restarted it."""
+    """gateway, scheduler, worker → ``events.service`` once it serves: telemetry counts
+    starts (and so restarts) per service, whatever restarted it (and its own itself: it
+    may only listen)."""
 
     service: str
     """``gateway``, ``scheduler``, ``worker`` or ``telemetry``."""

@@ -33,7 +33,6 @@ from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
-from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import PlacementRecord, RequestRecord, ServiceStarted
 from lamina.schemas.v1.stats import WorkerStats
@@ -146,7 +145,8 @@ class TelemetryService:
             return
         self.bus = bus
         log.info("telemetry connected to %s", self.config.nats.nats_url)
-        await announce(bus, "telemetry", name)
+        # It may only listen (its credential publishes nothing): it counts its own start.
+        self.aggregator.observe_start(ServiceStarted(service="telemetry", instance=name))
 
     async def _subscribe(self, bus: Bus) -> None:
         """Hear heartbeats and records (no queue group: every replica hears everything)."""
