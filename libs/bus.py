@@ -5,10 +5,17 @@ reusable typed decoder. A message that does not decode is logged with its subjec
 dropped, or answered with a typed :class:`BadMessage` when it expects a reply: it never
 reaches the handler and never crashes the service.
 
-Tracing follows the OpenTelemetry messaging conventions: every publish is a PRODUCER span
-``"<subject> publish"`` whose W3C context travels in the NATS headers; every handler runs
+Tracing follows the OpenTelemetry messaging conventions: a publish is a PRODUCER span
+``"<subject> publish"`` whose W3C context travels in the NATS headers; a handler runs
 inside a CONSUMER span ``"<subject> process"`` that continues it. Reply inboxes are
 temporary destinations and are named ``(temporary)`` to keep span names low-cardinality.
+
+The bus continues traces; it never starts one. A publish outside any trace (a heartbeat,
+a KV event batch, a readiness poll) makes no span, and a message that arrives without a
+trace context is handled without one: housekeeping every half second would otherwise be
+most of the trace store. A publish inside a trace can opt out of its own span too
+(``traced=False``: a request's token events, one per engine step) and still carries the
+context, so whoever receives it can continue the trace.
 """
 
 from __future__ import annotations
@@ -70,6 +77,11 @@ def _recording() -> bool:
     propagates it, which costs a fifth of a no-op span's bookkeeping per message."""
     provider = trace.get_tracer_provider()
     return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
+def _in_trace(context: otel_context.Context | None) -> bool:
+    """Whether ``context`` (or, when None, the current one) is inside a trace."""
+    return trace.get_current_span(context).get_span_context().is_valid
 
 
 def _span_subject(subject: str) -> str:
@@ -184,15 +196,17 @@ class Bus:
         message: msgspec.Struct,
         reply: str = "",
         context: otel_context.Context | None = None,
+        traced: bool = True,
     ) -> None:
         """Publish ``message``; raises :class:`PayloadTooLarge` over the server's limit.
 
         ``context`` parents the PRODUCER span when the caller is not inside the request's
-        span (e.g. a worker publishing a request's tokens from its engine loop).
+        span (e.g. a worker publishing a request's tokens from its engine loop);
+        ``traced=False`` sends that context without a span of its own.
         """
         data = encode(message)
         headers: dict[str, str] = {}
-        if not _recording():
+        if not traced or not _recording() or not _in_trace(context):
             propagate.inject(headers, context=context)
             self._check_size(subject, data, headers)
             await self._send(subject, data, reply, headers)
@@ -218,11 +232,16 @@ class Bus:
     ) -> T:
         """Send ``message`` and decode the single reply as ``response_type``."""
         data = encode(message)
-        with tracer.start_as_current_span(
-            f"{_span_subject(subject)} publish",
-            kind=SpanKind.PRODUCER,
-            attributes=_attributes(subject, len(data), "request"),
-        ):
+        span = (
+            tracer.start_as_current_span(
+                f"{_span_subject(subject)} publish",
+                kind=SpanKind.PRODUCER,
+                attributes=_attributes(subject, len(data), "request"),
+            )
+            if _recording() and _in_trace(None)
+            else contextlib.nullcontext()
+        )
+        with span:
             headers: dict[str, str] = {}
             propagate.inject(headers)
             self._check_size(subject, data, headers)
@@ -322,7 +341,7 @@ class Bus:
                 await self._run(handler, decoded, msg)
                 return
             context = propagate.extract(msg.headers or {})
-            if not _recording():  # no span to record: run in the sender's trace context
+            if not _recording() or not _in_trace(context):  # no span to record or continue
                 token = otel_context.attach(context)
                 try:
                     await self._run(handler, decoded, msg)

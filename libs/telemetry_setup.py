@@ -127,6 +127,7 @@ class JsonLinesExporter:
                         "start": span.start_time,
                         "end": span.end_time,
                         "attributes": dict(span.attributes or {}),
+                        "events": [event.name for event in span.events],
                     }
                 )
             )

@@ -24,6 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.trace import Span, StatusCode
+
 from lamina.schemas.v1.generate import (
     Failed,
     Finished,
@@ -38,6 +41,7 @@ from lamina.services.engine_worker.engine import Engine, EngineStats, RequestOut
 from lamina.services.engine_worker.errors import InvalidRequestError
 
 log = logging.getLogger("lamina.worker.engine")
+tracer = trace.get_tracer("lamina.worker")
 
 Outgoing = tuple[str, Any, Any]  # (subject, message, trace context or None)
 _STATS_PERIOD_S = 0.1
@@ -52,7 +56,41 @@ class _Stream:
 
     reply: str
     context: Any
+    """The trace context its events carry: its span here, when it is traced."""
     seq: int = 1  # 0 was Accepted
+    span: Span | None = None
+    """The worker's side of the request, from the engine taking it to its end."""
+
+    def end(self, status: str, **attributes: Any) -> None:
+        """End the span (if any) with how the request ended here."""
+        if self.span is None:
+            return
+        self.span.set_attributes({"lamina.end": status, **attributes})
+        if status in ("failed", "deadline_exceeded"):
+            self.span.set_status(StatusCode.ERROR, status)
+        self.span.end()
+        self.span = None
+
+
+def _request_span(request: GenerateRequest, worker_id: str, context: Any) -> Span | None:
+    """A span for the request's time in this engine, if its caller traced it (requests
+    are traced as their callers decide: untraced ones cost nothing here)."""
+    if not trace.get_current_span(context).get_span_context().is_valid:
+        return None
+    return tracer.start_span(
+        f"serve {request.model}",
+        context=context,
+        attributes={
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.model": request.model,
+            "gen_ai.request.max_tokens": request.sampling.max_tokens or 0,
+            "lamina.request_id": request.request_id,
+            "lamina.worker_id": worker_id,
+            "lamina.attempt": request.attempt,
+            "lamina.replayed_output_tokens": request.replayed_output_tokens,
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+        },
+    )
 
 
 @dataclass
@@ -280,7 +318,9 @@ class EngineThread(threading.Thread):
                         taken.set()
             case _Cancel(request_id):
                 if self.engine.abort(request_id):
-                    self._streams.pop(request_id, None)
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream.end("cancelled")
             case _Call(fn, done):
                 try:
                     fn(self.engine)
@@ -312,7 +352,10 @@ class EngineThread(threading.Thread):
             )
             self.emit([(reply, failed, context)])
             return
-        self._streams[rid] = _Stream(reply, context)
+        span = _request_span(request, self.worker_id, context)
+        if span is not None:
+            context = trace.set_span_in_context(span, context)
+        self._streams[rid] = _Stream(reply, context, span=span)
         if request.sla.deadline_ms is not None:
             self._deadlines[rid] = request.sla.deadline_ms
 
@@ -331,6 +374,7 @@ class EngineThread(threading.Thread):
                 del self._deadlines[rid]
                 self.engine.abort(rid)
                 del self._streams[rid]
+                stream.end("deadline_exceeded")
                 failed = Failed(
                     request_id=rid,
                     seq=stream.seq,
@@ -352,8 +396,11 @@ class EngineThread(threading.Thread):
             logprobs = None
             if out.new_logprobs is not None:
                 logprobs = [TokenLogprob(lp, top) for lp, top in out.new_logprobs]
+            if stream.seq == 1 and stream.span is not None:
+                stream.span.add_event("first_token")
             if out.error is not None:
                 del self._streams[out.request_id]
+                stream.end("failed", **{"error.type": out.error[:200]})
                 message = Failed(
                     request_id=out.request_id,
                     seq=stream.seq,
@@ -363,6 +410,14 @@ class EngineThread(threading.Thread):
                 )
             elif out.finished:
                 del self._streams[out.request_id]
+                stream.end(
+                    "finished",
+                    **{
+                        "gen_ai.response.finish_reasons": [str(out.finish_reason)],
+                        "gen_ai.usage.output_tokens": out.num_output_tokens,
+                        "lamina.cached_tokens": out.num_cached_tokens,
+                    },
+                )
                 message = Finished(
                     request_id=out.request_id,
                     seq=stream.seq,
@@ -407,6 +462,7 @@ class EngineThread(threading.Thread):
         for rid, stream in list(self._streams.items()):
             with contextlib.suppress(Exception):  # a dead engine may not abort cleanly
                 self.engine.abort(rid)
+            stream.end("failed", **{"error.type": reason[:200]})
             batch.append(
                 (
                     stream.reply,

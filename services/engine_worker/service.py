@@ -316,7 +316,9 @@ class WorkerService:
             batch = await self._outbox.get()
             for subject, message, context in batch:
                 try:
-                    await self.bus.publish(subject, message, context=context)
+                    # Its own span each (a token event per step) would be noise: the
+                    # request's span here covers them, and they carry its context.
+                    await self.bus.publish(subject, message, context=context, traced=False)
                 except Exception:
                     log.exception("publish to %s failed", subject)
             self._outbox.task_done()

@@ -13,6 +13,8 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, asgi, get
 from litestar.types import Receive, Scope, Send
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
 
 from lamina.schemas.v1.generate import TokenLogprob, Usage
 from lamina.services.gateway.admission import Admission, TextDelta, TextStream
@@ -47,6 +49,11 @@ def error_response(
     status: int, error_type: str, message: str, param: str | None = None, code: str | None = None
 ) -> Response:
     return Response(error_body(status, error_type, message, param, code), status_code=status)
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    """An ASGI request's headers as a carrier for trace propagation (names lowercase)."""
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
 
 
 def _usage(usage: Usage | None) -> dict[str, Any] | None:
@@ -148,6 +155,16 @@ class OpenAIApi:
             body.model, prompt, sampling, body.sla(), body.stop_strings()
         )
 
+    async def _open_in_callers_trace(self, body: Any, scope: Scope) -> TextStream:
+        """``_open``, continuing the caller's trace (W3C ``traceparent``, ``tracestate``,
+        ``baggage``): the request's span, made as it is admitted, is a child of the
+        caller's span; without one it starts a trace."""
+        token = otel_context.attach(propagate.extract(_headers(scope)))
+        try:
+            return await self._open(body, scope.get("lamina.best_priority"))
+        finally:
+            otel_context.detach(token)
+
     async def _serve(
         self, scope: Scope, receive: Receive, send: Send, kind: type, build: Callable
     ) -> None:
@@ -171,7 +188,7 @@ class OpenAIApi:
         status, payload, headers = 200, None, []
         with ClientWatch(receive) as client:
             try:
-                stream = await self._open(body, scope.get("lamina.best_priority"))
+                stream = await self._open_in_callers_trace(body, scope)
             except GenerationError as exc:
                 status, payload, headers = exc.status, _error_body(exc), _error_headers(exc)
             else:

@@ -16,6 +16,7 @@ from lamina.schemas.v1.control import Cancel, ControlAck, Drain
 from lamina.schemas.v1.errors import BadMessage
 
 EXPORTER = InMemorySpanExporter()
+CALLER = trace.get_tracer("test.caller")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,7 +72,7 @@ def test_request_reply_and_errors(nats_url):
         # The payload alone fits; with the trace context headers it does not. Sent, the
         # server would have cut the connection.
         fits_alone = bus.max_payload - 20 - len(encode(Cancel(request_id="")))
-        with pytest.raises(PayloadTooLarge):
+        with CALLER.start_as_current_span("caller"), pytest.raises(PayloadTooLarge):
             await bus.publish("t.cancel", Cancel(request_id="x" * fits_alone))
         assert await bus.request("t.control", Drain(), ControlAck) == ack  # still connected
         await bus.drain()
@@ -117,13 +118,15 @@ def test_trace_context_crosses_the_bus(nats_url):
             done.set()
 
         await bus.subscribe("t.traced", Cancel, handler)
-        await bus.publish("t.traced", Cancel(request_id="r"))
+        with CALLER.start_as_current_span("caller"):
+            await bus.publish("t.traced", Cancel(request_id="r"))
         await done.wait()
         await bus.drain()
 
     run(main())
     spans = {s.name: s for s in EXPORTER.get_finished_spans()}
     producer, consumer = spans["t.traced publish"], spans["t.traced process"]
+    assert producer.parent.span_id == spans["caller"].context.span_id
     assert producer.kind == trace.SpanKind.PRODUCER and consumer.kind == trace.SpanKind.CONSUMER
     assert consumer.context.trace_id == producer.context.trace_id
     assert consumer.parent.span_id == producer.context.span_id
@@ -193,3 +196,34 @@ def test_draining_after_the_server_went_away_closes_promptly():
         assert run(main())
     finally:
         server.stop()
+
+
+def test_the_bus_continues_traces_and_never_starts_one(nats_url):
+    """Outside any trace (a heartbeat) a publish makes no span and its handler runs
+    without one; inside one, ``traced=False`` skips the PRODUCER span but still carries
+    the context, so the handler's span continues the caller's trace."""
+    EXPORTER.clear()
+
+    async def main() -> list:
+        bus = await Bus.connect(nats_url, "test")
+        seen: list = []
+
+        async def handler(msg, raw) -> None:
+            seen.append(trace.get_current_span().get_span_context())
+
+        await bus.subscribe("t.housekeeping", Cancel, handler)
+        await bus.publish("t.housekeeping", Cancel(request_id="beat"))
+        with CALLER.start_as_current_span("caller"):
+            await bus.publish("t.housekeeping", Cancel(request_id="token"), traced=False)
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        await bus.drain()
+        return seen
+
+    beat, token = run(main())
+    spans = {s.name: s for s in EXPORTER.get_finished_spans()}
+    assert not beat.is_valid  # the heartbeat's handler ran in no trace
+    assert "t.housekeeping publish" not in spans  # neither publish made a span
+    consumer = spans["t.housekeeping process"]  # only the traced one was handled in a span
+    assert consumer.parent.span_id == spans["caller"].context.span_id
+    assert token.trace_id == spans["caller"].context.trace_id

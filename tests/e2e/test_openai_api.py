@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from typing import Any
 
 import httpx
+import msgspec
+import nats
 import openai
 import pytest
 from tokenizers import Tokenizer
 
+from lamina.schemas.v1.api import ApiRequest
 from lamina.schemas.v1.generate import Sampling
+from lamina.schemas.v1.subjects import API_GENERATE
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.engine import Engine
 from tests.e2e.conftest import read_spans
@@ -184,32 +189,56 @@ def test_fifty_concurrent_streams_all_complete(stack, tokenizer):
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_one_trace_spans_gateway_scheduler_and_worker(client, trace_file):
-    client.completions.create(model="lamina-tiny", prompt="trace me", max_tokens=3, **GREEDY)
-    deadline = time.monotonic() + 10
-    services: set[str] = set()
+def traced_request(client, trace_file, max_tokens: int) -> list[dict]:
+    """One completion sent inside a caller's trace (W3C ``traceparent``); the spans of that
+    trace once gateway, scheduler and worker have all exported theirs."""
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    client.completions.create(
+        model="lamina-tiny",
+        prompt="trace me",
+        max_tokens=max_tokens,
+        extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        **GREEDY,
+    )
+    deadline, services = time.monotonic() + 10, set()
     while time.monotonic() < deadline:
-        spans = read_spans(trace_file)
-        roots = [
-            s
-            for s in spans
-            if s["name"] == "generate lamina-tiny"
-            and s["attributes"].get("gen_ai.usage.output_tokens") == 3
-            and s["attributes"].get("gen_ai.request.max_tokens") == 3
-        ]
-        if roots:
-            trace_id = roots[-1]["trace_id"]
-            services = {s["service"] for s in spans if s["trace_id"] == trace_id}
-            if {"gateway", "scheduler", "engine-worker"} <= services:
-                break
+        spans = [s for s in read_spans(trace_file) if s["trace_id"] == trace_id]
+        services = {s["service"] for s in spans}
+        names = {s["name"] for s in spans}
+        # The last to end: the worker's span, and telemetry's reading of the gateway's record.
+        ends = {"serve lamina-tiny", "lamina.v1.events.request process"}
+        if {"gateway", "scheduler", "engine-worker"} <= services and ends <= names:
+            (root,) = [s for s in spans if s["name"] == "generate lamina-tiny"]
+            assert root["parent_id"] == parent  # a child of the caller's span
+            return spans
         time.sleep(0.2)
-    else:
-        pytest.fail(f"no trace spanning all three services; services seen: {services}")
-    in_trace = [s for s in spans if s["trace_id"] == trace_id]
-    names = {s["name"] for s in in_trace}
-    assert "lamina.v1.sched.submit process" in names
-    assert "lamina.v1.worker.worker-0.generate process" in names
-    assert "(temporary) publish" in names  # the worker's token events
+    pytest.fail(f"no trace {trace_id} spanning all three services; seen: {services}")
+
+
+def test_one_trace_follows_the_caller_through_gateway_scheduler_and_worker(client, trace_file):
+    spans = traced_request(client, trace_file, 3)
+    by_name = {s["name"]: s for s in spans}
+    assert "lamina.v1.sched.submit process" in by_name
+    assert "lamina.v1.worker.worker-0.generate process" in by_name
+    served = by_name["serve lamina-tiny"]  # the worker's side, acceptance to finish
+    assert served["attributes"]["gen_ai.usage.output_tokens"] == 3
+    assert served["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
+    assert served["attributes"]["lamina.end"] == "finished"
+    assert "first_token" in served["events"]
+    # Token events carry the trace but are not a span each: the trace's size does not
+    # grow with the output.
+    assert len(traced_request(client, trace_file, 24)) == len(spans)
+
+
+def test_housekeeping_makes_no_traces(client, trace_file):
+    """Heartbeats, KV event batches, gateway liveness and the readiness poll run every
+    second or so: none of them starts a trace."""
+    client.completions.create(model="lamina-tiny", prompt="and then", max_tokens=2, **GREEDY)
+    time.sleep(1.5)  # several heartbeats and polls
+    names = {s["name"] for s in read_spans(trace_file)}
+    noisy = [n for n in names if n.endswith((".stats publish", ".alive publish", ".kv publish"))]
+    assert noisy == []
+    assert not any("sched.status" in n for n in names)
 
 
 def test_vllm_bench_serve_payload(stack):
@@ -239,3 +268,37 @@ def test_vllm_bench_serve_payload(stack):
         elif chunk.get("usage"):
             usage = chunk["usage"]
     assert usage["completion_tokens"] == 7 and text
+
+
+def test_the_nats_api_continues_the_callers_trace(stack, trace_file):
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    request = ApiRequest(
+        prompt="traced over NATS", sampling=Sampling(max_tokens=2, ignore_eos=True)
+    )
+
+    async def main() -> None:
+        nc = await nats.connect(stack.nats_url)
+        inbox, done = nc.new_inbox(), asyncio.Event()
+
+        async def on_event(msg) -> None:
+            if json.loads(msg.data)["type"] in ("ApiFinished", "ApiError"):
+                done.set()
+
+        await nc.subscribe(inbox, cb=on_event)
+        headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
+        await nc.publish(API_GENERATE, msgspec.json.encode(request), reply=inbox, headers=headers)
+        await asyncio.wait_for(done.wait(), 30)
+        await nc.drain()
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        spans = {s["name"]: s for s in read_spans(trace_file) if s["trace_id"] == trace_id}
+        if "generate lamina-tiny" in spans and "serve lamina-tiny" in spans:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"no trace {trace_id} with the gateway's and the worker's spans")
+    consumer = spans["lamina.v1.api.generate process"]
+    assert consumer["parent_id"] == parent  # the caller's span
+    assert spans["generate lamina-tiny"]["parent_id"] == consumer["span_id"]
