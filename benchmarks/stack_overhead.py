@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.server
 import random
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -177,6 +179,33 @@ def service_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
+class OtlpSink:
+    """A local OTLP/HTTP trace receiver that takes every export and keeps only counts:
+    the services export as they would to a collector, and the measurement includes it."""
+
+    def __init__(self) -> None:
+        sink = self
+        self.requests = self.bytes = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                sink.requests, sink.bytes = sink.requests + 1, sink.bytes + len(body)
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -203,8 +232,18 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="extra environment for the stack's services (repeatable)",
     )
+    parser.add_argument(
+        "--trace-export",
+        action="store_true",
+        help="the services export every span over OTLP/HTTP to a local sink (the cost of "
+        "tracing on; the default is tracing off)",
+    )
     args = parser.parse_args()
     env = service_env(args.service_env)
+    sink = None
+    if args.trace_export:
+        sink = OtlpSink()
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.endpoint
 
     model = args.model or ensure_default_model("small")
     gap = args.ttft_gap_ms / 1e3
@@ -264,6 +303,8 @@ def main() -> None:
     for q, name in ((0.5, "p50"), (0.99, "p99")):
         s, e = pct(ttft_stack, q) * 1e3, pct(ttft_local, q) * 1e3
         print(f"TTFT {name}: stack {s:.2f} ms vs in-process {e:.2f} ms -> added {s - e:.2f} ms")
+    if sink is not None:
+        print(f"trace export: {sink.requests} OTLP requests, {sink.bytes} bytes received")
 
 
 if __name__ == "__main__":

@@ -128,6 +128,7 @@ class JsonLinesExporter:
                         "end": span.end_time,
                         "attributes": dict(span.attributes or {}),
                         "events": [event.name for event in span.events],
+                        "links": [format(link.context.span_id, "016x") for link in span.links],
                     }
                 )
             )

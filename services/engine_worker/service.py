@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.cluster import FORGET_AFTER_S, MISSED_HEARTBEATS
@@ -49,6 +50,10 @@ from lamina.services.engine_worker.errors import InvalidRequestError
 from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Lifecycle
 
 log = logging.getLogger("lamina.worker")
+tracer = trace.get_tracer("lamina.worker")
+
+TRACE_HEARTBEAT_EVERY = 20
+"""Trace one heartbeat in this many (and every change of state)."""
 
 SNAPSHOT_PART = 40_000
 """Block hashes per ``KvSnapshot`` message: ~20 bytes each in JSON, under 1 MiB."""
@@ -95,6 +100,7 @@ class WorkerService:
         self._gateways: dict[str, tuple[float, float]] = {}
         """Gateway inbox prefix -> (when last heard, its heartbeat interval)."""
         self.cordoned = False
+        self._beats, self._beat_state = 0, None
         """Set by ``Cordon``: schedulers place nothing new here (see ``WorkerStats``)."""
         self.incarnation = uuid.uuid4().hex[:16]
         """This run of the worker: a restart under the same id is a new incarnation."""
@@ -359,7 +365,21 @@ class WorkerService:
         )
 
     async def _publish_stats(self) -> None:
-        await self.bus.publish(subjects.worker_stats(self.worker_id), self.worker_stats())
+        """A heartbeat. One in ``TRACE_HEARTBEAT_EVERY`` (every 10 s at the default 0.5 s
+        interval) is traced, as its own small trace, and so is any that reports a new
+        state: a placement links to the last traced heartbeat of each worker it weighed,
+        and the trace store gets a few spans a minute per worker, not two a second."""
+        stats, subject = self.worker_stats(), subjects.worker_stats(self.worker_id)
+        sampled = self._beats % TRACE_HEARTBEAT_EVERY == 0 or stats.state != self._beat_state
+        self._beats, self._beat_state = self._beats + 1, stats.state
+        if not sampled:
+            await self.bus.publish(subject, stats)
+            return
+        with tracer.start_as_current_span(
+            f"heartbeat {self.worker_id}",
+            attributes={"lamina.worker_id": self.worker_id, "lamina.state": str(stats.state)},
+        ):
+            await self.bus.publish(subject, stats)
 
     # -------------------------------------------------------------------------- lifecycle
     async def drain(self) -> None:

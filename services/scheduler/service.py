@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.msg import Msg
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link
 
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
@@ -51,6 +53,7 @@ from lamina.services.scheduler.placement import (
 from lamina.services.scheduler.registry import Candidate, Registry
 
 log = logging.getLogger("lamina.scheduler")
+tracer = trace.get_tracer("lamina.scheduler")
 
 MAX_TRACKED_PLACEMENTS = 10_000
 """Recent placements remembered, to know which worker a resubmission comes back from."""
@@ -100,6 +103,8 @@ class SchedulerService:
         self._syncing: dict[str, asyncio.Task] = {}
         self._placed_on: OrderedDict[str, str] = OrderedDict()  # request id -> worker
         self._pinging: set[str] = set()
+        self._heartbeat_spans: dict[str, trace.SpanContext] = {}
+        """Each worker's last traced heartbeat (what a placement span links to)."""
 
     async def start(self) -> None:
         self.bus = bus = await self.config.nats.connect(f"scheduler-{self.scheduler_id}")
@@ -118,6 +123,10 @@ class SchedulerService:
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if stats.worker_id != subjects.sender_worker(msg.subject):
             return  # one worker posing as another
+        if msg.headers:  # a traced (sampled) heartbeat: placements link to it
+            beat = trace.get_current_span(propagate.extract(msg.headers)).get_span_context()
+            if beat.is_valid:
+                self._heartbeat_spans[stats.worker_id] = beat
         if self.registry.heartbeat(stats) and stats.state == WorkerState.READY:
             self._sync(stats.worker_id)
         if stats.worker_id in self.registry.quarantined:
@@ -215,10 +224,23 @@ class SchedulerService:
             await self._send(request, msg.reply, decision)
 
     def _decide(self, request: GenerateRequest) -> Decision:
-        """Where ``request`` goes now, or why not; a deadline the chosen worker cannot
-        meet by the prediction is a refusal."""
-        registry = self.registry
-        decision = self.placer.place(request, registry.candidates(), registry.index.overlap)
+        """Where ``request`` goes now, or why not, in a ``place`` span when the request is
+        traced: each candidate's score inputs, and links to the heartbeats they came
+        from (the last traced one of each worker)."""
+        live = self.registry.candidates()
+        if not trace.get_current_span().get_span_context().is_valid:
+            return self._place(request, live)  # untraced, or dispatched from the queue
+        beats = (self._heartbeat_spans.get(c.stats.worker_id) for c in live)
+        links = [Link(beat) for beat in beats if beat is not None]
+        with tracer.start_as_current_span("place", links=links) as span:
+            decision = self._place(request, live)
+            span.set_attributes(_placement_attributes(decision, self.placer.policy))
+            return decision
+
+    def _place(self, request: GenerateRequest, live: list[Candidate]) -> Decision:
+        """Where ``request`` goes now among ``live``, or why not; a deadline the chosen
+        worker cannot meet by the prediction is a refusal."""
+        decision = self.placer.place(request, live, self.registry.index.overlap)
         deadline = request.sla.deadline_ms
         if decision.worker_id is not None and deadline is not None:
             eta_ms = time.time() * 1000 + (decision.predicted_ttft_s or 0.0) * 1000
@@ -399,3 +421,24 @@ class SchedulerService:
             task.cancel()
         if self.bus is not None:
             await self.bus.drain()
+
+
+def _placement_attributes(decision: Decision, policy: str) -> dict:
+    """A placement span's attributes: the choice, and every candidate's score inputs."""
+    scored = decision.scored
+    attributes = {
+        "lamina.placement.policy": policy,
+        "lamina.placement.candidates": decision.candidates,
+        "lamina.placement.reason": str(decision.reason or "placed"),
+        "lamina.placement.prefix_hit_blocks": decision.prefix_hit_blocks,
+        "lamina.candidate.worker_id": [w.worker_id for w in scored],
+        "lamina.candidate.overlap_blocks": [w.overlap_blocks for w in scored],
+        "lamina.candidate.predicted_ttft_s": [w.predicted_ttft_s for w in scored],
+        "lamina.candidate.kv_usage": [w.kv_usage for w in scored],
+        "lamina.candidate.num_running": [w.num_running for w in scored],
+    }
+    if decision.worker_id is not None:
+        attributes["lamina.placement.worker_id"] = decision.worker_id
+    if decision.predicted_ttft_s is not None:
+        attributes["lamina.placement.predicted_ttft_s"] = decision.predicted_ttft_s
+    return attributes
