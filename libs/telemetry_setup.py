@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from opentelemetry import trace
 
@@ -72,14 +73,15 @@ def setup_logging(service: str, level: str | None = None, fmt: str | None = None
     root.setLevel((level or os.environ.get("LAMINA_LOG_LEVEL", "INFO")).upper())
 
 
-def setup_tracing(service: str) -> None:
-    """Install an SDK tracer provider if an exporter is configured; else keep the no-op."""
+def setup_tracing(service: str) -> Any:
+    """Install an SDK tracer provider if an exporter is configured, and return it (to shut
+    down, which flushes); else keep the no-op and return None."""
     otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
     )
     trace_file = os.environ.get("LAMINA_TRACE_FILE")
     if not otlp and not trace_file:
-        return
+        return None
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -92,6 +94,7 @@ def setup_tracing(service: str) -> None:
     if trace_file:
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(trace_file)))
     trace.set_tracer_provider(provider)
+    return provider
 
 
 def shutdown_tracing() -> None:

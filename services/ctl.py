@@ -16,9 +16,13 @@ import os
 import sys
 from collections.abc import Callable
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import lamina_home
 from lamina.libs.errors import BadReply, NoResponders, NotAdmitted, RequestTimeout
+from lamina.libs.telemetry_setup import setup_tracing
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import (
     ControlAck,
@@ -29,6 +33,8 @@ from lamina.schemas.v1.control import (
     Uncordon,
 )
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
+
+tracer = trace.get_tracer("lamina.ctl")
 
 COMMANDS: dict[str, Callable[[], object]] = {
     "drain": Drain,
@@ -153,18 +159,25 @@ async def run(args: argparse.Namespace) -> str:
     except TimeoutError as exc:  # the client retries an unreachable server forever
         raise CtlError(f"cannot reach NATS at {args.nats_url} within {args.timeout:g}s") from exc
     try:
-        if args.command == "status":
-            return status_table(await cluster_status(bus, args.timeout))
-        return "\n".join(await control(args, bus))
+        # One trace per invocation, from the operator to each worker and back, exported
+        # as the services export theirs (OTEL_EXPORTER_OTLP_ENDPOINT, LAMINA_TRACE_FILE).
+        with tracer.start_as_current_span(f"ctl {args.command}", kind=SpanKind.CLIENT):
+            if args.command == "status":
+                return status_table(await cluster_status(bus, args.timeout))
+            return "\n".join(await control(args, bus))
     finally:
         await bus.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    provider = setup_tracing("lamina-ctl")
     try:
         print(asyncio.run(run(args)))
     except CtlError as exc:
         print(f"lamina ctl: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if provider is not None:
+            provider.shutdown()  # flushes this invocation's trace
     return 0

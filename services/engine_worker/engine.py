@@ -34,7 +34,7 @@ from lamina.services.engine_worker.model_config import DTYPES, ModelConfig
 from lamina.services.engine_worker.model_runner import ModelRunner, kv_block_bytes
 from lamina.services.engine_worker.request import Request
 from lamina.services.engine_worker.sampler import Logprobs, Sampler, SamplerOutput
-from lamina.services.engine_worker.scheduler import Scheduler
+from lamina.services.engine_worker.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger("lamina.worker.engine")
 
@@ -127,6 +127,8 @@ class Engine:
             config.max_num_seqs,
             config.enable_chunked_prefill,
         )
+        self.last_batch: ScheduledBatch | None = None
+        """What the last ``step`` ran (who tracing wants to know was in it)."""
         self.runner = ModelRunner(model, num_blocks, bs, self.device, config.kv_cache_dtype)
         if graphs:
             self.runner.decode_graphs = DecodeGraphs(
@@ -233,7 +235,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the requests that produced a token (or finished)."""
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         if not batch.requests:
             return []
         started = time.perf_counter()

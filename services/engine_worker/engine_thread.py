@@ -39,6 +39,7 @@ from lamina.schemas.v1.generate import (
 from lamina.schemas.v1.kv import KvEventBatch
 from lamina.services.engine_worker.engine import Engine, EngineStats, RequestOutput
 from lamina.services.engine_worker.errors import InvalidRequestError
+from lamina.services.engine_worker.scheduler import ScheduledBatch
 
 log = logging.getLogger("lamina.worker.engine")
 tracer = trace.get_tracer("lamina.worker")
@@ -60,6 +61,8 @@ class _Stream:
     seq: int = 1  # 0 was Accepted
     span: Span | None = None
     """The worker's side of the request, from the engine taking it to its end."""
+    scheduled: bool = False
+    """It has run in a step since it was (re)admitted."""
 
     def end(self, status: str, **attributes: Any) -> None:
         """End the span (if any) with how the request ended here."""
@@ -248,6 +251,7 @@ class EngineThread(threading.Thread):
                     self._fail_all("engine step failed")
                     self.on_step_failure("engine step failed")
                     continue
+                self._trace_step(self.engine.last_batch)
                 self._emit_outputs(outputs)
                 self._stop_expired()
             self._refresh_stats()
@@ -386,6 +390,36 @@ class EngineThread(threading.Thread):
                 batch.append((stream.reply, failed, stream.context))
         if batch:
             self.emit(batch)
+
+    def _trace_step(self, batch: ScheduledBatch | None) -> None:
+        """The step's part in each traced request, as events on its span: when it was
+        first scheduled (what it waited), each prefill chunk, a preemption. Untraced
+        requests cost a dictionary lookup each."""
+        if batch is None:
+            return
+        for index, (request, tokens) in enumerate(
+            zip(batch.requests, batch.num_new_tokens, strict=True)
+        ):
+            stream = self._streams.get(request.request_id)
+            if stream is None or stream.span is None:
+                continue
+            if not stream.scheduled:
+                stream.scheduled = True
+                stream.span.add_event("scheduled")
+            if index >= batch.num_decodes:  # a prefill chunk
+                stream.span.add_event(
+                    "prefill_chunk",
+                    {
+                        "lamina.tokens": tokens,
+                        "lamina.computed_tokens": request.num_computed_tokens,
+                        "lamina.cached_tokens": request.num_cached_tokens,
+                    },
+                )
+        for request in batch.preempted:
+            stream = self._streams.get(request.request_id)
+            if stream is not None and stream.span is not None:
+                stream.span.add_event("preempted")
+                stream.scheduled = False  # its next "scheduled" is its readmission
 
     def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
         batch: list[Outgoing] = []

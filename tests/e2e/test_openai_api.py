@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -224,7 +227,9 @@ def test_one_trace_follows_the_caller_through_gateway_scheduler_and_worker(clien
     assert served["attributes"]["gen_ai.usage.output_tokens"] == 3
     assert served["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
     assert served["attributes"]["lamina.end"] == "finished"
-    assert "first_token" in served["events"]
+    # Its phases: scheduled (after its time in the queue), its prompt's one chunk, the
+    # first token in the same step.
+    assert served["events"] == ["scheduled", "prefill_chunk", "first_token"]
     # Placement: the choice among the candidates, what each scored, and links to the
     # heartbeats it was decided by, which are in the trace store.
     place = by_name["place"]
@@ -320,3 +325,40 @@ def test_the_nats_api_continues_the_callers_trace(stack, trace_file):
     consumer = spans["lamina.v1.api.generate process"]
     assert consumer["parent_id"] == parent  # the caller's span
     assert spans["generate lamina-tiny"]["parent_id"] == consumer["span_id"]
+
+
+def test_a_control_command_is_one_trace_from_the_operator_to_the_worker_and_back(stack, trace_file):
+    program = "import sys; from lamina.services.cli import main; sys.exit(main())"
+    for command in ("cordon", "uncordon"):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                program,
+                "ctl",
+                "--nats-url",
+                stack.nats_url,
+                command,
+                "worker-0",
+            ],
+            env={**os.environ, "LAMINA_TRACE_FILE": str(trace_file)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        spans = read_spans(trace_file)
+        roots = [s for s in spans if s["name"] == "ctl cordon" and s["service"] == "lamina-ctl"]
+        if roots:
+            in_trace = {
+                (s["service"], s["name"]) for s in spans if s["trace_id"] == roots[-1]["trace_id"]
+            }
+            if ("engine-worker", "lamina.v1.worker.worker-0.control process") in in_trace:
+                break
+        time.sleep(0.2)
+    else:
+        pytest.fail("no trace of `lamina ctl cordon` reaching the worker")
+    assert ("lamina-ctl", "lamina.v1.worker.worker-0.control publish") in in_trace
+    assert ("engine-worker", "(temporary) publish") in in_trace  # the acknowledgement back
