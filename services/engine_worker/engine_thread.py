@@ -337,6 +337,14 @@ class EngineThread(threading.Thread):
         """Queue a request the service has validated and already answered ``Accepted``.
         If the engine refuses it after all, that request fails alone."""
         rid = request.request_id
+        old = self._streams.get(rid)
+        if old is not None and request.attempt > 0:
+            # A resubmission of a request still running here: its gateway lost sight of
+            # this worker (a bus outage) and moved it, and the move came back here. The
+            # gateway reads only the new attempt's subject: the old run is dropped.
+            self.engine.abort(rid)
+            del self._streams[rid]
+            old.end("superseded")
         try:
             sla = request.sla
             self.engine.add_request(

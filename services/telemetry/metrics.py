@@ -29,6 +29,8 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import ALLOWUTF8
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
 from lamina.libs.cluster import MISSED_HEARTBEATS, Clock, ClusterView, WorkerEntry
@@ -252,24 +254,27 @@ class RequestMetrics:
             registry=registry,
         )
 
-    def observe(self, record: RequestRecord) -> None:
+    def observe(self, record: RequestRecord, trace_id: str | None = None) -> None:
         """Count ``record``; latency and token histograms take only what it measured.
 
         TTFT and inter-token gaps are observed whenever present (a cancelled request that
         streamed did see its first token); end-to-end latency and token counts only for
-        finished requests, so rejections do not drag the distributions down.
+        finished requests, so rejections do not drag the distributions down. With the
+        request's ``trace_id``, the TTFT and end-to-end observations carry it as an
+        exemplar (OpenMetrics), so a latency panel can open the slow request's trace.
         """
+        exemplar = {"trace_id": trace_id} if trace_id else None
         labels = (record.model, record.worker_id or "")
         self.outcome.labels(*labels, record.outcome).inc()
         if record.ttft_s is not None:
-            self.ttft.labels(*labels).observe(record.ttft_s)
+            self.ttft.labels(*labels).observe(record.ttft_s, exemplar)
         itl = self.itl.labels(*labels)
         for gap in record.inter_token_s:
             itl.observe(gap)
         if record.outcome != Outcome.FINISHED:
             return
         self.success.labels(*labels, record.finish_reason or "unknown").inc()
-        self.e2e.labels(*labels).observe(record.e2e_s)
+        self.e2e.labels(*labels).observe(record.e2e_s, exemplar)
         self.prompt_tokens.labels(*labels).observe(record.prompt_tokens)
         self.generation_tokens.labels(*labels).observe(record.completion_tokens)
 
@@ -356,9 +361,9 @@ class Aggregator:
         """A worker heartbeat."""
         self.workers.heartbeat(stats)
 
-    def observe_request(self, record: RequestRecord) -> None:
-        """A request ended at the gateway."""
-        self.requests.observe(record)
+    def observe_request(self, record: RequestRecord, trace_id: str | None = None) -> None:
+        """A request ended at the gateway (``trace_id``: its trace, for exemplars)."""
+        self.requests.observe(record, trace_id)
         self.predictions.ended(record)
 
     def observe_placement(self, record: PlacementRecord) -> None:
@@ -366,8 +371,11 @@ class Aggregator:
         self.placements.labels(record.reason).inc()
         self.predictions.placed(record)
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
+    def render(self, openmetrics: bool = False) -> bytes:
+        """The exposition of every metric: Prometheus text, or OpenMetrics (which carries
+        exemplars) for a scraper that asks for it."""
+        if openmetrics:  # names as they are: the default escaping would turn ':' into '_'
+            return openmetrics_latest(self.registry, escaping=ALLOWUTF8)
         return generate_latest(self.registry)
 
     def cluster(self) -> dict[str, Any]:

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
-from litestar import Litestar, Response, get
+from litestar import Litestar, Request, Response, get
 from nats.aio.msg import Msg
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
@@ -61,9 +63,15 @@ def build_app(aggregator: Aggregator, is_ready: Callable[[], bool]) -> Litestar:
     """The HTTP API over ``aggregator``; ``is_ready`` answers ``/ready``."""
 
     @get("/metrics", sync_to_thread=False)
-    def metrics() -> Response[bytes]:
-        # An explicit header: Litestar would append a second charset to a text/ media type.
-        return Response(aggregator.render(), headers={"content-type": CONTENT_TYPE_LATEST})
+    def metrics(request: Request) -> Response[bytes]:
+        # OpenMetrics (with exemplars) for a scraper that asks for it, as Prometheus does
+        # with exemplar storage on; else the classic text format. An explicit header:
+        # Litestar would append a second charset to a text/ media type.
+        if "application/openmetrics-text" in request.headers.get("accept", ""):
+            body, kind = aggregator.render(openmetrics=True), OPENMETRICS_CONTENT_TYPE
+        else:
+            body, kind = aggregator.render(), CONTENT_TYPE_LATEST
+        return Response(body, headers={"content-type": kind})
 
     @get("/v1/cluster", sync_to_thread=False)
     def cluster() -> dict[str, Any]:
@@ -164,7 +172,11 @@ class TelemetryService:
         self.aggregator.observe_start(started)
 
     async def _on_request(self, record: RequestRecord, msg: Msg) -> None:
-        self.aggregator.observe_request(record)
+        # The record travels in its request's trace (the gateway publishes it from the
+        # request's span): that trace is the exemplar of its latencies.
+        context = trace.get_current_span().get_span_context()
+        trace_id = format(context.trace_id, "032x") if context.is_valid else None
+        self.aggregator.observe_request(record, trace_id)
 
     async def _on_placement(self, record: PlacementRecord, msg: Msg) -> None:
         self.aggregator.observe_placement(record)

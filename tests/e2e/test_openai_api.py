@@ -247,6 +247,25 @@ def test_one_trace_follows_the_caller_through_gateway_scheduler_and_worker(clien
     assert len(traced_request(client, trace_file, 24)) == len(spans)
 
 
+def test_telemetry_shows_a_slow_requests_trace_as_its_latency_exemplar(client, stack, trace_file):
+    spans = traced_request(client, trace_file, 2)
+    trace_id = spans[0]["trace_id"]
+    openmetrics = {"accept": "application/openmetrics-text; version=1.0.0"}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        response = httpx.get(stack.metrics_url, headers=openmetrics)
+        assert response.headers["content-type"].startswith("application/openmetrics-text")
+        exemplars = [
+            line
+            for line in response.text.splitlines()
+            if line.startswith("lamina:time_to_first_token_seconds_bucket") and "# {" in line
+        ]
+        if any(trace_id in line for line in exemplars):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"no TTFT exemplar for trace {trace_id}: {exemplars}")
+
+
 def test_housekeeping_makes_no_traces_but_sampled_heartbeats(client, trace_file):
     """KV event batches, gateway liveness and the readiness poll run every second or so
     and start no trace; of the heartbeats (two a second) one in twenty is traced, and

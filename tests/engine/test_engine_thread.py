@@ -179,3 +179,35 @@ def test_a_request_past_its_deadline_is_stopped_and_its_blocks_freed(tiny_model)
     finally:
         thread.stop()
         thread.join(timeout=5)
+
+
+def test_a_resubmission_of_a_request_still_running_here_replaces_it(tiny_model):
+    """After a bus outage the gateway moves a request whose worker it lost sight of; the
+    move may come back to the worker still running it. The new attempt (its own reply
+    subject, the tokens so far replayed) replaces the old run instead of failing as a
+    duplicate."""
+    seen: list[tuple[str, object]] = []
+    thread = EngineThread(
+        lambda: make_engine(tiny_model),
+        "w",
+        "kv",
+        emit=lambda batch: seen.extend((subject, m) for subject, m, _ in batch),
+    )
+    thread.start()
+    try:
+        engine = thread.wait_ready()
+        thread.submit(long_request("r0"), reply="inbox.1")
+        moved = msgspec.structs.replace(long_request("r0"), attempt=1)
+        thread.submit(moved, reply="inbox.2")
+        deadline = time.monotonic() + 20
+        while not any(isinstance(m, Finished) for _, m in seen) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        finished = [(subject, m) for subject, m in seen if isinstance(m, Finished)]
+        assert [subject for subject, _ in finished] == ["inbox.2"]
+        assert not [m for _, m in seen if isinstance(m, Failed)]
+        assert finished[0][1].usage.completion_tokens == 200
+        done = thread.call(lambda e: None)
+        assert done.wait(5) and not engine.has_work()
+    finally:
+        thread.stop()
+        thread.join(timeout=5)

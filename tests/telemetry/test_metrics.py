@@ -300,3 +300,23 @@ def test_service_starts_are_counted_and_the_supervisors_restarts_shown():
         'lamina:service_restarts{instance="w0",service="worker"} 2.0',
         'lamina:service_restarts{instance="g1",service="gateway"} 0.0',
     } <= lines(agg)
+
+
+def test_latencies_carry_their_requests_trace_as_an_exemplar_in_openmetrics():
+    agg, _ = make_aggregator()
+    agg.observe_request(make_record(ttft_s=0.03, e2e_s=0.2), trace_id="ab" * 16)
+    agg.observe_request(make_record(ttft_s=0.04, e2e_s=0.3))  # untraced: no exemplar
+    openmetrics = agg.render(openmetrics=True).decode()
+    ttft = [
+        line
+        for line in openmetrics.splitlines()
+        if "lamina:time_to_first_token_seconds_bucket" in line
+    ]
+    assert sum('# {trace_id="' + "ab" * 16 + '"}' in line for line in ttft) == 1
+    e2e = [
+        line
+        for line in openmetrics.splitlines()
+        if "lamina:e2e_request_latency_seconds_bucket" in line
+    ]
+    assert any("ab" * 16 in line for line in e2e)
+    assert "trace_id" not in agg.render().decode()  # the classic text format has none
