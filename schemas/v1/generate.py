@@ -261,4 +261,5 @@ StreamEvent = Accepted | Tokens | Finished | Rejected | Failed | Queued
 ``Failed`` numbered 1, 2, 3, ... without gaps. The ``seq`` contract: the worker publishes
 a reply subject's events from one task, in order; each submission (each retry or move of
 a request) has its own reply subject and numbering; a receiver that sees a gap has lost
-events, not reordered ones."""
+events, not reordered ones (the gateway then moves the request on from before the gap,
+as after a lost worker)."""

@@ -264,10 +264,11 @@ class RemoteRequest:
             heard_at = time.monotonic()
             match event:
                 case Tokens() | Finished() if event.seq != expected:
-                    raise GenerationError(
-                        502,
-                        "api_error",
-                        f"token stream lost events (got seq {event.seq}, expected {expected})",
+                    # Events lost on the way (a bus cut drops what was in flight): what
+                    # came before the gap is the client's, so the request moves on from
+                    # there, exactly, rather than failing.
+                    raise _WorkerLost(
+                        f"token stream lost events (got seq {event.seq}, expected {expected})"
                     )
                 case Tokens():
                     expected += 1
