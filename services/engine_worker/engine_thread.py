@@ -76,11 +76,12 @@ class _Stream:
 
 
 def _request_span(request: GenerateRequest, worker_id: str, context: Any) -> Span | None:
-    """A span for the request's time in this engine, if its caller traced it (requests
-    are traced as their callers decide: untraced ones cost nothing here)."""
+    """A span for the request's time in this engine, if its caller traced it and this
+    process records spans (requests are traced as their callers decide: untraced ones,
+    or any without a tracing SDK, cost nothing here)."""
     if not trace.get_current_span(context).get_span_context().is_valid:
         return None
-    return tracer.start_span(
+    span = tracer.start_span(
         f"serve {request.model}",
         context=context,
         attributes={
@@ -94,6 +95,7 @@ def _request_span(request: GenerateRequest, worker_id: str, context: Any) -> Spa
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
         },
     )
+    return span if span.is_recording() else None
 
 
 @dataclass
@@ -143,6 +145,8 @@ class EngineThread(threading.Thread):
         self._startup_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._traced: set[str] = set()
+        """Requests with a span (a superset: ended ones are dropped at the next step)."""
         self._deadlines: dict[str, int] = {}  # request id -> Unix ms, for those that have one
         self._stopping = threading.Event()
         self._stats_at = 0.0
@@ -367,6 +371,7 @@ class EngineThread(threading.Thread):
         span = _request_span(request, self.worker_id, context)
         if span is not None:
             context = trace.set_span_in_context(span, context)
+            self._traced.add(rid)
         self._streams[rid] = _Stream(reply, context, span=span)
         if request.sla.deadline_ms is not None:
             self._deadlines[rid] = request.sla.deadline_ms
@@ -401,10 +406,11 @@ class EngineThread(threading.Thread):
 
     def _trace_step(self, batch: ScheduledBatch | None) -> None:
         """The step's part in each traced request, as events on its span: when it was
-        first scheduled (what it waited), each prefill chunk, a preemption. Untraced
-        requests cost a dictionary lookup each."""
-        if batch is None:
+        first scheduled (what it waited), each prefill chunk, a preemption. With none
+        traced, a step costs nothing here."""
+        if batch is None or not self._traced:
             return
+        self._traced &= self._streams.keys()
         for index, (request, tokens) in enumerate(
             zip(batch.requests, batch.num_new_tokens, strict=True)
         ):

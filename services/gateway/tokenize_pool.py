@@ -38,9 +38,7 @@ def _load(model_dir: str) -> None:
 
 def _encode(prompt: str | list[dict[str, str]]) -> list[int]:
     assert _tokenizer is not None
-    if isinstance(prompt, str):
-        return _tokenizer.encode(prompt)
-    return _tokenizer.encode_chat(prompt)
+    return _tokenizer.encode_prompt(prompt)
 
 
 class TokenizePool:
@@ -85,7 +83,7 @@ class TokenizePool:
         else:
             chars = sum(len(m.get("content") or "") for m in prompt)
         if self._pool is None or chars <= INLINE_CHARS:
-            return self._inline(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         if self.pending >= self.max_pending:
             raise GenerationError(
                 429,
@@ -101,14 +99,9 @@ class TokenizePool:
             log.error("a tokenizer process died; restarting the pool")
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = self._new_pool()
-            return self._inline(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         finally:
             self.pending -= 1
-
-    def _inline(self, prompt: str | list[dict[str, str]]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return self.tokenizer.encode_chat(prompt)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -71,6 +71,10 @@ class ModelTokenizer:
         except Exception as exc:  # template errors are the client's messages' fault
             raise TemplateError(f"chat template failed: {exc}") from exc
 
+    def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """Text, or chat messages through the chat template."""
+        return self.encode(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
+
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         # The rendered template already carries its special tokens (e.g. a BOS).
         return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
