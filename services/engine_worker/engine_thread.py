@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import Span, StatusCode
+from opentelemetry.trace import Link, Span, SpanKind, StatusCode
 
 from lamina.schemas.v1.generate import (
     Failed,
@@ -63,6 +63,8 @@ class _Stream:
     """The worker's side of the request, from the engine taking it to its end."""
     scheduled: bool = False
     """It has run in a step since it was (re)admitted."""
+    prefilled: bool = False
+    """It has produced a token since it was (re)admitted: its steps now are decodes."""
 
     def end(self, status: str, **attributes: Any) -> None:
         """End the span (if any) with how the request ended here."""
@@ -248,6 +250,7 @@ class EngineThread(threading.Thread):
             busy = self.engine.has_work()
             self._drain_commands(block=not busy)
             if self.engine.has_work():
+                started = time.time_ns() if self._traced else 0
                 try:
                     outputs = self.engine.step()
                 except Exception:  # a bug in a step must not leave clients hanging
@@ -255,8 +258,8 @@ class EngineThread(threading.Thread):
                     self._fail_all("engine step failed")
                     self.on_step_failure("engine step failed")
                     continue
-                self._trace_step(self.engine.last_batch)
-                self._emit_outputs(outputs)
+                step = self._trace_step(self.engine.last_batch, started)
+                self._emit_outputs(outputs, step)
                 self._stop_expired()
             self._refresh_stats()
 
@@ -404,23 +407,43 @@ class EngineThread(threading.Thread):
         if batch:
             self.emit(batch)
 
-    def _trace_step(self, batch: ScheduledBatch | None) -> None:
-        """The step's part in each traced request, as events on its span: when it was
-        first scheduled (what it waited), each prefill chunk, a preemption. With none
-        traced, a step costs nothing here."""
-        if batch is None or not self._traced:
-            return
-        self._traced &= self._streams.keys()
-        for index, (request, tokens) in enumerate(
-            zip(batch.requests, batch.num_new_tokens, strict=True)
-        ):
+    def _trace_step(self, batch: ScheduledBatch | None, started_ns: int) -> Any:
+        """The step's part in each traced request: events on the request's span (when it
+        was first scheduled, what it waited; each prefill chunk; a preemption), and one
+        ``engine step`` span for the whole step, linked to every traced request it served.
+
+        The step span is a child of the first traced request in the batch (the oldest
+        running one: decodes come first), so a single traced request's trace holds all its
+        steps; other traced requests reach it through their link. Returns the context of
+        the step span (what the step's KV event batch is traced under), or ``None``. With
+        no traced request in the step, nothing here costs more than a set lookup.
+        """
+        if batch is None:
+            return None
+        for request in batch.preempted:  # rare: kept right whether traced or not
             stream = self._streams.get(request.request_id)
-            if stream is None or stream.span is None:
+            if stream is not None:
+                stream.prefilled = stream.scheduled = False  # it starts over when readmitted
+                if stream.span is not None:
+                    stream.span.add_event("preempted")
+        if not self._traced:
+            return None
+        self._traced &= self._streams.keys()
+        served: list[Span] = []
+        prefills = 0
+        for request, tokens in zip(batch.requests, batch.num_new_tokens, strict=True):
+            stream = self._streams.get(request.request_id)
+            if stream is None:
                 continue
+            prefill = not stream.prefilled  # a fully cached prompt leaves one token to do
+            prefills += prefill
+            if stream.span is None:
+                continue
+            served.append(stream.span)
             if not stream.scheduled:
                 stream.scheduled = True
                 stream.span.add_event("scheduled")
-            if index >= batch.num_decodes:  # a prefill chunk
+            if prefill:
                 stream.span.add_event(
                     "prefill_chunk",
                     {
@@ -429,13 +452,29 @@ class EngineThread(threading.Thread):
                         "lamina.cached_tokens": request.num_cached_tokens,
                     },
                 )
-        for request in batch.preempted:
-            stream = self._streams.get(request.request_id)
-            if stream is not None and stream.span is not None:
-                stream.span.add_event("preempted")
-                stream.scheduled = False  # its next "scheduled" is its readmission
+        if not served or not started_ns:
+            return None
+        step = tracer.start_span(
+            "engine step",
+            context=trace.set_span_in_context(served[0]),
+            start_time=started_ns,
+            links=[Link(span.get_span_context()) for span in served],
+            attributes={
+                "lamina.worker_id": self.worker_id,
+                "lamina.batch.tokens": sum(batch.num_new_tokens),
+                "lamina.batch.decode_seqs": len(batch) - prefills,
+                "lamina.batch.prefill_seqs": prefills,
+                "lamina.batch.preempted": len(batch.preempted),
+                "lamina.batch.traced_seqs": len(served),
+                "lamina.kv_cache_usage": self.engine.blocks.usage,
+            },
+        )
+        step.end()
+        return trace.set_span_in_context(step)
 
-    def _emit_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _emit_outputs(self, outputs: list[RequestOutput], step: Any = None) -> None:
+        """Each request's new tokens (or its end) to its reply inbox, then the step's KV
+        events; ``step`` is the traced step's context, if it was traced."""
         batch: list[Outgoing] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -446,6 +485,7 @@ class EngineThread(threading.Thread):
                 logprobs = [TokenLogprob(lp, top) for lp, top in out.new_logprobs]
             if stream.seq == 1 and stream.span is not None:
                 stream.span.add_event("first_token")
+            stream.prefilled = True
             if out.error is not None:
                 del self._streams[out.request_id]
                 stream.end("failed", **{"error.type": out.error[:200]})
@@ -487,12 +527,17 @@ class EngineThread(threading.Thread):
                 )
             stream.seq += 1
             batch.append((stream.reply, message, stream.context))
-        batch += self._kv_events()
+        batch += self._kv_events(step)
         if batch:
             self.emit(batch)
 
-    def _kv_events(self) -> list[Outgoing]:
-        """The prefix cache's events since the last call, as one message (or none)."""
+    def _kv_events(self, step: Any = None) -> list[Outgoing]:
+        """The prefix cache's events since the last call, as one message (or none).
+
+        Made by a traced step (``step``: its context), the batch is traced too, as a
+        ``kv_events`` span under the step: the scheduler's next placement links to it, so a
+        placement's trace reaches the step that stored the blocks it counted on.
+        """
         events = self.engine.take_kv_events()
         if not events:
             return []
@@ -502,7 +547,21 @@ class EngineThread(threading.Thread):
             events=events,
             incarnation=self.incarnation,
         )
-        return [(self.kv_subject, batch, None)]
+        context = None
+        if step is not None:
+            span = tracer.start_span(
+                f"kv_events {self.worker_id}",
+                context=step,
+                kind=SpanKind.PRODUCER,
+                attributes={
+                    "lamina.worker_id": self.worker_id,
+                    "lamina.kv.events": len(events),
+                    "lamina.kv.first_event_id": events[0].event_id,
+                },
+            )
+            span.end()
+            context = trace.set_span_in_context(span)
+        return [(self.kv_subject, batch, context)]
 
     def _fail_all(self, reason: str) -> None:
         """Fail every request the engine holds, as retryable: another worker may run it."""

@@ -105,6 +105,8 @@ class SchedulerService:
         self._pinging: set[str] = set()
         self._heartbeat_spans: dict[str, trace.SpanContext] = {}
         """Each worker's last traced heartbeat (what a placement span links to)."""
+        self._kv_spans: dict[str, trace.SpanContext] = {}
+        """Each worker's last traced KV event batch, in the prefix index (linked too)."""
 
     async def start(self) -> None:
         self.bus = bus = await self.config.nats.connect(f"scheduler-{self.scheduler_id}")
@@ -123,10 +125,7 @@ class SchedulerService:
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if stats.worker_id != subjects.sender_worker(msg.subject):
             return  # one worker posing as another
-        if msg.headers:  # a traced (sampled) heartbeat: placements link to it
-            beat = trace.get_current_span(propagate.extract(msg.headers)).get_span_context()
-            if beat.is_valid:
-                self._heartbeat_spans[stats.worker_id] = beat
+        _remember_span(msg, stats.worker_id, self._heartbeat_spans)
         if self.registry.heartbeat(stats) and stats.state == WorkerState.READY:
             self._sync(stats.worker_id)
         if stats.worker_id in self.registry.quarantined:
@@ -139,6 +138,8 @@ class SchedulerService:
             return
         if not self.registry.kv_events(batch):
             self._sync(batch.worker_id)
+        else:
+            _remember_span(msg, batch.worker_id, self._kv_spans)
 
     async def _on_peer_placement(self, record: PlacementRecord, msg: Msg) -> None:
         if record.scheduler_id != self.scheduler_id and record.worker_id is not None:
@@ -225,13 +226,17 @@ class SchedulerService:
 
     def _decide(self, request: GenerateRequest) -> Decision:
         """Where ``request`` goes now, or why not, in a ``place`` span when the request is
-        traced: each candidate's score inputs, and links to the heartbeats they came
-        from (the last traced one of each worker)."""
+        traced: each candidate's score inputs, and links to what they came from (each
+        worker's last traced heartbeat and last traced KV event batch)."""
         live = self.registry.candidates()
         if not trace.get_current_span().get_span_context().is_valid:
             return self._place(request, live)  # untraced, or dispatched from the queue
-        beats = (self._heartbeat_spans.get(c.stats.worker_id) for c in live)
-        links = [Link(beat) for beat in beats if beat is not None]
+        links = [
+            Link(context, {"lamina.link": kind, "lamina.worker_id": worker_id})
+            for kind, spans in (("heartbeat", self._heartbeat_spans), ("kv_events", self._kv_spans))
+            for worker_id in (c.stats.worker_id for c in live)
+            if (context := spans.get(worker_id)) is not None
+        ]
         with tracer.start_as_current_span("place", links=links) as span:
             decision = self._place(request, live)
             span.set_attributes(_placement_attributes(decision, self.placer.policy))
@@ -421,6 +426,14 @@ class SchedulerService:
             task.cancel()
         if self.bus is not None:
             await self.bus.drain()
+
+
+def _remember_span(msg: Msg, worker_id: str, spans: dict[str, trace.SpanContext]) -> None:
+    """Keep the span a traced (sampled) message came under, for placements to link to."""
+    if msg.headers:
+        context = trace.get_current_span(propagate.extract(msg.headers)).get_span_context()
+        if context.is_valid:
+            spans[worker_id] = context
 
 
 def _placement_attributes(decision: Decision, policy: str) -> dict:

@@ -215,11 +215,17 @@ def assert_exact(results: list, expected: list[str], tokens: int) -> None:
 
 
 async def busiest_worker(stack, client: httpx.AsyncClient) -> str:
+    """The worker running the most requests, by the heartbeats telemetry has (streams can
+    be flowing before the first heartbeat that shows them: wait for one, briefly)."""
     cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
-    workers = (await client.get(cluster)).json()["workers"]
-    busiest = max(workers, key=lambda w: w["num_running"])
-    assert busiest["num_running"] > 0, workers
-    return busiest["worker_id"]
+    deadline = time.monotonic() + 3
+    while True:
+        workers = (await client.get(cluster)).json()["workers"]
+        busiest = max(workers, key=lambda w: w["num_running"])
+        if busiest["num_running"] > 0:
+            return busiest["worker_id"]
+        assert time.monotonic() < deadline, workers
+        await asyncio.sleep(0.1)
 
 
 def two_workers(tiny_model, tmp_path):

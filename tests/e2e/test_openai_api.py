@@ -192,13 +192,13 @@ def test_fifty_concurrent_streams_all_complete(stack, tokenizer):
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def traced_request(client, trace_file, max_tokens: int) -> list[dict]:
+def traced_request(client, trace_file, max_tokens: int, prompt: str = "trace me") -> list[dict]:
     """One completion sent inside a caller's trace (W3C ``traceparent``); the spans of that
     trace once gateway, scheduler and worker have all exported theirs."""
     trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
     client.completions.create(
         model="lamina-tiny",
-        prompt="trace me",
+        prompt=prompt,
         max_tokens=max_tokens,
         extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"},
         **GREEDY,
@@ -219,7 +219,9 @@ def traced_request(client, trace_file, max_tokens: int) -> list[dict]:
 
 
 def test_one_trace_follows_the_caller_through_gateway_scheduler_and_worker(client, trace_file):
-    spans = traced_request(client, trace_file, 3)
+    long_prompt = "a prompt long enough to fill several cache blocks " * 8
+    traced_request(client, trace_file, 2, long_prompt)  # stores blocks: a traced KV batch
+    spans = traced_request(client, trace_file, 3, long_prompt)
     by_name = {s["name"]: s for s in spans}
     assert "lamina.v1.sched.submit process" in by_name
     assert "lamina.v1.worker.worker-0.generate process" in by_name
@@ -230,21 +232,37 @@ def test_one_trace_follows_the_caller_through_gateway_scheduler_and_worker(clien
     # Its phases: scheduled (after its time in the queue), its prompt's one chunk, the
     # first token in the same step.
     assert served["events"] == ["scheduled", "prefill_chunk", "first_token"]
-    # Placement: the choice among the candidates, what each scored, and links to the
-    # heartbeats it was decided by, which are in the trace store.
+    # The engine steps that served it: one prefill, two decodes, under its span and
+    # linked to it, each with the batch it ran.
+    steps = [s for s in spans if s["name"] == "engine step"]
+    assert [s["attributes"]["lamina.batch.prefill_seqs"] for s in steps] == [1, 0, 0]
+    assert [s["attributes"]["lamina.batch.decode_seqs"] for s in steps] == [0, 1, 1]
+    assert {s["parent_id"] for s in steps} == {served["span_id"]}
+    assert all(s["links"] == [served["span_id"]] for s in steps)
+    usage = [s["attributes"]["lamina.kv_cache_usage"] for s in steps]  # after each step
+    assert 0 < usage[0] <= 1 and usage[-1] == 0  # the last step freed its blocks
+    # Placement: the choice among the candidates, what each scored, and links to what it
+    # was decided by: the worker's last traced heartbeat and KV event batch (the first
+    # request's, which stored this prompt's blocks), all of them in the trace store.
     place = by_name["place"]
     assert place["attributes"]["lamina.placement.worker_id"] == "worker-0"
+    assert place["attributes"]["lamina.placement.prefix_hit_blocks"] > 0
     assert place["attributes"]["lamina.candidate.worker_id"] == ["worker-0"]
     assert len(place["attributes"]["lamina.candidate.predicted_ttft_s"]) == 1
+    stored = read_spans(trace_file)
     heartbeats = {
-        s["span_id"]
-        for s in read_spans(trace_file)
-        if s["name"] == "lamina.v1.worker.worker-0.stats publish"
+        s["span_id"] for s in stored if s["name"] == "lamina.v1.worker.worker-0.stats publish"
     }
-    assert place["links"] and set(place["links"]) <= heartbeats
-    # Token events carry the trace but are not a span each: the trace's size does not
-    # grow with the output.
-    assert len(traced_request(client, trace_file, 24)) == len(spans)
+    kv_batches = {s["span_id"] for s in stored if s["name"] == "kv_events worker-0"}
+    assert len(place["links"]) == 2
+    assert place["links"][0] in heartbeats and place["links"][1] in kv_batches
+    # Token events carry the trace but are not a span each: a longer output adds only
+    # its engine steps.
+    per_step = ("engine step", "kv_events worker-0")
+    longer = traced_request(client, trace_file, 24)
+    others = [s for s in longer if s["name"] not in per_step]
+    assert len(others) == len([s for s in spans if s["name"] not in per_step])
+    assert len([s for s in longer if s["name"] == "engine step"]) == 24
 
 
 def test_telemetry_shows_a_slow_requests_trace_as_its_latency_exemplar(client, stack, trace_file):
