@@ -60,6 +60,7 @@ class Stack:
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
+    telemetry_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     nats: NatsServer | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -181,7 +182,13 @@ class Stack:
         self._spawn(
             "telemetry",
             "lamina.services.telemetry",
-            ["--http-host", self.http_host, "--http-port", str(self.metrics_port)],
+            [
+                "--http-host",
+                self.http_host,
+                "--http-port",
+                str(self.metrics_port),
+                *self.telemetry_args,
+            ],
             "telemetry",
         )
         for index in range(self.workers):
@@ -262,6 +269,9 @@ class UpConfig:
     nats_url: str = option("", "use this NATS server instead of starting one")
     nats_port: int = option(4222, "port of the embedded NATS server (0: any free port)")
     api_key: str = option("", "API keys the gateway requires (comma-separated; none: open)")
+    metrics_compat: str = option(
+        "", "telemetry also serves vLLM's metric names and labels: vllm (empty: Lamina's only)"
+    )
     nats_auth: bool = option(
         True, "the embedded NATS server admits only credentials under LAMINA_HOME/nats"
     )
@@ -335,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         else None,
         worker_args=[*to_argv(dataclasses.replace(config.engine, model=None)), *names],
         gateway_args=[*names, *(["--api-key", config.api_key] if config.api_key else [])],
+        telemetry_args=["--metrics-compat", config.metrics_compat] if config.metrics_compat else [],
     )
     stopping = False
 

@@ -178,6 +178,24 @@ class FinishReason(OpenEnum):
     """A reason this peer does not know; passed on to clients as ``unknown``."""
 
 
+Duration = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
+"""Seconds, as measured by one process's monotonic clock."""
+
+
+class EngineTimings(msgspec.Struct, kw_only=True):
+    """Where a request's time went in the engine that finished it (its monotonic clock;
+    after a move, the last worker's part only). vLLM's request phases: queue, prefill,
+    decode; inference is prefill plus decode."""
+
+    queued_s: Duration
+    """From the engine taking the request to its first step."""
+    prefill_s: Duration
+    """From its first step to its first token (preemptions included)."""
+    decode_s: Duration
+    """From its first token to its last."""
+    num_preemptions: Count = 0
+
+
 class Finished(Message):
     """The last event of a successful stream; may carry the step's final tokens."""
 
@@ -187,6 +205,7 @@ class Finished(Message):
     usage: Usage
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
+    timings: EngineTimings | None = None
 
 
 class RejectReason(OpenEnum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from lamina.schemas.v1.base import Message, OpenEnum
-from lamina.schemas.v1.generate import Count, FinishReason
+from lamina.schemas.v1.generate import Count, Duration, EngineTimings, FinishReason
 
 
 class Outcome(OpenEnum):
@@ -38,6 +38,19 @@ class RequestRecord(Message):
     e2e_s: float
     inter_token_s: list[float] = []
     attempts: int = 1
+    """Submissions: the first, each retry before a worker accepted, each move."""
+    moves: Count = 0
+    """Times the accepted request moved to another worker mid-stream (``attempts``
+    counts these too)."""
+    accept_s: Duration | None = None
+    """From the gateway's first submission to a worker's ``Accepted``: the scheduler's
+    decision, any time in its queue, and the hops (None if no worker accepted)."""
+    max_tokens: Count | None = None
+    """The request's ``max_tokens`` as the client set it (None: up to the context)."""
+    n: Count = 1
+    """Sequences the client asked for."""
+    timings: EngineTimings | None = None
+    """The engine's phases, from the worker that finished the request."""
 
 
 PLACED = "placed"
@@ -87,6 +100,12 @@ class PlacementRecord(Message):
     """Every worker that could take the request, as placement weighed it."""
     timestamp_ms: int = 0
     """Wall-clock time of the decision."""
+    decision_s: Duration | None = None
+    """How long the decision took (reading the registry and the prefix index, scoring)."""
+    queued_s: Duration | None = None
+    """Set when the request leaves the scheduler's queue: how long it waited there."""
+    queue_depth: Count = 0
+    """Requests in this replica's queue after the decision."""
 
 
 class ServiceStarted(Message):

@@ -17,6 +17,11 @@ Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
 Interval = Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
 
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""Upper bounds of ``WorkerStats.iteration_tokens``' buckets (vLLM's, for its
+``iteration_tokens_total``); a last bucket takes what is above them."""
+
+
 class WorkerState(OpenEnum):
     """Where a worker is in its life; the worker's transitions are in
     ``engine_worker/lifecycle.py``. Only a ``ready`` worker takes new requests."""
@@ -71,6 +76,18 @@ class WorkerStats(Message, gc=False):
     under the same id is a restart, so what was known of its cache is dropped."""
     cordoned: bool = False
     """An operator cordoned it: schedulers place nothing new here."""
+    prompt_tokens_cached: Count = 0
+    """Prompt tokens served from the prefix cache, counted once per request at its
+    first admission (cumulative)."""
+    iteration_tokens: list[Count] = []
+    """Engine steps by the tokens each computed, over the worker's life: the steps of each
+    bucket of :data:`ITERATION_TOKEN_BUCKETS` (above the previous bound, up to its
+    own), then those above the last bound."""
+    iteration_tokens_sum: Count = 0
+    """Tokens computed over all those steps."""
+    kv_cache_dtype: str = ""
+    """The KV cache's element type as configured (``auto``: the model's dtype)."""
+    enable_prefix_caching: bool = True
 
 
 class GatewayAlive(Message):

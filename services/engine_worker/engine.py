@@ -7,6 +7,7 @@ worker service drives it from its own thread.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -16,8 +17,9 @@ import msgspec
 import torch
 
 from lamina.libs.errors import invalid_field
-from lamina.schemas.v1.generate import FinishReason, Sampling, context_overflow
+from lamina.schemas.v1.generate import EngineTimings, FinishReason, Sampling, context_overflow
 from lamina.schemas.v1.kv import KvEvent
+from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS
 from lamina.services.engine_worker.block_manager import BlockManager
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.cuda_graphs import DecodeGraphs
@@ -55,6 +57,8 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     """Why this request failed on its own (its batch mates went on); it is finished."""
+    timings: EngineTimings | None = None
+    """Set once it finished (not failed): where its time went here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,9 @@ class EngineStats:
     generation_tokens_total: int = 0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    prompt_tokens_cached: int = 0
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def prefix_cache_hit_ratio(self) -> float:
@@ -146,6 +153,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
         self._prefill_rate = 0.0
         self._decode_rate = 0.0
 
@@ -180,6 +189,7 @@ class Engine:
             priority=priority,
             deadline_ms=deadline_ms,
             arrival=next(self._arrivals),
+            queued_at=time.monotonic(),
             generator=generator,
             num_replayed=replayed,
             pending_draws=replayed if generator is not None else 0,
@@ -245,6 +255,7 @@ class Engine:
         sampled, errors = self._sample(logits, finishing_prefill)
 
         outputs = []
+        now = time.monotonic()
         for request, token, logprobs in zip(
             finishing_prefill, sampled.token_ids, sampled.logprobs, strict=True
         ):
@@ -252,6 +263,8 @@ class Engine:
             if error is None:
                 request.token_ids.append(token)
                 request.update_block_hashes(self.config.block_size)
+                request.first_token_at = request.first_token_at or now
+                request.last_token_at = now
                 reason = self._finish_reason(request, token)
             if error is not None or reason is not None:
                 self.requests.pop(request.request_id)
@@ -267,10 +280,14 @@ class Engine:
                     num_output_tokens=request.num_output_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     error=error,
+                    timings=None if reason is None else _timings(request),
                 )
             )
         self._generation_tokens += len(outputs)
-        self._account(batch.num_new_tokens, batch.num_decodes, time.perf_counter() - started)
+        tokens = sum(batch.num_new_tokens)
+        self._iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self._iteration_tokens_sum += tokens
+        self._account(tokens, batch.num_decodes, time.perf_counter() - started)
         return outputs
 
     def _sample(
@@ -316,9 +333,9 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
-    def _account(self, num_new: list[int], num_decodes: int, seconds: float) -> None:
+    def _account(self, num_new: int, num_decodes: int, seconds: float) -> None:
         """Smoothed prefill and decode token rates (a mixed step credits both)."""
-        prefill = sum(num_new) - num_decodes
+        prefill = num_new - num_decodes
         seconds = max(seconds, 1e-9)
         a = _RATE_SMOOTHING
         # Each rate starts at its first sample, not at zero (an average from zero would
@@ -348,6 +365,9 @@ class Engine:
             num_queued_prefill_tokens=self.scheduler.num_queued_prefill_tokens(),
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self._prompt_tokens,
+            prompt_tokens_cached=self.scheduler.prompt_tokens_cached,
+            iteration_tokens=tuple(self._iteration_tokens),
+            iteration_tokens_sum=self._iteration_tokens_sum,
             generation_tokens_total=self._generation_tokens,
             prefill_tokens_per_s=self._prefill_rate,
             decode_tokens_per_s=self._decode_rate,
@@ -359,3 +379,13 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
+
+
+def _timings(request: Request) -> EngineTimings:
+    """A finished request's phases (vLLM's: from its first step, not its latest)."""
+    return EngineTimings(
+        queued_s=max(0.0, request.scheduled_at - request.queued_at),
+        prefill_s=max(0.0, request.first_token_at - request.scheduled_at),
+        decode_s=max(0.0, request.last_token_at - request.first_token_at),
+        num_preemptions=request.num_preemptions,
+    )

@@ -517,6 +517,7 @@ class EngineThread(threading.Thread):
                     ),
                     token_ids=out.new_token_ids,
                     logprobs=logprobs,
+                    timings=out.timings,
                 )
             else:
                 message = Tokens(

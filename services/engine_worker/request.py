@@ -51,6 +51,13 @@ class Request:
     pending_draws: int = 0
     """Draws of ``generator`` the tokens it replays took where they were sampled: the
     sampler skips them before its next draw, so a seeded stream continues exactly."""
+    queued_at: float = 0.0
+    """``time.monotonic()`` when the engine took it; the other times are on that clock."""
+    scheduled_at: float = 0.0
+    """When it first ran in a step (0: not yet; preemptions do not move it)."""
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

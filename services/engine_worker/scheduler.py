@@ -12,6 +12,7 @@ step that preempted nothing, so a freed block is never handed straight back.
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 
 from lamina.services.engine_worker.block_manager import BlockManager
@@ -50,6 +51,8 @@ class Scheduler:
         self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prompt_tokens_cached = 0
+        """Prompt tokens served from the prefix cache, once per request (first admission)."""
 
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
@@ -104,6 +107,9 @@ class Scheduler:
                 len(hit) * self.blocks.block_size
             )
             request.status = Status.RUNNING
+            if not request.scheduled_at:  # its first admission
+                request.scheduled_at = time.monotonic()
+                self.prompt_tokens_cached += request.num_cached_tokens
             self.running.append(request)
             chosen.append((request, num_new))
             budget -= num_new
@@ -134,6 +140,7 @@ class Scheduler:
         """Drop the request's KV; it will be recomputed (prompt plus output so far)."""
         self._release(request)
         self.num_preemptions += 1
+        request.num_preemptions += 1
         self.add(request)
 
     def _release(self, request: Request) -> None:

@@ -360,6 +360,8 @@ class WorkerService:
             state_reason=self.lifecycle.reason,
             incarnation=self.incarnation,
             cordoned=self.cordoned,
+            kv_cache_dtype=config.kv_cache_dtype,
+            enable_prefix_caching=config.enable_prefix_caching,
             prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
             **dataclasses.asdict(counters),
         )

@@ -93,6 +93,8 @@ class RemoteRequest:
     """The worker of the accepted attempt (None until one accepts)."""
     attempts: int = 0
     """Submissions so far."""
+    moves: int = 0
+    """Times the accepted request moved to another worker."""
     streamed: list[int] = field(default_factory=list)
     """Every token id received so far, across moves."""
     finished: Finished | None = None
@@ -107,6 +109,7 @@ class RemoteRequest:
     token_gaps: list[float] = field(default_factory=list)
     _last_token_at: float | None = None
     _accepted_at: float = 0.0
+    _first_accepted_at: float | None = None
     _subject: str = ""
     _queue: asyncio.Queue | None = None
     _span: Span | None = None
@@ -174,6 +177,7 @@ class RemoteRequest:
         if self.attempts >= self.settings.max_attempts:
             raise GenerationError(503, "service_unavailable", why)
         log.warning("%s; moving request %s", why, self.request.request_id)
+        self.moves += 1
         await self._cancel()
         await self._submit_until_accepted(self._resume_request())
 
@@ -193,6 +197,7 @@ class RemoteRequest:
             match event:
                 case Accepted(worker_id=worker_id):
                     self.worker_id, self._accepted_at = worker_id, time.monotonic()
+                    self._first_accepted_at = self._first_accepted_at or self._accepted_at
                     self.queued = False
                     return
                 case None:
@@ -382,6 +387,12 @@ class RemoteRequest:
             e2e_s=time.monotonic() - self.started,
             inter_token_s=self.token_gaps,
             attempts=max(self.attempts, 1),
+            moves=self.moves,
+            accept_s=None
+            if self._first_accepted_at is None
+            else self._first_accepted_at - self.started,
+            max_tokens=self.request.sampling.max_tokens,
+            timings=self.finished.timings if self.finished else None,
         )
         with contextlib.suppress(Exception):
             await self.bus.publish(

@@ -110,6 +110,8 @@ class Decision:
     prefix_hit_blocks: int = 0
     predicted_ttft_s: float | None = None
     scored: list[ScoredWorker] = field(default_factory=list)
+    decision_s: float | None = None
+    """How long deciding took (set by the scheduler service, which times it)."""
 
 
 def drain_time(workers: list[Candidate], queued_tokens: int, rate_prior: float) -> float:

@@ -13,6 +13,7 @@ late, or the worker restarted), is asked for a snapshot on ``worker.<id>.kv.sync
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -228,9 +229,10 @@ class SchedulerService:
         """Where ``request`` goes now, or why not, in a ``place`` span when the request is
         traced: each candidate's score inputs, and links to what they came from (each
         worker's last traced heartbeat and last traced KV event batch)."""
+        started = time.perf_counter()
         live = self.registry.candidates()
         if not trace.get_current_span().get_span_context().is_valid:
-            return self._place(request, live)  # untraced, or dispatched from the queue
+            return self._timed(self._place(request, live), started)  # untraced, or queued
         links = [
             Link(context, {"lamina.link": kind, "lamina.worker_id": worker_id})
             for kind, spans in (("heartbeat", self._heartbeat_spans), ("kv_events", self._kv_spans))
@@ -238,9 +240,13 @@ class SchedulerService:
             if (context := spans.get(worker_id)) is not None
         ]
         with tracer.start_as_current_span("place", links=links) as span:
-            decision = self._place(request, live)
+            decision = self._timed(self._place(request, live), started)
             span.set_attributes(_placement_attributes(decision, self.placer.policy))
             return decision
+
+    @staticmethod
+    def _timed(decision: Decision, started: float) -> Decision:
+        return dataclasses.replace(decision, decision_s=time.perf_counter() - started)
 
     def _place(self, request: GenerateRequest, live: list[Candidate]) -> Decision:
         """Where ``request`` goes now among ``live``, or why not; a deadline the chosen
@@ -302,7 +308,7 @@ class SchedulerService:
             if decision.reason == RejectReason.OVERLOADED:
                 return  # still no room: it keeps its place
             self.queue.pop()
-            await self._send(waiting.request, waiting.reply, decision)
+            await self._send(waiting.request, waiting.reply, decision, waiting.queued_at)
 
     async def _expire(self) -> None:
         """Answer queued requests whose deadline passed, or that waited too long."""
@@ -323,14 +329,21 @@ class SchedulerService:
                     decision = self._refusal(
                         Decision(None, None, "", 0), RejectReason.OVERLOADED, message
                     )
-                await self._send(waiting.request, waiting.reply, decision)
+                await self._send(waiting.request, waiting.reply, decision, waiting.queued_at)
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         if self.queue.remove(cancel.request_id) is not None:
             log.info("request %s left the queue (cancelled)", cancel.request_id)
 
-    async def _send(self, request: GenerateRequest, reply: str, decision: Decision) -> None:
-        """Forward ``request`` to the chosen worker, or answer its refusal; then record."""
+    async def _send(
+        self,
+        request: GenerateRequest,
+        reply: str,
+        decision: Decision,
+        queued_at: float | None = None,
+    ) -> None:
+        """Forward ``request`` to the chosen worker, or answer its refusal; then record
+        (``queued_at``: when it entered the queue, if it comes from there)."""
         if decision.worker_id is None:
             await self.bus.publish(
                 reply,
@@ -376,9 +389,16 @@ class SchedulerService:
         # The record is for telemetry: off the request's critical path. Yielding once lets
         # the client's flusher task put the forward on the wire before the record is built.
         await asyncio.sleep(0)
-        await self._record(request, decision, decision.reason or PLACED)
+        queued_s = None if queued_at is None else time.monotonic() - queued_at
+        await self._record(request, decision, decision.reason or PLACED, queued_s)
 
-    async def _record(self, request: GenerateRequest, decision: Decision, reason: str) -> None:
+    async def _record(
+        self,
+        request: GenerateRequest,
+        decision: Decision,
+        reason: str,
+        queued_s: float | None = None,
+    ) -> None:
         await self.bus.publish(
             subjects.EVENTS_PLACEMENT,
             PlacementRecord(
@@ -395,6 +415,9 @@ class SchedulerService:
                 predicted_ttft_s=decision.predicted_ttft_s,
                 scored=decision.scored,
                 timestamp_ms=int(time.time() * 1000),
+                decision_s=decision.decision_s,
+                queued_s=queued_s,
+                queue_depth=len(self.queue),
             ),
         )
 

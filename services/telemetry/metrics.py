@@ -15,11 +15,16 @@ Request metrics come from the gateway's :class:`RequestRecord`, labelled by ``mo
 the ``worker_id`` that served the request (empty for a request no worker took); summing
 over ``worker_id`` gives the cluster's. Placement counts come from the scheduler's
 :class:`PlacementRecord`.
+
+Every bucket list is vLLM's or a superset of it (finer bounds at the low end, for small,
+fast models): dropping the extra bounds of a cumulative histogram is exact, which is how
+``vllm_compat`` serves vLLM's histograms from these.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -28,29 +33,23 @@ from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.openmetrics.exposition import ALLOWUTF8
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
 from lamina.libs.cluster import MISSED_HEARTBEATS, Clock, ClusterView, WorkerEntry
 from lamina.schemas.v1.records import Outcome, PlacementRecord, RequestRecord, ServiceStarted
-from lamina.schemas.v1.stats import WorkerState, WorkerStats
+from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS, WorkerState, WorkerStats
+from lamina.services.telemetry import vllm_compat
+from lamina.services.telemetry.vllm_compat import one_two_five_buckets
 
 PREFIX = "lamina:"
-
-
-def one_two_five_buckets(max_value: int) -> list[float]:
-    """``1, 2, 5, 10, 20, 50, ...`` up to ``max_value`` (vLLM's token-count buckets)."""
-    buckets: list[float] = []
-    exponent = 0
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * 10**exponent
-            if value > max_value:
-                return buckets
-            buckets.append(float(value))
-        exponent += 1
 
 
 # vLLM's buckets, with a few finer ones at the low end for small, fast models.
@@ -66,7 +65,13 @@ E2E_BUCKETS = [
     0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
     20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
-TOKEN_BUCKETS = one_two_five_buckets(100_000)
+TOKEN_BUCKETS = one_two_five_buckets(10_000_000)
+"""vLLM's go up to the model's ``max_model_len``: these cover any context length."""
+PARAMS_N_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0]
+PREEMPTION_BUCKETS = [1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0]
+DECISION_BUCKETS = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+]  # fmt: skip
 
 WORKER_LABELS = ("worker_id", "model")
 
@@ -100,17 +105,47 @@ WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
 #: Per-worker counters from the worker's cumulative totals: name → (help, value).
 WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
     "prefix_cache_queries_total": (
-        "Prefix-cache queries (blocks looked up), cumulative on the worker.",
+        "Prefix-cache queries, in prompt tokens looked up, cumulative on the worker.",
         lambda s: s.prefix_cache_queries,
     ),
     "prefix_cache_hits_total": (
-        "Prefix-cache hits (blocks found), cumulative on the worker.",
+        "Prefix-cache hits, in prompt tokens found cached, cumulative on the worker.",
         lambda s: s.prefix_cache_hits,
     ),
     "prompt_tokens_total": ("Prompt tokens processed.", lambda s: s.prompt_tokens_total),
+    "prompt_tokens_cached_total": (
+        "Prompt tokens served from the prefix cache (once per request).",
+        lambda s: s.prompt_tokens_cached,
+    ),
     "generation_tokens_total": ("Tokens generated.", lambda s: s.generation_tokens_total),
     "num_preemptions_total": ("Requests preempted.", lambda s: s.num_preemptions),
 }
+
+
+CACHE_CONFIG_LABELS = (
+    "block_size",
+    "cache_dtype",
+    "enable_prefix_caching",
+    "num_gpu_blocks",
+    "kv_cache_size_tokens",
+    "kv_cache_max_concurrency",
+)
+"""``cache_config_info``'s labels: those of vLLM's that a Lamina worker has a value for
+(``num_gpu_blocks`` is the pool's blocks on any device)."""
+
+
+def cache_config(stats: WorkerStats) -> tuple[str, ...]:
+    """:data:`CACHE_CONFIG_LABELS`' values for a worker, as vLLM writes them (``str()``)."""
+    tokens = stats.total_kv_blocks * stats.block_size
+    concurrency = tokens / stats.max_model_len if stats.max_model_len else 0.0
+    return (
+        str(stats.block_size),
+        stats.kv_cache_dtype or "auto",
+        str(stats.enable_prefix_caching),
+        str(stats.total_kv_blocks),
+        str(tokens),
+        f"{concurrency:.2f}",
+    )
 
 
 @dataclass(frozen=True)
@@ -151,7 +186,10 @@ class WorkerCollector(Collector):
         yield from self._liveness(snapshot)
         live = [entry.stats for entry, alive in snapshot if alive]
         yield from self._load_gauges(live)
-        yield from self._counters([entry.stats for entry, _ in snapshot])
+        known = [entry.stats for entry, _ in snapshot]
+        yield from self._counters(known)
+        yield self._iteration_tokens(known)
+        yield self._cache_config(live)
         yield from self._cluster(ClusterTotals.of(snapshot))
 
     def _liveness(self, snapshot: list[tuple[WorkerEntry, bool]]) -> Iterator[Metric]:
@@ -192,6 +230,33 @@ class WorkerCollector(Collector):
                 family.add_metric([stats.worker_id, stats.model], float(value(stats)))
             yield family
 
+    def _iteration_tokens(self, known: list[WorkerStats]) -> Metric:
+        """Engine steps by tokens computed, from each worker's own cumulative buckets."""
+        family = HistogramMetricFamily(
+            PREFIX + "iteration_tokens_total",
+            "Tokens computed per engine step.",
+            labels=list(WORKER_LABELS),
+        )
+        bounds = [*(str(float(b)) for b in ITERATION_TOKEN_BUCKETS), "+Inf"]
+        for stats in known:
+            if len(stats.iteration_tokens) != len(bounds):
+                continue  # a worker that does not report them
+            cumulative = list(itertools.accumulate(stats.iteration_tokens))
+            family.add_metric(
+                [stats.worker_id, stats.model],
+                list(zip(bounds, cumulative, strict=True)),
+                float(stats.iteration_tokens_sum),
+            )
+        return family
+
+    def _cache_config(self, live: list[WorkerStats]) -> Metric:
+        """Each live worker's KV cache configuration as labels (vLLM's names), value 1."""
+        labels = (*WORKER_LABELS, *CACHE_CONFIG_LABELS)
+        family = _gauge("cache_config_info", "The worker's KV cache configuration.", labels)
+        for stats in live:
+            family.add_metric([stats.worker_id, stats.model, *cache_config(stats)], 1.0)
+        return family
+
     def _cluster(self, totals: ClusterTotals) -> Iterator[Metric]:
         figures = {
             "cluster_workers_live": ("Live workers.", totals.workers_live),
@@ -218,13 +283,16 @@ REQUEST_LABELS = ("model", "worker_id")
 
 
 class RequestMetrics:
-    """Histograms and outcome counters from the gateway's request records."""
+    """Histograms and counters from the gateway's request records."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        def histogram(name: str, help_text: str, buckets: list[float]) -> Histogram:
-            return Histogram(
-                PREFIX + name, help_text, REQUEST_LABELS, buckets=buckets, registry=registry
-            )
+        def histogram(
+            name: str, help_text: str, buckets: list[float], labels=REQUEST_LABELS
+        ) -> Histogram:
+            return Histogram(PREFIX + name, help_text, labels, buckets=buckets, registry=registry)
+
+        def counter(name: str, help_text: str, labels: tuple[str, ...]) -> Counter:
+            return Counter(PREFIX + name, help_text, labels, registry=registry)
 
         self.ttft = histogram(
             "time_to_first_token_seconds", "Time to first token, in seconds.", TTFT_BUCKETS
@@ -241,42 +309,138 @@ class RequestMetrics:
         self.generation_tokens = histogram(
             "request_generation_tokens", "Tokens generated by finished requests.", TOKEN_BUCKETS
         )
-        self.success = Counter(
-            PREFIX + "request_success_total",
-            "Finished requests, by finish reason.",
-            [*REQUEST_LABELS, "finished_reason"],
-            registry=registry,
+        self.max_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "The most tokens any sequence of a finished request generated.",
+            TOKEN_BUCKETS,
         )
-        self.outcome = Counter(
-            PREFIX + "request_outcome_total",
+        self.prefill_computed = histogram(
+            "request_prefill_kv_computed_tokens",
+            "Prompt tokens a finished request computed (not served from the prefix cache).",
+            TOKEN_BUCKETS,
+        )
+        self.params_n = histogram(
+            "request_params_n", "The n parameter of finished requests.", PARAMS_N_BUCKETS
+        )
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens",
+            "The max_tokens parameter of finished requests that set it.",
+            TOKEN_BUCKETS,
+        )
+        # The engine's phases (vLLM's definitions), from the worker that finished it.
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time in the engine's waiting queue, to the request's first step.",
+            E2E_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "From the request's first engine step to its first token.",
+            E2E_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "From the request's first token to its last, in the engine.",
+            E2E_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "Prefill plus decode time in the engine.",
+            E2E_BUCKETS,
+        )
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time over the tokens after the first (0 for one-token requests).",
+            ITL_BUCKETS,
+        )
+        self.preemptions = histogram(
+            "request_num_preemptions",
+            "Times a finished request was preempted.",
+            PREEMPTION_BUCKETS,
+        )
+        self.accept = histogram(
+            "request_accept_latency_seconds",
+            "From the gateway's first submission to a worker's acceptance (scheduler and hops).",
+            TTFT_BUCKETS,
+            ("model",),
+        )
+        self.success = counter(
+            "request_success_total",
+            "Requests that ended after a worker took them, by finish reason (vLLM's: "
+            "abort for a client that went away, error for a failure).",
+            (*REQUEST_LABELS, "finished_reason"),
+        )
+        self.outcome = counter(
+            "request_outcome_total",
             "Ended requests, by outcome (finished, rejected, failed, cancelled).",
-            [*REQUEST_LABELS, "outcome"],
-            registry=registry,
+            (*REQUEST_LABELS, "outcome"),
+        )
+        self.moves = counter(
+            "request_moves_total",
+            "Accepted requests moved to another worker mid-stream (each move once).",
+            ("model",),
+        )
+        self.retries = counter(
+            "request_retries_total",
+            "Submissions retried before a worker accepted them.",
+            ("model",),
         )
 
     def observe(self, record: RequestRecord, trace_id: str | None = None) -> None:
         """Count ``record``; latency and token histograms take only what it measured.
 
         TTFT and inter-token gaps are observed whenever present (a cancelled request that
-        streamed did see its first token); end-to-end latency and token counts only for
-        finished requests, so rejections do not drag the distributions down. With the
+        streamed did see its first token); end-to-end latency, token counts, parameters
+        and engine phases only for finished requests, so rejections do not drag the
+        distributions down. The engine's phases come from the worker that finished the
+        request, so a moved request's (split across workers) are left out. With the
         request's ``trace_id``, the TTFT and end-to-end observations carry it as an
         exemplar (OpenMetrics), so a latency panel can open the slow request's trace.
         """
         exemplar = {"trace_id": trace_id} if trace_id else None
         labels = (record.model, record.worker_id or "")
         self.outcome.labels(*labels, record.outcome).inc()
+        if record.moves:
+            self.moves.labels(record.model).inc(record.moves)
+        if record.attempts > 1 + record.moves:
+            self.retries.labels(record.model).inc(record.attempts - 1 - record.moves)
+        if record.accept_s is not None:
+            self.accept.labels(record.model).observe(record.accept_s)
         if record.ttft_s is not None:
             self.ttft.labels(*labels).observe(record.ttft_s, exemplar)
         itl = self.itl.labels(*labels)
         for gap in record.inter_token_s:
             itl.observe(gap)
+        if record.worker_id and record.outcome in _ENDED_ON_A_WORKER:
+            reason = _ENDED_ON_A_WORKER[record.outcome] or record.finish_reason or "unknown"
+            self.success.labels(*labels, reason).inc()
         if record.outcome != Outcome.FINISHED:
             return
-        self.success.labels(*labels, record.finish_reason or "unknown").inc()
         self.e2e.labels(*labels).observe(record.e2e_s, exemplar)
         self.prompt_tokens.labels(*labels).observe(record.prompt_tokens)
         self.generation_tokens.labels(*labels).observe(record.completion_tokens)
+        self.max_generation_tokens.labels(*labels).observe(record.completion_tokens)
+        computed = max(0, record.prompt_tokens - record.cached_tokens)
+        self.prefill_computed.labels(*labels).observe(computed)
+        self.params_n.labels(*labels).observe(record.n)
+        if record.max_tokens:
+            self.params_max_tokens.labels(*labels).observe(record.max_tokens)
+        timings = record.timings
+        if timings is None or record.moves:
+            return
+        self.queue_time.labels(*labels).observe(timings.queued_s)
+        self.prefill_time.labels(*labels).observe(timings.prefill_s)
+        self.decode_time.labels(*labels).observe(timings.decode_s)
+        self.inference_time.labels(*labels).observe(timings.prefill_s + timings.decode_s)
+        after_first = record.completion_tokens - 1
+        tpot = timings.decode_s / after_first if after_first > 0 else 0.0
+        self.time_per_output_token.labels(*labels).observe(tpot)
+        self.preemptions.labels(*labels).observe(timings.num_preemptions)
+
+
+_ENDED_ON_A_WORKER = {Outcome.FINISHED: None, Outcome.CANCELLED: "abort", Outcome.FAILED: "error"}
+"""Outcomes ``request_success_total`` counts, as vLLM's finish reasons (None: the
+request's own finish reason)."""
 
 
 TTFT_ERROR_BUCKETS = [
@@ -324,20 +488,67 @@ class PredictionMetrics:
             self.error.labels(worker_id).observe(record.ttft_s - predicted)
 
 
-class Aggregator:
-    """Everything telemetry knows, in its own :class:`CollectorRegistry`."""
+class PlacementMetrics:
+    """The schedulers' decisions: how many, why, how fast, and their queues."""
 
-    def __init__(self, clock: Clock = time.monotonic, wall_clock: Clock = time.time) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(
+            PREFIX + "placements_total",
+            "Placement decisions, by policy and reason (placed, queued or the rejection).",
+            ["policy", "reason"],
+            registry=registry,
+        )
+        self.decision_time = Histogram(
+            PREFIX + "placement_decision_seconds",
+            "How long the scheduler took to decide (registry, prefix index, scoring).",
+            ["policy"],
+            buckets=DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            PREFIX + "scheduler_queue_wait_seconds",
+            "Time requests waited in a scheduler's queue, by how they left it.",
+            ["reason"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            PREFIX + "scheduler_queue_depth",
+            "Requests in each scheduler replica's queue, as of its latest decision.",
+            ["scheduler_id"],
+            registry=registry,
+        )
+
+    def observe(self, record: PlacementRecord) -> None:
+        policy = record.policy or "unknown"
+        self.decisions.labels(policy, record.reason).inc()
+        if record.decision_s is not None:
+            self.decision_time.labels(policy).observe(record.decision_s)
+        if record.queued_s is not None:
+            self.queue_wait.labels(record.reason).observe(record.queued_s)
+        if record.scheduler_id:
+            self.queue_depth.labels(record.scheduler_id).set(record.queue_depth)
+
+
+COMPAT = ("", "vllm")
+"""``--metrics-compat`` values: none, or vLLM's names and labels as well."""
+
+
+class Aggregator:
+    """Everything telemetry knows, in its own :class:`CollectorRegistry`; with
+    ``compat="vllm"`` its exposition also holds vLLM's families (``vllm_compat``)."""
+
+    def __init__(
+        self, clock: Clock = time.monotonic, wall_clock: Clock = time.time, compat: str = ""
+    ) -> None:
+        if compat not in COMPAT:
+            raise ValueError(f"metrics compat must be one of {COMPAT}, not {compat!r}")
+        self.compat = compat
         self.registry = CollectorRegistry()
         self.workers = ClusterView(clock, wall_clock)
         self.registry.register(WorkerCollector(self.workers))
         self.requests = RequestMetrics(self.registry)
-        self.placements = Counter(
-            PREFIX + "placements_total",
-            "Placement decisions, by reason (placed or the rejection reason).",
-            ["reason"],
-            registry=self.registry,
-        )
+        self.placements = PlacementMetrics(self.registry)
         self.predictions = PredictionMetrics(self.registry)
         self.starts = Counter(
             PREFIX + "service_starts_total",
@@ -368,15 +579,24 @@ class Aggregator:
 
     def observe_placement(self, record: PlacementRecord) -> None:
         """The scheduler decided where (or whether) to place a request."""
-        self.placements.labels(record.reason).inc()
+        self.placements.observe(record)
         self.predictions.placed(record)
 
     def render(self, openmetrics: bool = False) -> bytes:
         """The exposition of every metric: Prometheus text, or OpenMetrics (which carries
         exemplars) for a scraper that asks for it."""
+        exposed = _Exposition(self) if self.compat else self.registry
         if openmetrics:  # names as they are: the default escaping would turn ':' into '_'
-            return openmetrics_latest(self.registry, escaping=ALLOWUTF8)
-        return generate_latest(self.registry)
+            return openmetrics_latest(exposed, escaping=ALLOWUTF8)
+        return generate_latest(exposed)
+
+    def max_model_len(self) -> dict[str, int]:
+        """Each model's longest context over the workers known to serve it."""
+        lengths: dict[str, int] = {}
+        for entry, _ in self.workers.snapshot():
+            stats = entry.stats
+            lengths[stats.model] = max(lengths.get(stats.model, 0), stats.max_model_len)
+        return lengths
 
     def cluster(self) -> dict[str, Any]:
         """Every worker's latest stats with ``alive`` and ``last_seen_ms``, and the totals."""
@@ -388,3 +608,16 @@ class Aggregator:
         ]
         totals = ClusterTotals.of(snapshot)
         return {"workers": workers, "totals": dataclasses.asdict(totals)}
+
+
+class _Exposition:
+    """What one scrape serves with a compat mode on: Lamina's families, then the same
+    collection translated (one collection for both)."""
+
+    def __init__(self, aggregator: Aggregator) -> None:
+        self.aggregator = aggregator
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self.aggregator.registry.collect())
+        yield from families
+        yield from vllm_compat.translate(families, PREFIX, self.aggregator.max_model_len())

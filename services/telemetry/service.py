@@ -38,7 +38,7 @@ from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import PlacementRecord, RequestRecord, ServiceStarted
 from lamina.schemas.v1.stats import WorkerStats
-from lamina.services.telemetry.metrics import Aggregator
+from lamina.services.telemetry.metrics import COMPAT, Aggregator
 
 log = logging.getLogger("lamina.telemetry")
 
@@ -57,6 +57,15 @@ class TelemetryConfig:
         "", "keys for /metrics and /v1/cluster (Authorization: Bearer; none: open)"
     )
     metrics_api_key_file: str = option("", "file of keys, one per line (added to the above)")
+    metrics_compat: str = option(
+        "",
+        "also serve another server's metric names, labels and buckets: vllm (vLLM's "
+        "dashboards and alerts then work unchanged); empty: Lamina's only",
+    )
+
+    def __post_init__(self) -> None:
+        if self.metrics_compat not in COMPAT:
+            raise ValueError(f"--metrics-compat: one of {COMPAT}, not {self.metrics_compat!r}")
 
 
 def build_app(aggregator: Aggregator, is_ready: Callable[[], bool]) -> Litestar:
@@ -110,7 +119,7 @@ def listen(host: str, port: int) -> socket.socket:
 class TelemetryService:
     def __init__(self, config: TelemetryConfig, aggregator: Aggregator | None = None) -> None:
         self.config = config
-        self.aggregator = aggregator or Aggregator()
+        self.aggregator = aggregator or Aggregator(compat=config.metrics_compat)
         self.bus: Bus | None = None
         self.http_port = config.http_port
         """The bound port, once started (differs from the config's when that is 0)."""

@@ -35,6 +35,7 @@ def stack(tiny_model, tmp_path_factory, trace_file):
         tmp,
         extra_env={"LAMINA_TRACE_FILE": str(trace_file)},
         worker_args=["--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024"],
+        telemetry_args=["--metrics-compat", "vllm"],
     )
     with s:
         yield s

@@ -284,6 +284,43 @@ def test_telemetry_shows_a_slow_requests_trace_as_its_latency_exemplar(client, s
     pytest.fail(f"no TTFT exemplar for trace {trace_id}: {exemplars}")
 
 
+def test_vllms_metrics_come_from_the_engine_and_the_gateway(client, stack):
+    """With ``--metrics-compat vllm``: vLLM's names and labels, fed through every layer
+    (the engine's phases and steps on the worker's wire, the gateway's latencies)."""
+    client.completions.create(model="lamina-tiny", prompt="count me", max_tokens=4, **GREEDY)
+    labels = '{engine="worker-0",model_name="lamina-tiny"}'
+    wanted = [
+        f"vllm:request_queue_time_seconds_count{labels}",
+        f"vllm:request_decode_time_seconds_count{labels}",
+        f"vllm:request_time_per_output_token_seconds_count{labels}",
+        f"vllm:iteration_tokens_total_count{labels}",
+        f"vllm:time_to_first_token_seconds_count{labels}",
+        f"vllm:request_params_max_tokens_count{labels}",
+        f"vllm:prompt_tokens_total{labels}",
+    ]
+    deadline, values = time.monotonic() + 10, {}
+    while time.monotonic() < deadline:
+        text = httpx.get(stack.metrics_url).text
+        values = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:")
+        }
+        if all(values.get(name, 0) > 0 for name in wanted):
+            break
+        time.sleep(0.2)
+    missing = [name for name in wanted if values.get(name, 0) <= 0]
+    assert not missing, missing
+    # Token-count buckets: vLLM's 1-2-5 up to the worker's max_model_len (1024).
+    bounds = {
+        line.split('le="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("vllm:request_prompt_tokens_bucket")
+    }
+    assert bounds == {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0",
+                      "1000.0", "+Inf"}  # fmt: skip
+
+
 def test_housekeeping_makes_no_traces_but_sampled_heartbeats(client, trace_file):
     """KV event batches, gateway liveness and the readiness poll run every second or so
     and start no trace; of the heartbeats (two a second) one in twenty is traced, and

@@ -71,6 +71,7 @@ def test_prefix_cache_hits_are_counted_and_skip_compute(model):
     drain(engine)
     stats = engine.stats()
     assert stats.prefix_cache_hits == 32 and stats.prefix_cache_queries == 50 + 57
+    assert stats.prompt_tokens_cached == 32
     assert 0 < stats.prefix_cache_hit_ratio < 1
     events = engine.take_kv_events()
     assert [e.event_id for e in events] == list(range(len(events)))
@@ -80,8 +81,17 @@ def test_preemption_by_recompute_gives_identical_outputs(model):
     reference = run_to_completion(make_engine(model), prompts(4, shared=0), greedy(40))
     # 12 blocks of 16 tokens cannot hold four ~80-token sequences at once.
     tight = make_engine(model, num_kv_blocks=12, max_model_len=128)
-    assert run_to_completion(tight, prompts(4, shared=0), greedy(40)) == reference
+    for request_id, prompt in prompts(4, shared=0).items():
+        tight.add_request(request_id, prompt, greedy(40))
+    outputs = _all_outputs(tight)
+    by_request: dict[str, list[int]] = {}
+    for out in outputs:
+        by_request.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert by_request == reference
     assert tight.stats().num_preemptions > 0
+    # Each request reports its own preemptions when it finishes.
+    finished = [out.timings for out in outputs if out.finished]
+    assert sum(t.num_preemptions for t in finished) == tight.stats().num_preemptions
     assert_all_blocks_released(tight)
 
 
@@ -261,10 +271,27 @@ def test_stats_report_load(model):
     assert (stats.num_waiting, stats.num_running) == (1, 1)
     assert stats.num_queued_prefill_tokens == 150 - 32
     assert stats.kv_cache_usage == pytest.approx(2 / 128)  # blocks for a's first 32
-    drain(engine)
+    outputs = [engine.step()] + [engine.step() for _ in range(100) if engine.has_work()]
     stats = engine.stats()
     assert stats.prompt_tokens_total == 150 and stats.generation_tokens_total == 8
     assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+    # Every step, by the tokens it computed: the prompts' uncached tokens (b's first 48
+    # are a's) and the decodes (the first token of each comes with its prefill).
+    assert stats.prompt_tokens_cached == 48
+    assert sum(stats.iteration_tokens) == 1 + len(outputs)
+    assert stats.iteration_tokens_sum == 150 - 48 + 2 * 3
+    assert stats.iteration_tokens[3] == 3  # a's three full steps of 32 (16 < n <= 32)
+
+
+def test_finished_requests_report_their_phases(model):
+    engine = make_engine(model, max_num_batched_tokens=32)
+    engine.add_request("a", list(range(3, 103)), greedy(4))  # four steps of prefill
+    engine.add_request("b", list(range(3, 13)), greedy(4))  # waits for a's first step
+    timings = {out.request_id: out.timings for out in _all_outputs(engine) if out.finished}
+    a, b = timings["a"], timings["b"]
+    assert a.num_preemptions == b.num_preemptions == 0
+    assert b.queued_s > a.queued_s >= 0
+    assert a.prefill_s > 0 and a.decode_s > 0 and b.decode_s > 0
 
 
 def _all_outputs(engine):

@@ -39,6 +39,7 @@ from lamina.schemas.v1.control import (
 from lamina.schemas.v1.errors import BadMessage
 from lamina.schemas.v1.generate import (
     Accepted,
+    EngineTimings,
     Failed,
     Finished,
     GenerateRequest,
@@ -142,7 +143,13 @@ def golden_instances() -> dict[str, Message]:
         state_reason="3 requests left to finish before exit (SIGTERM)",
         incarnation="5c1e0a9b7d3f4e21",
         cordoned=True,
+        prompt_tokens_cached=204800,
+        iteration_tokens=[5, 900, 40, 12, 8, 3, 2, 1, 0, 0, 0, 0, 0, 0],
+        iteration_tokens_sum=61440,
+        kv_cache_dtype="fp8",
+        enable_prefix_caching=False,
     )
+    timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [
         ApiRequest(
             prompt="Once upon a time",
@@ -193,6 +200,7 @@ def golden_instances() -> dict[str, Message]:
             usage=usage,
             token_ids=[2],
             logprobs=logprobs[:1],
+            timings=timings,
         ),
         Rejected(
             request_id=request_id,
@@ -257,7 +265,12 @@ def golden_instances() -> dict[str, Message]:
             ttft_s=0.0825,
             e2e_s=0.131,
             inter_token_s=[0.0241, 0.0244],
-            attempts=2,
+            attempts=3,
+            moves=1,
+            accept_s=0.0041,
+            max_tokens=64,
+            n=2,
+            timings=timings,
         ),
         PlacementRecord(
             request_id=request_id,
@@ -281,6 +294,9 @@ def golden_instances() -> dict[str, Message]:
                 )
             ],
             timestamp_ms=1767225600600,
+            decision_s=0.00018,
+            queued_s=0.25,
+            queue_depth=7,
         ),
         stats,
         ClusterStatusRequest(),

@@ -7,6 +7,7 @@ import prometheus_client
 from prometheus_client import generate_latest
 
 from lamina.libs.cluster import FORGET_AFTER_S
+from lamina.schemas.v1.generate import EngineTimings
 from lamina.schemas.v1.records import PlacementRecord, ServiceStarted
 from lamina.services.telemetry.metrics import (
     TOKEN_BUCKETS,
@@ -179,7 +180,7 @@ def test_finished_request_feeds_histograms_and_counters():
     assert expected <= lines(agg)
 
 
-def test_unfinished_requests_count_outcomes_but_not_latency_or_success():
+def test_unfinished_requests_count_outcomes_but_not_latency():
     agg, _ = make_aggregator()
     agg.observe_request(make_record(finish_reason="length"))
     agg.observe_request(
@@ -204,26 +205,85 @@ def test_unfinished_requests_count_outcomes_but_not_latency_or_success():
         'lamina:request_outcome_total{model="tiny",outcome="cancelled",worker_id="w1"} 1.0',
         f'lamina:request_success_total{{finished_reason="length",{m}}} 1.0',
         f'lamina:request_success_total{{finished_reason="unknown",{m}}} 1.0',
+        # vLLM counts a request its client left as an abort (a worker had it)
+        f'lamina:request_success_total{{finished_reason="abort",{m}}} 1.0',
         f"lamina:e2e_request_latency_seconds_count{{{m}}} 2.0",
         f"lamina:request_prompt_tokens_count{{{m}}} 2.0",
         # the cancelled request did stream: its TTFT and gaps count
         f"lamina:time_to_first_token_seconds_count{{{m}}} 3.0",
         f"lamina:inter_token_latency_seconds_count{{{m}}} 3.0",
     } <= got
-    assert not any('outcome="rejected"' in line and "success" in line for line in got)
+    assert not any('worker_id=""' in line and "success" in line for line in got)
 
 
-def test_placements_count_by_reason():
+def test_engine_phases_parameters_moves_and_retries_of_finished_requests():
+    agg, _ = make_aggregator()
+    timings = EngineTimings(queued_s=0.01, prefill_s=0.05, decode_s=0.2, num_preemptions=1)
+    agg.observe_request(make_record(timings=timings, completion_tokens=5, max_tokens=16))
+    agg.observe_request(make_record(timings=timings, moves=1, attempts=3, accept_s=0.002))
+    agg.observe_request(make_record(outcome="failed", finish_reason=None, timings=None))
+    m = 'model="tiny",worker_id="w1"'
+    got = lines(agg)
+    assert {
+        f"lamina:request_queue_time_seconds_sum{{{m}}} 0.01",
+        f"lamina:request_prefill_time_seconds_sum{{{m}}} 0.05",
+        f"lamina:request_decode_time_seconds_sum{{{m}}} 0.2",
+        f"lamina:request_inference_time_seconds_sum{{{m}}} 0.25",
+        # decode time over the four tokens after the first
+        f"lamina:request_time_per_output_token_seconds_sum{{{m}}} 0.05",
+        f'lamina:request_num_preemptions_bucket{{le="1.0",{m}}} 1.0',
+        # the moved request's phases were split across workers: left out
+        f"lamina:request_queue_time_seconds_count{{{m}}} 1.0",
+        # parameters of both finished requests; max_tokens only where it was set
+        f"lamina:request_params_n_count{{{m}}} 2.0",
+        f"lamina:request_params_max_tokens_sum{{{m}}} 16.0",
+        f"lamina:request_params_max_tokens_count{{{m}}} 1.0",
+        f"lamina:request_prefill_kv_computed_tokens_sum{{{m}}} 14.0",
+        f"lamina:request_max_num_generation_tokens_sum{{{m}}} 8.0",
+        'lamina:request_moves_total{model="tiny"} 1.0',
+        'lamina:request_retries_total{model="tiny"} 1.0',  # three attempts: one move, one retry
+        'lamina:request_accept_latency_seconds_count{model="tiny"} 1.0',
+        f'lamina:request_success_total{{finished_reason="error",{m}}} 1.0',
+    } <= got
+
+
+def test_placements_count_by_policy_and_reason_with_their_time_and_queue():
     agg, _ = make_aggregator()
     for worker_id, reason in [("w1", "placed"), ("w2", "placed"), (None, "no_capacity")]:
         agg.observe_placement(
-            PlacementRecord(request_id="r", worker_id=worker_id, reason=reason, candidates=2)
+            PlacementRecord(
+                request_id="r",
+                worker_id=worker_id,
+                reason=reason,
+                candidates=2,
+                policy="kv",
+                decision_s=0.0003,
+                scheduler_id="s1",
+                queue_depth=4,
+            )
         )
+    agg.observe_placement(
+        PlacementRecord(
+            request_id="q",
+            worker_id="w1",
+            reason="placed",
+            candidates=2,
+            policy="kv",
+            queued_s=0.3,
+            scheduler_id="s1",
+            queue_depth=3,
+        )
+    )
+    got = lines(agg)
     assert {
         "# TYPE lamina:placements_total counter",
-        'lamina:placements_total{reason="placed"} 2.0',
-        'lamina:placements_total{reason="no_capacity"} 1.0',
-    } <= lines(agg)
+        'lamina:placements_total{policy="kv",reason="placed"} 3.0',
+        'lamina:placements_total{policy="kv",reason="no_capacity"} 1.0',
+        'lamina:placement_decision_seconds_bucket{le="0.0005",policy="kv"} 3.0',
+        'lamina:placement_decision_seconds_count{policy="kv"} 3.0',
+        'lamina:scheduler_queue_wait_seconds_sum{reason="placed"} 0.3',
+        'lamina:scheduler_queue_depth{scheduler_id="s1"} 3.0',  # as of the latest decision
+    } <= got
 
 
 def test_the_predicted_ttft_is_shown_next_to_its_error_against_the_measured_one():
@@ -286,7 +346,7 @@ def test_own_registry_not_the_global_one():
 
 def test_token_buckets_are_one_two_five():
     assert one_two_five_buckets(60) == [1.0, 2.0, 5.0, 10.0, 20.0, 50.0]
-    assert TOKEN_BUCKETS[-1] == 100_000.0
+    assert TOKEN_BUCKETS[-1] == 10_000_000.0
 
 
 def test_service_starts_are_counted_and_the_supervisors_restarts_shown():

@@ -71,7 +71,7 @@ async def scenario() -> str:
                 "lamina:cluster_workers_live 1.0",
                 'lamina:request_outcome_total{model="tiny",outcome="finished",worker_id="w1"} 1.0',
                 'lamina:e2e_request_latency_seconds_count{model="tiny",worker_id="w1"} 1.0',
-                'lamina:placements_total{reason="placed"} 1.0',
+                'lamina:placements_total{policy="unknown",reason="placed"} 1.0',
             }
 
             async def metrics_arrived() -> bool:

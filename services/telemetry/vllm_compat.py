@@ -1,0 +1,230 @@
+"""vLLM's ``/metrics`` over Lamina's metrics (telemetry's ``--metrics-compat vllm``).
+
+vLLM's Grafana dashboard and alerts select by ``model_name`` and aggregate over ``engine``
+(one engine core). Lamina's families already carry vLLM's names under ``lamina:``; this
+serves them again the way vLLM does (0.33, ``vllm/v1/metrics/loggers.py``):
+
+* the ``vllm:`` prefix, ``model`` → ``model_name`` and ``worker_id`` → ``engine`` (a Lamina
+  worker is one engine; its id is the label's value). A series no worker served
+  (``worker_id=""``: a request refused before any worker took it) has no engine and is
+  left out;
+* vLLM's histogram bounds. Lamina's are a superset (finer at the low end, token counts
+  past any context length), and dropping bounds of a cumulative histogram is exact; the
+  token-count histograms go up to the model's ``max_model_len``, as vLLM's do;
+* the few families vLLM has that are a fixed function of what Lamina measures, derived:
+  waiting requests by reason (Lamina defers none), prompt tokens by source (no external
+  KV transfer), cached prompt tokens by tier (all on the device), the external prefix
+  cache (none), the engine's sleep state (Lamina's engines never sleep).
+
+Not served: vLLM's multimodal cache counters (Lamina serves text models), its frontend
+``admission_rejections_total`` (Lamina's queue refusals are the schedulers', in
+``lamina:placements_total``), and everything vLLM registers only for features Lamina does
+not have (speculative decoding, LoRA, KV connectors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
+
+VLLM_PREFIX = "vllm:"
+
+
+def one_two_five_buckets(max_value: int) -> list[float]:
+    """``1, 2, 5, 10, 20, 50, ...`` up to ``max_value`` (vLLM's token-count buckets)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+LABELS = {"model": "model_name", "worker_id": "engine"}
+
+REQUEST_LATENCY = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+TTFT = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+INTER_TOKEN = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+]  # fmt: skip
+TOKENS = None
+"""The token-count histograms' bounds: 1-2-5 up to the model's ``max_model_len``."""
+
+#: Lamina's gauges and counters vLLM has under the same name (without prefix).
+PLAIN = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "cache_config_info",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "prompt_tokens",
+    "prompt_tokens_cached",
+    "generation_tokens",
+    "request_success",
+)
+#: Lamina's histograms vLLM has under the same name → vLLM's bounds.
+HISTOGRAMS: dict[str, list[float] | None] = {
+    "time_to_first_token_seconds": TTFT,
+    "inter_token_latency_seconds": INTER_TOKEN,
+    "request_time_per_output_token_seconds": INTER_TOKEN,
+    "e2e_request_latency_seconds": REQUEST_LATENCY,
+    "request_queue_time_seconds": REQUEST_LATENCY,
+    "request_inference_time_seconds": REQUEST_LATENCY,
+    "request_prefill_time_seconds": REQUEST_LATENCY,
+    "request_decode_time_seconds": REQUEST_LATENCY,
+    "iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    "request_params_n": [1, 2, 5, 10, 20],
+    "request_num_preemptions": [1, 2, 3, 4, 5, 10, 20],
+    "request_prompt_tokens": TOKENS,
+    "request_generation_tokens": TOKENS,
+    "request_max_num_generation_tokens": TOKENS,
+    "request_params_max_tokens": TOKENS,
+    "request_prefill_kv_computed_tokens": TOKENS,
+}
+NO_MODEL_LABEL = {"cache_config_info"}  # vLLM's carries the engine only
+
+
+def translate(
+    families: Iterable[Metric], prefix: str, max_model_len: dict[str, int]
+) -> Iterator[Metric]:
+    """vLLM's families from Lamina's collected ``families`` (named ``<prefix><name>``);
+    ``max_model_len`` per model bounds the token-count histograms (a model not in it keeps
+    every bound)."""
+    by_name = {
+        family.name.removeprefix(prefix): family
+        for family in families
+        if family.name.startswith(prefix)
+    }
+    for name in (*PLAIN, *HISTOGRAMS):
+        family = by_name.get(name)
+        if family is not None:
+            yield _translated(name, family, prefix, max_model_len)
+    yield from _derived(by_name)
+
+
+def _translated(name: str, family: Metric, prefix: str, max_model_len: dict[str, int]) -> Metric:
+    out = Metric(VLLM_PREFIX + name, family.documentation, family.type)
+    for sample in family.samples:
+        labels = _labels(sample.labels, drop_model=name in NO_MODEL_LABEL)
+        if labels is None:
+            continue
+        if sample.name.endswith("_bucket") and not _kept(
+            name, sample.labels.get("le", ""), max_model_len.get(sample.labels.get("model", ""))
+        ):
+            continue
+        out.samples.append(
+            sample._replace(name=VLLM_PREFIX + sample.name.removeprefix(prefix), labels=labels)
+        )
+    return out
+
+
+def _labels(labels: dict[str, str], drop_model: bool = False) -> dict[str, str] | None:
+    """vLLM's label names for a series, or None for one with no engine."""
+    if labels.get("worker_id") == "":
+        return None
+    renamed = {LABELS.get(key, key): value for key, value in labels.items()}
+    if drop_model:
+        renamed.pop("model_name", None)
+    return renamed
+
+
+def _kept(name: str, le: str, model_len: int | None) -> bool:
+    """Whether vLLM's histogram ``name`` has the bound ``le``."""
+    if le == "+Inf":
+        return True
+    bounds = HISTOGRAMS[name]
+    if bounds is TOKENS:
+        if model_len is None:
+            return True
+        bounds = one_two_five_buckets(model_len)
+    return float(le) in bounds
+
+
+def _derived(by_name: dict[str, Metric]) -> Iterator[Metric]:
+    """vLLM's families that are a fixed function of Lamina's (see the module docstring)."""
+    engines = _samples(by_name.get("num_requests_running"), "")
+    waiting = _samples(by_name.get("num_requests_waiting"), "")
+    prompt = _samples(by_name.get("prompt_tokens"), "_total")
+    cached = _samples(by_name.get("prompt_tokens_cached"), "_total")
+    yield _family(
+        "num_requests_waiting_by_reason",
+        "Requests waiting, by why: capacity (Lamina defers none).",
+        "gauge",
+        [({"reason": "capacity"}, waiting), ({"reason": "deferred"}, _zeros(waiting))],
+    )
+    yield _family(
+        "engine_sleep_state",
+        "The engine's sleep state, one-hot (Lamina's engines are always awake).",
+        "gauge",
+        [
+            ({"sleep_state": "awake"}, {key: 1.0 for key in engines}),
+            ({"sleep_state": "weights_offloaded"}, _zeros(engines)),
+            ({"sleep_state": "discard_all"}, _zeros(engines)),
+        ],
+    )
+    computed = {key: value - cached.get(key, 0.0) for key, value in prompt.items()}
+    yield _family(
+        "prompt_tokens_by_source",
+        "Prompt tokens by where their KV came from.",
+        "counter",
+        [
+            ({"source": "local_compute"}, computed),
+            ({"source": "local_cache_hit"}, cached),
+            ({"source": "external_kv_transfer"}, _zeros(prompt)),
+        ],
+    )
+    tiers = ("host", "p2p", "disk", "external_unspecified")
+    yield _family(
+        "prompt_tokens_cached_by_source",
+        "Cached prompt tokens by cache tier (Lamina's are all on the device).",
+        "counter",
+        [({"source": "device"}, cached), *(({"source": t}, _zeros(cached)) for t in tiers)],
+    )
+    for name in ("external_prefix_cache_queries", "external_prefix_cache_hits"):
+        yield _family(name, "Tokens through a KV connector (Lamina has none).", "counter", [
+            ({}, _zeros(engines))
+        ])  # fmt: skip
+
+
+Key = tuple[tuple[str, str], ...]
+
+
+def _samples(family: Metric | None, suffix: str) -> dict[Key, float]:
+    """A per-worker family's values by its vLLM labels (``suffix``: the sample's)."""
+    if family is None:
+        return {}
+    values = {}
+    for sample in family.samples:
+        labels = _labels(sample.labels)
+        if sample.name == family.name + suffix and labels is not None:
+            values[tuple(sorted(labels.items()))] = sample.value
+    return values
+
+
+def _zeros(values: dict[Key, float]) -> dict[Key, float]:
+    return dict.fromkeys(values, 0.0)
+
+
+def _family(
+    name: str, help_text: str, kind: str, parts: list[tuple[dict[str, str], dict[Key, float]]]
+) -> Metric:
+    family = Metric(VLLM_PREFIX + name, help_text, kind)
+    sample_name = family.name + ("_total" if kind == "counter" else "")
+    for extra, values in parts:
+        for key, value in values.items():
+            family.samples.append(Sample(sample_name, dict(key) | extra, value))
+    return family
