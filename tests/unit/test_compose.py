@@ -25,13 +25,21 @@ COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 
 #: Services that run someone else's image, not ours.
-THIRD_PARTY = {"nats", "prometheus", "grafana"}
+THIRD_PARTY = {"nats", "otel-collector", "tempo", "prometheus", "grafana"}
 #: The stack: each runs ``lamina <service>``.
 LAMINA_SERVICES = {"scheduler", "gateway", "worker", "telemetry"}
 #: Runs once, before NATS: ``lamina creds init`` into the credential volume.
 CREDENTIALS = "credentials"
 #: ``LAMINA_*`` variables read process-wide (libs, default model), not config fields.
 PROCESS_WIDE_ENV = {"LAMINA_HOME", "LAMINA_LOG_LEVEL", "LAMINA_TRACE_FILE"}
+#: OpenTelemetry's standard variables (``libs/telemetry_setup.py`` reads them).
+STANDARD_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT"}
+
+
+def default_of(value: str) -> str:
+    """What compose makes of ``${VAR:-default}`` (or ``${VAR-default}``) with VAR unset."""
+    match = re.fullmatch(r"\$\{\w+:?-(.*)\}", value)
+    return match.group(1) if match else value
 
 
 def load_compose() -> dict[str, Any]:
@@ -121,14 +129,15 @@ def test_flags_and_env_are_fields_of_the_service_config(name: str) -> None:
 
     unknown_flags = sorted(set(flag_fields(argv)) - fields.keys())
     assert not unknown_flags, f"{name}: {unknown_flags} are not fields of {config_type.__name__}"
-    for key in env:
+    for key in env.keys() - STANDARD_ENV:
         assert key.startswith(ENV_PREFIX), f"{name}: {key} is not a LAMINA_* variable"
         assert key in PROCESS_WIDE_ENV or key.removeprefix(ENV_PREFIX).lower() in fields, (
             f"{name}: {key} matches no field of {config_type.__name__}"
         )
 
     # The service's own parser takes the command line and environment as compose gives them.
-    config = parse_config(config_type, argv, prog=f"lamina {name}", env=env)
+    lamina_env = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+    config = parse_config(config_type, argv, prog=f"lamina {name}", env=lamina_env)
     for field, raw in flag_fields(argv).items():
         if raw:
             assert str(fields[field].value(config)) == raw
@@ -172,7 +181,7 @@ def test_http_services_publish_their_port_and_check_health(name: str) -> None:
 
 def test_nats_runs_jetstream_with_monitoring() -> None:
     nats = SERVICES["nats"]
-    assert nats["image"].startswith("nats:2.10")
+    assert default_of(nats["image"]).startswith("nats:2.10")
     command = nats["command"]
     assert "-js" in command
     assert command[command.index("-m") + 1] == "8222"
@@ -199,9 +208,13 @@ def test_dockerfile_installs_the_project_and_runs_lamina_unprivileged() -> None:
         for line in DOCKERFILE.read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
-    assert lines[0] == "FROM python:3.11-slim"
+    assert lines[0] == "ARG BASE_IMAGE=python:3.11-slim"
+    assert [line for line in lines if line.startswith("FROM ")] == [
+        "FROM ${BASE_IMAGE} AS dependencies",
+        "FROM ${BASE_IMAGE}",
+    ]
     text = "\n".join(lines)
-    assert "https://download.pytorch.org/whl/cpu" in text, "CPU torch wheels"
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text, "CPU torch"
     assert "pip install --no-deps ." in text
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
@@ -217,8 +230,23 @@ def test_grafana_is_provisioned_from_the_repo() -> None:
     mounts = dict(v.rsplit(":", 2)[:2] for v in SERVICES["grafana"]["volumes"])
     for local in mounts:
         assert (ROOT / local).is_dir(), local
-    assert (ROOT / "deploy/grafana/dashboards/lamina.json").exists()
+    assert len(list((ROOT / "deploy/grafana/dashboards").glob("lamina-*.json"))) == 4
     source = yaml.safe_load(
         (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
     )
-    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+    urls = {d["uid"]: d["url"] for d in source["datasources"]}
+    assert urls == {"prometheus": "http://prometheus:9090", "tempo": "http://tempo:3200"}
+
+
+def test_built_images_take_their_base_and_torch_index_from_the_environment() -> None:
+    """``deploy/images/build.sh`` points compose at images built without a registry."""
+    for name in BUILT:
+        build = SERVICES[name]["build"]
+        assert default_of(build["args"]["BASE_IMAGE"]) == "python:3.11-slim"
+        assert build["args"]["TORCH_INDEX_URL"].startswith("${LAMINA_TORCH_INDEX_URL-")
+        assert build["network"] == "host"
+    written = (ROOT / "deploy/images/build.sh").read_text()
+    for variable in ("LAMINA_BASE_IMAGE", "LAMINA_TORCH_INDEX_URL", "NATS_IMAGE"):
+        assert f"{variable}=" in written
+    assert "PROMETHEUS_IMAGE=" in written
+    assert SERVICES["prometheus"]["image"].startswith("${PROMETHEUS_IMAGE:-prom/prometheus:")

@@ -1,4 +1,4 @@
-"""The Grafana dashboard asks only for metrics telemetry actually exposes."""
+"""The Grafana dashboards ask only for metrics telemetry actually exposes."""
 
 from __future__ import annotations
 
@@ -6,16 +6,22 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
+from lamina.schemas.v1.generate import EngineTimings
 from lamina.schemas.v1.records import PlacementRecord
+from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS
 from lamina.services.telemetry.metrics import Aggregator
 from tests.telemetry.helpers import make_record, make_stats
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/lamina.json"
+DASHBOARDS = sorted(
+    (Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards").glob("*.json")
+)
 
 
 def exposed_names() -> set[str]:
     aggregator = Aggregator()
-    aggregator.observe_stats(make_stats())
+    aggregator.observe_stats(make_stats(iteration_tokens=[1] * (len(ITERATION_TOKEN_BUCKETS) + 1)))
     aggregator.observe_placement(
         PlacementRecord(
             request_id="r1",
@@ -24,9 +30,14 @@ def exposed_names() -> set[str]:
             candidates=1,
             policy="kv",
             predicted_ttft_s=0.02,
+            decision_s=0.0002,
+            queued_s=0.1,
+            scheduler_id="s1",
         )
     )
-    aggregator.observe_request(make_record())  # joins the prediction: an error is observed
+    timings = EngineTimings(queued_s=0.01, prefill_s=0.02, decode_s=0.1)
+    # joins the prediction: an error is observed
+    aggregator.observe_request(make_record(timings=timings, accept_s=0.001, max_tokens=8))
     text = aggregator.render().decode()
     return {
         line.split("{")[0].split(" ")[0]
@@ -35,10 +46,20 @@ def exposed_names() -> set[str]:
     }
 
 
-def test_every_dashboard_query_names_an_exposed_metric():
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_every_dashboard_query_names_an_exposed_metric(path):
+    dashboard = json.loads(path.read_text())
+    exprs = [t.get("expr", "") for panel in dashboard["panels"] for t in panel["targets"]]
     referenced = {m for e in exprs for m in re.findall(r"lamina:[a-z0-9_]+", e)}
-    assert referenced, "the dashboard queries nothing"
     missing = referenced - exposed_names()
     assert not missing, f"dashboard queries metrics telemetry does not expose: {missing}"
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_every_panel_queries_a_provisioned_datasource(path):
+    dashboard = json.loads(path.read_text())
+    assert dashboard["uid"] == path.stem and dashboard["panels"]
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] in ("prometheus", "tempo"), panel["title"]
