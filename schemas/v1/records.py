@@ -120,3 +120,16 @@ class ServiceStarted(Message):
     restarts: Count = 0
     """How many times its supervisor (``lamina up``) had restarted it before this start;
     0 where no supervisor counts (one that restarts containers counts on its own)."""
+
+
+class BusHealth(Message):
+    """gateway, scheduler, worker → ``events.service`` when its NATS connection's counters
+    changed (checked every few seconds): telemetry shows each process's bus errors and
+    reconnects (and its own without the bus: it may only listen)."""
+
+    service: str
+    instance: str
+    errors: Count = 0
+    """Errors the client reported (refused publishes, slow consumer, a broken socket)."""
+    disconnects: Count = 0
+    reconnects: Count = 0

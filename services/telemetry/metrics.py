@@ -44,7 +44,13 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.registry import Collector
 
 from lamina.libs.cluster import MISSED_HEARTBEATS, Clock, ClusterView, WorkerEntry
-from lamina.schemas.v1.records import Outcome, PlacementRecord, RequestRecord, ServiceStarted
+from lamina.schemas.v1.records import (
+    BusHealth,
+    Outcome,
+    PlacementRecord,
+    RequestRecord,
+    ServiceStarted,
+)
 from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS, WorkerState, WorkerStats
 from lamina.services.telemetry import vllm_compat
 from lamina.services.telemetry.vllm_compat import one_two_five_buckets
@@ -487,6 +493,37 @@ class PredictionMetrics:
             self.error.labels(worker_id).observe(record.ttft_s - predicted)
 
 
+MAX_BUS_INSTANCES = 1_000
+"""Processes whose bus health is kept (the longest unheard dropped beyond it)."""
+
+
+class BusCollector(Collector):
+    """Each process's NATS connection: errors, disconnects and reconnects, as the process
+    last reported them (``BusHealth``; cumulative, so a restart resets them)."""
+
+    def __init__(self) -> None:
+        self.latest: OrderedDict[tuple[str, str], BusHealth] = OrderedDict()
+
+    def observe(self, health: BusHealth) -> None:
+        key = (health.service, health.instance)
+        self.latest[key] = health
+        self.latest.move_to_end(key)
+        while len(self.latest) > MAX_BUS_INSTANCES:
+            self.latest.popitem(last=False)
+
+    def collect(self) -> Iterator[Metric]:
+        figures = {
+            "bus_errors": ("Errors the NATS client reported.", lambda h: h.errors),
+            "bus_disconnects": ("Times the process lost its NATS server.", lambda h: h.disconnects),
+            "bus_reconnects": ("Times the process got a NATS server back.", lambda h: h.reconnects),
+        }
+        for name, (help_text, value) in figures.items():
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=["service", "instance"])
+            for (service, instance), health in self.latest.items():
+                family.add_metric([service, instance], float(value(health)))
+            yield family
+
+
 class PlacementMetrics:
     """The schedulers' decisions: how many, why, how fast, and their queues."""
 
@@ -548,6 +585,8 @@ class Aggregator:
         self.registry.register(WorkerCollector(self.workers))
         self.requests = RequestMetrics(self.registry)
         self.placements = PlacementMetrics(self.registry)
+        self.buses = BusCollector()
+        self.registry.register(self.buses)
         self.predictions = PredictionMetrics(self.registry)
         self.starts = Counter(
             PREFIX + "service_starts_total",
@@ -566,6 +605,10 @@ class Aggregator:
         """A service began serving (its first start, or a restart)."""
         self.starts.labels(started.service).inc()
         self.restarts.labels(started.service, started.instance).set(started.restarts)
+
+    def observe_bus(self, health: BusHealth) -> None:
+        """A process's NATS connection counters changed."""
+        self.buses.observe(health)
 
     def observe_stats(self, stats: WorkerStats) -> None:
         """A worker heartbeat."""

@@ -36,7 +36,7 @@ from lamina.libs.config import option
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.records import PlacementRecord, RequestRecord, ServiceStarted
+from lamina.schemas.v1.records import BusHealth, PlacementRecord, RequestRecord, ServiceStarted
 from lamina.schemas.v1.stats import WorkerStats
 from lamina.services.telemetry.metrics import COMPAT, Aggregator
 
@@ -162,23 +162,34 @@ class TelemetryService:
             return
         self.bus = bus
         log.info("telemetry connected to %s", self.config.nats.nats_url)
-        # It may only listen (its credential publishes nothing): it counts its own start.
+        # It may only listen (its credential publishes nothing): it counts its own start
+        # and its own connection's health.
         self.aggregator.observe_start(ServiceStarted(service="telemetry", instance=name))
+
+        async def own_health(health: BusHealth) -> None:
+            self.aggregator.observe_bus(health)
+
+        bus.report_health("telemetry", name, send=own_health)
 
     async def _subscribe(self, bus: Bus) -> None:
         """Hear heartbeats and records (no queue group: every replica hears everything)."""
         await bus.subscribe(subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False)
         await bus.subscribe(subjects.EVENTS_REQUEST, RequestRecord, self._on_request)
         await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, self._on_placement)
-        await bus.subscribe(subjects.EVENTS_SERVICE, ServiceStarted, self._on_service)
+        await bus.subscribe(
+            subjects.EVENTS_SERVICE, ServiceStarted | BusHealth, self._on_service, traced=False
+        )
         await bus.nc.flush()  # the server has our subscriptions before we say ready
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if stats.worker_id == subjects.sender_worker(msg.subject):  # not one posing as another
             self.aggregator.observe_stats(stats)
 
-    async def _on_service(self, started: ServiceStarted, msg: Msg) -> None:
-        self.aggregator.observe_start(started)
+    async def _on_service(self, event: ServiceStarted | BusHealth, msg: Msg) -> None:
+        if isinstance(event, BusHealth):
+            self.aggregator.observe_bus(event)
+        else:
+            self.aggregator.observe_start(event)
 
     async def _on_request(self, record: RequestRecord, msg: Msg) -> None:
         # The record travels in its request's trace (the gateway publishes it from the

@@ -11,21 +11,30 @@ import pytest
 
 from lamina.libs.bus import Bus
 from lamina.libs.nats_server import NatsServer, free_port
+from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel
+from lamina.schemas.v1.records import BusHealth
 
 
 def test_the_bus_reconnects_and_resubscribes_when_the_server_comes_back():
+    """... and counts it, and tells the cluster (``BusHealth`` on ``events.service``)."""
     port = free_port()
 
-    async def main() -> list[str]:
+    async def main() -> tuple[list[str], BusHealth]:
         got: asyncio.Queue[Cancel] = asyncio.Queue()
+        healths: asyncio.Queue[BusHealth] = asyncio.Queue()
 
         async def handler(message: Cancel, _msg) -> None:
             got.put_nowait(message)
 
+        async def on_health(health: BusHealth, _msg) -> None:
+            healths.put_nowait(health)
+
         server = NatsServer(port=port).start()
         bus = await Bus.connect(server.url, "test-reconnect")
+        bus.report_health("gateway", "gw-1", period=0.05)
         await bus.subscribe("t.again", Cancel, handler)
+        await bus.subscribe(subjects.EVENTS_SERVICE, BusHealth, on_health)
         await bus.publish("t.again", Cancel(request_id="before"))
         received = [(await asyncio.wait_for(got.get(), 5)).request_id]
         server.stop()
@@ -37,12 +46,18 @@ def test_the_bus_reconnects_and_resubscribes_when_the_server_comes_back():
                 await asyncio.sleep(0.05)
             await bus.publish("t.again", Cancel(request_id="after"))
             received.append((await asyncio.wait_for(got.get(), 5)).request_id)
+            health = await asyncio.wait_for(healths.get(), 5)
+            while not health.reconnects:  # sent between the reconnect and its callback
+                health = await asyncio.wait_for(healths.get(), 5)
             await bus.drain()
         finally:
             server.stop()
-        return received
+        return received, health
 
-    assert asyncio.run(asyncio.wait_for(main(), 30)) == ["before", "after"]
+    received, health = asyncio.run(asyncio.wait_for(main(), 30))
+    assert received == ["before", "after"]
+    assert (health.service, health.instance) == ("gateway", "gw-1")
+    assert health.disconnects >= 1 and health.reconnects == 1
 
 
 def test_jetstream_is_there_when_asked_for_and_its_store_goes_with_the_server():

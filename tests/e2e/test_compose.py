@@ -1,5 +1,6 @@
 """``compose.yaml`` for real: the stack and Prometheus in containers built here
-(``deploy/images/build.sh``), two workers, requests through the published gateway port,
+(``deploy/images/build.sh`` for the base, NATS and Prometheus images; compose builds
+Lamina's from this checkout), two workers, requests through the published gateway port,
 every shipped dashboard query answered by that Prometheus.
 
 Runs where a Docker engine answers and ``LAMINA_COMPOSE_TEST=1`` (``.ci/run`` sets it once
@@ -75,7 +76,8 @@ def compose():
     def run(*args: str, timeout: float = 300) -> None:
         subprocess.run([*project, *args], env=env, cwd=ROOT, check=True, timeout=timeout)
 
-    run("up", "-d", "--scale", f"worker={WORKERS}", *STARTED, timeout=600)
+    # --build: the Lamina image from this checkout (its layers are cached when unchanged).
+    run("up", "-d", "--build", "--scale", f"worker={WORKERS}", *STARTED, timeout=900)
     try:
         yield
     finally:

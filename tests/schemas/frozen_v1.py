@@ -323,6 +323,14 @@ class ServiceStarted(Message):
     restarts: int = 0
 
 
+class BusHealth(Message):
+    service: str
+    instance: str
+    errors: int = 0
+    disconnects: int = 0
+    reconnects: int = 0
+
+
 #: Every frozen message type by name (its wire tag).
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls

@@ -61,6 +61,7 @@ from lamina.schemas.v1.kv import (
     KvSyncRequest,
 )
 from lamina.schemas.v1.records import (
+    BusHealth,
     PlacementRecord,
     RequestRecord,
     ScoredWorker,
@@ -309,6 +310,9 @@ def golden_instances() -> dict[str, Message]:
             queued_tokens=640,
         ),
         ServiceStarted(service="worker", instance=worker_id, restarts=2),
+        BusHealth(
+            service="gateway", instance="gw-node-2-88", errors=1, disconnects=2, reconnects=2
+        ),
     ]
     return {type(instance).__name__: instance for instance in instances}
 

@@ -8,7 +8,7 @@ from prometheus_client import generate_latest
 
 from lamina.libs.cluster import FORGET_AFTER_S
 from lamina.schemas.v1.generate import EngineTimings
-from lamina.schemas.v1.records import PlacementRecord, ServiceStarted
+from lamina.schemas.v1.records import BusHealth, PlacementRecord, ServiceStarted
 from lamina.services.telemetry.metrics import (
     TOKEN_BUCKETS,
     Aggregator,
@@ -380,3 +380,16 @@ def test_latencies_carry_their_requests_trace_as_an_exemplar_in_openmetrics():
     ]
     assert any("ab" * 16 in line for line in e2e)
     assert "trace_id" not in agg.render().decode()  # the classic text format has none
+
+
+def test_each_processs_bus_errors_and_reconnects_as_it_last_reported_them():
+    agg, _ = make_aggregator()
+    agg.observe_bus(BusHealth(service="gateway", instance="gw-1", disconnects=1, reconnects=1))
+    agg.observe_bus(BusHealth(service="gateway", instance="gw-1", disconnects=2, reconnects=2))
+    agg.observe_bus(BusHealth(service="worker", instance="w1", errors=3))
+    got = lines(agg)
+    assert {
+        'lamina:bus_reconnects_total{instance="gw-1",service="gateway"} 2.0',
+        'lamina:bus_disconnects_total{instance="gw-1",service="gateway"} 2.0',
+        'lamina:bus_errors_total{instance="w1",service="worker"} 3.0',
+    } <= got

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from lamina.schemas.v1.generate import EngineTimings
-from lamina.schemas.v1.records import PlacementRecord
+from lamina.schemas.v1.records import BusHealth, PlacementRecord
 from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS
 from lamina.services.telemetry.metrics import Aggregator
 from tests.telemetry.helpers import make_record, make_stats
 
-DASHBOARDS = sorted(
-    (Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards").glob("*.json")
-)
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = sorted((ROOT / "deploy/grafana/dashboards").glob("*.json"))
 
 
 def exposed_names() -> set[str]:
@@ -35,6 +36,7 @@ def exposed_names() -> set[str]:
             scheduler_id="s1",
         )
     )
+    aggregator.observe_bus(BusHealth(service="gateway", instance="gw-1"))
     timings = EngineTimings(queued_s=0.01, prefill_s=0.02, decode_s=0.1)
     # joins the prediction: an error is observed
     aggregator.observe_request(make_record(timings=timings, accept_s=0.001, max_tokens=8))
@@ -63,3 +65,9 @@ def test_every_panel_queries_a_provisioned_datasource(path):
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             assert target["datasource"]["uid"] in ("prometheus", "tempo"), panel["title"]
+
+
+def test_the_dashboards_are_what_their_generator_writes():
+    generate = ROOT / "deploy/grafana/generate.py"
+    result = subprocess.run([sys.executable, generate, "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
