@@ -3,6 +3,7 @@ dashboards' queries to ask it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -10,12 +11,40 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from lamina.libs.nats_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy/grafana/dashboards").glob("*.json"))
 BINARY = shutil.which("prometheus")
+
+
+def burst(base_url: str, requests: int, max_tokens: int = 12) -> list[int]:
+    """``requests`` greedy completions streamed at once (prompts of a few lengths, so the
+    token histograms spread); each one's completion tokens."""
+    client = openai.AsyncOpenAI(
+        base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+    async def one(i: int) -> int:
+        stream = await client.completions.create(
+            model="lamina-tiny",
+            prompt=f"load {i} " * (1 + i % 4),
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def main() -> list[int]:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(requests))), 180)
+
+    return asyncio.run(main())
 
 
 def dashboard_queries() -> dict[str, str]:
@@ -60,6 +89,14 @@ class PrometheusApi:
                 return
             time.sleep(0.5)
         raise AssertionError(f"{expr} did not reach {minimum} in {timeout}s: {result}")
+
+    def wait_for_burst(self, requests: int) -> None:
+        """Until the scrapes hold a :func:`burst` of ``requests`` (some of which waited in
+        a scheduler's queue), and enough samples since for every rate."""
+        self.wait_for("sum(lamina:request_outcome_total)", requests)
+        self.wait_for("sum(lamina:scheduler_queue_wait_seconds_count)", 1)
+        # Rates need two samples of each series since it appeared: a few more scrapes.
+        self.wait_for("min(count_over_time(lamina:request_outcome_total[1m]))", 3)
 
     def assert_every_dashboard_query_returns_data(self) -> None:
         empty = {name: expr for name, expr in dashboard_queries().items() if not self.query(expr)}

@@ -11,7 +11,6 @@ image that can be built here: they are not started (their configuration is check
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
@@ -19,10 +18,9 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from tests.e2e.prometheus import PrometheusApi
+from tests.e2e.prometheus import PrometheusApi, burst
 from tests.telemetry import vllm_0_33
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,33 +105,9 @@ def test_compose_stack_serves_through_both_workers_and_prometheus_sees_it(compos
         lambda: httpx.get(cluster, timeout=2).json()["totals"]["workers_live"] == WORKERS,
         f"{WORKERS} live workers",
     )
-    client = openai.AsyncOpenAI(
-        base_url="http://127.0.0.1:8000/v1", api_key="unused", max_retries=0, timeout=120
-    )
-
-    async def one(i: int) -> int:
-        stream = await client.completions.create(
-            model="lamina-tiny",
-            prompt=f"compose {i} " * (1 + i % 3),
-            max_tokens=12,
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        usage = None
-        async for chunk in stream:
-            usage = chunk.usage or usage
-        return usage.completion_tokens
-
-    async def burst() -> list[int]:
-        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(REQUESTS))), 180)
-
-    assert asyncio.run(burst()) == [12] * REQUESTS
-
+    assert burst("http://127.0.0.1:8000", REQUESTS) == [12] * REQUESTS
     prometheus = PrometheusApi("http://127.0.0.1:9090")
-    prometheus.wait_for("sum(lamina:request_outcome_total)", REQUESTS)
-    prometheus.wait_for("sum(lamina:scheduler_queue_wait_seconds_count)", 1)
-    prometheus.wait_for("min(count_over_time(lamina:request_outcome_total[1m]))", 3)
+    prometheus.wait_for_burst(REQUESTS)
     served_by = prometheus.query("sum by (worker_id) (lamina:request_outcome_total)")
     assert len(served_by) == WORKERS  # placement spread the burst over both
     prometheus.assert_every_dashboard_query_returns_data()

@@ -4,13 +4,10 @@ latency histograms keep their requests' trace ids as exemplars."""
 
 from __future__ import annotations
 
-import asyncio
-
-import openai
 import pytest
 
 from tests.e2e.conftest import make_stack
-from tests.e2e.prometheus import BINARY, Prometheus
+from tests.e2e.prometheus import BINARY, Prometheus, burst
 from tests.telemetry import vllm_0_33
 
 pytestmark = pytest.mark.skipif(BINARY is None, reason="needs Debian's prometheus package")
@@ -31,29 +28,8 @@ def scraped(tiny_model, tmp_path_factory):
         telemetry_args=["--metrics-compat", "vllm"],
     )
     with stack, Prometheus([stack.metrics_url.split("/")[2]], tmp) as prometheus:
-        client = openai.AsyncOpenAI(
-            base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
-        )
-
-        async def one(i: int) -> None:
-            stream = await client.completions.create(
-                model="lamina-tiny",
-                prompt=f"load {i} " * (1 + i % 4),
-                max_tokens=12,
-                temperature=0.0,
-                stream=True,
-            )
-            async for _ in stream:
-                pass
-
-        async def burst() -> None:
-            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(REQUESTS))), 120)
-
-        asyncio.run(burst())
-        prometheus.wait_for("sum(lamina:request_outcome_total)", REQUESTS)
-        prometheus.wait_for("sum(lamina:scheduler_queue_wait_seconds_count)", 1)
-        # Rates need two samples of each series since it appeared: a few more scrapes.
-        prometheus.wait_for("min(count_over_time(lamina:request_outcome_total[1m]))", 3)
+        assert burst(stack.base_url, REQUESTS) == [12] * REQUESTS
+        prometheus.wait_for_burst(REQUESTS)
         yield prometheus
 
 
