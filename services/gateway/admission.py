@@ -28,6 +28,16 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 """The roles a chat's messages may have (tool messages need tool calls, not built yet)."""
 
 
+def check_roles(messages: list[dict[str, str]]) -> None:
+    """Every message's role is one of :data:`CHAT_ROLES` (a 400 naming the one that is not)."""
+    for i, message in enumerate(messages):
+        if message["role"] not in CHAT_ROLES:
+            raise invalid_request(
+                f"role {message['role']!r} is not supported; use one of " + ", ".join(CHAT_ROLES),
+                f"messages[{i}].role",
+            )
+
+
 @dataclass(slots=True)
 class TextDelta:
     """New text and the tokens behind it; the last delta has ``finish_reason`` and usage."""
@@ -149,14 +159,7 @@ class Admission:
         APIs take, so they refuse the same request with the same error. ``prompt`` is text,
         token ids, or chat messages (``[{"role": ..., "content": ...}]``). Every refusal
         is a :class:`GenerationError`."""
-        if model is not None and model != self.model_name:
-            raise GenerationError(
-                404,
-                "not_found_error",
-                f"model {model!r} does not exist; served: {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
+        self.check_model(model)
         ids = await self._prompt_ids(prompt)
         self._hold(len(ids))
         request = GenerateRequest(
@@ -177,6 +180,17 @@ class Admission:
             await stream.close()
             raise
         return stream
+
+    def check_model(self, model: str | None) -> None:
+        """A request naming a model this gateway does not serve is a 404 (none: ours)."""
+        if model is not None and model != self.model_name:
+            raise GenerationError(
+                404,
+                "not_found_error",
+                f"model {model!r} does not exist; served: {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
     def _hold(self, prompt_tokens: int) -> None:
         """Count a request in, or shed it (429) when this gateway already holds its most."""
@@ -218,13 +232,7 @@ class Admission:
                 self._refuse_hopeless_length(len(prompt), "prompt")
                 ids = await self.pool.encode(prompt)
             elif prompt and isinstance(prompt[0], dict):
-                for i, message in enumerate(prompt):
-                    if message["role"] not in CHAT_ROLES:
-                        raise invalid_request(
-                            f"role {message['role']!r} is not supported; use one of "
-                            + ", ".join(CHAT_ROLES),
-                            f"messages[{i}].role",
-                        )
+                check_roles(prompt)
                 chars = sum(len(message.get("content") or "") for message in prompt)
                 self._refuse_hopeless_length(chars, "messages")
                 ids = await self.pool.encode(prompt)

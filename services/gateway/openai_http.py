@@ -5,13 +5,15 @@ prompt, comes back in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from importlib.metadata import version as package_version
 from typing import Any
 
-from litestar import Litestar, Request, Response, asgi, get
+from litestar import Litestar, Request, Response, asgi, get, post
 from litestar.types import Receive, Scope, Send
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
@@ -36,6 +38,9 @@ from lamina.services.gateway.protocol import (
     InvalidRequest,
     decode_body,
 )
+from lamina.services.gateway.tokenize_api import TokenizeApi
+
+LAMINA_VERSION = package_version("lamina")
 
 
 def error_body(
@@ -49,6 +54,16 @@ def error_response(
     status: int, error_type: str, message: str, param: str | None = None, code: str | None = None
 ) -> Response:
     return Response(error_body(status, error_type, message, param, code), status_code=status)
+
+
+async def _answer(work: Awaitable[dict[str, Any]]) -> Response:
+    """A JSON route's answer: its result, or its error in OpenAI's shape."""
+    try:
+        return Response(await work, status_code=200)
+    except InvalidRequest as exc:
+        return error_response(400, "invalid_request_error", exc.message, exc.param)
+    except GenerationError as exc:
+        return Response(_error_body(exc), status_code=exc.status)
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -361,6 +376,21 @@ class OpenAIApi:
                 ],
             }
 
+        tokenization = TokenizeApi(api.admission)
+
+        @post("/tokenize", status_code=200)
+        async def tokenize(request: Request) -> Response:
+            return await _answer(tokenization.tokenize(await request.body()))
+
+        @post("/detokenize", status_code=200)
+        async def detokenize(request: Request) -> Response:
+            body = await request.body()
+            return await _answer(asyncio.to_thread(tokenization.detokenize, body))
+
+        @get("/version")
+        async def version() -> dict[str, str]:
+            return {"version": LAMINA_VERSION}
+
         document = openapi_document()
 
         @get("/openapi.json")
@@ -383,7 +413,17 @@ class OpenAIApi:
             return error_response(status, kind, getattr(exc, "detail", None) or str(exc))
 
         return Litestar(
-            route_handlers=[completions, chat_completions, models, openapi, health, ready],
+            route_handlers=[
+                completions,
+                chat_completions,
+                models,
+                tokenize,
+                detokenize,
+                version,
+                openapi,
+                health,
+                ready,
+            ],
             exception_handlers={Exception: on_error},
             openapi_config=None,
             logging_config=None,  # keep the service's own log format

@@ -7,7 +7,12 @@ from typing import Any
 
 import msgspec
 
-from lamina.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from lamina.services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 _ERROR = {
     "type": "object",
@@ -62,6 +67,40 @@ def _generation(operation: str, summary: str, body: dict[str, Any]) -> dict[str,
     }
 
 
+def _json(operation: str, summary: str, body: dict[str, Any], answer: dict) -> dict[str, Any]:
+    """A POST that answers one JSON object, or an error."""
+    responses: dict[str, Any] = {
+        "200": {"description": summary, "content": {"application/json": {"schema": answer}}}
+    }
+    for status in ("400", "401", "404"):
+        responses[status] = {
+            "description": _ERRORS[status],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+    return {
+        "post": {
+            "operationId": operation,
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": responses,
+        }
+    }
+
+
+_TOKENS = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens"],
+    "properties": {
+        "count": {"type": "integer"},
+        "max_model_len": {"type": "integer"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": {"type": ["array", "null"], "items": {"type": "string"}},
+    },
+}
+_TEXT = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+_VERSION = {"type": "object", "properties": {"version": {"type": "string"}}}
+
+
 def _probe(operation: str, summary: str) -> dict[str, Any]:
     return {
         "get": {
@@ -74,8 +113,9 @@ def _probe(operation: str, summary: str) -> dict[str, Any]:
 
 
 def openapi_document() -> dict[str, Any]:
-    (completion, chat), schemas = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest], ref_template="#/components/schemas/{name}"
+    (completion, chat, tokenize, detokenize), schemas = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+        ref_template="#/components/schemas/{name}",
     )
     models = {"description": "the served model", "content": {"application/json": {}}}
     return {
@@ -85,6 +125,19 @@ def openapi_document() -> dict[str, Any]:
             "/v1/completions": _generation("createCompletion", "complete a prompt", completion),
             "/v1/chat/completions": _generation("createChatCompletion", "chat", chat),
             "/v1/models": {"get": {"operationId": "listModels", "responses": {"200": models}}},
+            "/tokenize": _json("tokenize", "a text's or chat's tokens", tokenize, _TOKENS),
+            "/detokenize": _json("detokenize", "tokens' text", detokenize, _TEXT),
+            "/version": {
+                "get": {
+                    "operationId": "version",
+                    "responses": {
+                        "200": {
+                            "description": "the server's version",
+                            "content": {"application/json": {"schema": _VERSION}},
+                        }
+                    },
+                }
+            },
             "/health": _probe("health", "the process is alive"),
             "/ready": _probe("ready", "a worker is ready to serve"),
         },

@@ -228,6 +228,44 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /tokenize``: text (``prompt``) or a chat (``messages``, through the
+    model's chat template), as a completion or chat request would send it."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Add the tokenizer's special tokens (a BOS); vLLM's defaults: yes for text, no for
+    a chat (its template carries them)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """End the rendering inside the last message (which the model would continue)."""
+    return_token_strs: bool = False
+
+    def chat(self) -> list[dict[str, str]] | None:
+        """The messages as the template takes them; checks the request's shape."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("give exactly one of prompt and messages", "prompt")
+        if self.messages is None:
+            return None
+        if not self.messages:
+            raise InvalidRequest("messages must not be empty", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 def decode_body(body: bytes, kind: type) -> Any:
     """Decode a JSON body, turning msgspec's errors into :class:`InvalidRequest`."""
     try:

@@ -45,24 +45,37 @@ class ModelTokenizer:
         """The longest token's text: no token covers more characters of a prompt (a
         byte-level token's string has a character per byte it covers)."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s tokens, with the model's BOS first when its tokenizer config adds one
+        (``add_special_tokens``), as a completion prompt is encoded."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token is not None:
+        if add_special_tokens and self.add_bos and self.bos_token is not None:
             bos = self.tokenizer.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
                 ids = [bos, *ids]
         return ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token's own string in the vocabulary (``Ġ`` and all, as ``transformers``'
+        ``convert_ids_to_tokens``)."""
+        return [self.tokenizer.id_to_token(i) or "" for i in token_ids]
 
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
+        """The chat as the model's template writes it; with ``continue_final_message``,
+        cut just after the last message's content (as ``transformers`` does), so that
+        the model continues that message."""
         if self.chat_template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
-            return self.chat_template.render(
+            text = self.chat_template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -70,6 +83,15 @@ class ModelTokenizer:
             )
         except Exception as exc:  # template errors are the client's messages' fault
             raise TemplateError(f"chat template failed: {exc}") from exc
+        if continue_final_message:
+            final = messages[-1]["content"]
+            if final not in text:  # a template that trims messages: trim it too
+                final = final.strip()
+            end = text.rfind(final)
+            if not final or end < 0:
+                raise TemplateError("the final message does not appear in the rendered chat")
+            text = text[: end + len(final)]
+        return text
 
     def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
         """Text, or chat messages through the chat template."""

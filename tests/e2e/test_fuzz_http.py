@@ -16,9 +16,9 @@ EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 60}
 #: Requests with a body are generated both ways; the GETs take no input to break.
 CASES = [
     (path, mode)
-    for path in ("/v1/completions", "/v1/chat/completions")
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
-] + [(path, GenerationMode.POSITIVE) for path in ("/v1/models", "/health", "/ready")]
+] + [(path, GenerationMode.POSITIVE) for path in ("/v1/models", "/version", "/health", "/ready")]
 
 
 def test_the_served_document_is_the_one_the_code_builds(stack):
