@@ -56,6 +56,34 @@ def error_response(
     return Response(error_body(status, error_type, message, param, code), status_code=status)
 
 
+async def _whole(stream: TextStream) -> TextDelta:
+    """A stream's text, tokens and logprobs in one delta, with its finish and usage."""
+    text, ids, lps, last = [], [], [], None
+    async for delta in stream.deltas():
+        text.append(delta.text)
+        ids += delta.token_ids
+        if delta.logprobs is not None:
+            lps += delta.logprobs
+        last = delta
+    return TextDelta("".join(text), ids, lps or None, last.finish_reason, last.usage)
+
+
+def _indexed(choice: dict[str, Any], index: int) -> dict[str, Any]:
+    choice["index"] = index
+    return choice
+
+
+def _sum_usage(usages: list[Usage | None]) -> Usage | None:
+    """The usage of a batch's requests together (None until every one has reported)."""
+    if not usages or any(u is None for u in usages):
+        return None
+    return Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=sum(u.cached_tokens for u in usages),
+    )
+
+
 async def _answer(work: Awaitable[dict[str, Any]]) -> Response:
     """A JSON route's answer: its result, or its error in OpenAI's shape."""
     try:
@@ -144,8 +172,10 @@ class OpenAIApi:
 
     async def _open(
         self, body: CompletionRequest | ChatCompletionRequest, best_priority: int | None = None
-    ) -> TextStream:
-        """Submit ``body``; every way it can be refused is a :class:`GenerationError`.
+    ) -> list[TextStream]:
+        """Submit ``body``: one request, or one per prompt of a batch (each a choice of
+        its own), admitted together; every way it can be refused is a
+        :class:`GenerationError`, and one refused prompt refuses the whole batch.
         ``best_priority``: the lowest ``priority`` the caller's API key may ask for."""
         if best_priority is not None and body.priority < best_priority:
             raise GenerationError(
@@ -159,18 +189,27 @@ class OpenAIApi:
         try:
             body.refuse_unsupported()
             if isinstance(body, ChatCompletionRequest):
-                prompt: str | list[int] | list[dict[str, str]] = body.chat()
+                prompts: list[str | list[int] | list[dict[str, str]]] = [body.chat()]
                 sampling = body.sampling(None, body.logprobs_count())
             else:
-                prompt = body.prompt_input()
+                prompts = list(body.prompt_inputs())
                 sampling = body.sampling(16, body.logprobs)
         except InvalidRequest as exc:
             raise invalid_request(exc.message, exc.param) from exc
-        return await self.admission.admit(
-            body.model, prompt, sampling, body.sla(), body.stop_strings()
+        sla, stop = body.sla(), body.stop_strings()
+        opened = await asyncio.gather(
+            *(self.admission.admit(body.model, p, sampling, sla, stop) for p in prompts),
+            return_exceptions=True,
         )
+        streams = [s for s in opened if isinstance(s, TextStream)]
+        failure = next((e for e in opened if isinstance(e, BaseException)), None)
+        if failure is not None:
+            for stream in streams:
+                self.admission.close_later(stream)
+            raise failure
+        return streams
 
-    async def _open_in_callers_trace(self, body: Any, scope: Scope) -> TextStream:
+    async def _open_in_callers_trace(self, body: Any, scope: Scope) -> list[TextStream]:
         """``_open``, continuing the caller's trace (W3C ``traceparent``, ``tracestate``,
         ``baggage``): the request's span, made as it is admitted, is a child of the
         caller's span; without one it starts a trace."""
@@ -203,7 +242,7 @@ class OpenAIApi:
         status, payload, headers = 200, None, []
         with ClientWatch(receive) as client:
             try:
-                stream = await self._open_in_callers_trace(body, scope)
+                streams = await self._open_in_callers_trace(body, scope)
             except GenerationError as exc:
                 status, payload, headers = exc.status, _error_body(exc), _error_headers(exc)
             else:
@@ -212,11 +251,11 @@ class OpenAIApi:
                 created = int(time.time())
                 if body.stream:
                     usage = await self._stream(
-                        stream, body, build, response_id, created, chat, send
+                        streams, body, build, response_id, created, chat, send
                     )
                 else:
                     status, payload, usage = await self._collect(
-                        stream, build, response_id, created
+                        streams, build, response_id, created
                     )
                 charge = scope.get("lamina.charge")  # the key's tokens per minute
                 if charge is not None and usage is not None:
@@ -229,27 +268,36 @@ class OpenAIApi:
             await send_json(send, status, payload, headers)
 
     async def _collect(
-        self, stream: TextStream, build: Callable, response_id: str, created: int
+        self, streams: list[TextStream], build: Callable, response_id: str, created: int
     ) -> tuple[int, dict[str, Any], Usage | None]:
-        """A whole non-streaming response: ``(status, body, usage)``."""
+        """A whole non-streaming response, a choice per stream: ``(status, body, usage)``
+        (the first error, if any stream failed)."""
+        tasks = [asyncio.create_task(_whole(stream)) for stream in streams]
         try:
-            text, ids, lps, last = [], [], [], None
-            async for delta in stream.deltas():
-                text.append(delta.text)
-                ids += delta.token_ids
-                if delta.logprobs is not None:
-                    lps += delta.logprobs
-                last = delta
-        except GenerationError as exc:
-            return exc.status, _error_body(exc), None
-        finally:
-            self.admission.close_later(stream)
-        delta = TextDelta("".join(text), ids, lps or None, last.finish_reason, last.usage)
-        return 200, build(delta, response_id, created, streaming=False), last.usage
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # one failed (the others are cancelled), or all finished
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                self.admission.close_later(stream)
+        for task in tasks:
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                if isinstance(exc, GenerationError):
+                    return exc.status, _error_body(exc), None
+                raise exc
+        deltas = [task.result() for task in tasks]
+        usage = _sum_usage([d.usage for d in deltas])
+        body = build(deltas[0], response_id, created, streaming=False)
+        body["choices"] = [
+            _indexed(build(d, response_id, created, streaming=False)["choices"][0], i)
+            for i, d in enumerate(deltas)
+        ]
+        body["usage"] = _usage(usage)
+        return 200, body, usage
 
     async def _stream(
         self,
-        stream: TextStream,
+        streams: list[TextStream],
         body: Any,
         build: Callable,
         response_id: str,
@@ -257,18 +305,42 @@ class OpenAIApi:
         chat: bool,
         send: Send,
     ) -> Usage | None:
-        """Send the events of a streaming response, up to ``data: [DONE]``; its usage."""
+        """Send the events of a streaming response, up to ``data: [DONE]``: each stream's
+        chunks as they come, under its choice's ``index``; the usage of them all."""
         await start_events(send)
+        usages: list[Usage | None] = [None] * len(streams)
+        events: asyncio.Queue[tuple[int, TextDelta | Exception | None]] = asyncio.Queue()
+
+        async def read(index: int, stream: TextStream) -> None:
+            try:
+                async for delta in stream.deltas():
+                    await events.put((index, delta))
+            except Exception as exc:  # the sender answers it (or raises it)
+                await events.put((index, exc))
+            await events.put((index, None))
+
+        readers = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
         try:
             if chat:  # OpenAI opens a chat stream with the role
                 role = {"role": "assistant", "content": ""}
                 await send_event(send, self._chat_chunk(response_id, created, role, None))
-            usage = None
-            async for delta in stream.deltas():
-                usage = delta.usage or usage
-                if delta.text or delta.finish_reason or delta.logprobs:
-                    await send_event(send, build(delta, response_id, created, streaming=True))
-            if body.include_usage:
+            open_streams, failed = len(streams), False
+            while open_streams and not failed:
+                index, event = await events.get()
+                if event is None:
+                    open_streams -= 1
+                elif isinstance(event, GenerationError):
+                    await send_event(send, _error_body(event))
+                    failed = True
+                elif isinstance(event, Exception):
+                    raise event
+                else:
+                    usages[index] = event.usage or usages[index]
+                    if event.text or event.finish_reason or event.logprobs:
+                        chunk = build(event, response_id, created, streaming=True)
+                        chunk["choices"] = [_indexed(chunk["choices"][0], index)]
+                        await send_event(send, chunk)
+            if not failed and body.include_usage:
                 await send_event(
                     send,
                     {
@@ -277,15 +349,16 @@ class OpenAIApi:
                         "created": created,
                         "model": self.admission.model_name,
                         "choices": [],
-                        "usage": _usage(usage),
+                        "usage": _usage(_sum_usage(usages)),
                     },
                 )
-        except GenerationError as exc:
-            await send_event(send, _error_body(exc))
         finally:
-            self.admission.close_later(stream)
+            for reader in readers:
+                reader.cancel()
+            for stream in streams:
+                self.admission.close_later(stream)
         await send_event(send, b"[DONE]")
-        return usage
+        return _sum_usage(usages)
 
     @staticmethod
     def _chunk_object(chat: bool) -> str:

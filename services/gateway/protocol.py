@@ -165,18 +165,20 @@ class CompletionRequest(OpenAIBody, kw_only=True):
     logprobs: LogprobCount | None = None
     echo: bool = False
 
-    def prompt_input(self) -> str | list[int]:
-        """The single prompt, as text or token ids."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: one, or a batch (a list of strings or of
+        token-id lists), each of which becomes a choice of its own."""
         prompt = self.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            return prompt
+        if isinstance(prompt, str) or (prompt and all(type(t) is int for t in prompt)):
+            return [prompt]
+        if prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(type(t) is int for t in p))
+            for p in prompt
+        ):
+            return list(prompt)
         raise InvalidRequest(
-            "prompt must be a string, a list of token ids, or a list of one "
-            "of those (batched prompts are not supported)",
+            "prompt must be a string, a list of token ids, or a non-empty list of strings "
+            "or of token-id lists",
             "prompt",
         )
 

@@ -436,3 +436,49 @@ def test_a_control_command_is_one_trace_from_the_operator_to_the_worker_and_back
         pytest.fail("no trace of `lamina ctl cordon` reaching the worker")
     assert ("lamina-ctl", "lamina.v1.worker.worker-0.control publish") in in_trace
     assert ("engine-worker", "(temporary) publish") in in_trace  # the acknowledgement back
+
+
+def test_a_batch_of_prompts_is_a_choice_per_prompt_streamed_or_not(client):
+    """A list of prompts (text, or token-id lists) runs as parallel requests: choice ``i``
+    is what prompt ``i`` alone gives (greedy), usage is their sum."""
+    prompts = ["Once upon", "The cat sat", "In a land far"]
+    alone = [
+        client.completions.create(model="lamina-tiny", prompt=p, max_tokens=6, **GREEDY)
+        for p in prompts
+    ]
+    batch = client.completions.create(model="lamina-tiny", prompt=prompts, max_tokens=6, **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 18
+
+    stream = client.completions.create(
+        model="lamina-tiny",
+        prompt=prompts,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    texts, finished, usage = ["", "", ""], set(), None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert texts == [c.text for c in batch.choices] and finished == {0, 1, 2}
+    assert usage.completion_tokens == 18 and usage.prompt_tokens == batch.usage.prompt_tokens
+
+    ids = [[5, 6, 7], [8, 9]]
+    by_ids = client.completions.create(model="lamina-tiny", prompt=ids, max_tokens=2, **GREEDY)
+    assert by_ids.usage.prompt_tokens == 5 and len(by_ids.choices) == 2
+
+
+def test_one_refused_prompt_refuses_the_whole_batch(stack):
+    response = httpx.post(
+        stack.base_url + "/v1/completions",
+        json={"prompt": [[5, 6], [10**6]], "max_tokens": 2},
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"

@@ -15,14 +15,20 @@ from lamina.services.gateway.protocol import (
 )
 
 
-def test_prompts_as_text_token_ids_or_a_batch_of_one():
-    for prompt, want in [("hi", "hi"), ([1, 2], [1, 2]), (["hi"], "hi"), ([[3, 4]], [3, 4])]:
-        body = CompletionRequest(prompt=prompt)
-        assert body.prompt_input() == want
-    with pytest.raises(InvalidRequest, match="batched"):
-        CompletionRequest(prompt=["a", "b"]).prompt_input()
-    with pytest.raises(InvalidRequest):
-        CompletionRequest(prompt=[1, "x"]).prompt_input()
+def test_prompts_as_text_token_ids_or_a_batch_of_either():
+    for prompt, want in [
+        ("hi", ["hi"]),
+        ([1, 2], [[1, 2]]),
+        (["hi"], ["hi"]),
+        ([[3, 4]], [[3, 4]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ]:
+        assert CompletionRequest(prompt=prompt).prompt_inputs() == want
+    for bad in ([], [1, "x"], [[]], [["a"]], [True, 2], [{"a": 1}]):
+        with pytest.raises(InvalidRequest) as err:
+            CompletionRequest(prompt=bad).prompt_inputs()
+        assert err.value.param == "prompt"
 
 
 def test_unknown_fields_are_ignored_and_wrong_types_name_the_field():
