@@ -24,6 +24,10 @@ class ApiRequest(Message):
     sla: Sla = msgspec.field(default_factory=Sla)
     stop: list[str] = []
     request_id: str | None = None
+    include_stop_str_in_output: bool = False
+    """Keep a matched stop string (or the stop token's text) at the end of the output."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text (vLLM's default)."""
 
 
 class ApiDelta(Message):

@@ -15,6 +15,7 @@ from lamina.schemas.v1.generate import (
     Sampling,
     Sla,
     TokenLogprob,
+    Tokens,
     Usage,
 )
 from lamina.services.gateway.detokenizer import IncrementalDetokenizer
@@ -26,6 +27,16 @@ from lamina.services.gateway.tokenizer import ModelTokenizer, TemplateError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 """The roles a chat's messages may have (tool messages need tool calls, not built yet)."""
+
+
+def _text_tokens(event: Tokens | Finished, include_stop: bool) -> list[int]:
+    """The tokens of ``event`` that become text: not the stop token (EOS or one of
+    ``stop_token_ids``) a request finished on, unless asked to (vLLM's
+    ``include_stop_str_in_output``)."""
+    finished_on_stop = isinstance(event, Finished) and event.finish_reason == FinishReason.STOP
+    if finished_on_stop and not include_stop:
+        return event.token_ids[:-1]
+    return event.token_ids
 
 
 def check_roles(messages: list[dict[str, str]]) -> None:
@@ -75,7 +86,7 @@ class TextStream:
         detok = self.detokenizer
         async for event in self.remote.stream():
             self.completion_tokens += len(event.token_ids)
-            text = detok.add(event.token_ids)
+            text = detok.add(_text_tokens(event, detok.include_stop))
             if detok.stopped:  # a stop string matched: end here, cancel the rest
                 self.remote.stop_early()
                 yield TextDelta(
@@ -154,11 +165,14 @@ class Admission:
         sla: Sla,
         stop: list[str],
         request_id: str | None = None,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> TextStream:
         """Admit a request and wait until a worker accepts it: the one path both client
         APIs take, so they refuse the same request with the same error. ``prompt`` is text,
         token ids, or chat messages (``[{"role": ..., "content": ...}]``). Every refusal
-        is a :class:`GenerationError`."""
+        is a :class:`GenerationError`. ``include_stop`` and ``skip_special_tokens``: how the
+        output becomes text (``IncrementalDetokenizer``)."""
         self.check_model(model)
         ids = await self._prompt_ids(prompt)
         self._hold(len(ids))
@@ -171,7 +185,9 @@ class Admission:
         )
         remote = RemoteRequest(self.bus, self.inbox, request, self.settings)
         stream = TextStream(
-            remote, IncrementalDetokenizer(self.tokenizer, stop), lambda: self._release(len(ids))
+            remote,
+            IncrementalDetokenizer(self.tokenizer, stop, include_stop, skip_special_tokens),
+            lambda: self._release(len(ids)),
         )
         await remote.__aenter__()
         try:

@@ -16,8 +16,20 @@ _CONTEXT_TOKENS = 6  # tokens decoded before the new ones, for a stable renderin
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: ModelTokenizer, stop: list[str] | None = None) -> None:
+    """One request's output as text. ``include_stop`` keeps a matched stop string at the
+    end of the text (vLLM's ``include_stop_str_in_output``); ``skip_special_tokens``
+    leaves special tokens out of it (vLLM's default)."""
+
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer,
+        stop: list[str] | None = None,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self.tokens: list[int] = []
         self.stop = [s for s in (stop or []) if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -32,8 +44,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.tokens += token_ids
-        prefix = self.tokenizer.decode(self.tokens[self._prefix_offset : self._read_offset])
-        full = self.tokenizer.decode(self.tokens[self._prefix_offset :])
+        prefix = self._decode(self.tokens[self._prefix_offset : self._read_offset])
+        full = self._decode(self.tokens[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self._read_offset = len(self.tokens)
@@ -44,18 +56,22 @@ class IncrementalDetokenizer:
         """The request ended: release what was held back (never half a stop string),
         including an incomplete UTF-8 tail, which decodes to U+FFFD."""
         if not self.stopped and self._read_offset < len(self.tokens):
-            prefix = self.tokenizer.decode(self.tokens[self._prefix_offset : self._read_offset])
-            full = self.tokenizer.decode(self.tokens[self._prefix_offset :])
+            prefix = self._decode(self.tokens[self._prefix_offset : self._read_offset])
+            full = self._decode(self.tokens[self._prefix_offset :])
             self.text += full[len(prefix) :]
             self._read_offset = len(self.tokens)
         return self._release(final=True)
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
     def _release(self, final: bool) -> str:
         if self.stop:
             start = max(0, self._emitted - self._hold)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))  # earliest
+                self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
                 self.stopped = True
                 final = True
         end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)

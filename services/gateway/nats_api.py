@@ -102,6 +102,8 @@ class NatsApi:
                 request.sla,
                 request.stop,
                 request_id=rid,
+                include_stop=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
             )
         except GenerationError as exc:
             await self.bus.publish(reply, _api_error(rid, exc))

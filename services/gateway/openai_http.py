@@ -6,6 +6,7 @@ prompt, comes back in OpenAI's error shape."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 import uuid
@@ -134,25 +135,32 @@ class OpenAIApi:
     def _token_text(self, token_id: int) -> str:
         return self.admission.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _namer(self, as_ids: bool) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or vLLM's ``token_id:<id>``
+        (``return_tokens_as_token_ids``)."""
+        return (lambda token_id: f"token_id:{token_id}") if as_ids else self._token_text
+
     def _completion_logprobs(
-        self, ids: list[int], lps: list[TokenLogprob] | None
+        self, ids: list[int], lps: list[TokenLogprob] | None, as_ids: bool = False
     ) -> dict[str, Any] | None:
         if lps is None:
             return None
+        name = self._namer(as_ids)
         return {
-            "tokens": [self._token_text(t) for t in ids],
+            "tokens": [name(t) for t in ids],
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in lps],
+            "top_logprobs": [{name(t): v for t, v in lp.top} for lp in lps],
         }
 
     def _chat_logprobs(
-        self, ids: list[int], lps: list[TokenLogprob] | None
+        self, ids: list[int], lps: list[TokenLogprob] | None, as_ids: bool = False
     ) -> dict[str, Any] | None:
         if lps is None:
             return None
+        name = self._namer(as_ids)
         content = []
         for token, lp in zip(ids, lps, strict=True):
-            text = self._token_text(token)
+            text = name(token)
             content.append(
                 {
                     "token": text,
@@ -160,7 +168,7 @@ class OpenAIApi:
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": (s := self._token_text(t)),
+                            "token": (s := name(t)),
                             "logprob": v,
                             "bytes": list(s.encode()),
                         }
@@ -198,7 +206,18 @@ class OpenAIApi:
             raise invalid_request(exc.message, exc.param) from exc
         sla, stop = body.sla(), body.stop_strings()
         opened = await asyncio.gather(
-            *(self.admission.admit(body.model, p, sampling, sla, stop) for p in prompts),
+            *(
+                self.admission.admit(
+                    body.model,
+                    prompt,
+                    sampling,
+                    sla,
+                    stop,
+                    include_stop=body.include_stop_str_in_output,
+                    skip_special_tokens=body.skip_special_tokens,
+                )
+                for prompt in prompts
+            ),
             return_exceptions=True,
         )
         streams = [s for s in opened if isinstance(s, TextStream)]
@@ -247,6 +266,8 @@ class OpenAIApi:
                 status, payload, headers = exc.status, _error_body(exc), _error_headers(exc)
             else:
                 chat = kind is ChatCompletionRequest
+                if body.return_tokens_as_token_ids:
+                    build = functools.partial(build, as_ids=True)
                 response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
                 created = int(time.time())
                 if body.stream:
@@ -379,7 +400,7 @@ class OpenAIApi:
 
     # ----------------------------------------------------------------------- body builders
     def build_completion(
-        self, d: TextDelta, response_id: str, created: int, streaming: bool
+        self, d: TextDelta, response_id: str, created: int, streaming: bool, as_ids: bool = False
     ) -> dict[str, Any]:
         body = {
             "id": response_id,
@@ -391,7 +412,7 @@ class OpenAIApi:
                     "index": 0,
                     "text": d.text,
                     "finish_reason": d.finish_reason,
-                    "logprobs": self._completion_logprobs(d.token_ids, d.logprobs),
+                    "logprobs": self._completion_logprobs(d.token_ids, d.logprobs, as_ids),
                 }
             ],
         }
@@ -400,9 +421,9 @@ class OpenAIApi:
         return body
 
     def build_chat(
-        self, d: TextDelta, response_id: str, created: int, streaming: bool
+        self, d: TextDelta, response_id: str, created: int, streaming: bool, as_ids: bool = False
     ) -> dict[str, Any]:
-        logprobs = self._chat_logprobs(d.token_ids, d.logprobs)
+        logprobs = self._chat_logprobs(d.token_ids, d.logprobs, as_ids)
         if streaming:
             return self._chat_chunk(
                 response_id, created, {"content": d.text}, d.finish_reason, logprobs

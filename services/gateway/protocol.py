@@ -51,7 +51,6 @@ _NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
     "logit_bias": (None, {}),
-    "include_stop_str_in_output": (None, False),
     "prompt_logprobs": (None,),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -96,6 +95,13 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: Count = 0
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    """Accepted as vLLM accepts it; like vLLM's with a fast tokenizer (every Lamina
+    model's ``tokenizer.json``), it changes nothing."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name each token ``token_id:<id>`` instead of by its text."""
     priority: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
     # Lamina's SLA, both relative to the request's arrival (the wire's deadline is Unix ms)
     ttft_target_ms: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)] | None = None
@@ -108,7 +114,6 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     function_call: Any = None
     parallel_tool_calls: Any = None
     logit_bias: Any = None
-    include_stop_str_in_output: Any = None
     prompt_logprobs: Any = None
     suffix: Any = None
     best_of: Any = None

@@ -33,7 +33,6 @@ NOT_SUPPORTED = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "auto",
     "logit_bias": {"5": 10},
-    "include_stop_str_in_output": True,
     "prompt_logprobs": 1,
     "best_of": 2,
     "guided_json": {"type": "object"},

@@ -56,3 +56,19 @@ def test_nats_request_api_errors_are_typed(stack):
     # (over HTTP, token ids over max_payload are refused too: test_openai_api.py).
     (error,) = call(stack.nats_url, ApiRequest(prompt="Once upon a time. " * 40_000))
     assert isinstance(error, ApiError) and error.code == 400 and "cannot fit" in error.message
+
+
+def test_a_stop_string_is_kept_in_the_text_when_asked(stack):
+    """vLLM's ``include_stop_str_in_output``, through the NATS API as over HTTP."""
+    sampling = Sampling(max_tokens=12, temperature=0, ignore_eos=True)
+    free = call(stack.nats_url, ApiRequest(prompt="Stop here", sampling=sampling))
+    text = "".join(e.text for e in free[:-1]) + free[-1].text
+    stop = text.strip()[2:5]  # a few characters the greedy output is sure to contain
+    cut = text[: text.index(stop)]
+    for include, expected in ((False, cut), (True, cut + stop)):
+        request = ApiRequest(
+            prompt="Stop here", sampling=sampling, stop=[stop], include_stop_str_in_output=include
+        )
+        events = call(stack.nats_url, request)
+        assert "".join(e.text for e in events[:-1]) + events[-1].text == expected
+        assert events[-1].finish_reason == "stop"

@@ -482,3 +482,43 @@ def test_one_refused_prompt_refuses_the_whole_batch(stack):
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_stop_token_stays_out_of_the_text_unless_asked_and_logprobs_can_name_ids(client):
+    """A request that ends on one of its ``stop_token_ids`` leaves that token's text out
+    (vLLM's), unless ``include_stop_str_in_output``; ``return_tokens_as_token_ids`` names
+    the logprobs' tokens by id."""
+    free = client.completions.create(
+        model="lamina-tiny", prompt="Tokens to stop on", max_tokens=8, logprobs=0, **GREEDY
+    )
+    tokens = free.choices[0].logprobs.tokens
+    ids = (
+        client.completions.create(
+            model="lamina-tiny",
+            prompt="Tokens to stop on",
+            max_tokens=8,
+            logprobs=1,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert all(t.startswith("token_id:") for t in ids.tokens)
+    assert all(k.startswith("token_id:") for top in ids.top_logprobs for k in top)
+    stop_id = int(ids.tokens[3].removeprefix("token_id:"))
+    first = ids.tokens.index(f"token_id:{stop_id}")  # it may occur before position 3
+    for include, upto in ((False, first), (True, first + 1)):
+        stopped = client.completions.create(
+            model="lamina-tiny",
+            prompt="Tokens to stop on",
+            max_tokens=8,
+            temperature=0,
+            extra_body={
+                "ignore_eos": True,
+                "stop_token_ids": [stop_id],
+                "include_stop_str_in_output": include,
+            },
+        ).choices[0]
+        assert stopped.finish_reason == "stop"
+        assert stopped.text == "".join(tokens[:upto])

@@ -164,6 +164,8 @@ def golden_instances() -> dict[str, Message]:
             sla=sla,
             stop=["\n\n", "The end"],
             request_id=request_id,
+            include_stop_str_in_output=True,
+            skip_special_tokens=False,
         ),
         ApiDelta(request_id=request_id, seq=1, text=" there was", token_ids=[1576, 4996]),
         ApiFinished(

@@ -42,3 +42,23 @@ def test_incomplete_utf8_at_the_end_is_released_on_flush(tokenizer):
     assert all("\ufffd" not in p for p in pieces[:-1])  # held back while incomplete
     assert pieces[-1].endswith("\ufffd")  # released as U+FFFD when the request ends
     assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_a_matched_stop_string_is_kept_when_asked(tokenizer):
+    ids = tokenizer.encode("the model is great and the cache is warm")
+    d = IncrementalDetokenizer(tokenizer, ["cache", "great and"], include_stop=True)
+    pieces = [d.add([t]) for t in ids] + [d.flush()]
+    assert "".join(pieces) == "the model is great and" and d.stopped
+    # Two that start at the same place, found in one step: the longer is kept.
+    d = IncrementalDetokenizer(tokenizer, ["great", "great and"], include_stop=True)
+    assert d.add(ids) + d.flush() == "the model is great and"
+
+
+def test_special_tokens_are_left_out_unless_asked(tokenizer):
+    special = tokenizer.tokenizer.token_to_id("<|im_end|>")
+    ids = [*tokenizer.encode("hello"), special, *tokenizer.encode(" world")]
+    skipped, _ = stream(tokenizer, ids)
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    text = "".join([kept.add(ids), kept.flush()])
+    assert "".join(skipped) == "hello world"
+    assert text == "hello<|im_end|> world"
