@@ -24,6 +24,7 @@ TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
 MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
 Seed = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 LogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
@@ -64,6 +65,13 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Suppress EOS and stop tokens until this many tokens exist."""
     logprobs: LogprobCount | None = None
     """Return the sampled token's logprob and this many top alternatives (0: just the token)."""
+    logit_bias: dict[TokenId, LogitBias] = {}
+    """Added to these tokens' logits before sampling (OpenAI's; -100 all but bans one)."""
+    allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
+    """Sample only among these tokens (vLLM's)."""
+    bad_words_token_ids: list[Annotated[list[TokenId], msgspec.Meta(min_length=1)]] = []
+    """Token sequences never to generate: a sequence's last token is banned wherever the
+    output ends with the rest of it (vLLM's ``bad_words``, as the gateway tokenizes them)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -86,6 +94,13 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def has_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Tokens biased, allowed or banned by id (not by probability)."""
+        return bool(
+            self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
+        )
 
 
 def context_overflow(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str | None:

@@ -215,6 +215,9 @@ class Engine:
         for name, ids in (
             ("prompt_token_ids", prompt_token_ids),
             ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias)),
+            ("allowed_token_ids", params.allowed_token_ids),
+            ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
         ):
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise TokenOutOfVocabError(min(ids) if min(ids) < 0 else max(ids), vocab, name)

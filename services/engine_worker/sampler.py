@@ -58,6 +58,9 @@ class Sampler:
             index = upload(flat, torch.int64, logits.device)
             logits = logits.reshape(-1).index_fill(0, index, float("-inf")).view_as(logits)
 
+        if any(p.has_token_rules for p in params):
+            logits = self._apply_token_rules(logits, requests)
+
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
@@ -72,6 +75,46 @@ class Sampler:
                         raw_logprobs[row], token_list[row], params[row].logprobs or 0
                     )
         return SamplerOutput(token_list, out_logprobs)
+
+    def _apply_token_rules(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Logit biases, allowed tokens and bad words, by token id: one add, one fill
+        and one masked fill over the whole batch (a new tensor; ``logits`` is kept)."""
+        vocab = logits.shape[1]
+        flat = logits.reshape(-1).clone()
+        biased: list[int] = []
+        biases: list[float] = []
+        banned: list[int] = []
+        allowed_rows: list[int] = []
+        allowed: list[int] = []
+        for row, request in enumerate(requests):
+            params = request.params
+            for token, bias in params.logit_bias.items():
+                biased.append(row * vocab + token)
+                biases.append(bias)
+            if params.bad_words_token_ids:
+                output = request.generated_token_ids
+                for word in params.bad_words_token_ids:
+                    prefix = word[:-1]
+                    if not prefix or output[len(output) - len(prefix) :] == prefix:
+                        banned.append(row * vocab + word[-1])
+            if params.allowed_token_ids is not None:
+                allowed_rows.append(row)
+                base = (len(allowed_rows) - 1) * vocab
+                allowed += [base + t for t in params.allowed_token_ids]
+        device = logits.device
+        if biased:
+            index = upload(biased, torch.int64, device)
+            flat.index_add_(0, index, upload(biases, torch.float32, device))
+        if banned:
+            flat.index_fill_(0, upload(banned, torch.int64, device), float("-inf"))
+        out = flat.view_as(logits)
+        if allowed_rows:
+            rows = upload(allowed_rows, torch.int64, device)
+            keep = torch.zeros(len(allowed_rows) * vocab, dtype=torch.bool, device=device)
+            keep.index_fill_(0, upload(allowed, torch.int64, device), True)
+            kept = out[rows].masked_fill(~keep.view(len(allowed_rows), vocab), float("-inf"))
+            out = out.index_copy(0, rows, kept)
+        return out
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         vocab = logits.shape[1]

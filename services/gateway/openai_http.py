@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from importlib.metadata import version as package_version
 from typing import Any
 
+import msgspec
 from litestar import Litestar, Request, Response, asgi, get, post
 from litestar.types import Receive, Scope, Send
 from opentelemetry import context as otel_context
@@ -204,6 +205,9 @@ class OpenAIApi:
                 sampling = body.sampling(16, body.logprobs)
         except InvalidRequest as exc:
             raise invalid_request(exc.message, exc.param) from exc
+        if body.bad_words:
+            words = self.admission.tokenizer.bad_words_token_ids(body.bad_words)
+            sampling = msgspec.structs.replace(sampling, bad_words_token_ids=words)
         sla, stop = body.sla(), body.stop_strings()
         opened = await asyncio.gather(
             *(

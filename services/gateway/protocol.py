@@ -12,6 +12,7 @@ from lamina.schemas.v1.generate import (
     INT64_MAX,
     INT64_MIN,
     Count,
+    LogitBias,
     LogprobCount,
     MaxTokens,
     MinP,
@@ -50,7 +51,6 @@ _NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "logit_bias": (None, {}),
     "prompt_logprobs": (None,),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -59,13 +59,13 @@ _NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
 }
 
 #: Body fields that are ``Sampling`` fields under the same name and meaning.
 _SAMPLING_FIELDS = tuple(
-    f.name for f in msgspec.structs.fields(Sampling) if f.name not in ("max_tokens", "logprobs")
+    f.name
+    for f in msgspec.structs.fields(Sampling)
+    if f.name not in ("max_tokens", "logprobs", "bad_words_token_ids")
 )
 
 
@@ -102,6 +102,10 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     model's ``tokenizer.json``), it changes nothing."""
     return_tokens_as_token_ids: bool = False
     """Logprobs name each token ``token_id:<id>`` instead of by its text."""
+    logit_bias: dict[TokenId, LogitBias] | None = None
+    allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
+    bad_words: list[str] | None = None
+    """Words never to generate; the gateway tokenizes them (``Sampling.bad_words_token_ids``)."""
     priority: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
     # Lamina's SLA, both relative to the request's arrival (the wire's deadline is Unix ms)
     ttft_target_ms: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)] | None = None
@@ -113,7 +117,6 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    logit_bias: Any = None
     prompt_logprobs: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -122,8 +125,6 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
 
     def refuse_unsupported(self) -> None:
         """Raise :class:`InvalidRequest` for the first field that asks for something Lamina

@@ -58,6 +58,20 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's ``bad_words`` as token sequences: each word as it tokenizes on its own
+        and, where that differs in its first token only, after a space (a word inside a
+        text mostly follows one)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False).ids
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids
+            if alone:
+                sequences.append(alone)
+            if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+                sequences.append(spaced)
+        return sequences
+
     def token_strs(self, token_ids: list[int]) -> list[str]:
         """Each token's own string in the vocabulary (``Ġ`` and all, as ``transformers``'
         ``convert_ids_to_tokens``)."""

@@ -32,7 +32,6 @@ NOT_SUPPORTED = {
     "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "auto",
-    "logit_bias": {"5": 10},
     "prompt_logprobs": 1,
     "best_of": 2,
     "guided_json": {"type": "object"},

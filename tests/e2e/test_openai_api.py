@@ -522,3 +522,42 @@ def test_a_stop_token_stays_out_of_the_text_unless_asked_and_logprobs_can_name_i
         ).choices[0]
         assert stopped.finish_reason == "stop"
         assert stopped.text == "".join(tokens[:upto])
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_steer_the_tokens(client):
+    def ids(**extra) -> list[int]:
+        choice = client.completions.create(
+            model="lamina-tiny",
+            prompt="Steer me",
+            max_tokens=8,
+            logprobs=0,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **extra},
+        ).choices[0]
+        return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+    free = ids()
+    assert set(ids(logit_bias={"77": 100})) == {77}
+    assert set(ids(allowed_token_ids=[40, 41, 42])) <= {40, 41, 42}
+    word = (
+        client.completions.create(model="lamina-tiny", prompt="Steer me", max_tokens=1, **GREEDY)
+        .choices[0]
+        .text
+    )
+    assert free[0] not in ids(bad_words=[word])
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+    ],
+)
+def test_token_rules_out_of_range_are_400s_naming_the_field(stack, extra, param):
+    body = {"prompt": "x", "max_tokens": 1, **extra}
+    response = httpx.post(stack.base_url + "/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param)

@@ -108,6 +108,9 @@ def golden_instances() -> dict[str, Message]:
         ignore_eos=True,
         min_tokens=4,
         logprobs=2,
+        logit_bias={50256: -100.0, 13: 2.5},
+        allowed_token_ids=[13, 198, 50256],
+        bad_words_token_ids=[[464], [1820, 2187]],
     )
     sla = Sla(priority=1, deadline_ms=1767225630000, ttft_target_ms=250)
     usage = Usage(prompt_tokens=42, completion_tokens=3, cached_tokens=32)

@@ -77,6 +77,8 @@ def test_every_sampling_field_reaches_the_engine():
         stop_token_ids=[5, 6],
         ignore_eos=True,
         min_tokens=3,
+        logit_bias={7: -2.5},
+        allowed_token_ids=[7, 8],
     )
     body = decode_body(msgspec.json.encode({"prompt": [1], **sent}), CompletionRequest)
     request = GenerateRequest(
@@ -89,4 +91,6 @@ def test_every_sampling_field_reaches_the_engine():
     defaults = Sampling()
     assert all(sent[name] != getattr(defaults, name) for name in sent)
     fields = {f.name for f in msgspec.structs.fields(Sampling)}
-    assert fields == set(sent) | {"logprobs"}  # a new sampling field must be added above
+    # A new sampling field must be added above (bad words come as words: the gateway
+    # tokenizes them, test_openai_api.py).
+    assert fields == set(sent) | {"logprobs", "bad_words_token_ids"}

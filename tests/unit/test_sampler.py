@@ -84,3 +84,28 @@ def test_logprobs_are_of_the_raw_distribution():
     lp, top = out.logprobs[0]
     assert math.isclose(lp, math.log(0.5), rel_tol=1e-6)
     assert top[0] == (0, lp) and top[1][0] in (1, 2)
+
+
+def test_logit_bias_allowed_tokens_and_bad_words_per_row():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.0, 0.0, 0.5]] * 5)
+    rows = [
+        req(temperature=0),  # untouched: 2
+        req(temperature=0, logit_bias={5: 3.0}),  # 0.5 + 3 beats 3
+        req(temperature=0, logit_bias={2: -100.0}),  # banned in effect: 1
+        req(temperature=0, allowed_token_ids=[0, 3, 4]),  # the best of those: 0
+        # "1 2" is a bad word: after an output ending in 1, 2 is banned; "5" always is.
+        req(output=(1,), temperature=0, bad_words_token_ids=[[1, 2], [5]]),
+    ]
+    before = logits.clone()
+    assert sampler()(logits, rows).token_ids == [2, 5, 1, 0, 1]
+    assert torch.equal(logits, before)  # the engine may sample a row again alone
+    # The same rules with sampling (not greedy): never a token they exclude.
+    for seed in range(20):
+        out = sampler()(
+            logits[:2],
+            [
+                req(temperature=1.0, seed=seed, allowed_token_ids=[3, 4]),
+                req(output=(1,), temperature=1.0, seed=seed, bad_words_token_ids=[[1, 2]]),
+            ],
+        )
+        assert out.token_ids[0] in (3, 4) and out.token_ids[1] != 2
