@@ -274,13 +274,14 @@ class OpenAIApi:
                     build = functools.partial(build, as_ids=True)
                 response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
                 created = int(time.time())
+                echoes = self._echoes(body)
                 if body.stream:
                     usage = await self._stream(
-                        streams, body, build, response_id, created, chat, send
+                        streams, body, build, response_id, created, chat, send, echoes
                     )
                 else:
                     status, payload, usage = await self._collect(
-                        streams, build, response_id, created
+                        streams, build, response_id, created, echoes
                     )
                 charge = scope.get("lamina.charge")  # the key's tokens per minute
                 if charge is not None and usage is not None:
@@ -292,11 +293,27 @@ class OpenAIApi:
         else:
             await send_json(send, status, payload, headers)
 
+    def _echoes(self, body: Any) -> list[str] | None:
+        """With ``echo``: each prompt's text, which its choice's text starts with (a text
+        prompt as it was sent, token ids decoded)."""
+        if not getattr(body, "echo", False):
+            return None
+        tokenizer, skip = self.admission.tokenizer, body.skip_special_tokens
+        return [
+            p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=skip)
+            for p in body.prompt_inputs()
+        ]
+
     async def _collect(
-        self, streams: list[TextStream], build: Callable, response_id: str, created: int
+        self,
+        streams: list[TextStream],
+        build: Callable,
+        response_id: str,
+        created: int,
+        echoes: list[str] | None = None,
     ) -> tuple[int, dict[str, Any], Usage | None]:
         """A whole non-streaming response, a choice per stream: ``(status, body, usage)``
-        (the first error, if any stream failed)."""
+        (the first error, if any stream failed); ``echoes`` start the choices' texts."""
         tasks = [asyncio.create_task(_whole(stream)) for stream in streams]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -311,6 +328,8 @@ class OpenAIApi:
                     return exc.status, _error_body(exc), None
                 raise exc
         deltas = [task.result() for task in tasks]
+        for delta, echo in zip(deltas, echoes or (), strict=False):
+            delta.text = echo + delta.text
         usage = _sum_usage([d.usage for d in deltas])
         body = build(deltas[0], response_id, created, streaming=False)
         body["choices"] = [
@@ -329,10 +348,16 @@ class OpenAIApi:
         created: int,
         chat: bool,
         send: Send,
+        echoes: list[str] | None = None,
     ) -> Usage | None:
         """Send the events of a streaming response, up to ``data: [DONE]``: each stream's
-        chunks as they come, under its choice's ``index``; the usage of them all."""
+        chunks as they come, under its choice's ``index`` (after its echo, if any); the
+        usage of them all."""
         await start_events(send)
+        for index, echo in enumerate(echoes or ()):
+            chunk = build(TextDelta(echo, [], None), response_id, created, streaming=True)
+            chunk["choices"] = [_indexed(chunk["choices"][0], index)]
+            await send_event(send, chunk)
         usages: list[Usage | None] = [None] * len(streams)
         events: asyncio.Queue[tuple[int, TextDelta | Exception | None]] = asyncio.Queue()
 

@@ -190,8 +190,10 @@ class CompletionRequest(OpenAIBody, kw_only=True):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise InvalidRequest("echo is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest(
+                "echo with logprobs (the prompt's logprobs) is not supported yet", "echo"
+            )
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

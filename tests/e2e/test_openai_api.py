@@ -561,3 +561,29 @@ def test_token_rules_out_of_range_are_400s_naming_the_field(stack, extra, param)
     response = httpx.post(stack.base_url + "/v1/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith(param)
+
+
+def test_echo_starts_each_choice_with_its_prompt(client, stack, tokenizer):
+    prompts = ["Echo this", [5, 6, 7]]
+    plain = client.completions.create(model="lamina-tiny", prompt=prompts, max_tokens=4, **GREEDY)
+    echoed = client.completions.create(
+        model="lamina-tiny", prompt=prompts, max_tokens=4, echo=True, **GREEDY
+    )
+    heads = ["Echo this", tokenizer.decode([5, 6, 7])]
+    expected = [h + c.text for h, c in zip(heads, plain.choices, strict=True)]
+    assert [c.text for c in echoed.choices] == expected
+    assert echoed.usage == plain.usage
+    stream = client.completions.create(
+        model="lamina-tiny", prompt=prompts, max_tokens=4, echo=True, stream=True, **GREEDY
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in echoed.choices]
+    # The prompt's logprobs are not computed yet: refused, not ignored.
+    response = httpx.post(
+        stack.base_url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1, "echo": True, "logprobs": 1},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
