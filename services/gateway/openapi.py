@@ -3,6 +3,7 @@ types that decode request bodies, so the document cannot drift from what is acce
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -42,37 +43,12 @@ _ERRORS = {
 }
 
 
-def _generation(operation: str, summary: str, body: dict[str, Any]) -> dict[str, Any]:
-    responses: dict[str, Any] = {
-        "200": {
-            "description": "the completion, or its server-sent events when stream is true",
-            "content": {
-                "application/json": {"schema": {"type": "object"}},
-                "text/event-stream": {},
-            },
-        }
-    }
-    for status, description in _ERRORS.items():
-        responses[status] = {
-            "description": description,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-        }
-    return {
-        "post": {
-            "operationId": operation,
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-            "responses": responses,
-        }
-    }
-
-
-def _json(operation: str, summary: str, body: dict[str, Any], answer: dict) -> dict[str, Any]:
-    """A POST that answers one JSON object, or an error."""
-    responses: dict[str, Any] = {
-        "200": {"description": summary, "content": {"application/json": {"schema": answer}}}
-    }
-    for status in ("400", "401", "404"):
+def _post(
+    operation: str, summary: str, body: dict[str, Any], ok: dict, errors: Iterable[str]
+) -> dict[str, Any]:
+    """A POST of a JSON body: its 200 answer ``ok``, and the ``errors`` it can give."""
+    responses: dict[str, Any] = {"200": ok}
+    for status in errors:
         responses[status] = {
             "description": _ERRORS[status],
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
@@ -85,6 +61,20 @@ def _json(operation: str, summary: str, body: dict[str, Any], answer: dict) -> d
             "responses": responses,
         }
     }
+
+
+def _generation(operation: str, summary: str, body: dict[str, Any]) -> dict[str, Any]:
+    ok = {
+        "description": "the completion, or its server-sent events when stream is true",
+        "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
+    }
+    return _post(operation, summary, body, ok, _ERRORS)
+
+
+def _json(operation: str, summary: str, body: dict[str, Any], answer: dict) -> dict[str, Any]:
+    """A POST that answers one JSON object, or an error."""
+    ok = {"description": summary, "content": {"application/json": {"schema": answer}}}
+    return _post(operation, summary, body, ok, ("400", "401", "404"))
 
 
 _TOKENS = {
