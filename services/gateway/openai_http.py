@@ -485,19 +485,31 @@ class OpenAIApi:
         async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
             await api._serve(scope, receive, send, ChatCompletionRequest, api.build_chat)
 
+        started = int(time.time())
+
+        def card() -> dict[str, Any]:
+            """The served model as OpenAI lists it, with vLLM's extra fields."""
+            return {
+                "id": api.admission.model_name,
+                "object": "model",
+                "created": started,
+                "owned_by": "lamina",
+                "root": api.admission.model_name,
+                "parent": None,
+                "max_model_len": api.admission.max_context or None,  # None: no worker yet
+            }
+
         @get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {
-                "object": "list",
-                "data": [
-                    {
-                        "id": api.admission.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "lamina",
-                    }
-                ],
-            }
+            return {"object": "list", "data": [card()]}
+
+        @get("/v1/models/{model:path}")
+        async def model(model: str) -> Response:
+            try:
+                api.admission.check_model(model.removeprefix("/"))
+            except GenerationError as exc:
+                return Response(_error_body(exc), status_code=exc.status)
+            return Response(card(), status_code=200)
 
         tokenization = TokenizeApi(api.admission)
 
@@ -540,6 +552,7 @@ class OpenAIApi:
                 completions,
                 chat_completions,
                 models,
+                model,
                 tokenize,
                 detokenize,
                 version,

@@ -115,6 +115,30 @@ def openapi_document() -> dict[str, Any]:
             "/v1/completions": _generation("createCompletion", "complete a prompt", completion),
             "/v1/chat/completions": _generation("createChatCompletion", "chat", chat),
             "/v1/models": {"get": {"operationId": "listModels", "responses": {"200": models}}},
+            "/v1/models/{model}": {
+                "get": {
+                    "operationId": "retrieveModel",
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": models,
+                        "404": {
+                            "description": _ERRORS["404"],
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/Error"}
+                                }
+                            },
+                        },
+                    },
+                }
+            },
             "/tokenize": _json("tokenize", "a text's or chat's tokens", tokenize, _TOKENS),
             "/detokenize": _json("detokenize", "tokens' text", detokenize, _TEXT),
             "/version": {

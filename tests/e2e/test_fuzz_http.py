@@ -13,10 +13,17 @@ from schemathesis.generation import GenerationMode
 from lamina.services.gateway.openapi import openapi_document
 
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 60}
-#: Requests with a body are generated both ways; the GETs take no input to break.
+#: Requests with a body (or a path parameter) are generated both ways; the other GETs take
+#: no input to break.
 CASES = [
     (path, mode)
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+        "/v1/models/{model}",
+    )
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
 ] + [(path, GenerationMode.POSITIVE) for path in ("/v1/models", "/version", "/health", "/ready")]
 

@@ -40,6 +40,13 @@ def tokenizer(tiny_model):
 
 def test_models_and_health(stack, client):
     assert [m.id for m in client.models.list()] == ["lamina-tiny"]
+    model = client.models.retrieve("lamina-tiny")
+    assert model.id == "lamina-tiny" and model.created > 0
+    assert model.model_extra["max_model_len"] == 1024  # vLLM's field: the worker's context
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["code"] == "model_not_found"
+    assert httpx.get(stack.base_url + "/v1/models/org/model").status_code == 404
     assert httpx.get(stack.base_url + "/health").status_code == 200
     assert httpx.get(stack.base_url + "/ready").status_code == 200
 
