@@ -59,10 +59,7 @@ PREFIX = "lamina:"
 
 
 # vLLM's buckets, with a few finer ones at the low end for small, fast models.
-TTFT_BUCKETS = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-]  # fmt: skip
+TTFT_BUCKETS = vllm_compat.TTFT
 ITL_BUCKETS = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
     0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -73,8 +70,8 @@ E2E_BUCKETS = [
 ]  # fmt: skip
 TOKEN_BUCKETS = one_two_five_buckets(10_000_000)
 """vLLM's go up to the model's ``max_model_len``: these cover any context length."""
-PARAMS_N_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0]
-PREEMPTION_BUCKETS = [1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0]
+PARAMS_N_BUCKETS = vllm_compat.PARAMS_N
+PREEMPTION_BUCKETS = vllm_compat.NUM_PREEMPTIONS
 DECISION_BUCKETS = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 ]  # fmt: skip

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Iterator
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
+from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS
+
 VLLM_PREFIX = "vllm:"
 
 
@@ -59,6 +61,8 @@ INTER_TOKEN = [
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0,
 ]  # fmt: skip
+PARAMS_N = [1.0, 2.0, 5.0, 10.0, 20.0]
+NUM_PREEMPTIONS = [1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0]
 TOKENS = None
 """The token-count histograms' bounds: 1-2-5 up to the model's ``max_model_len``."""
 
@@ -86,9 +90,9 @@ HISTOGRAMS: dict[str, list[float] | None] = {
     "request_inference_time_seconds": REQUEST_LATENCY,
     "request_prefill_time_seconds": REQUEST_LATENCY,
     "request_decode_time_seconds": REQUEST_LATENCY,
-    "iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
-    "request_params_n": [1, 2, 5, 10, 20],
-    "request_num_preemptions": [1, 2, 3, 4, 5, 10, 20],
+    "iteration_tokens_total": [float(b) for b in ITERATION_TOKEN_BUCKETS],
+    "request_params_n": PARAMS_N,
+    "request_num_preemptions": NUM_PREEMPTIONS,
     "request_prompt_tokens": TOKENS,
     "request_generation_tokens": TOKENS,
     "request_max_num_generation_tokens": TOKENS,
@@ -195,9 +199,8 @@ def _derived(by_name: dict[str, Metric]) -> Iterator[Metric]:
         [({"source": "device"}, cached), *(({"source": t}, _zeros(cached)) for t in tiers)],
     )
     for name in ("external_prefix_cache_queries", "external_prefix_cache_hits"):
-        yield _family(name, "Tokens through a KV connector (Lamina has none).", "counter", [
-            ({}, _zeros(engines))
-        ])  # fmt: skip
+        help_text = "Tokens through a KV connector (Lamina has none)."
+        yield _family(name, help_text, "counter", [({}, _zeros(engines))])
 
 
 Key = tuple[tuple[str, str], ...]
