@@ -84,7 +84,7 @@ def _recording() -> bool:
     return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 
-def _in_trace(context: otel_context.Context | None) -> bool:
+def in_trace(context: otel_context.Context | None = None) -> bool:
     """Whether ``context`` (or, when None, the current one) is inside a trace."""
     return trace.get_current_span(context).get_span_context().is_valid
 
@@ -255,7 +255,7 @@ class Bus:
         """
         data = encode(message)
         headers: dict[str, str] = {}
-        if not traced or not _recording() or not _in_trace(context):
+        if not traced or not _recording() or not in_trace(context):
             propagate.inject(headers, context=context)
             self._check_size(subject, data, headers)
             await self._send(subject, data, reply, headers)
@@ -287,7 +287,7 @@ class Bus:
                 kind=SpanKind.PRODUCER,
                 attributes=_attributes(subject, len(data), "request"),
             )
-            if _recording() and _in_trace(None)
+            if _recording() and in_trace()
             else contextlib.nullcontext()
         )
         with span:
@@ -390,7 +390,7 @@ class Bus:
                 await self._run(handler, decoded, msg)
                 return
             context = propagate.extract(msg.headers or {})
-            if not _recording() or not _in_trace(context):  # no span to record or continue
+            if not _recording() or not in_trace(context):  # no span to record or continue
                 token = otel_context.attach(context)
                 try:
                     await self._run(handler, decoded, msg)

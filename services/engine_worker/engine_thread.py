@@ -27,6 +27,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode
 
+from lamina.libs.bus import in_trace
 from lamina.schemas.v1.generate import (
     Failed,
     Finished,
@@ -81,7 +82,7 @@ def _request_span(request: GenerateRequest, worker_id: str, context: Any) -> Spa
     """A span for the request's time in this engine, if its caller traced it and this
     process records spans (requests are traced as their callers decide: untraced ones,
     or any without a tracing SDK, cost nothing here)."""
-    if not trace.get_current_span(context).get_span_context().is_valid:
+    if not in_trace(context):
         return None
     span = tracer.start_span(
         f"serve {request.model}",

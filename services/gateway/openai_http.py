@@ -6,11 +6,12 @@ prompt, comes back in OpenAI's error shape."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.metadata import version as package_version
 from typing import Any
 
@@ -56,6 +57,39 @@ def error_response(
     status: int, error_type: str, message: str, param: str | None = None, code: str | None = None
 ) -> Response:
     return Response(error_body(status, error_type, message, param, code), status_code=status)
+
+
+async def _merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Each stream's deltas with its index, as they come; the first error ends it. One
+    stream is read directly (no task, no queue between its tokens and the client)."""
+    if len(streams) == 1:
+        async for delta in streams[0].deltas():
+            yield 0, delta
+        return
+    events: asyncio.Queue[tuple[int, TextDelta | Exception | None]] = asyncio.Queue()
+
+    async def read(index: int, stream: TextStream) -> None:
+        try:
+            async for delta in stream.deltas():
+                await events.put((index, delta))
+        except Exception as exc:  # raised to the reader of the merge
+            await events.put((index, exc))
+        await events.put((index, None))
+
+    readers = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, event = await events.get()
+            if event is None:
+                open_streams -= 1
+            elif isinstance(event, Exception):
+                raise event
+            else:
+                yield index, event
+    finally:
+        for reader in readers:
+            reader.cancel()
 
 
 async def _whole(stream: TextStream) -> TextDelta:
@@ -359,38 +393,18 @@ class OpenAIApi:
             chunk["choices"] = [_indexed(chunk["choices"][0], index)]
             await send_event(send, chunk)
         usages: list[Usage | None] = [None] * len(streams)
-        events: asyncio.Queue[tuple[int, TextDelta | Exception | None]] = asyncio.Queue()
-
-        async def read(index: int, stream: TextStream) -> None:
-            try:
-                async for delta in stream.deltas():
-                    await events.put((index, delta))
-            except Exception as exc:  # the sender answers it (or raises it)
-                await events.put((index, exc))
-            await events.put((index, None))
-
-        readers = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
         try:
             if chat:  # OpenAI opens a chat stream with the role
                 role = {"role": "assistant", "content": ""}
                 await send_event(send, self._chat_chunk(response_id, created, role, None))
-            open_streams, failed = len(streams), False
-            while open_streams and not failed:
-                index, event = await events.get()
-                if event is None:
-                    open_streams -= 1
-                elif isinstance(event, GenerationError):
-                    await send_event(send, _error_body(event))
-                    failed = True
-                elif isinstance(event, Exception):
-                    raise event
-                else:
-                    usages[index] = event.usage or usages[index]
-                    if event.text or event.finish_reason or event.logprobs:
-                        chunk = build(event, response_id, created, streaming=True)
+            async with contextlib.aclosing(_merged(streams)) as deltas:
+                async for index, delta in deltas:
+                    usages[index] = delta.usage or usages[index]
+                    if delta.text or delta.finish_reason or delta.logprobs:
+                        chunk = build(delta, response_id, created, streaming=True)
                         chunk["choices"] = [_indexed(chunk["choices"][0], index)]
                         await send_event(send, chunk)
-            if not failed and body.include_usage:
+            if body.include_usage:
                 await send_event(
                     send,
                     {
@@ -402,9 +416,9 @@ class OpenAIApi:
                         "usage": _usage(_sum_usage(usages)),
                     },
                 )
+        except GenerationError as exc:
+            await send_event(send, _error_body(exc))
         finally:
-            for reader in readers:
-                reader.cancel()
             for stream in streams:
                 self.admission.close_later(stream)
         await send_event(send, b"[DONE]")

@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link
 
-from lamina.libs.bus import Bus, NatsConfig
+from lamina.libs.bus import Bus, NatsConfig, in_trace
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, BusError, NoResponders, PayloadTooLarge, RequestTimeout
 from lamina.libs.service import announce
@@ -231,7 +231,7 @@ class SchedulerService:
         worker's last traced heartbeat and last traced KV event batch)."""
         started = time.perf_counter()
         live = self.registry.candidates()
-        if not trace.get_current_span().get_span_context().is_valid:
+        if not in_trace():
             return self._timed(self._place(request, live), started)  # untraced, or queued
         links = [
             Link(context, {"lamina.link": kind, "lamina.worker_id": worker_id})
