@@ -28,6 +28,46 @@ LogitBias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
 Seed = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 LogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+MAX_GRAMMAR_CHARS = 1 << 18
+"""Longest constraint text (a schema, a regex, a grammar) a request may carry."""
+GrammarText = Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)]
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the output must be (vLLM's ``structured_outputs``): exactly one of the
+    constraint fields. The engine masks every token the constraint does not allow and
+    the request ends (``stop``) when the output is complete.
+
+    Which schemas and grammars can be compiled is the grammar engine's to say: the
+    gateway checks before a worker is used (``libs.grammar.check``), the worker again."""
+
+    json: GrammarText | None = None
+    """A JSON Schema, as JSON text: the output is one instance of it."""
+    json_object: bool = False
+    """The output is any JSON object (OpenAI's ``response_format`` ``json_object``)."""
+    regex: GrammarText | None = None
+    """The output matches this regular expression, whole."""
+    choice: Annotated[list[GrammarText], msgspec.Meta(min_length=1, max_length=4096)] | None = None
+    """The output is exactly one of these strings."""
+    grammar: GrammarText | None = None
+    """An EBNF grammar (GBNF, as xgrammar and llama.cpp read it) whose ``root`` rule the
+    output matches, or a Lark grammar (its ``start`` rule)."""
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (``{"a":1}``); by default the model may format it."""
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured output needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(kinds) if kinds else 'none'}"
+            )
+
+    @property
+    def kinds(self) -> list[str]:
+        """The constraint fields that are set."""
+        kinds = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        return [*kinds, "json_object"] if self.json_object else kinds
 
 
 class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -72,6 +112,8 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words_token_ids: list[Annotated[list[TokenId], msgspec.Meta(min_length=1)]] = []
     """Token sequences never to generate: a sequence's last token is banned wherever the
     output ends with the rest of it (vLLM's ``bad_words``, as the gateway tokenizes them)."""
+    structured: StructuredOutput | None = None
+    """What the output must be: a JSON schema, a regex, a choice, a grammar."""
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

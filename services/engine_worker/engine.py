@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -29,6 +30,11 @@ from lamina.services.engine_worker.errors import (
     InvalidRequestError,
     PromptTooLongError,
     TokenOutOfVocabError,
+)
+from lamina.services.engine_worker.grammar import (
+    GrammarCompiler,
+    GrammarState,
+    InvalidGrammarError,
 )
 from lamina.services.engine_worker.loader import CheckpointTensors
 from lamina.services.engine_worker.model import CausalLM
@@ -149,6 +155,9 @@ class Engine:
                 capture=self.device.type == "cuda",
             )
         self.sampler = Sampler(mc.eos_token_ids, config.seed, self.device)
+        self.grammars = GrammarCompiler(config.model, mc.vocab_size, mc.eos_token_ids)
+        """Compiles structured output constraints (thread-safe: the worker calls it off
+        the engine thread)."""
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
@@ -167,11 +176,13 @@ class Engine:
         priority: int = 0,
         deadline_ms: int | None = None,
         replayed: int = 0,
+        grammar: Any = None,
     ) -> None:
         """Queue a request; raises an :class:`InvalidRequestError` subclass if it cannot run.
         Lower ``priority`` runs first; within a priority, the earlier ``deadline_ms`` (Unix
         ms; None: no deadline, last). The last ``replayed`` prompt tokens are output the
-        request produced elsewhere before it moved (``GenerateRequest``)."""
+        request produced elsewhere before it moved (``GenerateRequest``). ``grammar``:
+        ``params.structured`` as :attr:`grammars` compiled it (compiled here if None)."""
         params = params or Sampling()
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)
@@ -193,6 +204,7 @@ class Engine:
             generator=generator,
             num_replayed=replayed,
             pending_draws=replayed if generator is not None else 0,
+            grammar=self._grammar_state(params, grammar, prompt_token_ids, replayed),
         )
         request.update_block_hashes(self.config.block_size)
         self.requests[request_id] = request
@@ -233,6 +245,20 @@ class Engine:
             raise PromptTooLongError(prompt_len, max_tokens, self.max_model_len)
         return max_tokens
 
+    def _grammar_state(
+        self, params: Sampling, compiled: Any, prompt: list[int], replayed: int
+    ) -> GrammarState | None:
+        """The request's matcher, advanced past the output it replays."""
+        if params.structured is None:
+            return None
+        state = self.grammars.state(compiled or self.grammars.compile(params.structured))
+        for token in prompt[len(prompt) - replayed :] if replayed else ():
+            if not state.accept(token):
+                raise InvalidGrammarError(
+                    "the output it produced before it moved does not match the constraint"
+                )
+        return state
+
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks at once; False if it is not in the engine."""
         request = self.requests.pop(request_id, None)
@@ -263,6 +289,11 @@ class Engine:
             finishing_prefill, sampled.token_ids, sampled.logprobs, strict=True
         ):
             error, reason = errors.get(request.request_id), None
+            if error is None and request.grammar is not None and not request.grammar.accept(token):
+                error = (
+                    f"token {token} is outside the structured output constraint (min_tokens "
+                    "or a token rule left it no allowed token)"
+                )
             if error is None:
                 request.token_ids.append(token)
                 request.update_block_hashes(self.config.block_size)
@@ -325,6 +356,8 @@ class Engine:
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
+        if request.grammar is not None and request.grammar.finished:
+            return FinishReason.STOP  # the constrained output is complete (even ignore_eos)
         if request.num_output_tokens >= params.min_tokens and (
             token in params.stop_token_ids
             or (not params.ignore_eos and token in self.model_config.eos_token_ids)

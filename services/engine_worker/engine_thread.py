@@ -107,6 +107,7 @@ class _Add:
     reply: str
     context: Any
     taken: threading.Event | None = None  # set once the engine has the request
+    grammar: Any = None  # its structured output constraint, compiled
 
 
 @dataclass
@@ -169,8 +170,10 @@ class EngineThread(threading.Thread):
         self._dead = False
 
     # ---------------------------------------------------------------- called from asyncio
-    def submit(self, request: GenerateRequest, reply: str, context: Any = None) -> None:
-        """Queue ``request`` (already validated).
+    def submit(
+        self, request: GenerateRequest, reply: str, context: Any = None, grammar: Any = None
+    ) -> None:
+        """Queue ``request`` (already validated; ``grammar``: its constraint, compiled).
 
         When the engine thread is idle, wait (at most ``handoff_wait`` s) until it has
         added the request. Woken by the queue, it still needs the GIL, which this thread
@@ -182,7 +185,7 @@ class EngineThread(threading.Thread):
         with self._lock:
             self._pending_adds += 1
         taken = threading.Event() if self._idle else None
-        self._commands.put(_Add(request, reply, context, taken))
+        self._commands.put(_Add(request, reply, context, taken, grammar))
         if taken is not None:
             taken.wait(self._handoff_wait)
 
@@ -320,10 +323,10 @@ class EngineThread(threading.Thread):
 
     def _apply(self, command: Any) -> None:
         match command:
-            case _Add(request, reply, context, taken):
+            case _Add(request, reply, context, taken, grammar):
                 try:
                     with self._lock:
-                        self._add(request, reply, context)
+                        self._add(request, reply, context, grammar)
                         self._pending_adds -= 1
                 finally:
                     if taken is not None:
@@ -341,7 +344,7 @@ class EngineThread(threading.Thread):
                 finally:
                     done.set()
 
-    def _add(self, request: GenerateRequest, reply: str, context: Any) -> None:
+    def _add(self, request: GenerateRequest, reply: str, context: Any, grammar: Any) -> None:
         """Queue a request the service has validated and already answered ``Accepted``.
         If the engine refuses it after all, that request fails alone."""
         rid = request.request_id
@@ -362,6 +365,7 @@ class EngineThread(threading.Thread):
                 priority=sla.priority,
                 deadline_ms=sla.deadline_ms,
                 replayed=request.replayed_output_tokens,
+                grammar=grammar,
             )
         except Exception as exc:  # a duplicate id, or a bug: the request's own failure
             if not isinstance(exc, InvalidRequestError):

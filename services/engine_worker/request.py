@@ -10,6 +10,7 @@ import torch
 
 from lamina.libs.block_hash import ROOT_HASH, hash_blocks
 from lamina.schemas.v1.generate import Sampling
+from lamina.services.engine_worker.grammar import GrammarState
 
 
 class Status(enum.Enum):
@@ -58,6 +59,8 @@ class Request:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     num_preemptions: int = 0
+    grammar: GrammarState | None = None
+    """Where its structured output constraint stands (None: unconstrained)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

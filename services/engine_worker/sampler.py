@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lamina.kernels.transfer import upload
+from lamina.services.engine_worker.grammar import apply_bitmasks
 from lamina.services.engine_worker.request import Request
 
 Logprobs = tuple[float, list[tuple[int, float]]]
@@ -41,6 +42,8 @@ class Sampler:
 
         # ``logits`` is left as it is (every step below makes a new tensor), so that the
         # engine can sample a row again alone when the batch raises.
+        if any(r.grammar is not None for r in requests):
+            logits = apply_bitmasks(logits, [r.grammar for r in requests])
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
         suppress = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]

@@ -187,10 +187,16 @@ class WorkerService:
                 ),
             )
             return
+        engine = self.engine_thread.engine
+        grammar = None
         try:
-            self.engine_thread.engine.validate(
+            engine.validate(
                 request.prompt_token_ids, request.sampling, request.replayed_output_tokens
             )
+            if request.sampling.structured is not None:  # compiled here, not on its thread
+                grammar = await asyncio.to_thread(
+                    engine.grammars.compile, request.sampling.structured
+                )
         except InvalidRequestError as exc:
             await self.bus.publish(
                 msg.reply,
@@ -209,7 +215,7 @@ class WorkerService:
         context = otel_context.get_current()
         accepted = Accepted(request_id=request.request_id, worker_id=self.worker_id)
         self._outbox.put_nowait([(msg.reply, accepted, context)])
-        self.engine_thread.submit(request, msg.reply, context)
+        self.engine_thread.submit(request, msg.reply, context, grammar)
 
     @property
     def state(self) -> WorkerState:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
+
+from lamina.libs import grammar
 from lamina.libs.bus import Bus
 from lamina.schemas.v1.generate import (
     Finished,
@@ -14,6 +18,7 @@ from lamina.schemas.v1.generate import (
     GenerateRequest,
     Sampling,
     Sla,
+    StructuredOutput,
     TokenLogprob,
     Tokens,
     Usage,
@@ -24,6 +29,10 @@ from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.remote_request import RemoteRequest, RetryPolicy
 from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ModelTokenizer, TemplateError
+
+_CHECKED_CONSTRAINTS = 256
+"""Structured output constraints a gateway remembers as checked (an agent sends the same
+schema with every request)."""
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 """The roles a chat's messages may have (tool messages need tool calls, not built yet)."""
@@ -156,6 +165,7 @@ class Admission:
         """The longest context any live worker has (0: not known yet), from the cluster
         view: a prompt too long for it is refused before it is tokenized."""
         self._cleanup: set[asyncio.Task] = set()
+        self._checked: OrderedDict[bytes, None] = OrderedDict()
 
     async def admit(
         self,
@@ -167,13 +177,17 @@ class Admission:
         request_id: str | None = None,
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        structured_param: str = "structured_outputs",
     ) -> TextStream:
         """Admit a request and wait until a worker accepts it: the one path both client
         APIs take, so they refuse the same request with the same error. ``prompt`` is text,
         token ids, or chat messages (``[{"role": ..., "content": ...}]``). Every refusal
         is a :class:`GenerationError`. ``include_stop`` and ``skip_special_tokens``: how the
-        output becomes text (``IncrementalDetokenizer``)."""
+        output becomes text (``IncrementalDetokenizer``). ``structured_param``: the field a
+        refused constraint is named by."""
         self.check_model(model)
+        if sampling.structured is not None:
+            await self._check_constraint(sampling.structured, structured_param)
         ids = await self._prompt_ids(prompt)
         self._hold(len(ids))
         request = GenerateRequest(
@@ -207,6 +221,21 @@ class Admission:
                 "model",
                 "model_not_found",
             )
+
+    async def _check_constraint(self, spec: StructuredOutput, param: str) -> None:
+        """A constraint the grammar engine cannot enforce is a 400 naming what is wrong,
+        before any worker is used (parsed off the event loop: a schema may be large)."""
+        key = msgspec.json.encode(spec)
+        if key in self._checked:
+            self._checked.move_to_end(key)
+            return
+        try:
+            await asyncio.to_thread(grammar.check, spec)
+        except grammar.GrammarError as exc:
+            raise invalid_request(f"invalid structured output: {exc}", param) from exc
+        self._checked[key] = None
+        if len(self._checked) > _CHECKED_CONSTRAINTS:
+            self._checked.popitem(last=False)
 
     def _hold(self, prompt_tokens: int) -> None:
         """Count a request in, or shed it (429) when this gateway already holds its most."""

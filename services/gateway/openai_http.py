@@ -253,6 +253,7 @@ class OpenAIApi:
                     stop,
                     include_stop=body.include_stop_str_in_output,
                     skip_special_tokens=body.skip_special_tokens,
+                    structured_param=body.structured_param,
                 )
                 for prompt in prompts
             ),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -21,6 +21,7 @@ from lamina.schemas.v1.generate import (
     Sampling,
     Seed,
     Sla,
+    StructuredOutput,
     Temperature,
     TokenId,
     TopK,
@@ -45,7 +46,6 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 # refused with a 400 naming the field, as vLLM does, rather than ignored: a client that
 # asked for JSON output or a tool call must not get plain text and a 200.
 _NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -58,14 +58,107 @@ _NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
+_REPLACED_BY = {
+    f"guided_{kind}": "structured_outputs" for kind in ("json", "regex", "choice", "grammar")
+}
+"""Fields vLLM removed, with what replaced them (named in the refusal)."""
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or
+    ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema, as an object or JSON
+    text), ``regex``, ``choice``, ``grammar`` (EBNF or Lark), ``json_object``."""
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+
+def structured_output(
+    response_format: ResponseFormat | None, outputs: StructuredOutputs | None
+) -> StructuredOutput | None:
+    """The wire constraint a body asks for (vLLM's rules: ``response_format`` and
+    ``structured_outputs`` may not ask for two different constraints); raises
+    :class:`InvalidRequest`."""
+    from_format: dict[str, Any] = {}
+    if response_format is not None:
+        if response_format.type == "structural_tag":
+            raise InvalidRequest(
+                "response_format type 'structural_tag' is not supported", "response_format"
+            )
+        if response_format.type == "json_object":
+            from_format = {"json_object": True}
+        elif response_format.type == "json_schema":
+            spec = response_format.json_schema
+            if spec is None or spec.schema is None:
+                raise InvalidRequest(
+                    "response_format type 'json_schema' needs json_schema.schema",
+                    "response_format",
+                )
+            from_format = {"json": msgspec.json.encode(spec.schema).decode()}
+    fields: dict[str, Any] = {}
+    if outputs is not None:
+        if outputs.structural_tag is not None:
+            raise InvalidRequest("structural_tag is not supported", "structured_outputs")
+        if outputs.json_object is False:
+            raise InvalidRequest(
+                "structured_outputs.json_object must be true if set", "structured_outputs"
+            )
+        fields = {
+            name: value
+            for name in ("json", "regex", "choice", "grammar", "json_object")
+            if (value := getattr(outputs, name)) is not None
+        }
+        if isinstance(fields.get("json"), dict | bool):
+            fields["json"] = msgspec.json.encode(fields["json"]).decode()
+        if outputs.disable_any_whitespace:
+            fields["disable_any_whitespace"] = True
+    asked = {k: v for k, v in fields.items() if k != "disable_any_whitespace"}
+    if from_format and asked and asked != from_format:
+        raise InvalidRequest(
+            "response_format and structured_outputs ask for different constraints",
+            "structured_outputs",
+        )
+    fields |= from_format
+    if not fields:
+        if outputs is not None:
+            raise InvalidRequest(
+                "structured_outputs needs one of json, regex, choice, grammar, json_object",
+                "structured_outputs",
+            )
+        return None
+    try:
+        return msgspec.convert(fields, StructuredOutput)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(str(exc), "structured_outputs") from exc
+
 
 #: Body fields that are ``Sampling`` fields under the same name and meaning.
 _SAMPLING_FIELDS = tuple(
     f.name
     for f in msgspec.structs.fields(Sampling)
-    if f.name not in ("max_tokens", "logprobs", "bad_words_token_ids")
+    if f.name not in ("max_tokens", "logprobs", "bad_words_token_ids", "structured")
 )
 
 
@@ -110,8 +203,9 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     # Lamina's SLA, both relative to the request's arrival (the wire's deadline is Unix ms)
     ttft_target_ms: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)] | None = None
     timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=10**12)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # Not implemented yet: decoded only to be refused (see _NOT_SUPPORTED).
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -124,18 +218,23 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
 
     def refuse_unsupported(self) -> None:
         """Raise :class:`InvalidRequest` for the first field that asks for something Lamina
         does not do."""
         for name, neutral in _NOT_SUPPORTED.items():
             if getattr(self, name) not in neutral:
-                raise InvalidRequest(f"{name} is not supported", name)
+                instead = f"; use {_REPLACED_BY[name]}" if name in _REPLACED_BY else ""
+                raise InvalidRequest(f"{name} is not supported{instead}", name)
         if self.n != 1:
             raise InvalidRequest("only n=1 is supported", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream", "stream_options")
+
+    @property
+    def structured_param(self) -> str:
+        """The field a constraint came from, for an error about it."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @property
     def include_usage(self) -> bool:
@@ -153,6 +252,7 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
         max_tokens = self.max_completion_tokens or self.max_tokens
         values["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
         values["logprobs"] = logprobs
+        values["structured"] = structured_output(self.response_format, self.structured_outputs)
         try:
             return msgspec.convert(values, Sampling)
         except msgspec.ValidationError as exc:  # e.g. min_tokens over max_tokens

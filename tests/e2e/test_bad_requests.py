@@ -29,7 +29,7 @@ BAD_SAMPLING = [
 ]  # fmt: skip
 
 NOT_SUPPORTED = {
-    "response_format": {"type": "json_object"},
+    "response_format": {"type": "structural_tag", "format": {}},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "auto",
     "prompt_logprobs": 1,

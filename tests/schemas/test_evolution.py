@@ -48,6 +48,7 @@ from lamina.schemas.v1.generate import (
     Sampling,
     Sla,
     StreamEvent,
+    StructuredOutput,
     TokenLogprob,
     Tokens,
     Usage,
@@ -88,6 +89,9 @@ FROZEN = frozen_v1.MESSAGE_TYPES
 # --- golden payloads ----------------------------------------------------------------------
 
 
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 def golden_instances() -> dict[str, Message]:
     """One realistic instance per v1 type with every field set (no ``None``, no empty
     list, no default left out by ``omit_defaults``), so every field reaches the wire.
@@ -111,6 +115,10 @@ def golden_instances() -> dict[str, Message]:
         logit_bias={50256: -100.0, 13: 2.5},
         allowed_token_ids=[13, 198, 50256],
         bad_words_token_ids=[[464], [1820, 2187]],
+        structured=StructuredOutput(
+            json='{"type": "object", "properties": {"city": {"type": "string"}}}',
+            disable_any_whitespace=True,
+        ),
     )
     sla = Sla(priority=1, deadline_ms=1767225630000, ttft_target_ms=250)
     usage = Usage(prompt_tokens=42, completion_tokens=3, cached_tokens=32)
@@ -191,7 +199,9 @@ def golden_instances() -> dict[str, Message]:
             request_id=request_id,
             model=model,
             prompt_token_ids=[1, 450, 4996, 17354],
-            sampling=sampling,
+            sampling=msgspec.structs.replace(
+                sampling, structured=StructuredOutput(choice=["yes", "no"])
+            ),
             sla=sla,
             attempt=1,
             worker_id=worker_id,
@@ -362,7 +372,16 @@ def unset_fields(value: Any, where: str) -> list[str]:
         return []
     found = []
     omits_defaults = value.__struct_config__.omit_defaults
+    # A constraint holds exactly one kind: the others are unset by design (the golden
+    # instances carry different kinds).
+    one_of: set[str] = set()
+    if isinstance(value, StructuredOutput):
+        one_of = set(CONSTRAINT_KINDS) - set(value.kinds)
+        if not {"json", "json_object"} & set(value.kinds):
+            one_of.add("disable_any_whitespace")  # a JSON option
     for field in msgspec.structs.fields(value):
+        if field.name in one_of:
+            continue
         item, path = getattr(value, field.name), f"{where}.{field.name}"
         omitted = (
             omits_defaults and field.default is not msgspec.NODEFAULT and item == field.default

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from lamina.libs.bus import encode
-from lamina.schemas.v1.generate import GenerateRequest, Sampling
+from lamina.schemas.v1.generate import GenerateRequest, Sampling, StructuredOutput
 from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,7 +80,10 @@ def test_every_sampling_field_reaches_the_engine():
         logit_bias={7: -2.5},
         allowed_token_ids=[7, 8],
     )
-    body = decode_body(msgspec.json.encode({"prompt": [1], **sent}), CompletionRequest)
+    constraint = {"structured_outputs": {"regex": "a+"}}
+    body = decode_body(
+        msgspec.json.encode({"prompt": [1], **sent, **constraint}), CompletionRequest
+    )
     request = GenerateRequest(
         request_id="r", model="m", prompt_token_ids=[1], sampling=body.sampling(16, 2)
     )
@@ -88,9 +91,10 @@ def test_every_sampling_field_reaches_the_engine():
     got = {name: getattr(params, name) for name in sent}
     assert got == sent
     assert params.logprobs == 2
+    assert params.structured == StructuredOutput(regex="a+")
     defaults = Sampling()
     assert all(sent[name] != getattr(defaults, name) for name in sent)
     fields = {f.name for f in msgspec.structs.fields(Sampling)}
     # A new sampling field must be added above (bad words come as words: the gateway
-    # tokenizes them, test_openai_api.py).
-    assert fields == set(sent) | {"logprobs", "bad_words_token_ids"}
+    # tokenizes them, test_openai_api.py; constraints: test_structured_output.py).
+    assert fields == set(sent) | {"logprobs", "bad_words_token_ids", "structured"}

@@ -1,0 +1,132 @@
+"""Structured output in the engine: each constrained request's matcher, and the compiler
+that builds matchers for this model's vocabulary.
+
+A constrained request carries a :class:`GrammarState`. Before each sample, the masks of
+every constrained row of the batch are computed in one llguidance call (Rust, on its own
+threads, the GIL released) into one token bitmask, which :func:`apply_bitmasks` unpacks
+and applies to the logits in a few tensor operations; after, the engine advances each
+matcher with its sampled token. Once the value is complete only the model's EOS is
+allowed, and the request ends ``stop`` on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import llguidance
+import msgspec
+import torch
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+from lamina.libs.grammar import GrammarError, check
+from lamina.schemas.v1.generate import StructuredOutput
+from lamina.services.engine_worker.errors import InvalidRequestError
+
+_CACHED_GRAMMARS = 512
+"""Compiled grammars kept per worker (an agent sends the same schema with every request)."""
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class InvalidGrammarError(InvalidRequestError):
+    def __init__(self, message: str) -> None:
+        super().__init__("structured_outputs", f"invalid structured output: {message}")
+
+
+class GrammarState:
+    """One request's place in its grammar."""
+
+    __slots__ = ("finished", "matcher", "stop_token_ids")
+
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
+        self.matcher = matcher
+        self.stop_token_ids = stop_token_ids
+        self.finished = False
+        """It accepted the stop token that ends the complete output."""
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False if the grammar does not allow it."""
+        if not self.matcher.consume_token(token):
+            return False
+        self.finished = token in self.stop_token_ids
+        return True
+
+
+def apply_bitmasks(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
+    """``logits`` with each constrained row's disallowed tokens at -inf: a new tensor when
+    any row is constrained, the same one otherwise."""
+    rows = [i for i, state in enumerate(states) if state is not None and not state.finished]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    bitmask = allocate_token_bitmask(len(rows), vocab)
+    fill_next_token_bitmask_par(
+        _EXECUTOR,
+        [(states[row].matcher, i) for i, row in enumerate(rows)],  # type: ignore[union-attr]
+        bitmask,
+    )
+    device = logits.device
+    words = bitmask.to(device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> _BITS.to(device)) & 1).bool().flatten(1)[:, :vocab]
+    index = torch.tensor(rows, device=device)
+    masked = logits.clone()
+    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return masked
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's vocabulary, caching each compiled grammar;
+    thread-safe, so the worker compiles off the engine thread. The vocabulary is read
+    from the model's ``tokenizer.json`` on first use (a model without one cannot take
+    constraints)."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """``spec`` compiled: a matcher at the start, to copy for each request (never
+        advanced itself); raises :class:`InvalidGrammarError`."""
+        key = msgspec.json.encode(spec)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        try:
+            grammar = check(spec)
+        except GrammarError as exc:
+            raise InvalidGrammarError(str(exc)) from exc
+        matcher = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidGrammarError(matcher.get_error())
+        with self._lock:
+            self._compiled[key] = matcher
+            if len(self._compiled) > _CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def state(self, compiled: llguidance.LLMatcher) -> GrammarState:
+        """A fresh state for a request constrained by ``compiled``."""
+        return GrammarState(compiled.deep_copy(), self.eos_token_ids)
+
+    def _vocabulary(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                path = self.model_dir / "tokenizer.json"
+                if not path.exists():
+                    raise InvalidGrammarError(
+                        f"the model has no tokenizer.json ({path}) to compile it for"
+                    )
+                self._tokenizer = llguidance.LLTokenizer(
+                    path.read_text(), n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids)
+                )
+            return self._tokenizer
+
+
+_EXECUTOR = llguidance.LLExecutor()
