@@ -154,10 +154,12 @@ def engines(model: Path, vocab: int, eos: tuple[int, ...]) -> None:
     rng = random.Random(0)
     rows = 32
 
-    def walk(allowed_next, accept, steps: int) -> list[float]:
+    def walk(allowed_next, accept, done, steps: int) -> list[float]:
         """Per-token mask times along a random path through the grammar."""
         times = []
         for _ in range(steps):
+            if done():
+                break
             started = time.perf_counter()
             allowed = allowed_next()
             times.append(time.perf_counter() - started)
@@ -182,7 +184,7 @@ def engines(model: Path, vocab: int, eos: tuple[int, ...]) -> None:
             llt.fill_next_token_bitmask(m, mask, 0)
             return _allowed(mask[0], vocab, torch)
 
-        ll_times = walk(ll_allowed, matcher.consume_token, 100)
+        ll_times = walk(ll_allowed, matcher.consume_token, matcher.is_stopped, 100)
         xg_matcher = xgr.GrammarMatcher(compiled)
         xg_mask = xgr.allocate_token_bitmask(1, vocab)
 
@@ -190,7 +192,7 @@ def engines(model: Path, vocab: int, eos: tuple[int, ...]) -> None:
             m.fill_next_token_bitmask(mask, 0)
             return _allowed(mask[0], vocab, torch)
 
-        xg_times = walk(xg_allowed, xg_matcher.accept_token, 100)
+        xg_times = walk(xg_allowed, xg_matcher.accept_token, xg_matcher.is_terminated, 100)
         # A batch: 32 fresh matchers, all masks filled for one step.
         proto = llguidance.LLMatcher(ll_vocab, llguidance.grammar_from("json_schema", text))
         ll_batch = [proto.deep_copy() for _ in range(rows)]  # as the engine makes them

@@ -11,12 +11,14 @@ allowed, and the request ends ``stop`` on it.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
 import llguidance
 import msgspec
+import numpy as np
 import torch
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
@@ -28,6 +30,7 @@ _CACHED_GRAMMARS = 512
 """Compiled grammars kept per worker (an agent sends the same schema with every request)."""
 
 _BITS = torch.arange(32, dtype=torch.int32)
+assert sys.byteorder == "little", "the CPU bitmask unpacking reads int32 words as bytes"
 
 
 class InvalidGrammarError(InvalidRequestError):
@@ -67,13 +70,32 @@ def apply_bitmasks(logits: torch.Tensor, states: list[GrammarState | None]) -> t
         [(states[row].matcher, i) for i, row in enumerate(rows)],  # type: ignore[union-attr]
         bitmask,
     )
-    device = logits.device
-    words = bitmask.to(device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> _BITS.to(device)) & 1).bool().flatten(1)[:, :vocab]
-    index = torch.tensor(rows, device=device)
-    masked = logits.clone()
-    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return masked
+    allowed = _unpack(bitmask, vocab, logits.device)
+    if len(rows) == len(states):
+        return logits.masked_fill(~allowed, float("-inf"))
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    banned[torch.tensor(rows, device=logits.device)] = ~allowed
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """``(rows, vocab)`` booleans from llguidance's ``(rows, words)`` int32 bitmask (bit
+    ``t % 32`` of word ``t // 32``), made where the logits are: on the CPU by numpy in one
+    call, on an accelerator from the packed mask (what crosses to the device)."""
+    if device.type == "cpu":
+        return unpack_numpy(bitmask, vocab)
+    return unpack_tensor(bitmask.to(device, non_blocking=True), vocab)
+
+
+def unpack_numpy(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The CPU unpacking: the int32 words read as little-endian bytes."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
+
+
+def unpack_tensor(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The device unpacking: shifts and masks over the words, on their device."""
+    return ((words.unsqueeze(-1) >> _BITS.to(words.device)) & 1).bool().flatten(1)[:, :vocab]
 
 
 class GrammarCompiler:

@@ -7,6 +7,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -29,13 +30,14 @@ from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.remote_request import RemoteRequest, RetryPolicy
 from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ModelTokenizer, TemplateError
+from lamina.services.gateway.tool_calls import ToolCall, ToolParser
 
 _CHECKED_CONSTRAINTS = 256
 """Structured output constraints a gateway remembers as checked (an agent sends the same
 schema with every request)."""
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-"""The roles a chat's messages may have (tool messages need tool calls, not built yet)."""
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles a chat's messages may have."""
 
 
 def _text_tokens(event: Tokens | Finished, include_stop: bool) -> list[int]:
@@ -48,7 +50,7 @@ def _text_tokens(event: Tokens | Finished, include_stop: bool) -> list[int]:
     return event.token_ids
 
 
-def check_roles(messages: list[dict[str, str]]) -> None:
+def check_roles(messages: list[dict[str, Any]]) -> None:
     """Every message's role is one of :data:`CHAT_ROLES` (a 400 naming the one that is not)."""
     for i, message in enumerate(messages):
         if message["role"] not in CHAT_ROLES:
@@ -65,8 +67,11 @@ class TextDelta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | str | None = None
+    """Why the stream ended; ``tool_calls`` is set by a tool parser, not by the wire."""
     usage: Usage | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Calls a tool parser found in this delta's text (the text then holds the rest)."""
 
 
 class TextStream:
@@ -82,6 +87,8 @@ class TextStream:
         self.detokenizer = detokenizer
         self.completion_tokens = 0
         self._on_close = on_close
+        self.tool_parser: ToolParser | None = None
+        """Where set, every delta's text is split into content and tool calls."""
 
     @property
     def request_id(self) -> str:
@@ -92,6 +99,11 @@ class TextStream:
         return len(self.remote.request.prompt_token_ids)
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
+        parser = self.tool_parser
+        async for delta in self._deltas():
+            yield delta if parser is None else parser.apply(delta)
+
+    async def _deltas(self) -> AsyncIterator[TextDelta]:
         detok = self.detokenizer
         async for event in self.remote.stream():
             self.completion_tokens += len(event.token_ids)
@@ -170,7 +182,7 @@ class Admission:
     async def admit(
         self,
         model: str | None,
-        prompt: str | list[int] | list[dict[str, str]],
+        prompt: str | list[int] | list[dict[str, Any]],
         sampling: Sampling,
         sla: Sla,
         stop: list[str],
@@ -178,17 +190,19 @@ class Admission:
         include_stop: bool = False,
         skip_special_tokens: bool = True,
         structured_param: str = "structured_outputs",
+        tools: list[dict[str, Any]] | None = None,
     ) -> TextStream:
         """Admit a request and wait until a worker accepts it: the one path both client
         APIs take, so they refuse the same request with the same error. ``prompt`` is text,
         token ids, or chat messages (``[{"role": ..., "content": ...}]``). Every refusal
         is a :class:`GenerationError`. ``include_stop`` and ``skip_special_tokens``: how the
         output becomes text (``IncrementalDetokenizer``). ``structured_param``: the field a
-        refused constraint is named by."""
+        refused constraint is named by. ``tools``: a chat's tool definitions, for its
+        template."""
         self.check_model(model)
         if sampling.structured is not None:
             await self._check_constraint(sampling.structured, structured_param)
-        ids = await self._prompt_ids(prompt)
+        ids = await self._prompt_ids(prompt, tools)
         self._hold(len(ids))
         request = GenerateRequest(
             request_id=request_id or uuid.uuid4().hex,
@@ -271,7 +285,9 @@ class Admission:
                 param,
             )
 
-    async def _prompt_ids(self, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
+    async def _prompt_ids(
+        self, prompt: str | list[int] | list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         try:
             if isinstance(prompt, str):
                 self._refuse_hopeless_length(len(prompt), "prompt")
@@ -280,7 +296,7 @@ class Admission:
                 check_roles(prompt)
                 chars = sum(len(message.get("content") or "") for message in prompt)
                 self._refuse_hopeless_length(chars, "messages")
-                ids = await self.pool.encode(prompt)
+                ids = await self.pool.encode(prompt, tools)
             else:
                 ids = list(prompt)
         except TemplateError as exc:

@@ -42,6 +42,7 @@ from lamina.services.gateway.protocol import (
     decode_body,
 )
 from lamina.services.gateway.tokenize_api import TokenizeApi
+from lamina.services.gateway.tool_calls import PARSERS, ConstrainedParser, ToolParser
 
 LAMINA_VERSION = package_version("lamina")
 
@@ -94,14 +95,15 @@ async def _merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, TextDel
 
 async def _whole(stream: TextStream) -> TextDelta:
     """A stream's text, tokens and logprobs in one delta, with its finish and usage."""
-    text, ids, lps, last = [], [], [], None
+    text, ids, lps, calls, last = [], [], [], [], None
     async for delta in stream.deltas():
         text.append(delta.text)
         ids += delta.token_ids
         if delta.logprobs is not None:
             lps += delta.logprobs
+        calls += delta.tool_calls or ()
         last = delta
-    return TextDelta("".join(text), ids, lps or None, last.finish_reason, last.usage)
+    return TextDelta("".join(text), ids, lps or None, last.finish_reason, last.usage, calls or None)
 
 
 def _indexed(choice: dict[str, Any], index: int) -> dict[str, Any]:
@@ -162,9 +164,14 @@ def _error_headers(exc: GenerationError) -> list[tuple[bytes, bytes]]:
 class OpenAIApi:
     """Route handlers bound to one :class:`Admission`."""
 
-    def __init__(self, admission: Admission, ready: Callable[[], bool]) -> None:
+    def __init__(
+        self, admission: Admission, ready: Callable[[], bool], tool_call_parser: str = "hermes"
+    ) -> None:
         self.admission = admission
         self.ready = ready
+        self.tool_call_parser = tool_call_parser
+        """vLLM's name of the parser that finds tool calls (``tool_choice: auto``); ""
+        for none, which refuses ``auto``."""
 
     # ----------------------------------------------------------------------------- helpers
     def _token_text(self, token_id: int) -> str:
@@ -229,11 +236,13 @@ class OpenAIApi:
                 "priority",
                 "priority_not_allowed",
             )
+        tools, parser = None, None
         try:
             body.refuse_unsupported()
             if isinstance(body, ChatCompletionRequest):
-                prompts: list[str | list[int] | list[dict[str, str]]] = [body.chat()]
+                prompts: list[str | list[int] | list[dict[str, Any]]] = [body.chat()]
                 sampling = body.sampling(None, body.logprobs_count())
+                tools, parser = body.template_tools(), self._tool_parser(body)
             else:
                 prompts = list(body.prompt_inputs())
                 sampling = body.sampling(16, body.logprobs)
@@ -254,6 +263,7 @@ class OpenAIApi:
                     include_stop=body.include_stop_str_in_output,
                     skip_special_tokens=body.skip_special_tokens,
                     structured_param=body.structured_param,
+                    tools=tools,
                 )
                 for prompt in prompts
             ),
@@ -265,7 +275,24 @@ class OpenAIApi:
             for stream in streams:
                 self.admission.close_later(stream)
             raise failure
+        for stream in streams:
+            stream.tool_parser = parser
         return streams
+
+    def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
+        """What reads tool calls out of this chat's output (None: it is all content)."""
+        mode = body.tool_mode
+        if mode in ("required", "named"):
+            return ConstrainedParser(body.named_function)
+        if mode == "auto":
+            if not self.tool_call_parser:
+                raise InvalidRequest(
+                    'tool_choice "auto" needs a tool call parser: start the gateway with '
+                    "--tool-call-parser (hermes, llama3_json)",
+                    "tool_choice",
+                )
+            return PARSERS[self.tool_call_parser]()
+        return None
 
     async def _open_in_callers_trace(self, body: Any, scope: Scope) -> list[TextStream]:
         """``_open``, continuing the caller's trace (W3C ``traceparent``, ``tracestate``,
@@ -401,7 +428,7 @@ class OpenAIApi:
             async with contextlib.aclosing(_merged(streams)) as deltas:
                 async for index, delta in deltas:
                     usages[index] = delta.usage or usages[index]
-                    if delta.text or delta.finish_reason or delta.logprobs:
+                    if delta.text or delta.finish_reason or delta.logprobs or delta.tool_calls:
                         chunk = build(delta, response_id, created, streaming=True)
                         chunk["choices"] = [_indexed(chunk["choices"][0], index)]
                         await send_event(send, chunk)
@@ -468,10 +495,15 @@ class OpenAIApi:
         self, d: TextDelta, response_id: str, created: int, streaming: bool, as_ids: bool = False
     ) -> dict[str, Any]:
         logprobs = self._chat_logprobs(d.token_ids, d.logprobs, as_ids)
+        calls = [call.body(streaming) for call in d.tool_calls or ()]
         if streaming:
-            return self._chat_chunk(
-                response_id, created, {"content": d.text}, d.finish_reason, logprobs
-            )
+            delta: dict[str, Any] = {"content": d.text}
+            if calls:
+                delta["tool_calls"] = calls
+            return self._chat_chunk(response_id, created, delta, d.finish_reason, logprobs)
+        message: dict[str, Any] = {"role": "assistant", "content": d.text}
+        if calls:  # OpenAI's: no content (null) when the message is only calls
+            message |= {"content": d.text or None, "tool_calls": calls}
         return {
             "id": response_id,
             "object": "chat.completion",
@@ -480,7 +512,7 @@ class OpenAIApi:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": d.text},
+                    "message": message,
                     "logprobs": logprobs,
                     "finish_reason": d.finish_reason,
                 }

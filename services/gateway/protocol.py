@@ -27,6 +27,7 @@ from lamina.schemas.v1.generate import (
     TopK,
     TopP,
 )
+from lamina.services.gateway.tool_calls import tool_constraint
 
 
 class InvalidRequest(ValueError):
@@ -46,11 +47,8 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 # refused with a 400 naming the field, as vLLM does, rather than ignored: a client that
 # asked for JSON output or a tool call must not get plain text and a 200.
 _NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "prompt_logprobs": (None,),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -60,9 +58,11 @@ _NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
 }
 _REPLACED_BY = {
-    f"guided_{kind}": "structured_outputs" for kind in ("json", "regex", "choice", "grammar")
+    **{f"guided_{kind}": "structured_outputs" for kind in ("json", "regex", "choice", "grammar")},
+    "functions": "tools",
+    "function_call": "tool_choice",
 }
-"""Fields vLLM removed, with what replaced them (named in the refusal)."""
+"""Fields OpenAI or vLLM replaced, with what replaced them (named in the refusal)."""
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -206,11 +206,8 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # Not implemented yet: decoded only to be refused (see _NOT_SUPPORTED).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     prompt_logprobs: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -301,12 +298,64 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+"""OpenAI's rule for a function's name."""
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON Schema for the arguments (none: an object of any shape)."""
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One entry of ``tools``; passed to the chat template as it came (fields it left
+    out stay out)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: FunctionName
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming the function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it back."""
+
+
+class AssistantToolCall(msgspec.Struct, kw_only=True):
+    """A call an earlier assistant message made (the conversation sent back)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     """Checked where both client APIs admit a chat (``Admission``)."""
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
+    tool_calls: list[AssistantToolCall] | None = None
+    """An ``assistant`` message: the calls it made."""
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -318,21 +367,104 @@ class ChatMessage(msgspec.Struct, kw_only=True):
             parts.append(part.text or "")
         return "".join(parts)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (``transformers``' form: a call's
+        arguments as an object where they are JSON, as vLLM passes them)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    return [msgspec.to_builtins(t) for t in tools] if tools else None
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
+
 
 class ChatCompletionRequest(OpenAIBody, kw_only=True):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise InvalidRequest("tool_choice needs tools", "tool_choice")
+        named = self.named_function
+        if named is not None and named not in {t.function.name for t in self.tools or ()}:
+            raise InvalidRequest(f"tool_choice names {named!r}, which is not a tool", "tool_choice")
+        forced = named is not None or self.tool_choice == "required"
+        if forced and (self.response_format or self.structured_outputs):
+            raise InvalidRequest(
+                "a structured output constraint and a required tool call cannot both be asked",
+                "tool_choice",
+            )
 
-    def chat(self) -> list[dict[str, str]]:
+    @property
+    def named_function(self) -> str | None:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    @property
+    def tool_mode(self) -> str:
+        """``none`` (no tools, or ``tool_choice: none``), ``auto``, ``required`` or
+        ``named``."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.named_function is not None:
+            return "named"
+        return self.tool_choice or "auto"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as the chat template gets them (``transformers``' ``tools``)."""
+        return _template_tools(self.tools)
+
+    def sampling(self, default_max_tokens: int | None, logprobs: int | None) -> Sampling:
+        sampling = super().sampling(default_max_tokens, logprobs)
+        if self.tool_mode in ("required", "named"):
+            tools = self.template_tools() or []
+            constraint = tool_constraint(
+                tools, self.named_function, self.parallel_tool_calls is not False
+            )
+            sampling = msgspec.structs.replace(sampling, structured=constraint)
+        return sampling
+
+    def chat(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise InvalidRequest("messages must not be empty", "messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        for i, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":
+                raise InvalidRequest(
+                    f"a {message.role!r} message needs content (only an assistant's may be "
+                    "null)",
+                    f"messages[{i}].content",
+                )
+        return [m.for_template() for m in self.messages]
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -352,8 +484,13 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     """End the rendering inside the last message (which the model would continue)."""
     return_token_strs: bool = False
+    tools: list[Tool] | None = None
+    """Tool definitions for the chat template, as a chat completion passes them."""
 
-    def chat(self) -> list[dict[str, str]] | None:
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return _template_tools(self.tools)
+
+    def chat(self) -> list[dict[str, Any]] | None:
         """The messages as the template takes them; checks the request's shape."""
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of prompt and messages", "prompt")
@@ -366,7 +503,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
                 "continue_final_message and add_generation_prompt cannot both be true",
                 "continue_final_message",
             )
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.for_template() for m in self.messages]
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -29,6 +29,7 @@ from lamina.services.gateway.openai_http import OpenAIApi
 from lamina.services.gateway.remote_request import RetryPolicy
 from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ModelTokenizer
+from lamina.services.gateway.tool_calls import PARSERS
 
 log = logging.getLogger("lamina.gateway")
 
@@ -58,9 +59,22 @@ class GatewayConfig:
     api_key_file: str = option("", "file of API keys, one per line (added to --api-key)")
     max_open_requests: int = option(4096, "requests held at once before new ones get a 429")
     max_open_prompt_tokens: int = option(1 << 24, "their prompt tokens, likewise")
+    tool_call_parser: str = option(
+        "hermes",
+        "how tool calls are read from output for tool_choice auto (vLLM's names: hermes, "
+        "llama3_json; empty: refuse auto)",
+    )
     tokenizer_workers: int = option(
         1, "processes that tokenize long prompts off the event loop (0: all on it)"
     )
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser and self.tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"--tool-call-parser {self.tool_call_parser!r}: use one of "
+                + ", ".join(PARSERS)
+                + " (or empty)"
+            )
 
 
 class _Server(uvicorn.Server):
@@ -102,7 +116,9 @@ class GatewayService:
         self._admission = admission
         self._nats_api = NatsApi(bus, admission)
         await self._nats_api.start()
-        app = OpenAIApi(admission, ready=lambda: self.cluster_ready).app()
+        app = OpenAIApi(
+            admission, ready=lambda: self.cluster_ready, tool_call_parser=cfg.tool_call_parser
+        ).app()
         keys = load_keys(cfg.api_key, cfg.api_key_file)
         if keys:  # /health and /ready stay open: orchestrators probe them without a key
             app = RateLimits(app, {key: policy.limits for key, policy in keys.items()})

@@ -41,7 +41,10 @@ class TokenizeApi:
             check_roles(chat)
             try:
                 text = self.tokenizer.render_chat(
-                    chat, request.add_generation_prompt, request.continue_final_message
+                    chat,
+                    request.add_generation_prompt,
+                    request.continue_final_message,
+                    request.template_tools(),
                 )
             except TemplateError as exc:
                 raise InvalidRequest(str(exc), "messages") from exc

@@ -16,6 +16,7 @@ import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any
 
 from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.tokenizer import ModelTokenizer
@@ -36,9 +37,11 @@ def _load(model_dir: str) -> None:
     _tokenizer = ModelTokenizer(Path(model_dir))
 
 
-def _encode(prompt: str | list[dict[str, str]]) -> list[int]:
+def _encode(
+    prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     assert _tokenizer is not None
-    return _tokenizer.encode_prompt(prompt)
+    return _tokenizer.encode_prompt(prompt, tools)
 
 
 class TokenizePool:
@@ -76,14 +79,17 @@ class TokenizePool:
             warm = [loop.run_in_executor(self._pool, _encode, "warm") for _ in range(self.workers)]
             await asyncio.gather(*warm)
 
-    async def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
-        """The prompt's token ids; raises ``TemplateError`` as the tokenizer does."""
+    async def encode(
+        self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids (a chat's with its ``tools``); raises ``TemplateError``
+        as the tokenizer does."""
         if isinstance(prompt, str):
             chars = len(prompt)
         else:
             chars = sum(len(m.get("content") or "") for m in prompt)
         if self._pool is None or chars <= INLINE_CHARS:
-            return self.tokenizer.encode_prompt(prompt)
+            return self.tokenizer.encode_prompt(prompt, tools)
         if self.pending >= self.max_pending:
             raise GenerationError(
                 429,
@@ -94,7 +100,9 @@ class TokenizePool:
             )
         self.pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, prompt)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, _encode, prompt, tools
+            )
         except BrokenProcessPool:  # a pool process died (killed, out of memory): start over
             log.error("a tokenizer process died; restarting the pool")
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -37,8 +39,14 @@ class ModelTokenizer:
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # The environment ``transformers`` renders chat templates in: the same filters and
+        # globals, so a prompt is the one ``apply_chat_template`` would make.
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
         self.chat_template = env.from_string(template) if template else None
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.max_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
@@ -79,18 +87,21 @@ class ModelTokenizer:
 
     def render_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat as the model's template writes it; with ``continue_final_message``,
-        cut just after the last message's content (as ``transformers`` does), so that
-        the model continues that message."""
+        """The chat as the model's template writes it, ``tools`` (OpenAI's tool
+        definitions) passed to it as ``transformers`` passes them; with
+        ``continue_final_message``, cut just after the last message's content (as
+        ``transformers`` does), so that the model continues that message."""
         if self.chat_template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
             text = self.chat_template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -107,14 +118,38 @@ class ModelTokenizer:
             text = text[: end + len(final)]
         return text
 
-    def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
-        """Text, or chat messages through the chat template."""
-        return self.encode(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
+    def encode_prompt(
+        self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Text, or chat messages (and their tools) through the chat template."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return self.encode_chat(prompt, tools)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         # The rendered template already carries its special tokens (e.g. a BOS).
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        text = self.render_chat(messages, tools=tools)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """``transformers``' ``tojson``: plain ``json.dumps`` (Jinja's own escapes HTML)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)

@@ -307,3 +307,15 @@ def an_allowed_token(state) -> int:
     """Some token the state's grammar allows next."""
     masked = apply_bitmasks(torch.zeros(1, 1024), [state])
     return int(torch.nonzero(masked[0] == 0)[0])
+
+
+def test_the_cpu_and_device_bitmask_unpackings_agree():
+    from lamina.services.engine_worker.grammar import unpack_numpy, unpack_tensor
+
+    words = torch.randint(-(2**31), 2**31 - 1, (5, 33), dtype=torch.int32)
+    vocab = 33 * 32 - 7  # a vocabulary that ends inside a word
+    expected = torch.tensor(
+        [[bool(int(words[r, t // 32]) >> (t % 32) & 1) for t in range(vocab)] for r in range(5)]
+    )
+    assert torch.equal(unpack_numpy(words, vocab), expected)
+    assert torch.equal(unpack_tensor(words, vocab), expected)
