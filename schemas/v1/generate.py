@@ -105,6 +105,9 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Suppress EOS and stop tokens until this many tokens exist."""
     logprobs: LogprobCount | None = None
     """Return the sampled token's logprob and this many top alternatives (0: just the token)."""
+    prompt_logprobs: LogprobCount | None = None
+    """Return each prompt token's logprob (from the second on) and this many top
+    alternatives (vLLM's): the prompt is then computed, not read from the prefix cache."""
     logit_bias: dict[TokenId, LogitBias] = {}
     """Added to these tokens' logits before sampling (OpenAI's; -100 all but bans one)."""
     allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
@@ -224,6 +227,19 @@ class Tokens(Message, gc=False):
     logprobs: list[TokenLogprob] | None = None
 
 
+class PromptLogprobs(Message):
+    """Logprobs of prompt tokens ``start`` to ``start + len(logprobs) - 1`` (the first
+    prompt token has none), sent before the request's first ``Tokens``, in several
+    messages for a long prompt (``seq``: see ``StreamEvent``). ``ranks``: each prompt
+    token's rank in its distribution (1: the most likely)."""
+
+    request_id: str
+    seq: int
+    start: Annotated[int, msgspec.Meta(ge=1)]
+    logprobs: list[TokenLogprob]
+    ranks: list[Annotated[int, msgspec.Meta(ge=1)]]
+
+
 class FinishReason(OpenEnum):
     """Why a stream ended (OpenAI's ``finish_reason``)."""
 
@@ -330,12 +346,12 @@ class Failed(Message):
     """Set when the cause is one of the typed ones (``deadline_exceeded``)."""
 
 
-StreamEvent = Accepted | Tokens | Finished | Rejected | Failed | Queued
+StreamEvent = Accepted | PromptLogprobs | Tokens | Finished | Rejected | Failed | Queued
 """What a submission's reply subject receives: from the scheduler, ``Rejected`` or
 ``Queued`` (then, later, ``Rejected`` or the worker's events); from the worker,
-``Rejected``, or ``Accepted`` (``seq`` 0) and then ``Tokens`` and a last ``Finished`` or
-``Failed`` numbered 1, 2, 3, ... without gaps. The ``seq`` contract: the worker publishes
-a reply subject's events from one task, in order; each submission (each retry or move of
-a request) has its own reply subject and numbering; a receiver that sees a gap has lost
-events, not reordered ones (the gateway then moves the request on from before the gap,
-as after a lost worker)."""
+``Rejected``, or ``Accepted`` (``seq`` 0) and then ``PromptLogprobs`` (if asked for),
+``Tokens`` and a last ``Finished`` or ``Failed`` numbered 1, 2, 3, ... without gaps. The
+``seq`` contract: the worker publishes a reply subject's events from one task, in order;
+each submission (each retry or move of a request) has its own reply subject and
+numbering; a receiver that sees a gap has lost events, not reordered ones (the gateway
+then moves the request on from before the gap, as after a lost worker)."""

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
+from lamina.kernels.transfer import upload
 from lamina.libs.errors import invalid_field
 from lamina.schemas.v1.generate import EngineTimings, FinishReason, Sampling, context_overflow
 from lamina.schemas.v1.kv import KvEvent
@@ -40,7 +41,7 @@ from lamina.services.engine_worker.loader import CheckpointTensors
 from lamina.services.engine_worker.model import CausalLM
 from lamina.services.engine_worker.model_config import DTYPES, ModelConfig
 from lamina.services.engine_worker.model_runner import ModelRunner, kv_block_bytes
-from lamina.services.engine_worker.request import Request
+from lamina.services.engine_worker.request import PromptLogprob, Request
 from lamina.services.engine_worker.sampler import Logprobs, Sampler, SamplerOutput
 from lamina.services.engine_worker.scheduler import ScheduledBatch, Scheduler
 
@@ -65,6 +66,8 @@ class RequestOutput:
     """Why this request failed on its own (its batch mates went on); it is finished."""
     timings: EngineTimings | None = None
     """Set once it finished (not failed): where its time went here."""
+    prompt_logprobs: list[PromptLogprob] | None = None
+    """With its first token, if asked for: the logprobs of prompt tokens 1, 2, ..."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +208,8 @@ class Engine:
             num_replayed=replayed,
             pending_draws=replayed if generator is not None else 0,
             grammar=self._grammar_state(params, grammar, prompt_token_ids, replayed),
+            # A moved request sent its prompt's logprobs before it moved.
+            prompt_logprobs={} if params.prompt_logprobs is not None and not replayed else None,
         )
         request.update_block_hashes(self.config.block_size)
         self.requests[request_id] = request
@@ -278,7 +283,12 @@ class Engine:
         if not batch.requests:
             return []
         started = time.perf_counter()
-        logits = self.runner.execute(batch)
+        positions = self._prompt_positions(batch)
+        logits = self.runner.execute(batch, [row for row, _, _ in positions] or None)
+        if positions:
+            sampled = logits.shape[0] - len(positions)
+            self._record_prompt_logprobs(logits[sampled:], positions)
+            logits = logits[:sampled]
 
         finishing_prefill = self.scheduler.advance(batch)
         sampled, errors = self._sample(logits, finishing_prefill)
@@ -303,6 +313,12 @@ class Engine:
             if error is not None or reason is not None:
                 self.requests.pop(request.request_id)
                 self.scheduler.remove(request)
+            prompt_logprobs = None
+            if error is None and request.prompt_logprobs is not None:
+                prompt_logprobs = [
+                    request.prompt_logprobs[p] for p in range(1, request.num_prompt_tokens)
+                ]
+                request.prompt_logprobs = None  # sent: a recompute may read the cache again
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
@@ -315,6 +331,7 @@ class Engine:
                     num_cached_tokens=request.num_cached_tokens,
                     error=error,
                     timings=None if reason is None else _timings(request),
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         self._generation_tokens += len(outputs)
@@ -323,6 +340,43 @@ class Engine:
         self._iteration_tokens_sum += tokens
         self._account(tokens, batch.num_decodes, time.perf_counter() - started)
         return outputs
+
+    @staticmethod
+    def _prompt_positions(batch: ScheduledBatch) -> list[tuple[int, Request, int]]:
+        """``(row of the flat batch, request, prompt position)`` for each prompt token
+        (from the second) whose logprob this step computes: the logits of each position
+        of such a request's chunk score the next token."""
+        positions = []
+        offset = 0
+        for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if request.prompt_logprobs is not None:
+                start = request.num_computed_tokens
+                for p in range(start, min(start + n, request.num_prompt_tokens - 1)):
+                    positions.append((offset + p - start, request, p + 1))
+            offset += n
+        return positions
+
+    def _record_prompt_logprobs(
+        self, logits: torch.Tensor, positions: list[tuple[int, Request, int]]
+    ) -> None:
+        """Each position's prompt token: its logprob, rank and top alternatives, for the
+        whole batch in a few tensor operations."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = [request.token_ids[p] for _, request, p in positions]
+        index = upload(targets, torch.int64, logits.device)[:, None]
+        chosen = logprobs.gather(1, index)
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        top_n = max(request.params.prompt_logprobs or 0 for _, request, _ in positions)
+        values, ids = logprobs.topk(top_n) if top_n else (logprobs[:, :0], logprobs[:, :0])
+        for (_, request, p), logprob, rank, top_ids, top_values in zip(
+            positions, chosen.squeeze(1).tolist(), ranks, ids.tolist(), values.tolist(), strict=True
+        ):
+            n = request.params.prompt_logprobs or 0
+            request.prompt_logprobs[p] = (
+                logprob,
+                rank,
+                list(zip(top_ids[:n], top_values[:n], strict=True)),
+            )  # type: ignore[index]
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request]

@@ -32,6 +32,7 @@ from lamina.schemas.v1.generate import (
     Failed,
     Finished,
     GenerateRequest,
+    PromptLogprobs,
     RejectReason,
     TokenLogprob,
     Tokens,
@@ -40,6 +41,7 @@ from lamina.schemas.v1.generate import (
 from lamina.schemas.v1.kv import KvEventBatch
 from lamina.services.engine_worker.engine import Engine, EngineStats, RequestOutput
 from lamina.services.engine_worker.errors import InvalidRequestError
+from lamina.services.engine_worker.request import PromptLogprob
 from lamina.services.engine_worker.scheduler import ScheduledBatch
 
 log = logging.getLogger("lamina.worker.engine")
@@ -99,6 +101,33 @@ def _request_span(request: GenerateRequest, worker_id: str, context: Any) -> Spa
         },
     )
     return span if span.is_recording() else None
+
+
+_PROMPT_LOGPROB_PAIRS = 8192
+"""(token, logprob) pairs per ``PromptLogprobs`` message: about 250 KB of JSON, well
+under the bus's smallest usual ``max_payload`` (1 MB)."""
+
+
+def _prompt_logprobs(
+    request_id: str, stream: _Stream, logprobs: list[PromptLogprob]
+) -> list[PromptLogprobs]:
+    """A request's prompt logprobs as messages, numbered from ``stream.seq`` on."""
+    width = 1 + max((len(top) for _, _, top in logprobs), default=0)
+    per_message = max(1, _PROMPT_LOGPROB_PAIRS // width)
+    messages = []
+    for start in range(0, len(logprobs), per_message):
+        part = logprobs[start : start + per_message]
+        messages.append(
+            PromptLogprobs(
+                request_id=request_id,
+                seq=stream.seq,
+                start=start + 1,
+                logprobs=[TokenLogprob(lp, top) for lp, _, top in part],
+                ranks=[rank for _, rank, _ in part],
+            )
+        )
+        stream.seq += 1
+    return messages
 
 
 @dataclass
@@ -491,6 +520,9 @@ class EngineThread(threading.Thread):
             if stream.seq == 1 and stream.span is not None:
                 stream.span.add_event("first_token")
             stream.prefilled = True
+            if out.prompt_logprobs is not None:
+                for message in _prompt_logprobs(out.request_id, stream, out.prompt_logprobs):
+                    batch.append((stream.reply, message, stream.context))
             if out.error is not None:
                 del self._streams[out.request_id]
                 stream.end("failed", **{"error.type": out.error[:200]})

@@ -57,9 +57,10 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         """Set by the engine when decode-only steps run from CUDA graphs."""
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, extra: list[int] | None = None) -> torch.Tensor:
         """Logits ``(S, vocab)`` for each request of ``batch`` that finishes its tokens this
-        step (in batch order)."""
+        step (in batch order), then one row for each of the ``extra`` positions of the flat
+        batch (its tokens in order: a prompt's logprobs)."""
         requests, num_new = batch.requests, batch.num_new_tokens
         context = [r.num_computed_tokens for r in requests]
         ids: list[int] = []
@@ -81,9 +82,12 @@ class ModelRunner:
         )
         done = (ctx_arr + n_arr) == np.asarray([r.num_tokens for r in requests])
         sampled = (ends - 1)[done]
+        if extra:
+            sampled = np.concatenate([sampled, np.asarray(extra, dtype=np.int64)])
 
         graphs = self.decode_graphs
-        if graphs is not None and batch.num_decodes == len(requests) and graphs.bucket(len(ids)):
+        decodes_only = batch.num_decodes == len(requests) and not extra
+        if graphs is not None and decodes_only and graphs.bucket(len(ids)):
             return graphs.run(np.asarray(ids), positions, slots, ctx_arr, table)
         dev = self.device
         slot_mapping = upload(slots, torch.int64, dev)

@@ -12,6 +12,9 @@ from lamina.libs.block_hash import ROOT_HASH, hash_blocks
 from lamina.schemas.v1.generate import Sampling
 from lamina.services.engine_worker.grammar import GrammarState
 
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
+"""A prompt token's logprob, its rank (1: the most likely) and the top alternatives."""
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -61,6 +64,9 @@ class Request:
     num_preemptions: int = 0
     grammar: GrammarState | None = None
     """Where its structured output constraint stands (None: unconstrained)."""
+    prompt_logprobs: dict[int, PromptLogprob] | None = None
+    """While its prompt logprobs are wanted and not yet sent: those computed so far, by
+    prompt position. Such a request computes its prompt, never reads the prefix cache."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

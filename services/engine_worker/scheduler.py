@@ -94,7 +94,8 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0][1]
-            hit = self.blocks.match_prefix(request)
+            # A request that wants its prompt's logprobs computes the whole prompt.
+            hit = [] if request.prompt_logprobs is not None else self.blocks.match_prefix(request)
             num_new = request.num_tokens - len(hit) * self.blocks.block_size
             if num_new > budget and not self.enable_chunked_prefill:
                 break

@@ -17,6 +17,7 @@ from lamina.schemas.v1.generate import (
     Finished,
     FinishReason,
     GenerateRequest,
+    PromptLogprobs,
     Sampling,
     Sla,
     StructuredOutput,
@@ -60,6 +61,16 @@ def check_roles(messages: list[dict[str, Any]]) -> None:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class PromptScores:
+    """A prompt's logprobs: for each token from the second, its logprob, top alternatives
+    and rank (the first token has none)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    ranks: list[int]
+
+
 @dataclass(slots=True)
 class TextDelta:
     """New text and the tokens behind it; the last delta has ``finish_reason`` and usage."""
@@ -72,6 +83,8 @@ class TextDelta:
     usage: Usage | None = None
     tool_calls: list[ToolCall] | None = None
     """Calls a tool parser found in this delta's text (the text then holds the rest)."""
+    prompt: PromptScores | None = None
+    """On the first delta, if asked for (``Sampling.prompt_logprobs``)."""
 
 
 class TextStream:
@@ -105,21 +118,40 @@ class TextStream:
 
     async def _deltas(self) -> AsyncIterator[TextDelta]:
         detok = self.detokenizer
+        logprobs: list[TokenLogprob] = []
+        ranks: list[int] = []
+        prompt: PromptScores | None = None
         async for event in self.remote.stream():
+            if isinstance(event, PromptLogprobs):
+                if event.start == 1:  # from the start again (a move before any token)
+                    logprobs, ranks = [], []
+                logprobs += event.logprobs
+                ranks += event.ranks
+                prompt_ids = self.remote.request.prompt_token_ids
+                prompt = PromptScores(prompt_ids, logprobs, ranks)
+                continue
             self.completion_tokens += len(event.token_ids)
             text = detok.add(_text_tokens(event, detok.include_stop))
             if detok.stopped:  # a stop string matched: end here, cancel the rest
                 self.remote.stop_early()
                 yield TextDelta(
-                    text, event.token_ids, event.logprobs, FinishReason.STOP, self._usage()
+                    text,
+                    event.token_ids,
+                    event.logprobs,
+                    FinishReason.STOP,
+                    self._usage(),
+                    prompt=prompt,
                 )
                 return
             if isinstance(event, Finished):
                 text += detok.flush()  # may still find a stop string in held-back text
                 reason = FinishReason.STOP if detok.stopped else event.finish_reason
-                yield TextDelta(text, event.token_ids, event.logprobs, reason, event.usage)
+                yield TextDelta(
+                    text, event.token_ids, event.logprobs, reason, event.usage, prompt=prompt
+                )
                 return
-            yield TextDelta(text, event.token_ids, event.logprobs)
+            yield TextDelta(text, event.token_ids, event.logprobs, prompt=prompt)
+            prompt = None  # on the first delta only
 
     def _usage(self) -> Usage:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)

@@ -22,7 +22,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from lamina.schemas.v1.generate import TokenLogprob, Usage
-from lamina.services.gateway.admission import Admission, TextDelta, TextStream
+from lamina.services.gateway.admission import Admission, PromptScores, TextDelta, TextStream
 from lamina.services.gateway.asgi import (
     BodyTooLarge,
     ClientDisconnected,
@@ -95,15 +95,18 @@ async def _merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, TextDel
 
 async def _whole(stream: TextStream) -> TextDelta:
     """A stream's text, tokens and logprobs in one delta, with its finish and usage."""
-    text, ids, lps, calls, last = [], [], [], [], None
+    text, ids, lps, calls, last, prompt = [], [], [], [], None, None
     async for delta in stream.deltas():
         text.append(delta.text)
         ids += delta.token_ids
         if delta.logprobs is not None:
             lps += delta.logprobs
         calls += delta.tool_calls or ()
+        prompt = prompt or delta.prompt
         last = delta
-    return TextDelta("".join(text), ids, lps or None, last.finish_reason, last.usage, calls or None)
+    return TextDelta(
+        "".join(text), ids, lps or None, last.finish_reason, last.usage, calls or None, prompt
+    )
 
 
 def _indexed(choice: dict[str, Any], index: int) -> dict[str, Any]:
@@ -183,16 +186,36 @@ class OpenAIApi:
         return (lambda token_id: f"token_id:{token_id}") if as_ids else self._token_text
 
     def _completion_logprobs(
-        self, ids: list[int], lps: list[TokenLogprob] | None, as_ids: bool = False
+        self, ids: list[int], lps: list[TokenLogprob | None] | None, as_ids: bool = False
     ) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs (a ``None`` entry: a token without one, the first of
+        an echoed prompt)."""
         if lps is None:
             return None
         name = self._namer(as_ids)
         return {
             "tokens": [name(t) for t in ids],
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{name(t): v for t, v in lp.top} for lp in lps],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+            "top_logprobs": [None if lp is None else {name(t): v for t, v in lp.top} for lp in lps],
         }
+
+    def _prompt_logprobs(self, prompt: PromptScores | None) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (none for the first), by token id,
+        its logprob, rank and text, and its top alternatives'."""
+        if prompt is None:
+            return None
+
+        def entry(token: int, logprob: float, rank: int) -> dict[str, Any]:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token)}
+
+        entries: list[dict | None] = [None]
+        ranked = zip(prompt.token_ids[1:], prompt.logprobs, prompt.ranks, strict=True)
+        for token, lp, rank in ranked:
+            scores = {str(token): entry(token, lp.logprob, rank)}
+            for place, (other, value) in enumerate(lp.top, start=1):
+                scores.setdefault(str(other), entry(other, value, place))
+            entries.append(scores)
+        return entries
 
     def _chat_logprobs(
         self, ids: list[int], lps: list[TokenLogprob] | None, as_ids: bool = False
@@ -392,6 +415,11 @@ class OpenAIApi:
         deltas = [task.result() for task in tasks]
         for delta, echo in zip(deltas, echoes or (), strict=False):
             delta.text = echo + delta.text
+            if delta.prompt is not None and delta.logprobs is not None:
+                # echo with logprobs: the prompt's tokens lead the logprobs (the first
+                # without one, as OpenAI's legacy API and vLLM give it).
+                delta.token_ids = delta.prompt.token_ids + delta.token_ids
+                delta.logprobs = [None, *delta.prompt.logprobs, *delta.logprobs]
         usage = _sum_usage([d.usage for d in deltas])
         body = build(deltas[0], response_id, created, streaming=False)
         body["choices"] = [
@@ -487,6 +515,8 @@ class OpenAIApi:
                 }
             ],
         }
+        if d.prompt is not None:
+            body["choices"][0]["prompt_logprobs"] = self._prompt_logprobs(d.prompt)
         if not streaming:
             body["usage"] = _usage(d.usage)
         return body
@@ -518,6 +548,7 @@ class OpenAIApi:
                 }
             ],
             "usage": _usage(d.usage),
+            "prompt_logprobs": self._prompt_logprobs(d.prompt),
         }
 
     # ------------------------------------------------------------------------------ the app

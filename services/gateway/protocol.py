@@ -49,7 +49,6 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 _NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
-    "prompt_logprobs": (None,),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "guided_json": (None,),
@@ -199,6 +198,8 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
     bad_words: list[str] | None = None
     """Words never to generate; the gateway tokenizes them (``Sampling.bad_words_token_ids``)."""
+    prompt_logprobs: LogprobCount | None = None
+    """vLLM's: each prompt token's logprob and this many alternatives (not streamed)."""
     priority: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
     # Lamina's SLA, both relative to the request's arrival (the wire's deadline is Unix ms)
     ttft_target_ms: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)] | None = None
@@ -208,7 +209,6 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     # Not implemented yet: decoded only to be refused (see _NOT_SUPPORTED).
     functions: Any = None
     function_call: Any = None
-    prompt_logprobs: Any = None
     suffix: Any = None
     best_of: Any = None
     guided_json: Any = None
@@ -227,6 +227,10 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
             raise InvalidRequest("only n=1 is supported", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream", "stream_options")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequest(
+                "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+            )
 
     @property
     def structured_param(self) -> str:
@@ -287,10 +291,19 @@ class CompletionRequest(OpenAIBody, kw_only=True):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo and self.logprobs is not None:
+        if self.stream and self.echo and self.logprobs is not None:
             raise InvalidRequest(
-                "echo with logprobs (the prompt's logprobs) is not supported yet", "echo"
+                "echo with logprobs (the prompt's logprobs) is not available when stream is true",
+                "echo",
             )
+
+    def sampling(self, default_max_tokens: int | None, logprobs: int | None) -> Sampling:
+        """As for any body; ``echo`` with ``logprobs`` asks for the prompt's logprobs
+        too, as many alternatives as for the output (vLLM's rule)."""
+        sampling = super().sampling(default_max_tokens, logprobs)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=self.logprobs)
+        return sampling
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -460,8 +473,7 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
         for i, message in enumerate(self.messages):
             if message.content is None and message.role != "assistant":
                 raise InvalidRequest(
-                    f"a {message.role!r} message needs content (only an assistant's may be "
-                    "null)",
+                    f"a {message.role!r} message needs content (only an assistant's may be null)",
                     f"messages[{i}].content",
                 )
         return [m.for_template() for m in self.messages]

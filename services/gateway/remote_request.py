@@ -45,6 +45,7 @@ from lamina.schemas.v1.generate import (
     Finished,
     FinishReason,
     GenerateRequest,
+    PromptLogprobs,
     Queued,
     Rejected,
     Tokens,
@@ -158,8 +159,9 @@ class RemoteRequest:
             self.error = exc
             raise
 
-    async def stream(self) -> AsyncIterator[Tokens | Finished]:
-        """Token events in order, ending with ``Finished``, across moves."""
+    async def stream(self) -> AsyncIterator[PromptLogprobs | Tokens | Finished]:
+        """The stream's events in order, ending with ``Finished``, across moves (a move
+        before the first token sends the prompt's logprobs again, from ``start`` 1)."""
         try:
             while True:
                 try:
@@ -248,9 +250,10 @@ class RemoteRequest:
             ) from exc
         return await self._next_event(self.settings.accept_timeout)
 
-    async def _attempt_events(self) -> AsyncIterator[Tokens | Finished]:
-        """The accepted attempt's ``Tokens`` and ``Finished``, checked against the ``seq``
-        contract; raise :class:`_WorkerLost` when its worker cannot finish it."""
+    async def _attempt_events(self) -> AsyncIterator[PromptLogprobs | Tokens | Finished]:
+        """The accepted attempt's ``PromptLogprobs``, ``Tokens`` and ``Finished``, checked
+        against the ``seq`` contract; raise :class:`_WorkerLost` when its worker cannot
+        finish it."""
         expected = 1  # Accepted was 0
         heard_at = time.monotonic()
         while True:
@@ -268,13 +271,16 @@ class RemoteRequest:
                 continue
             heard_at = time.monotonic()
             match event:
-                case Tokens() | Finished() if event.seq != expected:
+                case PromptLogprobs() | Tokens() | Finished() if event.seq != expected:
                     # Events lost on the way (a bus cut drops what was in flight): what
                     # came before the gap is the client's, so the request moves on from
                     # there, exactly, rather than failing.
                     raise _WorkerLost(
                         f"token stream lost events (got seq {event.seq}, expected {expected})"
                     )
+                case PromptLogprobs():
+                    expected += 1
+                    yield event
                 case Tokens():
                     expected += 1
                     self._note_tokens(event.token_ids)

@@ -31,7 +31,6 @@ BAD_SAMPLING = [
 NOT_SUPPORTED = {
     "response_format": {"type": "structural_tag", "format": {}},
     "functions": [{"name": "f", "parameters": {}}],
-    "prompt_logprobs": 1,
     "best_of": 2,
     "guided_json": {"type": "object"},
 }

@@ -16,6 +16,7 @@ import msgspec
 import nats
 import openai
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from lamina.schemas.v1.api import ApiRequest
@@ -588,9 +589,50 @@ def test_echo_starts_each_choice_with_its_prompt(client, stack, tokenizer):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == [c.text for c in echoed.choices]
-    # The prompt's logprobs are not computed yet: refused, not ignored.
-    response = httpx.post(
-        stack.base_url + "/v1/completions",
-        json={"prompt": "x", "max_tokens": 1, "echo": True, "logprobs": 1},
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, stack, tiny_model):
+    """What evaluation harnesses send for a loglikelihood: the prompt's logprobs lead the
+    choice's, the first token without one; vLLM's ``prompt_logprobs`` too."""
+    import transformers
+
+    ids = [0, 17, 254, 980, 33, 401, 7]
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    reply = client.completions.create(
+        model="lamina-tiny", prompt=ids, max_tokens=1, echo=True, logprobs=2, temperature=0
     )
-    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+    choice = reply.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position in range(1, len(ids)):
+        expected = float(want[position - 1, ids[position]])
+        assert logprobs.token_logprobs[position] == pytest.approx(expected, abs=1e-3)
+        assert len(logprobs.top_logprobs[position]) == 2
+    scores = choice.model_extra["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(ids)
+    second = scores[1][str(ids[1])]
+    assert second["logprob"] == pytest.approx(float(want[0, ids[1]]), abs=1e-3)
+    assert second["rank"] == int((want[0] > want[0, ids[1]]).sum()) + 1
+    # vLLM's prompt_logprobs on a chat: the rendered prompt's tokens, at the top level.
+    chat = client.chat.completions.create(
+        model="lamina-tiny",
+        messages=[{"role": "user", "content": "score me"}],
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )
+    scored = chat.model_extra["prompt_logprobs"]
+    assert len(scored) == chat.usage.prompt_tokens and scored[0] is None
+    assert all(len(entry) == 1 for entry in scored[1:])  # just the prompt's own token
+    # Not streamed, as in vLLM: refused, naming the field.
+    for body, param in (
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ):
+        response = httpx.post(
+            stack.base_url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1, "stream": True, **body},
+        )
+        assert response.status_code == 400 and response.json()["error"]["param"] == param

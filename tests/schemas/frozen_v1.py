@@ -84,6 +84,14 @@ class Tokens(Message, gc=False):
     logprobs: list[TokenLogprob] | None = None
 
 
+class PromptLogprobs(Message):
+    request_id: str
+    seq: int
+    start: int
+    logprobs: list[TokenLogprob]
+    ranks: list[int]
+
+
 class Finished(Message):
     request_id: str
     seq: int

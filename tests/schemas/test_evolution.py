@@ -43,6 +43,7 @@ from lamina.schemas.v1.generate import (
     Failed,
     Finished,
     GenerateRequest,
+    PromptLogprobs,
     Queued,
     Rejected,
     Sampling,
@@ -112,6 +113,7 @@ def golden_instances() -> dict[str, Message]:
         ignore_eos=True,
         min_tokens=4,
         logprobs=2,
+        prompt_logprobs=1,
         logit_bias={50256: -100.0, 13: 2.5},
         allowed_token_ids=[13, 198, 50256],
         bad_words_token_ids=[[464], [1820, 2187]],
@@ -208,6 +210,7 @@ def golden_instances() -> dict[str, Message]:
             replayed_output_tokens=2,
         ),
         Accepted(request_id=request_id, worker_id=worker_id, seq=0),
+        PromptLogprobs(request_id=request_id, seq=1, start=1, logprobs=logprobs, ranks=[1, 7]),
         Tokens(request_id=request_id, seq=1, token_ids=[1576, 4996], logprobs=logprobs),
         Finished(
             request_id=request_id,

@@ -79,6 +79,7 @@ def test_every_sampling_field_reaches_the_engine():
         min_tokens=3,
         logit_bias={7: -2.5},
         allowed_token_ids=[7, 8],
+        prompt_logprobs=3,
     )
     constraint = {"structured_outputs": {"regex": "a+"}}
     body = decode_body(
