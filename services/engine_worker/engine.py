@@ -33,6 +33,7 @@ from lamina.services.engine_worker.errors import (
     TokenOutOfVocabError,
 )
 from lamina.services.engine_worker.grammar import (
+    BatchMasks,
     GrammarCompiler,
     GrammarState,
     InvalidGrammarError,
@@ -283,6 +284,7 @@ class Engine:
         if not batch.requests:
             return []
         started = time.perf_counter()
+        masks = self._start_masks(batch)  # filled while the model runs
         positions = self._prompt_positions(batch)
         logits = self.runner.execute(batch, [row for row, _, _ in positions] or None)
         if positions:
@@ -291,7 +293,7 @@ class Engine:
             logits = logits[:sampled]
 
         finishing_prefill = self.scheduler.advance(batch)
-        sampled, errors = self._sample(logits, finishing_prefill)
+        sampled, errors = self._sample(logits, finishing_prefill, masks)
 
         outputs = []
         now = time.monotonic()
@@ -378,8 +380,21 @@ class Engine:
                 list(zip(top_ids[:n], top_values[:n], strict=True)),
             )  # type: ignore[index]
 
+    def _start_masks(self, batch: ScheduledBatch) -> BatchMasks | None:
+        """The grammar masks of the requests that will sample this step (those whose
+        chunk ends their tokens, in batch order), started now; None if none is
+        constrained."""
+        sampling = [
+            request
+            for request, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+            if request.num_computed_tokens + n == request.num_tokens
+        ]
+        if all(request.grammar is None for request in sampling):
+            return None
+        return BatchMasks([r.grammar for r in sampling], self.model_config.vocab_size)
+
     def _sample(
-        self, logits: torch.Tensor, requests: list[Request]
+        self, logits: torch.Tensor, requests: list[Request], masks: BatchMasks | None = None
     ) -> tuple[SamplerOutput, dict[str, str]]:
         """Sample the batch; ``(output, {request id: error})``.
 
@@ -389,9 +404,12 @@ class Engine:
         raise fail. Their rows in the output are placeholders.
         """
         try:
-            return self.sampler(logits, requests), {}
+            return self.sampler(logits, requests, masks), {}
         except Exception:
             log.exception("sampling a batch of %d failed; sampling each alone", len(requests))
+        finally:
+            if masks is not None:
+                masks.wait()  # before any matcher moves
         token_ids: list[int] = []
         logprobs: list[Logprobs | None] = []
         errors: dict[str, str] = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
@@ -57,25 +58,47 @@ class GrammarState:
         return True
 
 
+class BatchMasks:
+    """The token masks of a batch's constrained rows, filled by one llguidance call on a
+    thread of its own (the GIL released), so that they are computed while the model runs;
+    :meth:`apply` waits for them. A request's matcher must not move until they are done
+    (:meth:`wait`)."""
+
+    def __init__(self, states: list[GrammarState | None], vocab: int) -> None:
+        self.rows = [
+            i for i, state in enumerate(states) if state is not None and not state.finished
+        ]
+        self.size = len(states)
+        self.bitmask = allocate_token_bitmask(len(self.rows), vocab)
+        matchers = [(states[row].matcher, i) for i, row in enumerate(self.rows)]  # type: ignore[union-attr]
+        self._filled = (
+            _FILLER.submit(fill_next_token_bitmask_par, _EXECUTOR, matchers, self.bitmask)
+            if self.rows
+            else None
+        )
+
+    def wait(self) -> None:
+        if self._filled is not None:
+            self._filled.result()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (a row per state, in order) with each constrained row's disallowed
+        tokens at -inf: a new tensor when any row is constrained, the same one otherwise."""
+        if not self.rows:
+            return logits
+        assert logits.shape[0] == self.size
+        self.wait()
+        allowed = _unpack(self.bitmask, logits.shape[1], logits.device)
+        if len(self.rows) == self.size:
+            return logits.masked_fill(~allowed, float("-inf"))
+        banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        banned[torch.tensor(self.rows, device=logits.device)] = ~allowed
+        return logits.masked_fill(banned, float("-inf"))
+
+
 def apply_bitmasks(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
-    """``logits`` with each constrained row's disallowed tokens at -inf: a new tensor when
-    any row is constrained, the same one otherwise."""
-    rows = [i for i, state in enumerate(states) if state is not None and not state.finished]
-    if not rows:
-        return logits
-    vocab = logits.shape[1]
-    bitmask = allocate_token_bitmask(len(rows), vocab)
-    fill_next_token_bitmask_par(
-        _EXECUTOR,
-        [(states[row].matcher, i) for i, row in enumerate(rows)],  # type: ignore[union-attr]
-        bitmask,
-    )
-    allowed = _unpack(bitmask, vocab, logits.device)
-    if len(rows) == len(states):
-        return logits.masked_fill(~allowed, float("-inf"))
-    banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    banned[torch.tensor(rows, device=logits.device)] = ~allowed
-    return logits.masked_fill(banned, float("-inf"))
+    """``logits`` masked by ``states``' grammars, the masks computed now."""
+    return BatchMasks(states, logits.shape[1]).apply(logits)
 
 
 def _unpack(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
@@ -152,3 +175,5 @@ class GrammarCompiler:
 
 
 _EXECUTOR = llguidance.LLExecutor()
+_FILLER = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+"""Where a batch's masks are filled while the engine thread runs the model."""

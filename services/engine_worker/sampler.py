@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lamina.kernels.transfer import upload
-from lamina.services.engine_worker.grammar import apply_bitmasks
+from lamina.services.engine_worker.grammar import BatchMasks, apply_bitmasks
 from lamina.services.engine_worker.request import Request
 
 Logprobs = tuple[float, list[tuple[int, float]]]
@@ -34,15 +34,20 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """Pick one token for each row of ``logits`` ``(S, vocab)`` (fp32)."""
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], masks: BatchMasks | None = None
+    ) -> SamplerOutput:
+        """Pick one token for each row of ``logits`` ``(S, vocab)`` (fp32). ``masks``: the
+        requests' grammar masks, if started already (else computed here)."""
         params = [r.params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         # ``logits`` is left as it is (every step below makes a new tensor), so that the
         # engine can sample a row again alone when the batch raises.
-        if any(r.grammar is not None for r in requests):
+        if masks is not None:
+            logits = masks.apply(logits)
+        elif any(r.grammar is not None for r in requests):
             logits = apply_bitmasks(logits, [r.grammar for r in requests])
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, requests)

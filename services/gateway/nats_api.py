@@ -55,6 +55,17 @@ def _api_error(request_id: str | None, exc: GenerationError) -> ApiError:
     )
 
 
+def _refuse_logprobs(request: ApiRequest) -> None:
+    """The API's events carry text and token ids, no logprobs: asking for them is refused,
+    not ignored (the HTTP API returns them)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(request.sampling, name) is not None:
+            raise invalid_request(
+                f"{name} are not returned by the NATS request API; use the HTTP API",
+                f"sampling.{name}",
+            )
+
+
 def _undecodable(msg: Msg, exc: msgspec.DecodeError) -> ApiError:
     """The answer to an ``ApiRequest`` that does not decode: a 400 a client can read."""
     param = invalid_field(exc) if isinstance(exc, msgspec.ValidationError) else None
@@ -95,6 +106,7 @@ class NatsApi:
     async def _serve(self, request: ApiRequest, reply: str) -> None:
         rid = request.request_id
         try:
+            _refuse_logprobs(request)
             stream = await self.admission.admit(
                 request.model,
                 _prompt(request),

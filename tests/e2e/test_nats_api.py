@@ -56,6 +56,11 @@ def test_nats_request_api_errors_are_typed(stack):
     # (over HTTP, token ids over max_payload are refused too: test_openai_api.py).
     (error,) = call(stack.nats_url, ApiRequest(prompt="Once upon a time. " * 40_000))
     assert isinstance(error, ApiError) and error.code == 400 and "cannot fit" in error.message
+    # The API's events carry no logprobs: asking for them is refused, not ignored.
+    for field in ("logprobs", "prompt_logprobs"):
+        (error,) = call(stack.nats_url, ApiRequest(prompt="x", sampling=Sampling(**{field: 1})))
+        assert isinstance(error, ApiError) and error.code == 400
+        assert error.param == f"sampling.{field}"
 
 
 def test_a_stop_string_is_kept_in_the_text_when_asked(stack):
