@@ -187,6 +187,9 @@ class GenerateRequest(Message):
     attempt: int = 0
     worker_id: str | None = None
     """Set by the scheduler when it forwards the request."""
+    affinity: str | None = None
+    """Requests with the same key go to the same worker while it can take them (the
+    sequences of one ``n > 1`` request: their prompt is computed once, then shared)."""
     replayed_output_tokens: Count = 0
     """The last this-many ``prompt_token_ids`` are output the request produced before it
     moved (the gateway replays them; ``sampling.max_tokens`` and ``min_tokens`` already

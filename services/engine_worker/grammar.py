@@ -1,12 +1,12 @@
 """Structured output in the engine: each constrained request's matcher, and the compiler
 that builds matchers for this model's vocabulary.
 
-A constrained request carries a :class:`GrammarState`. Before each sample, the masks of
-every constrained row of the batch are computed in one llguidance call (Rust, on its own
-threads, the GIL released) into one token bitmask, which :func:`apply_bitmasks` unpacks
-and applies to the logits in a few tensor operations; after, the engine advances each
-matcher with its sampled token. Once the value is complete only the model's EOS is
-allowed, and the request ends ``stop`` on it.
+A constrained request carries a :class:`GrammarState`. When a step starts, the masks of
+every constrained row that samples in it are filled by one llguidance call (Rust, the
+GIL released) on a thread of its own, while the model runs (:class:`BatchMasks`); the
+sampler then unpacks them and applies them to the logits in one masked fill, and the
+engine advances each matcher with its sampled token. Once the value is complete only the
+model's EOS is allowed, and the request ends ``stop`` on it.
 """
 
 from __future__ import annotations

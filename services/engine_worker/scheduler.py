@@ -96,6 +96,8 @@ class Scheduler:
             request = self.waiting[0][1]
             # A request that wants its prompt's logprobs computes the whole prompt.
             hit = [] if request.prompt_logprobs is not None else self.blocks.match_prefix(request)
+            if self._being_computed(request, len(hit), chosen):
+                break  # a running request is computing its next blocks: wait, then share
             num_new = request.num_tokens - len(hit) * self.blocks.block_size
             if num_new > budget and not self.enable_chunked_prefill:
                 break
@@ -123,6 +125,25 @@ class Scheduler:
         batch.block_tables = [self.blocks.block_table(request) for request in batch.requests]
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
         return batch
+
+    def _being_computed(
+        self, request: Request, cached_blocks: int, chosen: list[tuple[Request, int]]
+    ) -> bool:
+        """Whether the first block ``request`` would compute (past its ``cached_blocks``)
+        is one a request running this step computes: admitted a step later, it reads that
+        block from the prefix cache instead (``n`` > 1, or the same long prompt sent
+        twice at once: one prefill, not several)."""
+        if not self.blocks.enable_prefix_caching or request.prompt_logprobs is not None:
+            return False
+        if cached_blocks >= len(request.block_hashes):
+            return False
+        wanted = request.block_hashes[cached_blocks]
+        size = self.blocks.block_size
+        for other, n in chosen:
+            first, end = other.num_computed_tokens // size, (other.num_computed_tokens + n) // size
+            if wanted in other.block_hashes[first:end]:
+                return True
+        return False
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: list[Request]

@@ -223,6 +223,7 @@ class Admission:
         skip_special_tokens: bool = True,
         structured_param: str = "structured_outputs",
         tools: list[dict[str, Any]] | None = None,
+        affinity: str | None = None,
     ) -> TextStream:
         """Admit a request and wait until a worker accepts it: the one path both client
         APIs take, so they refuse the same request with the same error. ``prompt`` is text,
@@ -230,7 +231,7 @@ class Admission:
         is a :class:`GenerationError`. ``include_stop`` and ``skip_special_tokens``: how the
         output becomes text (``IncrementalDetokenizer``). ``structured_param``: the field a
         refused constraint is named by. ``tools``: a chat's tool definitions, for its
-        template."""
+        template. ``affinity``: requests with the same key are placed together (``n``)."""
         self.check_model(model)
         if sampling.structured is not None:
             await self._check_constraint(sampling.structured, structured_param)
@@ -242,6 +243,7 @@ class Admission:
             prompt_token_ids=ids,
             sampling=sampling,
             sla=sla,
+            affinity=affinity,
         )
         remote = RemoteRequest(self.bus, self.inbox, request, self.settings)
         stream = TextStream(

@@ -21,7 +21,7 @@ from litestar.types import Receive, Scope, Send
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
-from lamina.schemas.v1.generate import TokenLogprob, Usage
+from lamina.schemas.v1.generate import Sampling, TokenLogprob, Usage
 from lamina.services.gateway.admission import Admission, PromptScores, TextDelta, TextStream
 from lamina.services.gateway.asgi import (
     BodyTooLarge,
@@ -109,19 +109,30 @@ async def _whole(stream: TextStream) -> TextDelta:
     )
 
 
+def _sequence(sampling: Sampling, index: int) -> Sampling:
+    """Sequence ``index``'s sampling among a prompt's ``n``: its own seed (``seed +
+    index``, wrapped into 64 bits), so that each is reproducible and none repeats another."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    seed = (sampling.seed + index + 2**63) % 2**64 - 2**63
+    return msgspec.structs.replace(sampling, seed=seed)
+
+
 def _indexed(choice: dict[str, Any], index: int) -> dict[str, Any]:
     choice["index"] = index
     return choice
 
 
-def _sum_usage(usages: list[Usage | None]) -> Usage | None:
-    """The usage of a batch's requests together (None until every one has reported)."""
+def _sum_usage(usages: list[Usage | None], n: int = 1) -> Usage | None:
+    """The usage of a body's requests together (None until every one has reported): each
+    prompt counted once (the first of its ``n`` sequences), every sequence's output."""
     if not usages or any(u is None for u in usages):
         return None
+    firsts = usages[::n]
     return Usage(
-        prompt_tokens=sum(u.prompt_tokens for u in usages),
-        completion_tokens=sum(u.completion_tokens for u in usages),
-        cached_tokens=sum(u.cached_tokens for u in usages),
+        prompt_tokens=sum(u.prompt_tokens for u in firsts),  # type: ignore[union-attr]
+        completion_tokens=sum(u.completion_tokens for u in usages),  # type: ignore[union-attr]
+        cached_tokens=sum(u.cached_tokens for u in firsts),  # type: ignore[union-attr]
     )
 
 
@@ -246,9 +257,11 @@ class OpenAIApi:
     async def _open(
         self, body: CompletionRequest | ChatCompletionRequest, best_priority: int | None = None
     ) -> list[TextStream]:
-        """Submit ``body``: one request, or one per prompt of a batch (each a choice of
-        its own), admitted together; every way it can be refused is a
-        :class:`GenerationError`, and one refused prompt refuses the whole batch.
+        """Submit ``body``: a request per sequence (``n`` per prompt, for each prompt of a
+        batch: each a choice of its own, prompt-major), admitted together; every way it
+        can be refused is a :class:`GenerationError`, and one refused sequence refuses the
+        whole body. A prompt's ``n`` sequences share an affinity (one worker, one
+        prefill) and, with a seed, draw from ``seed + i`` (vLLM's rule).
         ``best_priority``: the lowest ``priority`` the caller's API key may ask for."""
         if best_priority is not None and body.priority < best_priority:
             raise GenerationError(
@@ -259,13 +272,13 @@ class OpenAIApi:
                 "priority",
                 "priority_not_allowed",
             )
-        tools, parser = None, None
+        tools, parsers = None, False
         try:
             body.refuse_unsupported()
             if isinstance(body, ChatCompletionRequest):
                 prompts: list[str | list[int] | list[dict[str, Any]]] = [body.chat()]
                 sampling = body.sampling(None, body.logprobs_count())
-                tools, parser = body.template_tools(), self._tool_parser(body)
+                tools, parsers = body.template_tools(), self._tool_parser(body) is not None
             else:
                 prompts = list(body.prompt_inputs())
                 sampling = body.sampling(16, body.logprobs)
@@ -274,21 +287,24 @@ class OpenAIApi:
         if body.bad_words:
             words = self.admission.tokenizer.bad_words_token_ids(body.bad_words)
             sampling = msgspec.structs.replace(sampling, bad_words_token_ids=words)
-        sla, stop = body.sla(), body.stop_strings()
+        sla, stop, n = body.sla(), body.stop_strings(), body.n
+        affinities = [uuid.uuid4().hex if n > 1 else None for _ in prompts]
         opened = await asyncio.gather(
             *(
                 self.admission.admit(
                     body.model,
                     prompt,
-                    sampling,
+                    _sequence(sampling, i),
                     sla,
                     stop,
                     include_stop=body.include_stop_str_in_output,
                     skip_special_tokens=body.skip_special_tokens,
                     structured_param=body.structured_param,
                     tools=tools,
+                    affinity=affinity,
                 )
-                for prompt in prompts
+                for prompt, affinity in zip(prompts, affinities, strict=True)
+                for i in range(n)
             ),
             return_exceptions=True,
         )
@@ -298,8 +314,9 @@ class OpenAIApi:
             for stream in streams:
                 self.admission.close_later(stream)
             raise failure
-        for stream in streams:
-            stream.tool_parser = parser
+        if parsers:  # one parser per stream: each keeps its own held-back text
+            for stream in streams:
+                stream.tool_parser = self._tool_parser(body)  # type: ignore[arg-type]
         return streams
 
     def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
@@ -366,7 +383,7 @@ class OpenAIApi:
                     )
                 else:
                     status, payload, usage = await self._collect(
-                        streams, build, response_id, created, echoes
+                        streams, build, response_id, created, echoes, body.n
                     )
                 charge = scope.get("lamina.charge")  # the key's tokens per minute
                 if charge is not None and usage is not None:
@@ -379,14 +396,15 @@ class OpenAIApi:
             await send_json(send, status, payload, headers)
 
     def _echoes(self, body: Any) -> list[str] | None:
-        """With ``echo``: each prompt's text, which its choice's text starts with (a text
-        prompt as it was sent, token ids decoded)."""
+        """With ``echo``: each choice's prompt text, which its text starts with (a text
+        prompt as it was sent, token ids decoded; ``n`` choices per prompt)."""
         if not getattr(body, "echo", False):
             return None
         tokenizer, skip = self.admission.tokenizer, body.skip_special_tokens
         return [
             p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=skip)
             for p in body.prompt_inputs()
+            for _ in range(body.n)
         ]
 
     async def _collect(
@@ -396,9 +414,11 @@ class OpenAIApi:
         response_id: str,
         created: int,
         echoes: list[str] | None = None,
+        n: int = 1,
     ) -> tuple[int, dict[str, Any], Usage | None]:
         """A whole non-streaming response, a choice per stream: ``(status, body, usage)``
-        (the first error, if any stream failed); ``echoes`` start the choices' texts."""
+        (the first error, if any stream failed); ``echoes`` start the choices' texts; each
+        prompt's ``n`` streams count its tokens once."""
         tasks = [asyncio.create_task(_whole(stream)) for stream in streams]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -420,7 +440,7 @@ class OpenAIApi:
                 # without one, as OpenAI's legacy API and vLLM give it).
                 delta.token_ids = delta.prompt.token_ids + delta.token_ids
                 delta.logprobs = [None, *delta.prompt.logprobs, *delta.logprobs]
-        usage = _sum_usage([d.usage for d in deltas])
+        usage = _sum_usage([d.usage for d in deltas], n)
         body = build(deltas[0], response_id, created, streaming=False)
         body["choices"] = [
             _indexed(build(d, response_id, created, streaming=False)["choices"][0], i)
@@ -469,7 +489,7 @@ class OpenAIApi:
                         "created": created,
                         "model": self.admission.model_name,
                         "choices": [],
-                        "usage": _usage(_sum_usage(usages)),
+                        "usage": _usage(_sum_usage(usages, body.n)),
                     },
                 )
         except GenerationError as exc:
@@ -478,7 +498,7 @@ class OpenAIApi:
             for stream in streams:
                 self.admission.close_later(stream)
         await send_event(send, b"[DONE]")
-        return _sum_usage(usages)
+        return _sum_usage(usages, body.n)
 
     @staticmethod
     def _chunk_object(chat: bool) -> str:

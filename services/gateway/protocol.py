@@ -29,6 +29,9 @@ from lamina.schemas.v1.generate import (
 )
 from lamina.services.gateway.tool_calls import tool_constraint
 
+MAX_N = 128
+"""Most sequences one request may ask for (OpenAI's limit)."""
+
 
 class InvalidRequest(ValueError):
     """A well-formed body asking for something invalid; ``param`` names the field."""
@@ -172,7 +175,8 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    """Sequences per prompt, each a choice (``index``: prompt-major, as vLLM numbers them)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -223,8 +227,6 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
             if getattr(self, name) not in neutral:
                 instead = f"; use {_REPLACED_BY[name]}" if name in _REPLACED_BY else ""
                 raise InvalidRequest(f"{name} is not supported{instead}", name)
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream", "stream_options")
         if self.stream and self.prompt_logprobs is not None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -46,6 +47,9 @@ from lamina.schemas.v1.generate import GenerateRequest, RejectReason, context_ov
 from lamina.schemas.v1.records import ScoredWorker
 from lamina.schemas.v1.stats import WorkerState
 from lamina.services.scheduler.registry import Candidate
+
+_PINNED_KEYS = 4096
+"""Affinity keys remembered (a group's requests arrive together: the latest suffice)."""
 
 #: Prefill tokens one queued request is taken to be worth under the ``load`` policy.
 REQUEST_WEIGHT_TOKENS = 64
@@ -152,6 +156,8 @@ class Placer:
     waiting requests reach ``max_num_seqs``, takes nothing more: requests wait in the
     scheduler's queue instead, where priority and deadline order them."""
     _turn: itertools.count = field(default_factory=itertools.count)
+    _pinned: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    """Affinity key -> the worker its first request went to (the latest keys kept)."""
 
     def saturated(self, worker: Candidate) -> bool:
         s = worker.stats
@@ -172,6 +178,19 @@ class Placer:
             return Decision(None, RejectReason.OVERLOADED, message, len(admitted))
         scored = self._score_all(request, fits, overlap)
         by_id = {s.worker_id: s for s in scored}
+        pinned = self._pinned.get(request.affinity) if request.affinity else None
+        if pinned in by_id:  # its group's worker can take it: there, to share the prefill
+            best = by_id[pinned]
+            return Decision(
+                best.worker_id,
+                None,
+                "",
+                len(fits),
+                best.predicted_ttft_s,
+                prefix_hit_blocks=best.overlap_blocks,
+                predicted_ttft_s=best.predicted_ttft_s,
+                scored=scored,
+            )
         if self.policy == Policy.KV:
             roomy = [s for s, w in zip(scored, fits, strict=True) if self._has_room(w, s)]
             best = min(
@@ -186,6 +205,8 @@ class Placer:
             ordered = sorted(fits, key=lambda w: w.stats.worker_id)
             chosen = ordered[next(self._turn) % len(ordered)]
             best, score = by_id[chosen.stats.worker_id], None
+        if request.affinity:
+            self._pin(request.affinity, best.worker_id)
         return Decision(
             best.worker_id,
             None,
@@ -196,6 +217,12 @@ class Placer:
             predicted_ttft_s=best.predicted_ttft_s,
             scored=scored,
         )
+
+    def _pin(self, key: str, worker_id: str) -> None:
+        self._pinned[key] = worker_id
+        self._pinned.move_to_end(key)
+        if len(self._pinned) > _PINNED_KEYS:
+            self._pinned.popitem(last=False)
 
     def earliest_ttft(
         self, request: GenerateRequest, live: list[Candidate], overlap: Overlap

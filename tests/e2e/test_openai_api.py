@@ -636,3 +636,35 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, stack
             json={"prompt": "x", "max_tokens": 1, "stream": True, **body},
         )
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_n_sequences_per_prompt_each_a_choice(client):
+    kwargs = dict(
+        model="lamina-tiny", max_tokens=6, temperature=1.0, seed=7, extra_body={"ignore_eos": True}
+    )
+    reply = client.completions.create(prompt="Once upon a time", n=3, **kwargs)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    single = client.completions.create(prompt="Once upon a time", **kwargs)
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt once
+    assert reply.usage.completion_tokens == 18  # every sequence's output
+    # Sequence i draws from seed + i (vLLM's rule): each is the single request so seeded.
+    for choice in reply.choices:
+        alone = client.completions.create(
+            prompt="Once upon a time", **(kwargs | {"seed": 7 + choice.index})
+        )
+        assert choice.text == alone.choices[0].text
+    assert len({c.text for c in reply.choices}) > 1
+    # Streamed, each chunk names its choice; a batch of prompts is prompt-major.
+    chunks = client.completions.create(
+        prompt=["Once upon a time", "The engine"], n=2, stream=True, **kwargs
+    )
+    texts = ["", "", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts[:2] == [c.text for c in reply.choices[:2]]
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hello"}], n=2, **kwargs
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.usage.completion_tokens == 12

@@ -336,3 +336,25 @@ def test_replayed_output_must_leave_a_prompt(model):
     engine = make_engine(model)
     with pytest.raises(InvalidRequestError, match="replayed"):
         engine.add_request("r", [1, 2, 3], Sampling(max_tokens=2), replayed=3)
+
+
+def test_the_same_prompt_sent_together_is_computed_once(model):
+    """``n > 1`` (or the same long prompt twice at once): the second waits a step for the
+    first's blocks, then reads them from the prefix cache; only its last, partial block is
+    its own. Their outputs are what each gets alone."""
+    engine = make_engine(model)
+    prompt = prompts(1, shared=40)["r0"]  # 43 tokens: two full blocks and a partial one
+    alone = run_to_completion(make_engine(model), {"x": prompt}, greedy(5))["x"]
+    computed = []
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, prompt, greedy(5))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        computed.append(sum(engine.last_batch.num_new_tokens))
+    assert outputs == {"a": alone, "b": alone, "c": alone}
+    # One prefill of 43 tokens, then two of 11 (the partial block's), then decodes.
+    assert computed[:2] == [43, 2 * 11 + 1]
+    assert engine.stats().prompt_tokens_cached == 2 * 32
+    assert_all_blocks_released(engine)

@@ -207,6 +207,7 @@ def golden_instances() -> dict[str, Message]:
             sla=sla,
             attempt=1,
             worker_id=worker_id,
+            affinity="9f2c41d07a5b4e1c",
             replayed_output_tokens=2,
         ),
         Accepted(request_id=request_id, worker_id=worker_id, seq=0),

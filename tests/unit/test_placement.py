@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from lamina.schemas.v1.generate import GenerateRequest, RejectReason, Sampling
@@ -250,3 +251,28 @@ def test_retry_after_is_the_clusters_drain_time_in_whole_seconds():
     assert retry_after(2.0) == 2.0 and retry_after(2.01) == 3.0 and retry_after(0.1) == 1.0
     unmeasured = [Candidate(stats("c", prefill_tokens_per_s=0.0), queued_tokens=300.0)]
     assert drain_time(unmeasured, 0, rate_prior=100.0) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_a_groups_requests_follow_its_first_to_one_worker(policy):
+    """The ``n`` sequences of one request share an affinity: placed where the first went
+    (there their prompt is computed once), while that worker can take them."""
+    clock = Clock()
+    registry = registry_at(clock)
+    registry.heartbeat(stats("a"))
+    registry.heartbeat(stats("b"))
+    clock.now = 0.1
+    placer = Placer(policy)
+    grouped = msgspec.structs.replace(request(), affinity="group-1")
+    first = placer.place(grouped, registry.candidates(), no_overlap).worker_id
+    for _ in range(5):  # the pending work would send an ungrouped request elsewhere
+        registry.placed(first, 10)
+        assert placer.place(grouped, registry.candidates(), no_overlap).worker_id == first
+    other = "b" if first == "a" else "a"
+    if policy != Policy.ROUND_ROBIN:
+        assert placer.place(request(), registry.candidates(), no_overlap).worker_id == other
+    # Its worker gone, the group goes on elsewhere, and stays there.
+    registry.heartbeat(stats(other))
+    clock.now = 2.0
+    registry.heartbeat(stats(other))
+    assert placer.place(grouped, registry.candidates(), no_overlap).worker_id == other
