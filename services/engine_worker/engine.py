@@ -302,10 +302,7 @@ class Engine:
         ):
             error, reason = errors.get(request.request_id), None
             if error is None and request.grammar is not None and not request.grammar.accept(token):
-                error = (
-                    f"token {token} is outside the structured output constraint (min_tokens "
-                    "or a token rule left it no allowed token)"
-                )
+                error = request.grammar.refusal(token)
             if error is None:
                 request.token_ids.append(token)
                 request.update_block_hashes(self.config.block_size)

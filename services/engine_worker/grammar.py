@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,11 +22,18 @@ import llguidance
 import msgspec
 import numpy as np
 import torch
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+from llguidance.torch import (
+    allocate_token_bitmask,
+    fill_next_token_bitmask,
+    fill_next_token_bitmask_par,
+)
 
 from lamina.libs.grammar import GrammarError, check
 from lamina.schemas.v1.generate import StructuredOutput
 from lamina.services.engine_worker.errors import InvalidRequestError
+
+_FIRST_MASK_LIMIT_S = 0.25
+"""Longest a new grammar's first mask may take to compute (tens of µs for usual ones)."""
 
 _CACHED_GRAMMARS = 512
 """Compiled grammars kept per worker (an agent sends the same schema with every request)."""
@@ -56,6 +64,16 @@ class GrammarState:
             return False
         self.finished = token in self.stop_token_ids
         return True
+
+    def refusal(self, token: int) -> str:
+        """Why ``token`` was refused: the engine's own error, or, with none, that the
+        request's other rules masked every token its grammar allowed."""
+        why = (
+            self.matcher.get_error()
+            if self.matcher.is_error()
+            else ("min_tokens or a token rule left no token the grammar allows")
+        )
+        return f"structured output: token {token} is not allowed ({why[:300]})"
 
 
 class BatchMasks:
@@ -99,6 +117,26 @@ class BatchMasks:
 def apply_bitmasks(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
     """``logits`` masked by ``states``' grammars, the masks computed now."""
     return BatchMasks(states, logits.shape[1]).apply(logits)
+
+
+def _probe(matcher: llguidance.LLMatcher, vocab: int) -> None:
+    """Compute ``matcher``'s first mask here, off the engine thread (llguidance builds its
+    lexer lazily): a grammar whose first mask is very slow to compute (a hostile
+    ``(a{1000}){1000}`` takes seconds, and would stall every step of the batch) or that
+    allows no token at all is refused now, naming why."""
+    started = time.perf_counter()
+    bitmask = allocate_token_bitmask(1, vocab)
+    fill_next_token_bitmask(matcher, bitmask, 0)
+    took = time.perf_counter() - started
+    if matcher.is_error():
+        raise InvalidGrammarError(matcher.get_error())
+    if took > _FIRST_MASK_LIMIT_S:
+        raise InvalidGrammarError(
+            f"too complex: its first token mask took {took:.2f} s to compute "
+            f"(the limit is {_FIRST_MASK_LIMIT_S} s)"
+        )
+    if not bool(bitmask.any()):
+        raise InvalidGrammarError("it allows no token at all")
 
 
 def _unpack(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
@@ -148,8 +186,7 @@ class GrammarCompiler:
         except GrammarError as exc:
             raise InvalidGrammarError(str(exc)) from exc
         matcher = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidGrammarError(matcher.get_error())
+        _probe(matcher, self.vocab_size)
         with self._lock:
             self._compiled[key] = matcher
             if len(self._compiled) > _CACHED_GRAMMARS:

@@ -293,6 +293,16 @@ def test_a_constraint_the_engine_cannot_enforce_is_refused_naming_it(engine, spe
     assert "bad" not in engine.requests
 
 
+def test_a_grammar_too_slow_to_start_is_refused_when_compiled(engine, monkeypatch):
+    """A hostile grammar whose first mask takes seconds (``(a{1000}){1000}`` here) would
+    stall every step of its batch: it is refused where it is compiled, off the engine
+    thread. (The limit is lowered here so that the test does not depend on the machine.)"""
+    monkeypatch.setattr("lamina.services.engine_worker.grammar._FIRST_MASK_LIMIT_S", 0.0)
+    with pytest.raises(InvalidRequestError, match="too complex: its first token mask took"):
+        engine.add_request("slow", PROMPT, constrained(StructuredOutput(regex="x[0-9]{2,7}"), 0))
+    assert "slow" not in engine.requests
+
+
 def test_the_compiled_grammar_is_cached_and_each_request_starts_fresh(engine):
     spec = StructuredOutput(json=json.dumps(SCHEMAS[5]))
     first = engine.grammars.compile(spec)
