@@ -48,7 +48,8 @@ class RequestRecord(Message):
     max_tokens: Count | None = None
     """The request's ``max_tokens`` as the client set it (None: up to the context)."""
     n: Count = 1
-    """Sequences the client asked for."""
+    """Sequences the client asked for, on the record of a group's first sequence (0 on
+    the others: each sequence is a request of its own, the ``n`` is counted once)."""
     timings: EngineTimings | None = None
     """The engine's phases, from the worker that finished the request."""
 

@@ -224,6 +224,7 @@ class Admission:
         structured_param: str = "structured_outputs",
         tools: list[dict[str, Any]] | None = None,
         affinity: str | None = None,
+        n: int = 1,
     ) -> TextStream:
         """Admit a request and wait until a worker accepts it: the one path both client
         APIs take, so they refuse the same request with the same error. ``prompt`` is text,
@@ -231,7 +232,9 @@ class Admission:
         is a :class:`GenerationError`. ``include_stop`` and ``skip_special_tokens``: how the
         output becomes text (``IncrementalDetokenizer``). ``structured_param``: the field a
         refused constraint is named by. ``tools``: a chat's tool definitions, for its
-        template. ``affinity``: requests with the same key are placed together (``n``)."""
+        template. ``affinity``: requests with the same key are placed together (``n``);
+        ``n``: the client's ``n``, for telemetry, on its first sequence only (0 on the
+        others, so that a group's ``n`` is counted once)."""
         self.check_model(model)
         if sampling.structured is not None:
             await self._check_constraint(sampling.structured, structured_param)
@@ -245,7 +248,7 @@ class Admission:
             sla=sla,
             affinity=affinity,
         )
-        remote = RemoteRequest(self.bus, self.inbox, request, self.settings)
+        remote = RemoteRequest(self.bus, self.inbox, request, self.settings, n=n)
         stream = TextStream(
             remote,
             IncrementalDetokenizer(self.tokenizer, stop, include_stop, skip_special_tokens),

@@ -302,6 +302,7 @@ class OpenAIApi:
                     structured_param=body.structured_param,
                     tools=tools,
                     affinity=affinity,
+                    n=n if i == 0 else 0,
                 )
                 for prompt, affinity in zip(prompts, affinities, strict=True)
                 for i in range(n)

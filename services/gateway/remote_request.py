@@ -90,6 +90,8 @@ class RemoteRequest:
     inbox: Inbox
     request: GenerateRequest
     settings: RetryPolicy
+    n: int = 1
+    """The client's ``n`` for its record (0: a later sequence of a group)."""
     worker_id: str | None = None
     """The worker of the accepted attempt (None until one accepts)."""
     attempts: int = 0
@@ -398,6 +400,7 @@ class RemoteRequest:
             if self._first_accepted_at is None
             else self._first_accepted_at - self.started,
             max_tokens=self.request.sampling.max_tokens,
+            n=self.n,
             timings=self.finished.timings if self.finished else None,
         )
         with contextlib.suppress(Exception):

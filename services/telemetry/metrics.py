@@ -424,7 +424,8 @@ class RequestMetrics:
         self.max_generation_tokens.labels(*labels).observe(record.completion_tokens)
         computed = max(0, record.prompt_tokens - record.cached_tokens)
         self.prefill_computed.labels(*labels).observe(computed)
-        self.params_n.labels(*labels).observe(record.n)
+        if record.n:  # once per group of n sequences
+            self.params_n.labels(*labels).observe(record.n)
         if record.max_tokens:
             self.params_max_tokens.labels(*labels).observe(record.max_tokens)
         timings = record.timings

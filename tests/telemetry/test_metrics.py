@@ -393,3 +393,16 @@ def test_each_processs_bus_errors_and_reconnects_as_it_last_reported_them():
         'lamina:bus_disconnects_total{instance="gw-1",service="gateway"} 2.0',
         'lamina:bus_errors_total{instance="w1",service="worker"} 3.0',
     } <= got
+
+
+def test_the_n_of_a_group_of_sequences_is_counted_once():
+    """Each of a request's ``n`` sequences is a request of its own; the first's record
+    carries ``n``, the others 0, so vLLM's ``request_params_n`` sees the request once."""
+    agg, _ = make_aggregator()
+    for n in (3, 0, 0):
+        agg.observe_request(make_record(n=n))
+    m = 'model="tiny",worker_id="w1"'
+    got = lines(agg)
+    assert f"lamina:request_params_n_count{{{m}}} 1.0" in got
+    assert f"lamina:request_params_n_sum{{{m}}} 3.0" in got
+    assert f"lamina:e2e_request_latency_seconds_count{{{m}}} 3.0" in got
