@@ -75,6 +75,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
+        computing: set[int] = set()  # hashes of the blocks this step completes
 
         self.running.sort(key=lambda r: r.sort_key)
         index = 0
@@ -84,6 +85,7 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, batch.preempted):
                 break  # the request itself was the lowest-priority one left
             chosen.append((request, num_new))
+            self._note_computing(request, num_new, computing)
             budget -= num_new
             index += 1
 
@@ -96,7 +98,7 @@ class Scheduler:
             request = self.waiting[0][1]
             # A request that wants its prompt's logprobs computes the whole prompt.
             hit = [] if request.prompt_logprobs is not None else self.blocks.match_prefix(request)
-            if self._being_computed(request, len(hit), chosen):
+            if self._being_computed(request, len(hit), computing):
                 break  # a running request is computing its next blocks: wait, then share
             num_new = request.num_tokens - len(hit) * self.blocks.block_size
             if num_new > budget and not self.enable_chunked_prefill:
@@ -115,6 +117,7 @@ class Scheduler:
                 self.prompt_tokens_cached += request.num_cached_tokens
             self.running.append(request)
             chosen.append((request, num_new))
+            self._note_computing(request, num_new, computing)
             budget -= num_new
 
         # Decodes first, shortest first: the attention kernels take the flat batch in that
@@ -126,24 +129,21 @@ class Scheduler:
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
         return batch
 
-    def _being_computed(
-        self, request: Request, cached_blocks: int, chosen: list[tuple[Request, int]]
-    ) -> bool:
+    def _note_computing(self, request: Request, num_new: int, computing: set[int]) -> None:
+        """Add the hashes of the full blocks ``request`` completes this step."""
+        if self.blocks.enable_prefix_caching:
+            size, start = self.blocks.block_size, request.num_computed_tokens
+            computing.update(request.block_hashes[start // size : (start + num_new) // size])
+
+    def _being_computed(self, request: Request, cached_blocks: int, computing: set[int]) -> bool:
         """Whether the first block ``request`` would compute (past its ``cached_blocks``)
-        is one a request running this step computes: admitted a step later, it reads that
-        block from the prefix cache instead (``n`` > 1, or the same long prompt sent
-        twice at once: one prefill, not several)."""
-        if not self.blocks.enable_prefix_caching or request.prompt_logprobs is not None:
+        is one a request running this step completes (``computing``): admitted a step
+        later, it reads that block from the prefix cache instead (``n`` > 1, or the same
+        long prompt sent twice at once: one prefill, not several)."""
+        if not computing or request.prompt_logprobs is not None:
             return False
-        if cached_blocks >= len(request.block_hashes):
-            return False
-        wanted = request.block_hashes[cached_blocks]
-        size = self.blocks.block_size
-        for other, n in chosen:
-            first, end = other.num_computed_tokens // size, (other.num_computed_tokens + n) // size
-            if wanted in other.block_hashes[first:end]:
-                return True
-        return False
+        hashes = request.block_hashes
+        return cached_blocks < len(hashes) and hashes[cached_blocks] in computing
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: list[Request]
