@@ -345,7 +345,9 @@ class Engine:
         """``(row of the flat batch, request, prompt position)`` for each prompt token
         (from the second) whose logprob this step computes: the logits of each position
         of such a request's chunk score the next token."""
-        positions = []
+        positions: list[tuple[int, Request, int]] = []
+        if all(request.prompt_logprobs is None for request in batch.requests):
+            return positions  # the usual step: one pass, nothing built
         offset = 0
         for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             if request.prompt_logprobs is not None:
@@ -381,6 +383,8 @@ class Engine:
         """The grammar masks of the requests that will sample this step (those whose
         chunk ends their tokens, in batch order), started now; None if none is
         constrained."""
+        if all(request.grammar is None for request in batch.requests):
+            return None  # the usual step: one pass, nothing built
         sampling = [
             request
             for request, n in zip(batch.requests, batch.num_new_tokens, strict=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from llguidance.torch import (
     fill_next_token_bitmask_par,
 )
 
+from lamina.libs.bounded import BoundedDict
 from lamina.libs.grammar import GrammarError, check
 from lamina.schemas.v1.generate import StructuredOutput
 from lamina.services.engine_worker.errors import InvalidRequestError
@@ -170,7 +170,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: BoundedDict[bytes, llguidance.LLMatcher] = BoundedDict(_CACHED_GRAMMARS)
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
@@ -189,8 +189,6 @@ class GrammarCompiler:
         _probe(matcher, self.vocab_size)
         with self._lock:
             self._compiled[key] = matcher
-            if len(self._compiled) > _CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
         return matcher
 
     def state(self, compiled: llguidance.LLMatcher) -> GrammarState:

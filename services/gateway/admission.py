@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import msgspec
 
 from lamina.libs import grammar
+from lamina.libs.bounded import BoundedDict
 from lamina.libs.bus import Bus
 from lamina.schemas.v1.generate import (
     Finished,
@@ -209,7 +209,7 @@ class Admission:
         """The longest context any live worker has (0: not known yet), from the cluster
         view: a prompt too long for it is refused before it is tokenized."""
         self._cleanup: set[asyncio.Task] = set()
-        self._checked: OrderedDict[bytes, None] = OrderedDict()
+        self._checked: BoundedDict[bytes, None] = BoundedDict(_CHECKED_CONSTRAINTS)
 
     async def admit(
         self,
@@ -285,8 +285,6 @@ class Admission:
         except grammar.GrammarError as exc:
             raise invalid_request(f"invalid structured output: {exc}", param) from exc
         self._checked[key] = None
-        if len(self._checked) > _CHECKED_CONSTRAINTS:
-            self._checked.popitem(last=False)
 
     def _hold(self, prompt_tokens: int) -> None:
         """Count a request in, or shed it (429) when this gateway already holds its most."""

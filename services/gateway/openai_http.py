@@ -111,11 +111,13 @@ async def _whole(stream: TextStream) -> TextDelta:
 
 def _sequence(sampling: Sampling, index: int) -> Sampling:
     """Sequence ``index``'s sampling among a prompt's ``n``: its own seed (``seed +
-    index``, wrapped into 64 bits), so that each is reproducible and none repeats another."""
-    if index == 0 or sampling.seed is None:
+    index``, wrapped into 64 bits), so that each is reproducible and none repeats another.
+    Only the first scores the prompt (``prompt_logprobs``): the others share its scores,
+    and their prompt, read from the prefix cache, is not computed again."""
+    if index == 0:
         return sampling
-    seed = (sampling.seed + index + 2**63) % 2**64 - 2**63
-    return msgspec.structs.replace(sampling, seed=seed)
+    seed = None if sampling.seed is None else (sampling.seed + index + 2**63) % 2**64 - 2**63
+    return msgspec.structs.replace(sampling, seed=seed, prompt_logprobs=None)
 
 
 def _indexed(choice: dict[str, Any], index: int) -> dict[str, Any]:
@@ -272,13 +274,13 @@ class OpenAIApi:
                 "priority",
                 "priority_not_allowed",
             )
-        tools, parsers = None, False
+        tools, parser = None, None
         try:
             body.refuse_unsupported()
             if isinstance(body, ChatCompletionRequest):
                 prompts: list[str | list[int] | list[dict[str, Any]]] = [body.chat()]
                 sampling = body.sampling(None, body.logprobs_count())
-                tools, parsers = body.template_tools(), self._tool_parser(body) is not None
+                tools, parser = body.template_tools(), self._tool_parser(body)
             else:
                 prompts = list(body.prompt_inputs())
                 sampling = body.sampling(16, body.logprobs)
@@ -315,16 +317,17 @@ class OpenAIApi:
             for stream in streams:
                 self.admission.close_later(stream)
             raise failure
-        if parsers:  # one parser per stream: each keeps its own held-back text
+        if parser is not None:  # one parser per stream: each holds back its own text
             for stream in streams:
-                stream.tool_parser = self._tool_parser(body)  # type: ignore[arg-type]
+                stream.tool_parser = parser()
         return streams
 
-    def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
-        """What reads tool calls out of this chat's output (None: it is all content)."""
+    def _tool_parser(self, body: ChatCompletionRequest) -> Callable[[], ToolParser] | None:
+        """What makes the parser that reads tool calls out of this chat's output (None:
+        it is all content)."""
         mode = body.tool_mode
         if mode in ("required", "named"):
-            return ConstrainedParser(body.named_function)
+            return functools.partial(ConstrainedParser, body.named_function)
         if mode == "auto":
             if not self.tool_call_parser:
                 raise InvalidRequest(
@@ -332,7 +335,7 @@ class OpenAIApi:
                     "--tool-call-parser (hermes, llama3_json)",
                     "tool_choice",
                 )
-            return PARSERS[self.tool_call_parser]()
+            return PARSERS[self.tool_call_parser]
         return None
 
     async def _open_in_callers_trace(self, body: Any, scope: Scope) -> list[TextStream]:
@@ -434,6 +437,8 @@ class OpenAIApi:
                     return exc.status, _error_body(exc), None
                 raise exc
         deltas = [task.result() for task in tasks]
+        for i, delta in enumerate(deltas):
+            delta.prompt = deltas[i - i % n].prompt  # a prompt's first sequence scored it
         for delta, echo in zip(deltas, echoes or (), strict=False):
             delta.text = echo + delta.text
             if delta.prompt is not None and delta.logprobs is not None:
@@ -442,11 +447,9 @@ class OpenAIApi:
                 delta.token_ids = delta.prompt.token_ids + delta.token_ids
                 delta.logprobs = [None, *delta.prompt.logprobs, *delta.logprobs]
         usage = _sum_usage([d.usage for d in deltas], n)
-        body = build(deltas[0], response_id, created, streaming=False)
-        body["choices"] = [
-            _indexed(build(d, response_id, created, streaming=False)["choices"][0], i)
-            for i, d in enumerate(deltas)
-        ]
+        built = [build(d, response_id, created, streaming=False) for d in deltas]
+        body = built[0]  # the envelope; every choice, each built once
+        body["choices"] = [_indexed(b["choices"][0], i) for i, b in enumerate(built)]
         body["usage"] = _usage(usage)
         return 200, body, usage
 

@@ -405,6 +405,20 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         return message
 
 
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A chat's messages as its template reads them; only an assistant's content may be
+    null (one that only made calls)."""
+    if not messages:
+        raise InvalidRequest("messages must not be empty", "messages")
+    for i, message in enumerate(messages):
+        if message.content is None and message.role != "assistant":
+            raise InvalidRequest(
+                f"a {message.role!r} message needs content (only an assistant's may be null)",
+                f"messages[{i}].content",
+            )
+    return [m.for_template() for m in messages]
+
+
 def _template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return [msgspec.to_builtins(t) for t in tools] if tools else None
 
@@ -470,15 +484,7 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
         return sampling
 
     def chat(self) -> list[dict[str, Any]]:
-        if not self.messages:
-            raise InvalidRequest("messages must not be empty", "messages")
-        for i, message in enumerate(self.messages):
-            if message.content is None and message.role != "assistant":
-                raise InvalidRequest(
-                    f"a {message.role!r} message needs content (only an assistant's may be null)",
-                    f"messages[{i}].content",
-                )
-        return [m.for_template() for m in self.messages]
+        return _template_messages(self.messages)
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -510,14 +516,12 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
             raise InvalidRequest("give exactly one of prompt and messages", "prompt")
         if self.messages is None:
             return None
-        if not self.messages:
-            raise InvalidRequest("messages must not be empty", "messages")
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequest(
                 "continue_final_message and add_generation_prompt cannot both be true",
                 "continue_final_message",
             )
-        return [m.for_template() for m in self.messages]
+        return _template_messages(self.messages)
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -38,11 +38,11 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from lamina.libs.bounded import BoundedDict
 from lamina.schemas.v1.generate import GenerateRequest, RejectReason, context_overflow
 from lamina.schemas.v1.records import ScoredWorker
 from lamina.schemas.v1.stats import WorkerState
@@ -156,7 +156,7 @@ class Placer:
     waiting requests reach ``max_num_seqs``, takes nothing more: requests wait in the
     scheduler's queue instead, where priority and deadline order them."""
     _turn: itertools.count = field(default_factory=itertools.count)
-    _pinned: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    _pinned: BoundedDict[str, str] = field(default_factory=lambda: BoundedDict(_PINNED_KEYS))
     """Affinity key -> the worker its first request went to (the latest keys kept)."""
 
     def saturated(self, worker: Candidate) -> bool:
@@ -206,7 +206,7 @@ class Placer:
             chosen = ordered[next(self._turn) % len(ordered)]
             best, score = by_id[chosen.stats.worker_id], None
         if request.affinity:
-            self._pin(request.affinity, best.worker_id)
+            self._pinned[request.affinity] = best.worker_id
         return Decision(
             best.worker_id,
             None,
@@ -217,12 +217,6 @@ class Placer:
             predicted_ttft_s=best.predicted_ttft_s,
             scored=scored,
         )
-
-    def _pin(self, key: str, worker_id: str) -> None:
-        self._pinned[key] = worker_id
-        self._pinned.move_to_end(key)
-        if len(self._pinned) > _PINNED_KEYS:
-            self._pinned.popitem(last=False)
 
     def earliest_ttft(
         self, request: GenerateRequest, live: list[Candidate], overlap: Overlap

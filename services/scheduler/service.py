@@ -18,7 +18,6 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
@@ -26,6 +25,7 @@ from nats.aio.msg import Msg
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link
 
+from lamina.libs.bounded import BoundedDict
 from lamina.libs.bus import Bus, NatsConfig, in_trace
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, BusError, NoResponders, PayloadTooLarge, RequestTimeout
@@ -102,7 +102,8 @@ class SchedulerService:
         self._tasks: list[asyncio.Task] = []
         self.bus: Bus | None = None
         self._syncing: dict[str, asyncio.Task] = {}
-        self._placed_on: OrderedDict[str, str] = OrderedDict()  # request id -> worker
+        self._placed_on: BoundedDict[str, str] = BoundedDict(MAX_TRACKED_PLACEMENTS)
+        """Request id -> the worker it was sent to."""
         self._pinging: set[str] = set()
         self._heartbeat_spans: dict[str, trace.SpanContext] = {}
         """Each worker's last traced heartbeat (what a placement span links to)."""
@@ -384,8 +385,6 @@ class SchedulerService:
                 )
                 self.registry.placed(decision.worker_id, uncached)
                 self._placed_on[request.request_id] = decision.worker_id
-                while len(self._placed_on) > MAX_TRACKED_PLACEMENTS:
-                    self._placed_on.popitem(last=False)
         # The record is for telemetry: off the request's critical path. Yielding once lets
         # the client's flusher task put the forward on the wire before the record is built.
         await asyncio.sleep(0)

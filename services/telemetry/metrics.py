@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ from prometheus_client.openmetrics.exposition import ALLOWUTF8
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
+from lamina.libs.bounded import BoundedDict
 from lamina.libs.cluster import MISSED_HEARTBEATS, Clock, ClusterView, WorkerEntry
 from lamina.schemas.v1.records import (
     BusHealth,
@@ -474,16 +474,14 @@ class PredictionMetrics:
             buckets=TTFT_ERROR_BUCKETS,
             registry=registry,
         )
-        self._open: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._open: BoundedDict[str, tuple[str, float]] = BoundedDict(MAX_OPEN_PREDICTIONS)
 
     def placed(self, record: PlacementRecord) -> None:
         if record.worker_id is None or record.predicted_ttft_s is None:
             return
         self.predicted.labels(record.worker_id, record.policy).observe(record.predicted_ttft_s)
+        # A retry's placement replaces the first (and is the newest).
         self._open[record.request_id] = (record.worker_id, record.predicted_ttft_s)
-        self._open.move_to_end(record.request_id)  # a retry's placement replaces the first
-        while len(self._open) > MAX_OPEN_PREDICTIONS:
-            self._open.popitem(last=False)
 
     def ended(self, record: RequestRecord) -> None:
         worker_id, predicted = self._open.pop(record.request_id, (None, 0.0))
@@ -500,14 +498,10 @@ class BusCollector(Collector):
     last reported them (``BusHealth``; cumulative, so a restart resets them)."""
 
     def __init__(self) -> None:
-        self.latest: OrderedDict[tuple[str, str], BusHealth] = OrderedDict()
+        self.latest: BoundedDict[tuple[str, str], BusHealth] = BoundedDict(MAX_BUS_INSTANCES)
 
     def observe(self, health: BusHealth) -> None:
-        key = (health.service, health.instance)
-        self.latest[key] = health
-        self.latest.move_to_end(key)
-        while len(self.latest) > MAX_BUS_INSTANCES:
-            self.latest.popitem(last=False)
+        self.latest[(health.service, health.instance)] = health
 
     def collect(self) -> Iterator[Metric]:
         figures = {

@@ -668,3 +668,14 @@ def test_n_sequences_per_prompt_each_a_choice(client):
     )
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.usage.completion_tokens == 12
+
+
+def test_n_sequences_share_their_prompts_scores(client):
+    """The first of a prompt's ``n`` sequences scores the prompt; every choice gets it."""
+    reply = client.completions.create(
+        model="lamina-tiny", prompt=[5, 6, 7, 8], n=3, max_tokens=2, echo=True, logprobs=1
+    )
+    scores = [c.model_extra["prompt_logprobs"] for c in reply.choices]
+    assert scores[0] is not None and len(scores[0]) == 4 and scores[1] == scores[0] == scores[2]
+    for choice in reply.choices:
+        assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == 6
