@@ -13,6 +13,11 @@ On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs i
 
 ``LAMINA_CPU_LINEAR=native|onednn|torch`` overrides the choice.
 
+Quantized weights (int8, fp8: :mod:`lamina.kernels.weight_quant`) run on the native
+matmul for fp32 on an AVX2 CPU with the ``cpu`` kernels (:class:`~lamina.kernels.cpu.linear.
+PackedQuantLinear`, every size: a quantized model's linears are all quantized), and
+elsewhere on :class:`DequantLinear`, the reference, which dequantizes on every call.
+
 The MLP's gate and up projections are one :data:`GatedLinear`, ``silu(x @ gate.T) * (x @
 up.T)`` (:func:`gated_linear_factory`): with the native matmul, one fused call
 (:class:`~lamina.kernels.cpu.linear.PackedSiluMul`) that never makes the ``(T, 2I)``
@@ -29,7 +34,13 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.cpu.build import vectorized
-from lamina.kernels.cpu.linear import PackedLinear, PackedSiluMul
+from lamina.kernels.cpu.linear import (
+    PackedLinear,
+    PackedQuantLinear,
+    PackedQuantSiluMul,
+    PackedSiluMul,
+)
+from lamina.kernels.weight_quant import QuantizedWeight, quantize
 
 log = logging.getLogger("lamina.kernels")
 
@@ -66,6 +77,18 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class DequantLinear:
+    """``x @ weight.dequantize().T + bias`` by ``F.linear`` on the weight dequantized to
+    ``x``'s dtype on every call: the reference for quantized weights (it keeps only the
+    quantized weight, and pays for that with a full-size temporary per call)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
+
+
 def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> TorchLinear | PackedLinear:
     """The faster of two on an fp32 CPU: ``F.linear`` for a small weight (under
     :data:`NATIVE_MIN_ELEMENTS`), otherwise the native blocked matmul on a packed copy
@@ -75,7 +98,7 @@ def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> TorchLinea
     return PackedLinear(weight, bias)
 
 
-Linear = TorchLinear | OneDnnLinear | PackedLinear
+Linear = TorchLinear | OneDnnLinear | PackedLinear | DequantLinear
 
 
 class SiluMulLinear:
@@ -91,14 +114,55 @@ class SiluMulLinear:
 
 GatedLinear = SiluMulLinear | PackedSiluMul
 
+Weight = torch.Tensor | QuantizedWeight
+"""A linear's weight as the model hands it over: plain, or already quantized."""
+
 _logged: set[str] = set()
 
 
 def linear_factory(
-    device: torch.device, dtype: torch.dtype, backend: str = "reference"
-) -> Callable[[torch.Tensor, torch.Tensor | None], Linear]:
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str = "reference",
+    quantization: str | None = None,
+) -> Callable[[Weight, torch.Tensor | None], Linear]:
     """The linear implementation for weights of ``dtype`` on ``device`` next to the kernel
-    ``backend`` (see :mod:`lamina.kernels.dispatch`); logged once."""
+    ``backend`` (see :mod:`lamina.kernels.dispatch`); logged once. With ``quantization``
+    (a format of :mod:`lamina.kernels.weight_quant`), each plain weight is quantized to
+    it first and every linear runs on the quantized weight; a weight that comes quantized
+    (a quantized checkpoint) runs as it is either way."""
+    plain = _plain_linear(device, dtype, backend)
+    quantized = PackedQuantLinear if _native_quantized(device, dtype, backend) else DequantLinear
+    if quantization is not None:
+        _log_once(f"{quantized.__name__} ({quantization} weights, {device.type}, {dtype})")
+
+    def make(weight: Weight, bias: torch.Tensor | None) -> Linear:
+        if isinstance(weight, torch.Tensor) and quantization is not None:
+            weight = quantize(weight, quantization)
+        if isinstance(weight, QuantizedWeight):
+            return quantized(weight, bias)
+        return plain(weight, bias)
+
+    return make
+
+
+def _native_quantized(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
+    """Whether quantized weights run on the native matmul: fp32 on an AVX2 CPU with the
+    ``cpu`` kernels, unless ``LAMINA_CPU_LINEAR`` asks for another fp32 linear."""
+    requested = os.environ.get("LAMINA_CPU_LINEAR", "").strip().lower()
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and backend == "cpu"
+        and vectorized()
+        and requested in ("", "native")
+    )
+
+
+def _plain_linear(
+    device: torch.device, dtype: torch.dtype, backend: str
+) -> Callable[[torch.Tensor, torch.Tensor | None], Linear]:
+    """What runs an unquantized weight (see the module's docstring)."""
     requested = os.environ.get("LAMINA_CPU_LINEAR", "").strip().lower()
     if requested and requested not in CHOICES:
         raise ValueError(f"LAMINA_CPU_LINEAR={requested!r}: choose one of {', '.join(CHOICES)}")
@@ -119,10 +183,14 @@ def linear_factory(
         choice, make = "onednn", OneDnnLinear
     else:
         choice, make = "torch", TorchLinear
+    _log_once(f"{choice} ({device.type}, {dtype})")
+    return make
+
+
+def _log_once(choice: str) -> None:
     if choice not in _logged:
         _logged.add(choice)
-        log.info("linear layers: %s (%s, %s)", choice, device.type, dtype)
-    return make
+        log.info("linear layers: %s", choice)
 
 
 def gated_linear_factory(
@@ -130,14 +198,23 @@ def gated_linear_factory(
     dtype: torch.dtype,
     backend: str,
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
-) -> Callable[[torch.Tensor, torch.Tensor | None], GatedLinear]:
+    quantization: str | None = None,
+) -> Callable[[Weight, torch.Tensor | None], GatedLinear]:
     """What makes the MLP's gated input projection from ``gate_up`` ``(2I, K)`` (``[gate;
-    up]``) and its bias: the fused native matmul where :func:`linear_factory` chooses the
-    native linear (and the weight is not small), else that linear and ``silu_and_mul``."""
-    make = linear_factory(device, dtype, backend)
+    up]``) and its bias: the fused native matmul where :func:`linear_factory` chooses a
+    native linear (for an fp32 weight, one that is not small), else that linear and
+    ``silu_and_mul``. ``quantization`` as for :func:`linear_factory`."""
+    make = linear_factory(device, dtype, backend, quantization)
+    plain_native = _plain_linear(device, dtype, backend) is native_linear
+    quantized_native = _native_quantized(device, dtype, backend)
 
-    def gated(gate_up: torch.Tensor, bias: torch.Tensor | None) -> GatedLinear:
-        if make is native_linear and gate_up.numel() >= NATIVE_MIN_ELEMENTS:
+    def gated(gate_up: Weight, bias: torch.Tensor | None) -> GatedLinear:
+        if isinstance(gate_up, torch.Tensor) and quantization is not None:
+            gate_up = quantize(gate_up, quantization)
+        if isinstance(gate_up, QuantizedWeight):
+            if quantized_native:
+                return PackedQuantSiluMul(gate_up, bias)
+        elif plain_native and gate_up.numel() >= NATIVE_MIN_ELEMENTS:
             return PackedSiluMul(gate_up, bias)
         return SiluMulLinear(make(gate_up, bias), silu_and_mul)
 

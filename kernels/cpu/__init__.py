@@ -4,12 +4,19 @@ torch reference op leaves real speed behind. Each keeps its reference op's signa
 from lamina.kernels.cpu.attention import decode_attention, paged_attention
 from lamina.kernels.cpu.build import BuildError, load_library
 from lamina.kernels.cpu.elementwise import apply_rotary, rms_norm, silu_and_mul
-from lamina.kernels.cpu.linear import PackedLinear, PackedSiluMul
+from lamina.kernels.cpu.linear import (
+    PackedLinear,
+    PackedQuantLinear,
+    PackedQuantSiluMul,
+    PackedSiluMul,
+)
 from lamina.kernels.reference import write_kv_cache  # the reference's scatter is enough
 
 __all__ = [
     "BuildError",
     "PackedLinear",
+    "PackedQuantLinear",
+    "PackedQuantSiluMul",
     "PackedSiluMul",
     "apply_rotary",
     "decode_attention",

@@ -32,8 +32,8 @@ _HERE = Path(__file__).parent
 SOURCES = sorted(_HERE.glob("*.cpp"))
 HEADERS = sorted(_HERE.glob("*.h"))
 _ISA_FLAGS = {
-    "AVX2": ["-mavx2", "-mfma"],
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
 }
 
 
@@ -51,6 +51,12 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "lamina_pack_weight": ([_P, _I64, _I64, _P], None),
     "lamina_packed_linear": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P], None),
     "lamina_packed_silu_mul": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P], None),
+    "lamina_pack_weight_bytes": ([_P, _I64, _I64, _P], None),
+    "lamina_packed_linear_q": ([_P, _I64, _I64, _I64, _P, ctypes.c_int, _P, _I64, _P, _P], None),
+    "lamina_packed_silu_mul_q": (
+        [_P, _I64, _I64, _I64, _P, ctypes.c_int, _P, _I64, _P, _P],
+        None,
+    ),
     "lamina_paged_decode_attention": (
         [_P, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, *[_I64] * 6, _F32, _P],
         ctypes.c_int,

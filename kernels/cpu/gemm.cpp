@@ -19,13 +19,26 @@
 // The MLP's gate and up projections run as one gated matmul (lamina_packed_silu_mul): the
 // activation is applied to each output block as soon as its two sums are done.
 //
-// Layouts: x (m, k) with row stride x_stride; packed as lamina_pack_weight writes it,
-// ceil(n / 16) * 16 * k floats, 32-byte aligned; bias (n,) or NULL; out (m, n) contiguous.
+// Quantized weights (weight-only: x and out stay fp32) use the same layout with one byte per
+// element: int8 with a scale per output column, or fp8 e4m3 with a scale per output column.
+// A byte is widened to fp32 in registers as it is loaded; the column's scale multiplies the
+// finished sums (sum_k x_k * q_jk * s_j = s_j * sum_k x_k * q_jk), so decoding reads a
+// quarter of the fp32 bytes and does no more arithmetic. With more rows than one
+// micro-kernel call takes, each weight panel's slice is widened and scaled once into a
+// 32 KB buffer (in L1) and the fp32 micro-kernel walks the rows down it: the widening is
+// then paid once per slice, not once per 6 rows. Neither keeps a dequantized copy of the
+// weight.
+//
+// Layouts: x (m, k) with row stride x_stride; packed as lamina_pack_weight (fp32) or
+// lamina_pack_weight_bytes (int8, fp8) writes it, ceil(n / 16) * 16 * k elements, 32-byte
+// aligned; scale (ceil(n / 16) * 16,) for a quantized weight; bias (n,) or NULL; out (m,
+// n) contiguous.
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -41,13 +54,63 @@ constexpr int64_t kFetchCalls = 3;  // see the panel prefetch in packed_matmul
 // kKC and kMC: of the sizes tried (KC 256-512, MC 48-144, K unrolled by one or four) at
 // 64, 600 and 2048 rows, none was faster beyond the noise.
 
-// out block (M x cols, row stride ldo) = or += a (kc x M, k-major) * b (kc x kNR). With
+// The weight's element types. fp8 is e4m3 ("fn": no infinities), the format of torch's
+// float8_e4m3fn and of fp8 checkpoints.
+struct Fp8 {
+  uint8_t bits;
+};
+template <typename W>
+constexpr bool kQuantized = !std::is_same_v<W, float>;
+
+// One element as fp32 (the scalar path; the column's scale is applied by the caller).
+inline float widen(float w) { return w; }
+inline float widen(int8_t w) { return static_cast<float>(w); }
+inline float widen(Fp8 w) {
+  const int exponent = (w.bits >> 3) & 0xF, mantissa = w.bits & 0x7;
+  const float magnitude = exponent ? std::ldexp(1.0f + mantissa / 8.0f, exponent - 7)
+                                   : std::ldexp(mantissa / 8.0f, -6);  // subnormal
+  return (w.bits & 0x80) ? -magnitude : magnitude;
+}
+
+#if LAMINA_AVX2
+// A panel's 16 elements at one k as two registers of 8 floats.
+inline void load16(const float* b, __m256& lo, __m256& hi) {
+  lo = _mm256_load_ps(b);
+  hi = _mm256_load_ps(b + 8);
+}
+inline void load16(const int8_t* b, __m256& lo, __m256& hi) {
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+  hi = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8))));
+}
+// e4m3's exponent and mantissa bits moved into fp16's places make the fp16 number 2^-8
+// times the fp8 one (the exponent biases are 15 and 7), subnormals included, and F16C
+// widens fp16 exactly; kWiden puts the 2^8 back with the column's scale. Sign-extending
+// the byte to 16 bits and shifting it left by 7 puts the magnitude in bits 7-13 and the
+// sign in bits 14 and 15: the mask keeps bit 15.
+inline void load16(const Fp8* b, __m256& lo, __m256& hi) {
+  const __m256i h = _mm256_and_si256(
+      _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))), 7),
+      _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+#endif
+
+// What the column's scale is multiplied by for the sums load16 makes: 2^8 for fp8 (see
+// its load16), else 1.
+template <typename W>
+constexpr float kWiden = std::is_same_v<W, Fp8> && LAMINA_AVX2 ? 256.0f : 1.0f;
+
+// out block (M x cols, row stride ldo) = or += a (kc x M, k-major) * b (kc x kNR), each
+// column's sums times its scale for a quantized weight (scale: the panel's 16). With
 // Fetch (b then holds all of K, and M > 1), also pulls the next weight panel in, a line
-// per k.
-template <int M, bool Fetch>
-inline void micro(const float* a, const float* b, int64_t kc, float* out, int64_t ldo,
-                  bool first, const float* bias, int64_t cols) {
+// per 64 bytes of it.
+template <typename W, int M, bool Fetch>
+inline void micro(const float* a, const W* b, int64_t kc, float* out, int64_t ldo,
+                  bool first, const float* bias, const float* scale, int64_t cols) {
   [[maybe_unused]] const char* next = reinterpret_cast<const char*>(b + kc * kNR);
+  constexpr int64_t kRowBytes = kNR * sizeof(W);  // of a panel, at one k
 #if LAMINA_AVX2
   __m256 lo[M], hi[M];
 #pragma GCC unroll 8
@@ -57,23 +120,39 @@ inline void micro(const float* a, const float* b, int64_t kc, float* out, int64_
     __m256 lo2 = _mm256_setzero_ps(), hi2 = _mm256_setzero_ps();  // other (hot weights)
     for (; k + 2 <= kc; k += 2) {
       const __m256 x0 = _mm256_broadcast_ss(a + k), x1 = _mm256_broadcast_ss(a + k + 1);
-      lo[0] = _mm256_fmadd_ps(x0, _mm256_load_ps(b + k * kNR), lo[0]);
-      hi[0] = _mm256_fmadd_ps(x0, _mm256_load_ps(b + k * kNR + 8), hi[0]);
-      lo2 = _mm256_fmadd_ps(x1, _mm256_load_ps(b + (k + 1) * kNR), lo2);
-      hi2 = _mm256_fmadd_ps(x1, _mm256_load_ps(b + (k + 1) * kNR + 8), hi2);
+      __m256 b0, b1, b2, b3;
+      load16(b + k * kNR, b0, b1);
+      load16(b + (k + 1) * kNR, b2, b3);
+      lo[0] = _mm256_fmadd_ps(x0, b0, lo[0]);
+      hi[0] = _mm256_fmadd_ps(x0, b1, hi[0]);
+      lo2 = _mm256_fmadd_ps(x1, b2, lo2);
+      hi2 = _mm256_fmadd_ps(x1, b3, hi2);
     }
     lo[0] = _mm256_add_ps(lo[0], lo2);
     hi[0] = _mm256_add_ps(hi[0], hi2);
   }
 #pragma GCC unroll 4
   for (; k < kc; ++k) {
-    if constexpr (Fetch) __builtin_prefetch(next + 64 * k, 0, 3);
-    const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
+    if constexpr (Fetch) {
+      if (k * kRowBytes % 64 == 0) __builtin_prefetch(next + kRowBytes * k, 0, 3);
+    }
+    __m256 b0, b1;
+    load16(b + k * kNR, b0, b1);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       const __m256 x = _mm256_broadcast_ss(a + k * M + i);
       lo[i] = _mm256_fmadd_ps(x, b0, lo[i]);
       hi[i] = _mm256_fmadd_ps(x, b1, hi[i]);
+    }
+  }
+  if constexpr (kQuantized<W>) {
+    const __m256 fix = _mm256_set1_ps(kWiden<W>);
+    const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(scale), fix);
+    const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(scale + 8), fix);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      lo[i] = _mm256_mul_ps(lo[i], s0);
+      hi[i] = _mm256_mul_ps(hi[i], s1);
     }
   }
   if (cols == kNR) {  // a whole panel: straight from the registers
@@ -102,7 +181,11 @@ inline void micro(const float* a, const float* b, int64_t kc, float* out, int64_
   float block[M][kNR] = {};
   for (int64_t k = 0; k < kc; ++k)
     for (int i = 0; i < M; ++i)
-      for (int j = 0; j < kNR; ++j) block[i][j] += a[k * M + i] * b[k * kNR + j];
+      for (int j = 0; j < kNR; ++j) block[i][j] += a[k * M + i] * widen(b[k * kNR + j]);
+  if constexpr (kQuantized<W>) {
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < kNR; ++j) block[i][j] *= scale[j];
+  }
 #endif
   for (int i = 0; i < M; ++i) {
     float* row = out + i * ldo;
@@ -114,13 +197,34 @@ inline void micro(const float* a, const float* b, int64_t kc, float* out, int64_
   }
 }
 
-using Micro = void (*)(const float*, const float*, int64_t, float*, int64_t, bool,
+template <typename W>
+using Micro = void (*)(const float*, const W*, int64_t, float*, int64_t, bool, const float*,
                        const float*, int64_t);
-constexpr Micro kMicro[2][kMR + 1] = {
-    {nullptr, micro<1, false>, micro<2, false>, micro<3, false>, micro<4, false>,
-     micro<5, false>, micro<6, false>},
-    {nullptr, micro<1, true>, micro<2, true>, micro<3, true>, micro<4, true>, micro<5, true>,
-     micro<6, true>}};
+template <typename W>
+constexpr Micro<W> kMicro[2][kMR + 1] = {
+    {nullptr, micro<W, 1, false>, micro<W, 2, false>, micro<W, 3, false>, micro<W, 4, false>,
+     micro<W, 5, false>, micro<W, 6, false>},
+    {nullptr, micro<W, 1, true>, micro<W, 2, true>, micro<W, 3, true>, micro<W, 4, true>,
+     micro<W, 5, true>, micro<W, 6, true>}};
+
+// dst (kc x kNR fp32) = a quantized panel's slice b, widened, times its columns' scales.
+template <typename W>
+inline void widen_panel(const W* b, int64_t kc, const float* scale, float* dst) {
+#if LAMINA_AVX2
+  const __m256 fix = _mm256_set1_ps(kWiden<W>);
+  const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(scale), fix);
+  const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(scale + 8), fix);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 lo, hi;
+    load16(b + k * kNR, lo, hi);
+    _mm256_store_ps(dst + k * kNR, _mm256_mul_ps(lo, s0));
+    _mm256_store_ps(dst + k * kNR + 8, _mm256_mul_ps(hi, s1));
+  }
+#else
+  for (int64_t k = 0; k < kc; ++k)
+    for (int j = 0; j < kNR; ++j) dst[k * kNR + j] = widen(b[k * kNR + j]) * scale[j];
+#endif
+}
 
 // x rows [0, rows) x depth [p, p + kc) into panels of kMR rows, k-major; the last panel
 // has the rows that are left (rows % kMR of them, if any).
@@ -145,6 +249,7 @@ inline float* aligned(std::vector<float>& buffer, int64_t floats) {
 }
 thread_local std::vector<float> packed_rows;  // x's rows, packed (see pack_rows)
 thread_local std::vector<float> gated_sums;   // a gated matmul's gate and up sums
+thread_local std::vector<float> widened;      // a quantized panel's slice (see widen_panel)
 
 // out (rows x cols, row stride ldo) = silu(gate) * up; gate and up have row stride ld.
 inline void silu_mul_block(const float* gate, const float* up, int64_t ld, int64_t rows,
@@ -156,10 +261,11 @@ inline void silu_mul_block(const float* gate, const float* up, int64_t ld, int64
 // out = x @ weight^T (+ bias), or with Gated, out = silu(x @ gate^T) * (x @ up^T) (plus
 // their biases): then the packed weight's panels alternate, gate's 16 columns then up's
 // same 16, so that both sums of an output block are done one panel apart and are combined
-// while in cache; the gate-and-up result (twice the output) is never written out.
-template <bool Gated>
-void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k,
-                   const float* packed, int64_t n, const float* bias, float* out) {
+// while in cache; the gate-and-up result (twice the output) is never written out. W is the
+// weight's element type; a quantized one comes with its columns' scales (panel order).
+template <bool Gated, typename W>
+void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const W* packed,
+                   const float* scale, int64_t n, const float* bias, float* out) {
   constexpr int64_t kStep = Gated ? 2 : 1;  // weight panels per 16 output columns
   const int64_t groups = (n + kNR - 1) / kNR;
   const int64_t micro_rows = (m + kMR - 1) / kMR;
@@ -175,6 +281,10 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k,
     // finds the next panel right after its own).
     const int64_t slice = m <= kFetchCalls * kMR ? k : kKC;
     float* a = aligned(packed_rows, std::min(kMC, m) * slice);
+    // A quantized weight with more than one micro-kernel call per panel is widened a
+    // slice at a time into this buffer, which the fp32 micro-kernel then reads.
+    const bool widen_slices = kQuantized<W> && m > kMR;
+    float* wide = widen_slices ? aligned(widened, slice * kNR) : nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t part = item / group_parts, q = item % group_parts;
       const int64_t first_row = micro_rows * part / row_parts * kMR;
@@ -195,28 +305,37 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k,
           // While the micro-kernel walks the rows down one weight panel (from L1 after its
           // first call), the next panel's slice is pulled in; otherwise every panel's first
           // call waits on memory. With up to kFetchCalls calls per panel the first call does
-          // it, a line per k (against bursts before each call: 8 rows +35%, 16 rows +20%);
-          // with more, each call issues its share of the lines up front (3-6% faster at 64
-          // rows than the first way). One call per panel reads the panels in one sequential
-          // stream, which the hardware prefetches.
-          const int64_t calls = (rows + kMR - 1) / kMR, lines = kc;  // a 64-byte line per k
+          // it, a line per 64 bytes (against bursts before each call: 8 rows +35%, 16 rows
+          // +20%); with more, each call issues its share of the lines up front (3-6% faster
+          // at 64 rows than the first way). One call per panel reads the panels in one
+          // sequential stream, which the hardware prefetches.
+          const int64_t calls = (rows + kMR - 1) / kMR;
+          const int64_t lines = (kc * kNR * static_cast<int64_t>(sizeof(W)) + 63) / 64;
           const int64_t share = calls > kFetchCalls ? -(-lines / calls) : 0;
           for (int64_t panel = p0; panel < p1; ++panel) {
-            const float* b = packed + (panel * k + depth) * kNR;
+            const W* b = packed + (panel * k + depth) * kNR;
             const int64_t col = panel / kStep * kNR, cols = std::min<int64_t>(kNR, n - col);
             const float* panel_bias = bias ? bias + panel * kNR : nullptr;
+            const float* panel_scale = kQuantized<W> ? scale + panel * kNR : nullptr;
             float* dst = Gated ? sums + (panel - p0) * kNR : out + r0 * n + col;
             const char* next = reinterpret_cast<const char*>(b + k * kNR);
             const bool has_next = panel + 1 < p1;
+            if (widen_slices) widen_panel(b, kc, panel_scale, wide);
             for (int64_t r = 0; r < rows; r += kMR) {
               if (has_next && share) {
                 const int64_t line = r / kMR * share, last = std::min(lines, line + share);
                 for (int64_t l = line; l < last; ++l) __builtin_prefetch(next + 64 * l, 0, 3);
               }
               const bool fetch = has_next && r == 0 && calls > 1 && !share && kc == k;
-              kMicro[fetch][std::min<int64_t>(kMR, rows - r)](panels_of_x + r * kc, b, kc,
-                                                               dst + r * ld, ld, depth == 0,
-                                                               panel_bias, cols);
+              const int width = static_cast<int>(std::min<int64_t>(kMR, rows - r));
+              float* block = dst + r * ld;
+              if (widen_slices) {
+                kMicro<float>[0][width](panels_of_x + r * kc, wide, kc, block, ld, depth == 0,
+                                        panel_bias, nullptr, cols);
+              } else {
+                kMicro<W>[fetch][width](panels_of_x + r * kc, b, kc, block, ld, depth == 0,
+                                        panel_bias, panel_scale, cols);
+              }
             }
             if (Gated && panel % 2 == 1 && depth + kc == k)  // both sums of these columns
               silu_mul_block(dst - kNR, dst, ld, rows, cols, out + r0 * n + col, n);
@@ -227,25 +346,52 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k,
   });
 }
 
-}  // namespace
-
-extern "C" void lamina_pack_weight(const float* weight, int64_t n, int64_t k, float* packed) {
+// packed (ceil(n / 16) panels of [k][16]) = weight (n, k), zero past row n.
+template <typename T>
+void pack_weight(const T* weight, int64_t n, int64_t k, T* packed) {
   const int64_t panels = (n + kNR - 1) / kNR;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
-      float* dst = packed + panel * k * kNR;
+      T* dst = packed + panel * k * kNR;
       for (int64_t j = 0; j < kNR; ++j) {
         const int64_t col = panel * kNR + j;
-        for (int64_t d = 0; d < k; ++d) dst[d * kNR + j] = col < n ? weight[col * k + d] : 0.0f;
+        for (int64_t d = 0; d < k; ++d) dst[d * kNR + j] = col < n ? weight[col * k + d] : T{};
       }
     }
   });
 }
 
+// The quantized weight formats, as lamina_packed_*_q take them.
+enum Format : int { kInt8 = 1, kFp8 = 2 };
+
+template <bool Gated>
+void quantized_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                      const void* packed, int format, const float* scale, int64_t n,
+                      const float* bias, float* out) {
+  if (format == kInt8)
+    packed_matmul<Gated>(x, x_stride, m, k, static_cast<const int8_t*>(packed), scale, n,
+                         bias, out);
+  else
+    packed_matmul<Gated>(x, x_stride, m, k, static_cast<const Fp8*>(packed), scale, n, bias,
+                         out);
+}
+
+}  // namespace
+
+extern "C" void lamina_pack_weight(const float* weight, int64_t n, int64_t k, float* packed) {
+  pack_weight(weight, n, k, packed);
+}
+
+// The same packing for a weight of one-byte elements (int8, fp8).
+extern "C" void lamina_pack_weight_bytes(const uint8_t* weight, int64_t n, int64_t k,
+                                         uint8_t* packed) {
+  pack_weight(weight, n, k, packed);
+}
+
 extern "C" void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m, int64_t k,
                                      const float* packed, int64_t n, const float* bias,
                                      float* out) {
-  packed_matmul<false>(x, x_stride, m, k, packed, n, bias, out);
+  packed_matmul<false>(x, x_stride, m, k, packed, nullptr, n, bias, out);
 }
 
 // out (m, n) = silu(x @ gate^T + gate_bias) * (x @ up^T + up_bias), on a weight packed by
@@ -254,5 +400,21 @@ extern "C" void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m
 extern "C" void lamina_packed_silu_mul(const float* x, int64_t x_stride, int64_t m, int64_t k,
                                        const float* packed, int64_t n, const float* bias,
                                        float* out) {
-  packed_matmul<true>(x, x_stride, m, k, packed, n, bias, out);
+  packed_matmul<true>(x, x_stride, m, k, packed, nullptr, n, bias, out);
+}
+
+// lamina_packed_linear and lamina_packed_silu_mul on a quantized weight packed by
+// lamina_pack_weight_bytes: format 1 int8, 2 fp8 e4m3; scale, one per packed row (panel
+// order, as the bias).
+extern "C" void lamina_packed_linear_q(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                                       const void* packed, int format, const float* scale,
+                                       int64_t n, const float* bias, float* out) {
+  quantized_matmul<false>(x, x_stride, m, k, packed, format, scale, n, bias, out);
+}
+
+extern "C" void lamina_packed_silu_mul_q(const float* x, int64_t x_stride, int64_t m,
+                                         int64_t k, const void* packed, int format,
+                                         const float* scale, int64_t n, const float* bias,
+                                         float* out) {
+  quantized_matmul<true>(x, x_stride, m, k, packed, format, scale, n, bias, out);
 }

@@ -1,7 +1,8 @@
-"""Native fp32 linears on the CPU, ``x @ weight.T + bias``, and the MLP's gated input
+"""Native linears on the CPU, ``x @ weight.T + bias``, and the MLP's gated input
 projection, ``silu(x @ gate.T) * (x @ up.T)``: the blocked matmul of ``gemm.cpp`` on a
-weight packed once at load. See :func:`lamina.kernels.linear.native_linear` for when they
-run."""
+weight packed once at load, fp32 or quantized (int8, fp8: see
+:mod:`lamina.kernels.weight_quant`) with fp32 activations. See
+:func:`lamina.kernels.linear.linear_factory` for when they run."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.cpu.build import load_library, ptr
+from lamina.kernels.weight_quant import QuantizedWeight
+
+FORMATS = {"int8": 1, "fp8": 2}
+"""The quantized formats the native matmul takes, by the number ``gemm.cpp``'s ``Format``
+gives each."""
 
 PANEL = 16
 """Output columns per panel of a packed weight (the matmul's micro-kernel width)."""
@@ -63,15 +69,42 @@ class PackedLinear:
         return self(x.reshape(-1, self.in_features).contiguous()).view(*lead, self.out_features)
 
 
-class PackedSiluMul(PackedLinear):
-    """The MLP's gated input projection in one native matmul: for ``gate_up`` ``(2I, K)``
-    holding ``[gate; up]`` (and a bias ``(2I,)`` likewise), ``silu(x @ gate.T + b_gate) *
-    (x @ up.T + b_up)``, ``(..., I)``, i.e. ``silu_and_mul(x @ gate_up.T + bias)`` without
-    making the ``(..., 2I)`` intermediate. The packed panels alternate 16 of gate's columns
-    and the same 16 of up's, so the kernel applies the activation to each output block as
-    soon as its two sums are done."""
+class PackedQuantLinear(PackedLinear):
+    """``x @ weight.dequantize().T + bias`` on the CPU for fp32 ``x`` and an int8 or fp8
+    weight, packed once as :class:`PackedLinear` packs fp32 (one byte per element); the
+    kernel widens each byte in registers and applies the row's scale to the finished
+    sums."""
 
-    _kernel = "lamina_packed_silu_mul"
+    _kernel = "lamina_packed_linear_q"
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        if weight.format not in FORMATS:
+            raise ValueError(f"{type(self).__name__} takes int8 or fp8, not {weight.format}")
+        self.in_features = weight.shape[1]
+        self.out_features = self._outputs(weight.qweight)
+        codes = self._arrange(weight.qweight.view(torch.uint8))
+        scale, bias = self._arrange(weight.scale), self._arrange(bias)
+        rows = codes.shape[0]
+        panels = -(-rows // PANEL) * PANEL
+        self.packed = torch.empty(panels * self.in_features, dtype=torch.uint8)
+        library = load_library()
+        library.lamina_pack_weight_bytes(
+            ptr(codes.contiguous()), rows, self.in_features, ptr(self.packed)
+        )
+        self.scale = F.pad(scale, (0, panels - rows)).contiguous()  # the kernel reads 16
+        self.bias = None if bias is None else bias.contiguous()
+        self._matmul = getattr(library, self._kernel)
+        self._pointers = (
+            ptr(self.packed),
+            FORMATS[weight.format],
+            ptr(self.scale),
+            self.out_features,
+            ptr(self.bias),
+        )
+
+
+class _GatedRows:
+    """The row order of a packed gated projection (see :class:`PackedSiluMul`)."""
 
     def _outputs(self, weight: torch.Tensor) -> int:
         if weight.shape[0] % 2:
@@ -88,3 +121,21 @@ class PackedSiluMul(PackedLinear):
             F.pad(part, tail).view(groups, PANEL, -1) for part in (rows[:half], rows[half:])
         )
         return torch.stack([gate, up], dim=1).reshape(2 * groups * PANEL, *rows.shape[1:])
+
+
+class PackedSiluMul(_GatedRows, PackedLinear):
+    """The MLP's gated input projection in one native matmul: for ``gate_up`` ``(2I, K)``
+    holding ``[gate; up]`` (and a bias ``(2I,)`` likewise), ``silu(x @ gate.T + b_gate) *
+    (x @ up.T + b_up)``, ``(..., I)``, i.e. ``silu_and_mul(x @ gate_up.T + bias)`` without
+    making the ``(..., 2I)`` intermediate. The packed panels alternate 16 of gate's columns
+    and the same 16 of up's, so the kernel applies the activation to each output block as
+    soon as its two sums are done."""
+
+    _kernel = "lamina_packed_silu_mul"
+
+
+class PackedQuantSiluMul(_GatedRows, PackedQuantLinear):
+    """:class:`PackedSiluMul` on an int8 or fp8 ``gate_up`` (its scales in the same
+    order as its rows)."""
+
+    _kernel = "lamina_packed_silu_mul_q"

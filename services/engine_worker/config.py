@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from lamina.kernels.reference.kv_quant import KV_CACHE_DTYPES
+from lamina.kernels.weight_quant import WEIGHT_FORMATS
 from lamina.services.engine_worker.default_model import ensure_default_model
 
 
@@ -22,6 +23,10 @@ class EngineConfig:
     dtype: str = "auto"
     """Weight/activation dtype: ``auto`` (the checkpoint's own), ``float32``, ``bfloat16``
     or ``float16``."""
+    quantization: str | None = None
+    """Quantize every linear's weight at load (weight-only: activations keep ``dtype``):
+    ``int8`` or ``fp8`` (e4m3), each with a scale per output channel
+    (:mod:`lamina.kernels.weight_quant`). ``None``: the checkpoint's weights as they are."""
     device: str = "cpu"
     """Torch device the model and KV pool live on."""
     block_size: int = 16
@@ -78,6 +83,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype ({self.kv_cache_dtype!r}) must be one of "
                 + ", ".join(KV_CACHE_DTYPES)
+            )
+        if self.quantization is not None and self.quantization not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"quantization ({self.quantization!r}) must be one of " + ", ".join(WEIGHT_FORMATS)
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype ({self.dtype!r}) must be auto, float32, bfloat16 or float16")

@@ -109,7 +109,13 @@ class Engine:
         self.model_config = mc = ModelConfig.from_dir(config.model)
         dtype = mc.dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.device = torch.device(config.device)
-        model = CausalLM(mc, CheckpointTensors(config.model), dtype, self.device)
+        model = CausalLM(
+            mc,
+            CheckpointTensors(config.model),
+            dtype,
+            self.device,
+            quantization=config.quantization,
+        )
 
         limits = [mc.max_position_embeddings, config.max_model_len, mc.sliding_window]
         self.max_model_len = min(n for n in limits if n)

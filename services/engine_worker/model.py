@@ -2,7 +2,9 @@
 
 Every step's tokens, from all sequences, form one ``(T,)`` run; attention finds each
 token's sequence through :class:`AttentionMetadata`. Q/K/V and gate/up projections are
-fused into one matmul each at load time: fewer, larger kernels per layer. Under tensor
+fused into one matmul each at load time: fewer, larger kernels per layer. With a
+``quantization``, every linear (the LM head included; not the embedding) runs on weights
+quantized at load. Under tensor
 parallelism (``parallel.py``) each rank holds its heads' and MLP columns' share of those
 fused weights and ``self.local`` describes its shapes.
 """
@@ -43,12 +45,15 @@ class CausalLM:
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallel = SINGLE,
+        quantization: str | None = None,
     ) -> None:
         self.config = config
         self.tp = tp
         self.local = tp.local_config(config)
         """This rank's shapes (heads and MLP width divided across tensor-parallel ranks)."""
         self.dtype = dtype
+        self.weight_dtype = quantization or str(dtype).removeprefix("torch.")
+        """What the linears' weights are stored as: the quantized format, or ``dtype``."""
         c = config
         h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
 
@@ -68,8 +73,9 @@ class CausalLM:
             return bias if tp.rank == 0 else None
 
         self.ops = load_ops(device, dtype)
-        linear = linear_factory(device, dtype, self.ops.backend)
-        gated = gated_linear_factory(device, dtype, self.ops.backend, self.ops.silu_and_mul)
+        backend = self.ops.backend
+        linear = linear_factory(device, dtype, backend, quantization)
+        gated = gated_linear_factory(device, dtype, backend, self.ops.silu_and_mul, quantization)
 
         self.embed = take("model.embed_tokens.weight", c.vocab_size, h)
         self.layers: list[Layer] = []

@@ -115,6 +115,8 @@ class ModelConfig:
         if dtype_name not in DTYPES:
             raise ModelLoadError(f"{where}: dtype", f"{dtype_name!r} is not fp32, bf16 or fp16")
 
+        _refuse_quantized_checkpoint(where, raw.get("quantization_config"))
+
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = raw.get("sliding_window")
@@ -143,6 +145,21 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             sliding_window=int(window) if window else None,
         )
+
+
+def _refuse_quantized_checkpoint(where: str, quantization: Any) -> None:
+    """A pre-quantized checkpoint (``quantization_config`` in its ``config.json``: GPTQ,
+    AWQ, fp8, compressed-tensors, ...) fails at load naming its method: this build loads
+    only unquantized weights (``--quantization`` quantizes them at load)."""
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    raise ModelLoadError(
+        f"{where}: quantization_config",
+        f"quant_method {method!r}: pre-quantized checkpoints are not supported yet; load an "
+        "unquantized (fp32/bf16/fp16) checkpoint, with --quantization int8 or fp8 to "
+        "quantize it at load",
+    )
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any] | None:

@@ -2,8 +2,9 @@
 (GQA ratios 1-8, head dims 64-256, lengths 1 to several blocks with partial last blocks,
 strided queries, fp8 and int8 caches), the fused elementwise ops (odd sizes that leave
 SIMD tails, strided rows, the inputs they hand back to the reference) and the packed
-matmul; then the engine's greedy outputs on the ``cpu`` backend against ``reference``,
-and how the backend is chosen."""
+matmul, on fp32 weights and on int8 and fp8 ones (against dequantize-then-matmul); then
+the engine's greedy outputs on the ``cpu`` backend against ``reference``, and how the
+backend is chosen."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from lamina.kernels import reference as ref
 from lamina.kernels.cpu import build
 from lamina.kernels.dispatch import choose_backend
 from lamina.kernels.reference import kv_quant
+from lamina.kernels.weight_quant import WEIGHT_FORMATS, QuantizedWeight, quantize
 from tests.kernel.layout import metadata, paged_layout
 
 CPU = torch.device("cpu")
@@ -180,6 +182,55 @@ def test_packed_linear_takes_any_leading_shape_and_refuses_other_dtypes():
         linear(x.double())
     with pytest.raises(ValueError, match="fp32"):
         cpu.PackedLinear(weight.half(), None)
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 18, 19, 73, 400])
+@pytest.mark.parametrize("k", [37, 1100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_quantized_packed_linear_matches_dequantize_then_linear(fmt, rows, k, with_bias):
+    """An int8 or fp8 weight against ``F.linear`` on its dequantized values: rows that take
+    the widening micro-kernel (up to 6) and that widen each panel's slice first (7 on),
+    depths inside one slice and across three, a partial last panel (67 outputs), and a
+    row of zeros (scale 1)."""
+    g = torch.Generator().manual_seed(rows * k + with_bias)
+    weight = torch.randn(67, k, generator=g)
+    weight[5] = 0
+    quantized = quantize(weight, fmt)
+    bias = torch.randn(67, generator=g) if with_bias else None
+    x = torch.randn(rows, k + 3, generator=g)[:, :k]
+    want = torch.nn.functional.linear(x, quantized.dequantize(), bias)
+    got = cpu.PackedQuantLinear(quantized, bias)(x)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+@pytest.mark.parametrize("rows", [1, 7, 73])
+@pytest.mark.parametrize(("half", "with_bias"), [(16, False), (67, True)])
+def test_quantized_packed_silu_mul_matches_dequantize_then_silu_and_mul(fmt, rows, half, with_bias):
+    g = torch.Generator().manual_seed(rows + half)
+    gate_up = quantize(torch.randn(2 * half, 600, generator=g) / 600**0.5, fmt)
+    bias = torch.randn(2 * half, generator=g) if with_bias else None
+    x = torch.randn(rows, 600, generator=g)
+    want = ref.silu_and_mul(torch.nn.functional.linear(x, gate_up.dequantize(), bias))
+    got = cpu.PackedQuantSiluMul(gate_up, bias)(x)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_every_fp8_code_widens_to_what_torch_matches():
+    """Each finite e4m3 code, subnormals and negative zero included, widens in the kernel
+    to exactly torch's value: an identity input reads the weight back column by column."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    values = codes.to(torch.float32)
+    finite = codes[values.isfinite()]
+    weight = QuantizedWeight("fp8", finite.view(1, -1).repeat(3, 1), torch.tensor([1.0, 2, 0.5]))
+    got = cpu.PackedQuantLinear(weight, None)(torch.eye(len(finite)))
+    assert torch.equal(got, weight.dequantize().T)
+
+
+def test_quantized_packed_linear_refuses_other_formats():
+    with pytest.raises(ValueError, match="int8 or fp8"):
+        cpu.PackedQuantLinear(QuantizedWeight("int4", torch.zeros(4, 4), torch.ones(4)), None)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])

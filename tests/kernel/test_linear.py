@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels import reference
-from lamina.kernels.cpu import PackedLinear, PackedSiluMul
+from lamina.kernels.cpu import PackedLinear, PackedQuantLinear, PackedQuantSiluMul, PackedSiluMul
 from lamina.kernels.linear import (
     NATIVE_MIN_ELEMENTS,
+    DequantLinear,
     OneDnnLinear,
     SiluMulLinear,
     TorchLinear,
@@ -18,6 +19,7 @@ from lamina.kernels.linear import (
     linear_factory,
     native_linear,
 )
+from lamina.kernels.weight_quant import quantize
 
 CPU = torch.device("cpu")
 
@@ -47,22 +49,35 @@ def test_native_linear_matches_f_linear_on_both_paths(rows, out_features):
     torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
+def _built(device, dtype, backend, quantization=None) -> type:
+    """The type of linear the factory makes for a weight above the native minimum."""
+    weight = torch.randn(NATIVE_MIN_ELEMENTS // 128, 128, dtype=dtype)
+    return type(linear_factory(device, dtype, backend, quantization)(weight, None))
+
+
 def test_which_linear_runs_where(monkeypatch):
     monkeypatch.delenv("LAMINA_CPU_LINEAR", raising=False)
-    assert linear_factory(CPU, torch.float32, "cpu") is native_linear
+    cuda = torch.device("cuda")
+    assert _built(CPU, torch.float32, "cpu") is PackedLinear
+    assert _built(CPU, torch.float32, "cpu", "int8") is PackedQuantLinear
+    assert _built(CPU, torch.float32, "cpu", "fp8") is PackedQuantLinear
     with monkeypatch.context() as patch:  # no AVX2 (the matmul's micro-kernel): oneDNN
         patch.setattr("lamina.kernels.linear.vectorized", lambda: False)
-        assert linear_factory(CPU, torch.float32, "cpu") is OneDnnLinear
-    assert linear_factory(CPU, torch.float32, "reference") is OneDnnLinear
-    assert linear_factory(CPU, torch.bfloat16, "reference") is TorchLinear
-    assert linear_factory(torch.device("cuda"), torch.float32, "triton") is TorchLinear
+        assert _built(CPU, torch.float32, "cpu") is OneDnnLinear
+        assert _built(CPU, torch.float32, "cpu", "int8") is DequantLinear
+    assert _built(CPU, torch.float32, "reference") is OneDnnLinear
+    assert _built(CPU, torch.float32, "reference", "int8") is DequantLinear
+    assert _built(CPU, torch.bfloat16, "reference") is TorchLinear
+    assert _built(cuda, torch.float32, "triton") is TorchLinear
+    assert _built(cuda, torch.bfloat16, "triton", "fp8") is DequantLinear
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "onednn")
-    assert linear_factory(CPU, torch.float32, "cpu") is OneDnnLinear
+    assert _built(CPU, torch.float32, "cpu") is OneDnnLinear
+    assert _built(CPU, torch.float32, "cpu", "int8") is DequantLinear
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")
     with pytest.raises(ValueError, match="native"):
         linear_factory(CPU, torch.float32, "reference")
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "torch")
-    assert linear_factory(CPU, torch.float32, "cpu") is TorchLinear
+    assert _built(CPU, torch.float32, "cpu") is TorchLinear
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "mkl")
     with pytest.raises(ValueError, match="LAMINA_CPU_LINEAR"):
         linear_factory(CPU, torch.float32)
@@ -85,3 +100,28 @@ def test_gated_linear_is_fused_only_on_the_native_matmul(monkeypatch, backend, r
         assert isinstance(gated, PackedSiluMul if fused else SiluMulLinear)
         want = reference.silu_and_mul(F.linear(x, gate_up, bias))
         torch.testing.assert_close(gated(x), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_linears_quantize_every_weight_and_fuse_on_the_native_matmul(backend, fmt):
+    """With a quantization, every linear (small ones too) and gate/up runs on the quantized
+    weight: the native matmul (gate/up fused) with the ``cpu`` kernels, else the
+    dequantizing reference; both give dequantize-then-matmul."""
+    torch.manual_seed(0)
+    linear = linear_factory(CPU, torch.float32, backend, fmt)
+    gated = gated_linear_factory(CPU, torch.float32, backend, reference.silu_and_mul, fmt)
+    native = backend == "cpu"
+    x = torch.randn(3, 128)
+    weight, bias = torch.randn(48, 128), torch.randn(48)
+    made = linear(weight, bias)
+    assert isinstance(made, PackedQuantLinear if native else DequantLinear)
+    dequantized = quantize(weight, fmt).dequantize()
+    torch.testing.assert_close(made(x), F.linear(x, dequantized, bias), atol=1e-4, rtol=1e-5)
+    fused = gated(weight, bias)
+    assert isinstance(fused, PackedQuantSiluMul if native else SiluMulLinear)
+    want = reference.silu_and_mul(F.linear(x, dequantized, bias))
+    torch.testing.assert_close(fused(x), want, atol=1e-4, rtol=1e-5)
+    already = quantize(weight, "int8")  # a quantized checkpoint's weight runs as it is
+    plain = linear_factory(CPU, torch.float32, backend)
+    torch.testing.assert_close(plain(already, None)(x), F.linear(x, already.dequantize()))
