@@ -125,6 +125,10 @@ dashboard(
             "Moves and retries / s",
             [
                 q("sum(rate(lamina:request_moves_total[5m]))", "moved mid-stream"),
+                q(
+                    "sum(rate(lamina:request_inexact_moves_total[5m]))",
+                    "moved to other numerics",
+                ),
                 q("sum(rate(lamina:request_retries_total[5m]))", "retried before acceptance"),
             ],
             "reqps",

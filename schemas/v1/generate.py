@@ -190,6 +190,11 @@ class GenerateRequest(Message):
     affinity: str | None = None
     """Requests with the same key go to the same worker while it can take them (the
     sequences of one ``n > 1`` request: their prompt is computed once, then shared)."""
+    numerics: str | None = None
+    """A moved stream's: the numerics (``WorkerStats.numerics``) of the worker that
+    began it. Placement prefers workers with the same, where the continuation is what
+    that worker would have produced (a quantized and an unquantized worker of one model
+    are not interchangeable)."""
     replayed_output_tokens: Count = 0
     """The last this-many ``prompt_token_ids`` are output the request produced before it
     moved (the gateway replays them; ``sampling.max_tokens`` and ``min_tokens`` already
@@ -218,6 +223,8 @@ class Accepted(Message):
     request_id: str
     worker_id: str
     seq: int = 0
+    numerics: str = ""
+    """The worker's ``WorkerStats.numerics`` (empty from a worker that predates it)."""
 
 
 class Tokens(Message, gc=False):

@@ -42,6 +42,10 @@ class RequestRecord(Message):
     moves: Count = 0
     """Times the accepted request moved to another worker mid-stream (``attempts``
     counts these too)."""
+    inexact_moves: Count = 0
+    """Of ``moves``, those to a worker whose numerics differ from the first worker's (no
+    worker like it could take the stream): the rest of it is not what the first worker
+    would have produced."""
     accept_s: Duration | None = None
     """From the gateway's first submission to a worker's ``Accepted``: the scheduler's
     decision, any time in its queue, and the hops (None if no worker accepted)."""

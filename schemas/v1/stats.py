@@ -88,6 +88,19 @@ class WorkerStats(Message, gc=False):
     kv_cache_dtype: str = ""
     """The KV cache's element type as configured (``auto``: the model's dtype)."""
     enable_prefix_caching: bool = True
+    dtype: str = ""
+    """The activations' dtype (``float32``, ``bfloat16``, ``float16``)."""
+    weight_dtype: str = ""
+    """What the linears' weights are stored as: ``dtype``, or a quantized format
+    (``int8``, ``fp8``)."""
+
+    def numerics(self) -> str:
+        """What a stream's tokens depend on beyond the model and the request: the device
+        type, the activations' and weights' dtypes and the KV cache's. Two workers with the
+        same compute the same greedy tokens; a stream moved between different ones
+        continues, but not as the first worker would have."""
+        device = self.device.split(":")[0]
+        return f"{device}/{self.dtype}/{self.weight_dtype}/{self.kv_cache_dtype}"
 
 
 class GatewayAlive(Message):

@@ -100,10 +100,12 @@ class WorkerService:
         self._gateways: dict[str, tuple[float, float]] = {}
         """Gateway inbox prefix -> (when last heard, its heartbeat interval)."""
         self.cordoned = False
-        self._beats, self._beat_state = 0, None
         """Set by ``Cordon``: schedulers place nothing new here (see ``WorkerStats``)."""
+        self._beats, self._beat_state = 0, None
         self.incarnation = uuid.uuid4().hex[:16]
         """This run of the worker: a restart under the same id is a new incarnation."""
+        self.numerics = ""
+        """``WorkerStats.numerics`` once the model is loaded, as each ``Accepted`` says."""
         self.bus: Bus | None = None
         self.engine_thread: EngineThread | None = None
         self._outbox: asyncio.Queue[list[Outgoing]] = asyncio.Queue()
@@ -140,6 +142,7 @@ class WorkerService:
             subjects.GATEWAY_ALIVE_ALL, GatewayAlive, self._on_gateway_alive, traced=False
         )
         self._tasks.append(asyncio.create_task(self._publish_outbox()))
+        self.numerics = self.worker_stats().numerics()
         self.lifecycle.move(Event.LOADED)
         await self._publish_stats()
         blocks = engine.blocks  # fixed at construction: safe to read from this thread
@@ -213,7 +216,9 @@ class WorkerService:
         # step does not wait on the publish): the client learns where to cancel before the
         # engine's first step ends.
         context = otel_context.get_current()
-        accepted = Accepted(request_id=request.request_id, worker_id=self.worker_id)
+        accepted = Accepted(
+            request_id=request.request_id, worker_id=self.worker_id, numerics=self.numerics
+        )
         self._outbox.put_nowait([(msg.reply, accepted, context)])
         self.engine_thread.submit(request, msg.reply, context, grammar)
 
@@ -352,6 +357,7 @@ class WorkerService:
         counters = (
             self.engine_thread.stats if self.engine_thread is not None else None
         ) or EngineStats()
+        model = engine.runner.model if engine is not None else None
         return WorkerStats(
             worker_id=self.worker_id,
             model=self.model_name,
@@ -368,6 +374,8 @@ class WorkerService:
             cordoned=self.cordoned,
             kv_cache_dtype=config.kv_cache_dtype,
             enable_prefix_caching=config.enable_prefix_caching,
+            dtype=str(model.dtype).removeprefix("torch.") if model is not None else "",
+            weight_dtype=model.weight_dtype if model is not None else "",
             prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
             **dataclasses.asdict(counters),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from lamina.schemas.v1.generate import (
     Tokens,
     Usage,
 )
+from lamina.schemas.v1.stats import WorkerStats
 from lamina.services.gateway.detokenizer import IncrementalDetokenizer
 from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.inbox import Inbox
@@ -206,8 +208,11 @@ class Admission:
         self.open_prompt_tokens = 0
         """Their prompt tokens."""
         self.max_context = 0
-        """The longest context any live worker has (0: not known yet), from the cluster
-        view: a prompt too long for it is refused before it is tokenized."""
+        """The longest context any live worker of the model has (0: not known yet), from
+        the cluster view: a prompt too long for it is refused before it is tokenized."""
+        self.precisions: list[dict[str, Any]] = []
+        """How the live workers of the model compute (:func:`precisions`), as
+        ``/v1/models`` lists it."""
         self._cleanup: set[asyncio.Task] = set()
         self._checked: BoundedDict[bytes, None] = BoundedDict(_CHECKED_CONSTRAINTS)
 
@@ -346,3 +351,18 @@ class Admission:
         task = asyncio.get_running_loop().create_task(stream.close())
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
+
+
+def precisions(workers: list[WorkerStats]) -> list[dict[str, Any]]:
+    """Each distinct way ``workers`` compute (weight, activation and KV cache dtypes, the
+    cache's ``auto`` as the dtype it means) with how many workers do, most workers first:
+    a quantized and an unquantized worker of one model show as two entries."""
+    counts = Counter(
+        (s.weight_dtype, s.dtype, s.dtype if s.kv_cache_dtype == "auto" else s.kv_cache_dtype)
+        for s in workers
+        if s.weight_dtype  # a worker still loading, or one that predates the fields
+    )
+    return [
+        {"weight_dtype": w, "dtype": d, "kv_cache_dtype": kv, "workers": n}
+        for (w, d, kv), n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    ]

@@ -599,6 +599,7 @@ class OpenAIApi:
                 "root": api.admission.model_name,
                 "parent": None,
                 "max_model_len": api.admission.max_context or None,  # None: no worker yet
+                "precisions": api.admission.precisions,
             }
 
         @get("/v1/models")

@@ -98,6 +98,10 @@ class RemoteRequest:
     """Submissions so far."""
     moves: int = 0
     """Times the accepted request moved to another worker."""
+    numerics: str = ""
+    """``WorkerStats.numerics`` of the worker whose tokens the stream began with."""
+    inexact_moves: int = 0
+    """Moves that continued the stream on a worker of other numerics."""
     streamed: list[int] = field(default_factory=list)
     """Every token id received so far, across moves."""
     finished: Finished | None = None
@@ -200,6 +204,7 @@ class RemoteRequest:
                 await self._cancel()
             match event:
                 case Accepted(worker_id=worker_id):
+                    self._note_numerics(event.numerics)
                     self.worker_id, self._accepted_at = worker_id, time.monotonic()
                     self._first_accepted_at = self._first_accepted_at or self._accepted_at
                     self.queued = False
@@ -301,6 +306,22 @@ class RemoteRequest:
                 case _:
                     raise _unexpected(event)
 
+    def _note_numerics(self, numerics: str) -> None:
+        """The accepting worker's numerics: the stream's own until it has tokens; after
+        that, a worker of other numerics continues it inexactly (placement chose it only
+        because no worker like the first could take it), which is logged and counted."""
+        if not self.streamed:
+            self.numerics = numerics
+        elif numerics != self.numerics:
+            self.inexact_moves += 1
+            log.warning(
+                "request %s continues on a worker of other numerics (%s, began on %s): "
+                "the rest of its output is not what the first worker would have produced",
+                self.request.request_id,
+                numerics or "unknown",
+                self.numerics or "unknown",
+            )
+
     def _resume_request(self) -> GenerateRequest:
         """The original request continued after the tokens already streamed."""
         done = len(self.streamed)
@@ -317,6 +338,7 @@ class RemoteRequest:
             prompt_token_ids=self.request.prompt_token_ids + self.streamed,
             sampling=sampling,
             replayed_output_tokens=done,
+            numerics=self.numerics or None,
         )
 
     def _whole_request_usage(self, finished: Finished) -> Finished:
@@ -396,6 +418,7 @@ class RemoteRequest:
             inter_token_s=self.token_gaps,
             attempts=max(self.attempts, 1),
             moves=self.moves,
+            inexact_moves=self.inexact_moves,
             accept_s=None
             if self._first_accepted_at is None
             else self._first_accepted_at - self.started,

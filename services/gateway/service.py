@@ -22,7 +22,7 @@ from lamina.libs.rate_limit import RateLimits
 from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, GatewayAlive
-from lamina.services.gateway.admission import Admission, AdmissionLimits
+from lamina.services.gateway.admission import Admission, AdmissionLimits, precisions
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.nats_api import NatsApi
 from lamina.services.gateway.openai_http import OpenAIApi
@@ -161,8 +161,13 @@ class GatewayService:
                 self.cluster_ready = any(
                     w.alive and w.stats.state == "ready" for w in status.workers
                 )
-                lengths = [w.stats.max_model_len for w in status.workers if w.alive]
-                self._admission.max_context = max(lengths, default=0)
+                ours = [
+                    w.stats
+                    for w in status.workers
+                    if w.alive and w.stats.model == self._admission.model_name
+                ]
+                self._admission.max_context = max((s.max_model_len for s in ours), default=0)
+                self._admission.precisions = precisions(ours)
             except BusError:
                 self.cluster_ready = False
             await asyncio.sleep(0.5)

@@ -176,6 +176,9 @@ class Placer:
         if not fits:
             message = f"all {len(admitted)} workers for this model are saturated"
             return Decision(None, RejectReason.OVERLOADED, message, len(admitted))
+        if request.numerics:  # a moved stream: where it continues as it began, if it can
+            same = [w for w in fits if w.stats.numerics() == request.numerics]
+            fits = same or fits
         scored = self._score_all(request, fits, overlap)
         by_id = {s.worker_id: s for s in scored}
         pinned = self._pinned.get(request.affinity) if request.affinity else None

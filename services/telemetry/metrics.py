@@ -383,6 +383,12 @@ class RequestMetrics:
             "Accepted requests moved to another worker mid-stream (each move once).",
             ("model",),
         )
+        self.inexact_moves = counter(
+            "request_inexact_moves_total",
+            "Moves that continued a stream on a worker of other numerics (another weight, "
+            "activation or KV cache dtype, or device type) than the one it began on.",
+            ("model",),
+        )
         self.retries = counter(
             "request_retries_total",
             "Submissions retried before a worker accepted them.",
@@ -405,6 +411,7 @@ class RequestMetrics:
         self.outcome.labels(*labels, record.outcome).inc()
         # Made at 0 with the model's first record, so that a rate over them is 0, not empty.
         self.moves.labels(record.model).inc(record.moves)
+        self.inexact_moves.labels(record.model).inc(record.inexact_moves)
         self.retries.labels(record.model).inc(max(0, record.attempts - 1 - record.moves))
         if record.accept_s is not None:
             self.accept.labels(record.model).observe(record.accept_s)

@@ -38,8 +38,8 @@ SETTINGS = RetryPolicy(accept_timeout=1.0, max_attempts=3, retry_backoff=0.01)
 Script = Callable[[GenerateRequest], list[object]]
 
 
-def accept(worker: str) -> Script:
-    return lambda r: [Accepted(request_id=r.request_id, worker_id=worker)]
+def accept(worker: str, numerics: str = "") -> Script:
+    return lambda r: [Accepted(request_id=r.request_id, worker_id=worker, numerics=numerics)]
 
 
 def then(*scripts: Script) -> Script:
@@ -195,6 +195,40 @@ def test_a_retryable_failure_moves_the_request_and_the_stream_continues(nats_url
     record = result.record
     assert (record.outcome, record.worker_id, record.attempts) == (Outcome.FINISHED, "w2", 2)
     assert (record.prompt_tokens, record.completion_tokens) == (3, 3)
+
+
+INT8, FP32 = "cpu/float32/int8/auto", "cpu/float32/float32/auto"
+
+
+@pytest.mark.parametrize(("second", "inexact"), [(INT8, 0), (FP32, 1)])
+def test_a_move_asks_for_the_first_workers_numerics_and_counts_a_move_without(
+    nats_url, second, inexact
+):
+    """A moved stream names the numerics it began with (placement prefers workers like
+    that); continued on a worker of other numerics, the move is counted as inexact."""
+    result = run(
+        nats_url,
+        [
+            then(accept("w1", INT8), tokens(1, 40), failed(2, retryable=True)),
+            then(accept("w2", second), tokens(1, 42), finished(2, completion=1)),
+        ],
+    )
+    assert result.error is None
+    first, moved = result.submitted
+    assert (first.numerics, moved.numerics) == (None, INT8)
+    assert (result.record.moves, result.record.inexact_moves) == (1, inexact)
+
+
+def test_a_retry_before_any_token_takes_the_accepting_workers_numerics(nats_url):
+    result = run(
+        nats_url,
+        [
+            then(accept("w1", INT8), failed(1, retryable=True)),
+            then(accept("w2", FP32), tokens(1, 42), finished(2, completion=1)),
+        ],
+    )
+    assert result.error is None and result.record.inexact_moves == 0
+    assert result.submitted[1].numerics is None  # nothing streamed: nothing to continue
 
 
 def test_retryable_rejections_are_retried_then_reported(nats_url):

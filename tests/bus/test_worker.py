@@ -41,9 +41,8 @@ WORKER = "bus-test-worker"
 
 
 def worker_config(nats_url: str, worker_id: str, model: Path, **options) -> WorkerConfig:
-    return WorkerConfig(
-        nats=NatsConfig(nats_url), worker_id=worker_id, engine=EngineConfig(model=model), **options
-    )
+    options.setdefault("engine", EngineConfig(model=model))
+    return WorkerConfig(nats=NatsConfig(nats_url), worker_id=worker_id, **options)
 
 
 async def _stream(bus: Bus, request: GenerateRequest, worker_id: str = WORKER) -> list[StreamEvent]:
@@ -65,10 +64,21 @@ async def _stream(bus: Bus, request: GenerateRequest, worker_id: str = WORKER) -
     return events
 
 
-def test_a_request_streams_accepted_then_ordered_tokens_then_finished(nats_url, tiny_model):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_request_streams_accepted_then_ordered_tokens_then_finished(
+    nats_url, tiny_model, quantization
+):
+    """Accepted (saying how the worker computes, as its heartbeat does), then the tokens
+    in order, then Finished; a prompt over the context is rejected."""
+
     async def main() -> None:
-        worker = WorkerService(worker_config(nats_url, WORKER, tiny_model))
+        engine = EngineConfig(model=tiny_model, quantization=quantization)
+        worker = WorkerService(worker_config(nats_url, WORKER, tiny_model, engine=engine))
         await worker.start()
+        stats = worker.worker_stats()
+        assert (stats.dtype, stats.weight_dtype) == ("float32", quantization or "float32")
+        numerics = f"cpu/float32/{quantization or 'float32'}/auto"
+        assert stats.numerics() == numerics
         bus = await Bus.connect(nats_url, "bus-test-client")
         try:
             streams = await asyncio.gather(
@@ -87,7 +97,9 @@ def test_a_request_streams_accepted_then_ordered_tokens_then_finished(nats_url, 
             )
             for i, events in enumerate(streams):
                 first, *middle, last = events
-                assert first == Accepted(request_id=f"r{i}", worker_id=WORKER, seq=0)
+                assert first == Accepted(
+                    request_id=f"r{i}", worker_id=WORKER, seq=0, numerics=numerics
+                )
                 assert all(isinstance(e, Tokens) for e in middle)
                 assert isinstance(last, Finished)
                 assert [e.seq for e in events] == list(range(len(events)))

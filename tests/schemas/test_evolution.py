@@ -162,6 +162,8 @@ def golden_instances() -> dict[str, Message]:
         iteration_tokens_sum=61440,
         kv_cache_dtype="fp8",
         enable_prefix_caching=False,
+        dtype="bfloat16",
+        weight_dtype="int8",
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [
@@ -209,8 +211,11 @@ def golden_instances() -> dict[str, Message]:
             worker_id=worker_id,
             affinity="9f2c41d07a5b4e1c",
             replayed_output_tokens=2,
+            numerics="cuda/bfloat16/int8/fp8",
         ),
-        Accepted(request_id=request_id, worker_id=worker_id, seq=0),
+        Accepted(
+            request_id=request_id, worker_id=worker_id, seq=0, numerics="cuda/bfloat16/int8/fp8"
+        ),
         PromptLogprobs(request_id=request_id, seq=1, start=1, logprobs=logprobs, ranks=[1, 7]),
         Tokens(request_id=request_id, seq=1, token_ids=[1576, 4996], logprobs=logprobs),
         Finished(
@@ -287,6 +292,7 @@ def golden_instances() -> dict[str, Message]:
             inter_token_s=[0.0241, 0.0244],
             attempts=3,
             moves=1,
+            inexact_moves=1,
             accept_s=0.0041,
             max_tokens=64,
             n=2,

@@ -220,7 +220,9 @@ def test_engine_phases_parameters_moves_and_retries_of_finished_requests():
     agg, _ = make_aggregator()
     timings = EngineTimings(queued_s=0.01, prefill_s=0.05, decode_s=0.2, num_preemptions=1)
     agg.observe_request(make_record(timings=timings, completion_tokens=5, max_tokens=16))
-    agg.observe_request(make_record(timings=timings, moves=1, attempts=3, accept_s=0.002))
+    agg.observe_request(
+        make_record(timings=timings, moves=1, inexact_moves=1, attempts=3, accept_s=0.002)
+    )
     agg.observe_request(make_record(outcome="failed", finish_reason=None, timings=None))
     m = 'model="tiny",worker_id="w1"'
     got = lines(agg)
@@ -241,6 +243,7 @@ def test_engine_phases_parameters_moves_and_retries_of_finished_requests():
         f"lamina:request_prefill_kv_computed_tokens_sum{{{m}}} 14.0",
         f"lamina:request_max_num_generation_tokens_sum{{{m}}} 8.0",
         'lamina:request_moves_total{model="tiny"} 1.0',
+        'lamina:request_inexact_moves_total{model="tiny"} 1.0',
         'lamina:request_retries_total{model="tiny"} 1.0',  # three attempts: one move, one retry
         'lamina:request_accept_latency_seconds_count{model="tiny"} 1.0',
         f'lamina:request_success_total{{finished_reason="error",{m}}} 1.0',

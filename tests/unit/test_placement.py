@@ -254,6 +254,22 @@ def test_retry_after_is_the_clusters_drain_time_in_whole_seconds():
 
 
 @pytest.mark.parametrize("policy", list(Policy))
+def test_a_moved_stream_goes_where_it_continues_as_it_began(policy):
+    """A moved stream's numerics (the worker it began on: here int8 weights) pick, among
+    the workers that can take it, those that compute the same, even when another
+    scores better; with none like it, it goes on elsewhere (the gateway counts that)."""
+    busy_int8 = stats("a", weight_dtype="int8", dtype="float32", num_running=3)
+    idle_fp32 = stats("b", weight_dtype="float32", dtype="float32")
+    moved = msgspec.structs.replace(request(), numerics=busy_int8.numerics())
+    live = [Candidate(busy_int8), Candidate(idle_fp32)]
+    assert Placer(policy).place(moved, live, no_overlap).worker_id == "a"
+    assert busy_int8.numerics() != idle_fp32.numerics()
+    assert Placer(policy).place(moved, [Candidate(idle_fp32)], no_overlap).worker_id == "b"
+    if policy != Policy.ROUND_ROBIN:
+        assert Placer(policy).place(request(), live, no_overlap).worker_id == "b"
+
+
+@pytest.mark.parametrize("policy", list(Policy))
 def test_a_groups_requests_follow_its_first_to_one_worker(policy):
     """The ``n`` sequences of one request share an affinity: placed where the first went
     (there their prompt is computed once), while that worker can take them."""
