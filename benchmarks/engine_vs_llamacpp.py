@@ -1,0 +1,220 @@
+"""Batch-1 decode against llama.cpp on the same weights, in one run: TPOT and tokens/s of
+Lamina's engine in process and of the whole stack over HTTP, against llama.cpp in process
+(``llama-cpp-python``), fp32 against llama.cpp's f32 and int8 (``--quantization int8``)
+against its Q8_0.
+
+The GGUF files are written from the same checkpoint by llama.cpp's own converter
+(``convert_hf_to_gguf.py``, from the ``llama-cpp-python`` source distribution of the
+installed version, fetched once from the package index into ``$LAMINA_HOME``). Every
+side is fed token ids, so the converter's check that it knows the tokenizer's
+pre-tokenizer is answered with ``gpt-2`` (the default model's tokenizer is Lamina's own;
+the vocabulary is written, the weights are converted as llama.cpp converts them). Both
+decode greedily with the same thread count (torch's); each measures the gaps between
+consecutive tokens of one 32-token prompt's 129-token answer, after a warm-up. Q8_0 is
+not the same arithmetic as Lamina's int8: llama.cpp also quantizes the activations to 8
+bits per 32 values and multiplies in integers, while Lamina keeps them in fp32 and
+widens the weights (weight-only, exact against the dequantized model).
+
+Needs the ``bench`` extra (``pip install -e '.[bench]'``: builds llama.cpp from source,
+minutes on two cores). Not a test: run it by hand.
+
+    .venv/bin/python benchmarks/engine_vs_llamacpp.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+import msgspec
+import torch
+
+from lamina.libs.config import lamina_home
+from lamina.libs.nats_server import free_port
+from lamina.schemas.v1.generate import Sampling
+from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.default_model import ensure_default_model
+from lamina.services.engine_worker.engine import Engine
+from lamina.services.launcher import Stack
+
+PROMPT = list(range(5, 37))
+TOKENS = 129
+PAIRS = (("f32", None), ("q8_0", "int8"))
+"""(llama.cpp's GGUF type, Lamina's ``--quantization``) compared with each other."""
+
+
+def converter() -> Path:
+    """llama.cpp's ``convert_hf_to_gguf.py`` of the installed ``llama-cpp-python``, with
+    the ``gguf-py`` it imports."""
+    version = metadata.version("llama-cpp-python")
+    root = lamina_home() / "llama.cpp" / version
+    script = root / "convert_hf_to_gguf.py"
+    if (root / "gguf-py").exists():
+        return script
+    with tempfile.TemporaryDirectory() as download:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             "-d", download, f"llama-cpp-python=={version}"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        (sdist,) = Path(download).glob("*.tar.gz")
+        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as archive:
+            members = [
+                m
+                for m in archive.getmembers()
+                if m.name.startswith(prefix)
+                and (
+                    m.name.endswith("convert_hf_to_gguf.py")
+                    or "/conversion/" in m.name
+                    or "/gguf-py/" in m.name  # the converter's own gguf package
+                )
+            ]
+            for member in members:
+                member.name = member.name.removeprefix(prefix)
+            archive.extractall(root, members=members, filter="data")
+    return script
+
+
+def to_gguf(model: Path, outtype: str, target: Path) -> Path:
+    """``model`` converted by llama.cpp's converter to ``outtype`` (f32, q8_0)."""
+    if target.exists():
+        return target
+    script = converter()
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[1:]\n"
+        "import conversion.base as base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+        "import convert_hf_to_gguf; convert_hf_to_gguf.main()\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(script.parent), str(model),
+         "--outtype", outtype, "--outfile", str(target)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return target
+
+
+def llamacpp_gaps(gguf: Path, threads: int) -> list[float]:
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads,
+        verbose=False,
+    )  # fmt: skip
+    stamps = []
+    for _ in llm.generate(PROMPT, top_k=1, temp=0.0, reset=True):
+        stamps.append(time.perf_counter())
+        if len(stamps) == TOKENS:
+            break
+    return _gaps(stamps)
+
+
+def engine_gaps(engine: Engine) -> list[float]:
+    engine.add_request("b1", PROMPT, Sampling(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    stamps = []
+    while engine.has_work():
+        if engine.step():
+            stamps.append(time.perf_counter())
+    return _gaps(stamps)
+
+
+async def stack_gaps(host: str, port: int) -> list[float]:
+    """One streamed completion over HTTP/1.1 (a minimal client: it shares the cores with
+    the stack): the time of each token's chunk."""
+    body = msgspec.json.encode(
+        {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+         "stream": True}
+    )  # fmt: skip
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body)
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == b"200", head
+    stamps, pending = [], b""
+    while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+        pending += (await reader.readexactly(size + 2))[:-2]
+        *events, pending = pending.split(b"\n\n")
+        now = time.perf_counter()
+        stamps += [now for e in events if e.startswith(b"data: {") and b'"text":""' not in e]
+    writer.close()
+    return _gaps(stamps)
+
+
+def _gaps(stamps: list[float]) -> list[float]:
+    """The gaps between tokens after the first (which is the prompt's prefill)."""
+    return [b - a for a, b in itertools.pairwise(stamps[1:])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="checkpoint (default: the 'small' preset)")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    model = args.model or ensure_default_model("small")
+    threads = torch.get_num_threads()
+    gguf_dir = lamina_home() / "gguf"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    print(f"model {model.name}; batch 1, {len(PROMPT)}-token prompt, {TOKENS} tokens, "
+          f"{threads} threads; medians of {args.runs} runs of each side")  # fmt: skip
+    results: dict[str, dict[str, float]] = {}
+    for outtype, quantization in PAIRS:
+        gguf = to_gguf(model, outtype, gguf_dir / f"{model.name}-{outtype}.gguf")
+        ours = quantization or "fp32"
+        config = EngineConfig(
+            model=model, quantization=quantization, max_model_len=512, num_kv_blocks=64
+        )
+        engine = Engine(config)
+        engine_gaps(engine)  # warm-up
+        worker_args = ["--max-model-len", "512", "--num-kv-blocks", "64"]
+        if quantization:
+            worker_args += ["--quantization", quantization]
+        with (
+            tempfile.TemporaryDirectory() as logs,
+            Stack(
+                model=model,
+                http_port=free_port(),
+                metrics_port=free_port(),
+                log_dir=Path(logs),
+                credentials=Path(logs) / "nats",
+                worker_args=worker_args,
+            ) as stack,
+        ):
+            asyncio.run(stack_gaps(stack.http_host, stack.http_port))  # warm-up
+            sides: dict[str, list[float]] = {"llama.cpp": [], "engine": [], "stack": []}
+            for _ in range(args.runs):  # interleaved, so drift falls on every side alike
+                sides["llama.cpp"].append(statistics.median(llamacpp_gaps(gguf, threads)))
+                sides["engine"].append(statistics.median(engine_gaps(engine)))
+                gaps = asyncio.run(stack_gaps(stack.http_host, stack.http_port))
+                sides["stack"].append(statistics.median(gaps))
+        del engine
+        results[ours] = {side: statistics.median(v) * 1e3 for side, v in sides.items()}
+        spread = {side: f"{min(v) * 1e3:.2f}-{max(v) * 1e3:.2f}" for side, v in sides.items()}
+        row = results[ours]
+        print(f"{ours:>5} vs llama.cpp {outtype}: TPOT ms (range) " + ", ".join(
+            f"{side} {row[side]:.2f} ({spread[side]})" for side in sides
+        ))  # fmt: skip
+        print(f"       stack / llama.cpp {row['stack'] / row['llama.cpp']:.2f}, "
+              f"engine / llama.cpp {row['engine'] / row['llama.cpp']:.2f}")  # fmt: skip
+    if "fp32" in results and "int8" in results:
+        fp32, int8 = results["fp32"], results["int8"]
+        print(
+            f"int8 tokens/s over fp32: engine {fp32['engine'] / int8['engine']:.2f}x, "
+            f"stack {fp32['stack'] / int8['stack']:.2f}x "
+            f"(llama.cpp Q8_0 over f32: {fp32['llama.cpp'] / int8['llama.cpp']:.2f}x)"
+        )
+
+
+if __name__ == "__main__":
+    main()
