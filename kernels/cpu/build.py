@@ -57,6 +57,10 @@ SIGNATURES: dict[str, tuple[list, object]] = {
         [_P, _I64, _I64, _I64, _P, ctypes.c_int, _P, _I64, _P, _P],
         None,
     ),
+    "lamina_decode_layers": (
+        [_P, _I64, _P, _F32, _F32, _I64, *[_P] * 6, _I64, _P, _P],
+        ctypes.c_int,
+    ),
     "lamina_paged_decode_attention": (
         [_P, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, *[_I64] * 6, _F32, _P],
         ctypes.c_int,

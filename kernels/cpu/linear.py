@@ -51,6 +51,12 @@ class PackedLinear:
         """The weight's (or bias's) rows in the order the kernel packs them."""
         return rows
 
+    def native_fields(self) -> tuple[int, ...]:
+        """This linear as ``decode.cpp``'s ``Linear`` reads it: format (0: fp32), packed
+        weight, scales (0: none), bias (0: none), outputs, inputs."""
+        packed, n, bias = self._pointers
+        return (0, packed, 0, bias or 0, n, self.in_features)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(..., K)`` fp32; returns ``(..., N)``."""
         if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.float32:
@@ -101,6 +107,10 @@ class PackedQuantLinear(PackedLinear):
             self.out_features,
             ptr(self.bias),
         )
+
+    def native_fields(self) -> tuple[int, ...]:
+        packed, fmt, scale, n, bias = self._pointers
+        return (fmt, packed, scale, bias or 0, n, self.in_features)
 
 
 class _GatedRows:

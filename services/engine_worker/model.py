@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.cpu.decode import DecodeLayer, DecodeLayers
+from lamina.kernels.cpu.linear import PackedLinear
 from lamina.kernels.dispatch import load_ops
 from lamina.kernels.linear import GatedLinear, Linear, gated_linear_factory, linear_factory
 from lamina.kernels.reference import AttentionMetadata, rotary_cos_sin, rotary_for_positions
@@ -142,6 +144,11 @@ class CausalLM:
             d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
         )
         self.scale = d**-0.5
+        self.native_decode = self.ops.backend == "cpu" and tp.size == 1
+        """Run steps of decodes only as one native call (``kernels/cpu/decode.cpp``) where
+        the layers allow it (see :meth:`_decode_layers`)."""
+        self._native: tuple[int, DecodeLayers | None] | None = None
+        """(the KV caches it was made for, by their first's address; the native step)."""
 
     @staticmethod
     def _qk_norm(c: ModelConfig, take, prefix: str) -> torch.Tensor:
@@ -167,6 +174,42 @@ class CausalLM:
         scales = torch.stack([weights.take_per_head(name, num_kv_heads) for name in names])
         return tp.shard(scales, 1).to(device)
 
+    def _decode_layers(self, kv_caches: list[torch.Tensor]) -> DecodeLayers | None:
+        """The native decode step over ``kv_caches``, made on first use; None where it
+        does not apply: another backend or tensor parallelism, a linear not on the native
+        matmul (a small fp32 weight runs ``F.linear``), or a quantized KV cache."""
+        if not self.native_decode or not kv_caches:
+            return None
+        key = kv_caches[0].data_ptr()
+        if self._native is None or self._native[0] != key:
+            self._native = (key, self._make_decode_layers(kv_caches))
+        return self._native[1]
+
+    def _make_decode_layers(self, kv_caches: list[torch.Tensor]) -> DecodeLayers | None:
+        layers = []
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if not all(isinstance(lin, PackedLinear) for lin in linears):
+                return None
+            if cache.dtype != torch.float32:
+                return None
+            layers.append(
+                DecodeLayer(
+                    layer.input_norm.contiguous(),
+                    layer.qkv,
+                    None if layer.qk_norm is None else layer.qk_norm.contiguous(),
+                    layer.o,
+                    layer.post_norm.contiguous(),
+                    layer.gate_up,
+                    layer.down,
+                    cache,
+                )
+            )
+        c = self.local
+        return DecodeLayers(
+            layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale
+        )
+
     @torch.inference_mode()
     def forward(
         self,
@@ -184,6 +227,16 @@ class CausalLM:
         eps = c.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
         cos, sin = rotary_for_positions(positions, self.cos, self.sin, self.dtype)
+        if attn.num_decodes == num_tokens:
+            native = self._decode_layers(kv_caches)
+            if native is not None:
+                hidden, residual = native(
+                    hidden, cos, sin, attn.slot_mapping, attn.block_table, attn.context_lens
+                )
+                hidden, _ = self.ops.rms_norm(
+                    hidden[logits_indices], self.norm, c.rms_norm_eps, residual[logits_indices]
+                )
+                return self.lm_head(hidden).float()
         heads = c.num_heads + c.num_kv_heads
         ops = self.ops
         residual: torch.Tensor | None = None

@@ -1,0 +1,156 @@
+// A decode step's decoder layers in one native call, for the CPU backend: the same
+// kernels the Python forward calls one by one (RMSNorm, the packed matmuls, rotary, the
+// paged decode attention), run back to back on buffers the caller allocated once for the
+// step. At batch 1 a step's arithmetic is small, and the Python between the kernels (a
+// dozen calls per layer, each with its checks, its output allocation and its ctypes
+// crossing) cost about as much as the matmuls of an int8 model; here it is gone.
+//
+// Per layer (the Python forward's order and arithmetic):
+//   x, residual = rms_norm(hidden [+ residual])      (layer 0: residual = hidden)
+//   qkv = x @ Wqkv^T (+ b);  per-head RMSNorm of q and k (Qwen3);  rotary on q and k
+//   the new k and v written to the fp32 paged cache at each sequence's slot
+//   attn = paged decode attention of q over the cache
+//   x, residual = rms_norm(attn @ Wo^T (+ b) + residual)
+//   hidden = silu(x @ Wgate^T) * (x @ Wup^T) @ Wdown^T (+ biases)
+// The caller applies the final norm and the LM head (as for any step).
+//
+// Layers come as rows of int64 fields (pointers and sizes), built once at load by
+// kernels/cpu/decode.py, which names each field.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+void lamina_rms_norm(const float* x, int64_t x_stride, const float* residual,
+                     int64_t residual_stride, const float* weight, float eps, int64_t rows,
+                     int64_t dim, float* out, float* residual_out);
+void lamina_rotary(const float* x, int64_t x_stride, const float* cos, const float* sin,
+                   int64_t tokens, int64_t heads, int64_t dim, float* out);
+void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                          const float* packed, int64_t n, const float* bias, float* out);
+void lamina_packed_silu_mul(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                            const float* packed, int64_t n, const float* bias, float* out);
+void lamina_packed_linear_q(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                            const void* packed, int format, const float* scale, int64_t n,
+                            const float* bias, float* out);
+void lamina_packed_silu_mul_q(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                              const void* packed, int format, const float* scale, int64_t n,
+                              const float* bias, float* out);
+int lamina_paged_decode_attention(const float* q, int64_t q_stride, const void* cache,
+                                  int cache_kind, const float* scales, const int64_t* tables,
+                                  int64_t table_stride, const int64_t* contexts,
+                                  int64_t num_seqs, int64_t num_blocks, int64_t block_size,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  float sm_scale, float* out);
+}
+
+namespace {
+
+// A packed linear as decode.py lays it out: format (0 fp32, else gemm.cpp's Format),
+// packed weight, scales (quantized) or 0, bias or 0, outputs, inputs.
+struct Linear {
+  int64_t format;
+  const void* packed;
+  const float* scale;
+  const float* bias;
+  int64_t n, k;
+};
+static_assert(sizeof(Linear) == 6 * sizeof(int64_t));
+
+struct Layer {
+  const float* input_norm;
+  Linear qkv;
+  const float* qk_norm;  // (Hq + Hkv, D), or null
+  Linear o;
+  const float* post_norm;
+  Linear gate_up;  // gated: n is the intermediate size
+  Linear down;
+  float* kv_cache;  // (2, num_blocks, block_size, Hkv, D) fp32
+};
+static_assert(sizeof(Layer) == 28 * sizeof(int64_t));
+
+// The model's shapes, as decode.py passes them.
+struct Dims {
+  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks, block_size;
+};
+
+void linear(const Linear& l, const float* x, int64_t rows, float* out, bool gated) {
+  if (l.format == 0) {
+    (gated ? lamina_packed_silu_mul : lamina_packed_linear)(
+        x, l.k, rows, l.k, static_cast<const float*>(l.packed), l.n, l.bias, out);
+  } else {
+    (gated ? lamina_packed_silu_mul_q : lamina_packed_linear_q)(
+        x, l.k, rows, l.k, l.packed, static_cast<int>(l.format), l.scale, l.n, l.bias, out);
+  }
+}
+
+// Each row of D values of x (rows of `heads` heads, row stride `stride`) normalised and
+// scaled by its head's weight row, in place: Qwen3's q_norm / k_norm.
+void head_norm(float* x, int64_t stride, int64_t rows, int64_t heads, int64_t dim,
+               const float* weight, float eps) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + r * stride + h * dim;
+      float squares = 0.0f;
+      for (int64_t i = 0; i < dim; ++i) squares += v[i] * v[i];
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i) v[i] = v[i] * inv * weight[h * dim + i];
+    }
+}
+
+}  // namespace
+
+// hidden (S, H): the step's embeddings in, the last layer's output out; residual (S, H):
+// the residual stream out (the final norm adds the two). cos, sin (S, D/2); slots (S,)
+// flat cache slots of the new tokens; tables (S, table_stride) block ids; contexts (S,)
+// cached tokens before each new one. work: at least S * (H + Hq*D + 2*Hkv*D + (Hq+Hkv)*D +
+// Hq*D + H + I) floats. Returns 0, or the attention kernel's error.
+extern "C" int lamina_decode_layers(const int64_t* layers, int64_t num_layers,
+                                    const int64_t* dims, float eps, float sm_scale, int64_t seqs,
+                                    float* hidden, float* residual, const float* cos,
+                                    const float* sin, const int64_t* slots, const int64_t* tables,
+                                    int64_t table_stride, const int64_t* contexts, float* work) {
+  Dims d;
+  std::memcpy(&d, dims, sizeof(d));
+  const int64_t hq = d.num_heads, hkv = d.num_kv_heads, hd = d.head_dim;
+  const int64_t q_size = hq * hd, kv_size = hkv * hd, qkv_width = q_size + 2 * kv_size;
+  float* x = work;                                // (S, H)
+  float* qkv = x + seqs * d.hidden;               // (S, q + 2 kv)
+  float* rotated = qkv + seqs * qkv_width;        // (S, Hq + Hkv, D)
+  float* attn = rotated + seqs * (hq + hkv) * hd;  // (S, Hq, D)
+  float* o = attn + seqs * q_size;                // (S, H)
+  float* mlp = o + seqs * d.hidden;               // (S, I)
+  const int64_t token_kv = kv_size, cache_half = d.num_blocks * d.block_size * kv_size;
+  for (int64_t n = 0; n < num_layers; ++n) {
+    Layer layer;
+    std::memcpy(&layer, layers + n * 28, sizeof(layer));
+    if (n == 0) {
+      lamina_rms_norm(hidden, d.hidden, nullptr, 0, layer.input_norm, eps, seqs, d.hidden, x,
+                      nullptr);
+      std::memcpy(residual, hidden, sizeof(float) * seqs * d.hidden);
+    } else {
+      lamina_rms_norm(hidden, d.hidden, residual, d.hidden, layer.input_norm, eps, seqs,
+                      d.hidden, x, residual);
+    }
+    linear(layer.qkv, x, seqs, qkv, false);
+    if (layer.qk_norm) head_norm(qkv, qkv_width, seqs, hq + hkv, hd, layer.qk_norm, eps);
+    lamina_rotary(qkv, qkv_width, cos, sin, seqs, hq + hkv, hd, rotated);
+    for (int64_t s = 0; s < seqs; ++s) {
+      float* keys = layer.kv_cache + slots[s] * token_kv;
+      std::memcpy(keys, rotated + (s * (hq + hkv) + hq) * hd, sizeof(float) * kv_size);
+      std::memcpy(keys + cache_half, qkv + s * qkv_width + q_size + kv_size,
+                  sizeof(float) * kv_size);
+    }
+    const int status = lamina_paged_decode_attention(
+        rotated, (hq + hkv) * hd, layer.kv_cache, 0, nullptr, tables, table_stride, contexts,
+        seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, attn);
+    if (status) return status;
+    linear(layer.o, attn, seqs, o, false);
+    lamina_rms_norm(o, d.hidden, residual, d.hidden, layer.post_norm, eps, seqs, d.hidden, x,
+                    residual);
+    linear(layer.gate_up, x, seqs, mlp, true);
+    linear(layer.down, mlp, seqs, hidden, false);
+  }
+  return 0;
+}

@@ -1,0 +1,81 @@
+"""The CPU backend's native decode step (``kernels/cpu/decode.cpp``: a decode-only step's
+layers in one call) against the same model's layer-by-layer forward and against
+``transformers``, and where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import FAMILIES
+from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
+from tests.engine.test_hf_parity import assert_logits_match, hf_model, sequences
+
+PROMPTS = [5, 37, 16]
+
+
+def _logits(engine, native: bool) -> list[torch.Tensor]:
+    engine.runner.model.native_decode = native
+    seqs = sequences(256, [p + 12 for p in PROMPTS])
+    return teacher_forced_logits(engine, seqs, PROMPTS)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_native_decode_steps_equal_the_layer_by_layer_forward(
+    family, quantization, make_checkpoint, monkeypatch
+):
+    """Every family (Qwen2's q/k/v biases, Qwen3's per-head norms, Llama's attention and
+    MLP biases, a 72-wide MLP that leaves a partial panel), fp32 and int8 weights: three
+    sequences decoding together for 12 steps, logits equal to the Python forward's, and
+    (fp32) to ``transformers``'."""
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")
+    monkeypatch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)  # pack every weight
+    biases = dict(attention_bias=True, mlp_bias=True) if family == "llama" else {}
+    path = make_checkpoint(family, intermediate_size=72, **biases)
+    engine = make_engine(path, quantization=quantization)
+    native = _logits(engine, True)
+    assert engine.runner.model._native[1] is not None  # the native step ran
+    python = _logits(make_engine(path, quantization=quantization), False)
+    for got, want in zip(native, python, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if quantization is None:
+        engine.runner.model.native_decode = True
+        assert_logits_match(engine, hf_model(path))
+
+
+def test_long_native_greedy_decoding_matches_transformers(stories):
+    """200 greedy tokens per sequence on the trained checkpoint, every weight packed."""
+    import transformers
+
+    prompts = {"a": [1, 400, 261, 403], "b": [1, 306, 323, 283, 272, 260, 389]}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)
+        patch.setenv("LAMINA_CPU_LINEAR", "native")
+        engine = make_engine(stories, max_num_batched_tokens=64)
+    ours = run_to_completion(engine, prompts, greedy(200))
+    assert engine.runner.model._native[1] is not None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(stories).eval()
+    for request_id, prompt in prompts.items():
+        want = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=200,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert ours[request_id] == want, request_id
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_the_layer_by_layer_forward_runs_where_the_native_step_does_not_apply(
+    kv_cache_dtype, tiny_model, monkeypatch
+):
+    """A quantized KV cache, and small fp32 weights left on ``F.linear`` (the default
+    model's), keep the Python forward."""
+    engine = make_engine(tiny_model, kv_cache_dtype=kv_cache_dtype, quantization="int8")
+    run_to_completion(engine, {"a": [5, 6, 7]}, greedy(4))
+    assert engine.runner.model._native[1] is None
+    fp32 = make_engine(tiny_model)
+    run_to_completion(fp32, {"a": [5, 6, 7]}, greedy(4))
+    assert fp32.runner.model._native[1] is None
