@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from lamina.kernels.weight_quant import QuantizedWeight
 from lamina.services.engine_worker.errors import ModelLoadError
 
 
@@ -62,6 +63,35 @@ class CheckpointTensors:
                 f"shape {tuple(tensor.shape)} does not match the config's {shape}",
             )
         return tensor.to(dtype)
+
+    def take_linear(
+        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype
+    ) -> torch.Tensor | QuantizedWeight:
+        """Remove and return the linear ``prefix``'s weight: cast to ``dtype``, or, stored as
+        fp8 (e4m3) with its ``weight_scale`` (one per tensor or per output row), as that
+        :class:`QuantizedWeight`. A checkpoint's ``input_scale`` (static activation
+        scales) is removed unused: activations stay in the model's dtype."""
+        name = prefix + "weight"
+        stored = self._tensors.get(name)
+        if stored is None or stored.dtype != torch.float8_e4m3fn:
+            return self.take(name, shape, dtype)
+        scale_name = prefix + "weight_scale"
+        if scale_name not in self._tensors:
+            raise ModelLoadError(f"{self.path}: tensor {scale_name}", "an fp8 weight needs it")
+        qweight = self.take(name, shape, torch.float8_e4m3fn)
+        scale = self._tensors.pop(scale_name).to(torch.float32)
+        self._tensors.pop(prefix + "input_scale", None)
+        rows = shape[0]
+        if scale.numel() == 1:
+            scale = scale.reshape(1).expand(rows).contiguous()
+        elif scale.numel() == rows and scale.dim() <= 2 and scale.shape[0] == rows:
+            scale = scale.reshape(rows).contiguous()
+        else:
+            raise ModelLoadError(
+                f"{self._source[scale_name]}: tensor {scale_name}",
+                f"shape {tuple(scale.shape)}: expected a scalar or one per row ({rows})",
+            )
+        return QuantizedWeight("fp8", qweight, scale)
 
     def take_per_head(self, name: str, num_heads: int) -> torch.Tensor:
         """Remove and return ``name``, a scalar or one value per head, as ``(num_heads,)``

@@ -19,11 +19,28 @@ import torch.nn.functional as F
 from lamina.kernels.cpu.decode import DecodeLayer, DecodeLayers
 from lamina.kernels.cpu.linear import PackedLinear
 from lamina.kernels.dispatch import load_ops
-from lamina.kernels.linear import GatedLinear, Linear, gated_linear_factory, linear_factory
+from lamina.kernels.linear import (
+    GatedLinear,
+    Linear,
+    Weight,
+    gated_linear_factory,
+    linear_factory,
+)
 from lamina.kernels.reference import AttentionMetadata, rotary_cos_sin, rotary_for_positions
+from lamina.kernels.weight_quant import QuantizedWeight, concat
+from lamina.services.engine_worker.errors import ModelLoadError
 from lamina.services.engine_worker.loader import CheckpointTensors
 from lamina.services.engine_worker.model_config import ModelConfig
 from lamina.services.engine_worker.parallel import SINGLE, TensorParallel
+
+
+def stack_rows(parts: list[Weight]) -> Weight:
+    """Projections fused into one weight, their rows stacked (plain or quantized alike)."""
+    if all(isinstance(part, QuantizedWeight) for part in parts):
+        return concat(parts)  # type: ignore[arg-type]
+    if any(isinstance(part, QuantizedWeight) for part in parts):
+        raise ModelLoadError("checkpoint", "a fused projection mixes quantized and plain parts")
+    return torch.cat(parts)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -54,7 +71,7 @@ class CausalLM:
         self.local = tp.local_config(config)
         """This rank's shapes (heads and MLP width divided across tensor-parallel ranks)."""
         self.dtype = dtype
-        self.weight_dtype = quantization or str(dtype).removeprefix("torch.")
+        self.weight_dtype = quantization or config.quantization or str(dtype).removeprefix("torch.")
         """What the linears' weights are stored as: the quantized format, or ``dtype``."""
         c = config
         h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
@@ -67,13 +84,26 @@ class CausalLM:
         def rows(name: str, *shape: int) -> torch.Tensor:  # column-parallel output rows
             return take(name, *shape, shard_dim=0)
 
-        def cols(name: str, *shape: int) -> torch.Tensor:  # row-parallel input columns
-            return take(name, *shape, shard_dim=1)
+        def weight(prefix: str, *shape: int, shard_dim: int | None = None) -> Weight:
+            """A linear's weight, plain or as the checkpoint quantized it; with ``shard_dim``
+            this rank's output rows (0: column-parallel) or input columns (1)."""
+            loaded = weights.take_linear(prefix, (shape[0], shape[1]), dtype)
+            if isinstance(loaded, torch.Tensor):
+                return (loaded if shard_dim is None else tp.shard(loaded, shard_dim)).to(device)
+            scale = loaded.scale if shard_dim != 0 else tp.shard(loaded.scale, 0)
+            qweight = loaded.qweight if shard_dim is None else tp.shard(loaded.qweight, shard_dim)
+            return QuantizedWeight(loaded.format, qweight.to(device), scale.to(device))
 
         def rank0_bias(name: str, *shape: int) -> torch.Tensor | None:
             bias = take(name, *shape)  # added once, before the all-reduce sums the ranks
             return bias if tp.rank == 0 else None
 
+        if quantization is not None and config.quantization is not None:
+            raise ModelLoadError(
+                "quantization",
+                f"the checkpoint is already quantized ({config.quantization}); load it "
+                "without --quantization",
+            )
         self.ops = load_ops(device, dtype)
         backend = self.ops.backend
         linear = linear_factory(device, dtype, backend, quantization)
@@ -102,32 +132,32 @@ class CausalLM:
                 Layer(
                     input_norm=take(p + "input_layernorm.weight", h),
                     qkv=linear(
-                        torch.cat(
+                        stack_rows(
                             [
-                                rows(attn + "q_proj.weight", c.q_size, h),
-                                rows(attn + "k_proj.weight", c.kv_size, h),
-                                rows(attn + "v_proj.weight", c.kv_size, h),
+                                weight(attn + "q_proj.", c.q_size, h, shard_dim=0),
+                                weight(attn + "k_proj.", c.kv_size, h, shard_dim=0),
+                                weight(attn + "v_proj.", c.kv_size, h, shard_dim=0),
                             ]
                         ),
                         qkv_bias,
                     ),
                     qk_norm=self._qk_norm(self.local, take, attn) if c.qk_norm else None,
                     o=linear(
-                        cols(attn + "o_proj.weight", h, c.q_size),
+                        weight(attn + "o_proj.", h, c.q_size, shard_dim=1),
                         rank0_bias(attn + "o_proj.bias", h) if c.o_bias else None,
                     ),
                     post_norm=take(p + "post_attention_layernorm.weight", h),
                     gate_up=gated(
-                        torch.cat(
+                        stack_rows(
                             [
-                                rows(mlp + "gate_proj.weight", i, h),
-                                rows(mlp + "up_proj.weight", i, h),
+                                weight(mlp + "gate_proj.", i, h, shard_dim=0),
+                                weight(mlp + "up_proj.", i, h, shard_dim=0),
                             ]
                         ),
                         gate_up_bias,
                     ),
                     down=linear(
-                        cols(mlp + "down_proj.weight", h, i),
+                        weight(mlp + "down_proj.", h, i, shard_dim=1),
                         rank0_bias(mlp + "down_proj.bias", h) if c.mlp_bias else None,
                     ),
                 )
@@ -139,7 +169,7 @@ class CausalLM:
         """Per layer, the checkpoint's fp8 KV scales ``(2, local Hkv)`` or None."""
         self.norm = take("model.norm.weight", h)
         tied = c.tie_word_embeddings
-        self.lm_head = linear(self.embed if tied else take("lm_head.weight", c.vocab_size, h), None)
+        self.lm_head = linear(self.embed if tied else weight("lm_head.", c.vocab_size, h), None)
         self.cos, self.sin = rotary_cos_sin(
             d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
         )

@@ -54,6 +54,9 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    quantization: str | None = None
+    """The checkpoint's weight format when it comes quantized (``fp8``: see
+    :func:`checkpoint_quantization`), else None."""
 
     @property
     def q_size(self) -> int:
@@ -115,7 +118,7 @@ class ModelConfig:
         if dtype_name not in DTYPES:
             raise ModelLoadError(f"{where}: dtype", f"{dtype_name!r} is not fp32, bf16 or fp16")
 
-        _refuse_quantized_checkpoint(where, raw.get("quantization_config"))
+        quantization = checkpoint_quantization(where, raw.get("quantization_config"))
 
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -144,21 +147,53 @@ class ModelConfig:
             dtype=DTYPES[dtype_name],
             eos_token_ids=tuple(int(e) for e in eos_ids),
             sliding_window=int(window) if window else None,
+            quantization=quantization,
         )
 
 
-def _refuse_quantized_checkpoint(where: str, quantization: Any) -> None:
-    """A pre-quantized checkpoint (``quantization_config`` in its ``config.json``: GPTQ,
-    AWQ, fp8, compressed-tensors, ...) fails at load naming its method: this build loads
-    only unquantized weights (``--quantization`` quantizes them at load)."""
-    if quantization is None:
-        return
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+def checkpoint_quantization(where: str, config: Any) -> str | None:
+    """The weight format of a pre-quantized checkpoint, from its ``quantization_config``:
+    ``fp8`` for fp8 (e4m3) weights with a scale per tensor or per output channel, as vLLM's
+    ``fp8`` and llm-compressor's ``compressed-tensors`` (``float-quantized``) checkpoints
+    store them; None for an unquantized checkpoint. Any other method or scheme (GPTQ, AWQ,
+    block-wise fp8, int4 groups, ...) fails here, naming it. A checkpoint's activation
+    scales (W8A8) are not used: the engine runs its weights with activations in the model's
+    dtype, as it runs weights it quantizes itself."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{where}: quantization_config", "not a JSON object")
+    method = config.get("quant_method")
+    field = f"{where}: quantization_config"
+    if method == "fp8":
+        if config.get("weight_block_size"):
+            raise ModelLoadError(
+                field,
+                f"fp8 with block-wise weight scales (weight_block_size "
+                f"{config['weight_block_size']}) is not supported; per-tensor and "
+                "per-channel scales are",
+            )
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = config.get("config_groups") or {}
+        for name, group in groups.items():
+            weights = (group or {}).get("weights") or {}
+            scheme = {k: weights.get(k) for k in ("num_bits", "type", "strategy")}
+            fp8 = scheme["num_bits"] == 8 and scheme["type"] == "float"
+            if not fp8 or scheme["strategy"] not in ("tensor", "channel"):
+                raise ModelLoadError(
+                    f"{field}.config_groups.{name}.weights",
+                    f"{scheme} is not supported: compressed-tensors checkpoints load with "
+                    "8-bit float weights, per tensor or per channel",
+                )
+        if not groups:
+            raise ModelLoadError(f"{field}.config_groups", "no quantization scheme")
+        return "fp8"
     raise ModelLoadError(
-        f"{where}: quantization_config",
-        f"quant_method {method!r}: pre-quantized checkpoints are not supported yet; load an "
-        "unquantized (fp32/bf16/fp16) checkpoint, with --quantization int8 or fp8 to "
-        "quantize it at load",
+        field,
+        f"quant_method {method!r} is not supported; supported: fp8 and compressed-tensors "
+        "(fp8 weights); unquantized checkpoints load with --quantization int8 or fp8 to "
+        "quantize them at load",
     )
 
 

@@ -1,6 +1,8 @@
-"""The engine with weights quantized at load (``--quantization int8|fp8``) against
-Hugging Face ``transformers`` running the same dequantized weights: the engine's quantized
-matmuls must compute exactly what the dequantized model does."""
+"""The engine on quantized weights, quantized at load (``--quantization int8|fp8``) or
+stored so by an fp8 checkpoint (vLLM's ``fp8``, llm-compressor's ``compressed-tensors``),
+against Hugging Face ``transformers`` running the same dequantized weights: the engine's
+quantized matmuls must compute exactly what the dequantized model does. Checkpoints of
+methods the engine does not load fail at load, naming what."""
 
 from __future__ import annotations
 
@@ -88,13 +90,127 @@ def test_quantized_engine_tracks_the_unquantized_model(tiny_model, fmt):
         assert 0 < (w - g).norm() / w.norm() < RELATIVE_ERROR[fmt]
 
 
-def test_a_pre_quantized_checkpoint_fails_at_load_naming_its_method(tiny_model, tmp_path):
-    path = tmp_path / "gptq"
+def fp8_checkpoint(source: Path, target: Path, method: str, per_tensor: bool) -> Path:
+    """``source`` saved as a pre-quantized fp8 checkpoint in the layout vLLM's ``fp8``
+    (a scale per tensor) or llm-compressor's ``compressed-tensors`` (``float-quantized``,
+    a ``(N, 1)`` scale per channel) write: each linear's ``weight`` in e4m3 with its
+    ``weight_scale`` and a static ``input_scale``; the tied LM head left unquantized."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(source / "model.safetensors"))
+    for name in list(tensors):
+        prefix, _, leaf = name.rpartition(".")
+        if leaf != "weight" or prefix.split(".")[-1] not in LINEARS:
+            continue
+        weight = tensors[name]
+        if per_tensor:
+            scale = weight.abs().max() / 448.0
+            tensors[name] = (weight / scale).to(torch.float8_e4m3fn)
+            tensors[prefix + ".weight_scale"] = scale.reshape(())
+        else:
+            quantized = quantize(weight, "fp8")
+            tensors[name] = quantized.qweight
+            tensors[prefix + ".weight_scale"] = quantized.scale[:, None]
+        tensors[prefix + ".input_scale"] = torch.tensor(0.02)
+    config = json.loads((source / "config.json").read_text())
+    if method == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    else:
+        strategy = "tensor" if per_tensor else "channel"
+        scheme = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": scheme,
+                    "input_activations": scheme | {"strategy": "tensor", "dynamic": False},
+                }
+            },
+            "ignore": ["lm_head"],
+        }
+    save_file(tensors, str(target / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def dequantize_fp8_checkpoint(source: Path, target: Path) -> Path:
+    """A pre-quantized fp8 checkpoint's weights as the fp32 values they stand for."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(source / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        prefix = name.removesuffix("weight_scale")
+        scale = tensors.pop(name).to(torch.float32).reshape(-1, 1)
+        tensors.pop(prefix + "input_scale")
+        tensors[prefix + "weight"] = tensors[prefix + "weight"].to(torch.float32) * scale
+    config = json.loads((source / "config.json").read_text())
+    del config["quantization_config"]
+    save_file(tensors, str(target / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("method", "per_tensor"),
+    [("compressed-tensors", False), ("compressed-tensors", True), ("fp8", True)],
+)
+def test_an_fp8_checkpoint_loads_and_matches_transformers_on_its_dequantized_weights(
+    stories, tmp_path, method, per_tensor
+):
+    """On the trained stories260K saved as fp8 checkpoints: the engine runs the stored
+    e4m3 weights on the native matmul (its static activation scales unused) and its
+    greedy tokens and logits are those of ``transformers`` on the dequantized weights."""
+    path = fp8_checkpoint(stories, tmp_path / "fp8", method, per_tensor)
+    reference = hf_model(dequantize_fp8_checkpoint(path, tmp_path / "dequantized"))
+    engine = make_engine(path, max_num_batched_tokens=64)
+    assert engine.runner.model.weight_dtype == "fp8"
+    assert engine.runner.model.layers[0].qkv.__class__.__name__ == "PackedQuantLinear"
+    ours = run_to_completion(engine, dict(enumerate(PROMPTS)), greedy(100))
+    for i, prompt in enumerate(PROMPTS):
+        want = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=100,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert ours[i] == want, i
+    sequences, lens = [p + ours[i][:30] for i, p in enumerate(PROMPTS)], [len(p) for p in PROMPTS]
+    got = teacher_forced_logits(make_engine(path, max_num_batched_tokens=64), sequences, lens)
+    for seq, n, logits in zip(sequences, lens, got, strict=True):
+        with torch.no_grad():
+            expected = reference(torch.tensor([seq])).logits[0, n - 1 :].float()
+        torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
+    with pytest.raises(ModelLoadError, match="already quantized"):
+        make_engine(path, quantization="int8")
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "named"),
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq'"),
+        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "config_groups": {
+                    "group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}
+                },
+            },
+            "config_groups.group_0.weights",
+        ),
+    ],
+)
+def test_an_unsupported_quantized_checkpoint_fails_at_load_naming_what(
+    tiny_model, tmp_path, quantization_config, named
+):
+    path = tmp_path / "quantized"
     shutil.copytree(tiny_model, path)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = quantization_config
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="quant_method 'gptq'"):
+    with pytest.raises(ModelLoadError, match=named):
         make_engine(path)
 
 
