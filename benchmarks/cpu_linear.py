@@ -7,7 +7,11 @@ native matmul with gate/up and the activation fused into one call (``PackedSiluM
 the engine runs). Prints median milliseconds of ``--runs``, the weight read rate and
 GFLOP/s of the fastest, and the ratios: oneDNN to torch and to native, native to fused.
 
+``--quantized``: the fused native layers on int8, fp8 and int4 (groups of 128) weights
+against fp32, with the bytes each reads per second and its speed-up over fp32.
+
     .venv/bin/python benchmarks/cpu_linear.py    # the 'small' preset's 40 linears
+    .venv/bin/python benchmarks/cpu_linear.py --quantized --rows 1 8 64
 """
 
 from __future__ import annotations
@@ -19,8 +23,15 @@ from pathlib import Path
 import torch
 from timing import median_ms
 
-from lamina.kernels.cpu import PackedLinear, PackedSiluMul, silu_and_mul
+from lamina.kernels.cpu import (
+    PackedLinear,
+    PackedQuantLinear,
+    PackedQuantSiluMul,
+    PackedSiluMul,
+    silu_and_mul,
+)
 from lamina.kernels.linear import OneDnnLinear, SiluMulLinear, TorchLinear
+from lamina.kernels.weight_quant import quantize, quantize_int4
 from lamina.services.engine_worker.default_model import ensure_default_model
 
 
@@ -39,14 +50,50 @@ def run_all(layers: list, inputs: list[torch.Tensor]):
     return lambda: [f(x) for f, x in zip(layers, inputs, strict=True)]
 
 
+BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5}
+
+
+def quantized_layers(weights: list[torch.Tensor]) -> dict[str, list]:
+    """The fused native layers (gate/up one gated call) on each weight format."""
+
+    def packed(w: torch.Tensor, n: int, fmt: str):
+        gated = n % 4 == 2
+        if fmt == "fp32":
+            return (PackedSiluMul if gated else PackedLinear)(w, None)
+        q = quantize_int4(w, 128) if fmt == "int4" else quantize(w, fmt)
+        return (PackedQuantSiluMul if gated else PackedQuantLinear)(q, None)
+
+    return {fmt: [packed(w, n, fmt) for n, w in enumerate(weights)] for fmt in BYTES_PER_WEIGHT}
+
+
+def compare_formats(shapes: list[tuple[int, int]], weights: list[torch.Tensor], args) -> None:
+    layers = quantized_layers(weights)
+    params = sum(w.numel() for w in weights)
+    print(f"{'rows':>6} " + " ".join(f"{f + ' ms':>9} {'GB/s':>6}" for f in layers)
+          + "  speed-up over fp32")  # fmt: skip
+    for rows in args.rows:
+        xs = [torch.randn(rows, k) for _, k in shapes]
+        with torch.inference_mode():
+            ms = {fmt: median_ms(run_all(impl, xs), args.runs) for fmt, impl in layers.items()}
+        cells = " ".join(
+            f"{ms[f]:>9.2f} {params * BYTES_PER_WEIGHT[f] / ms[f] / 1e6:>6.1f}" for f in layers
+        )
+        ups = ", ".join(f"{f} {ms['fp32'] / ms[f]:.2f}x" for f in layers if f != "fp32")
+        print(f"{rows:>6} {cells}  {ups}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="checkpoint (default: the 'small' preset)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 512, 2048])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--quantized", action="store_true", help="int8, fp8, int4 vs fp32")
     args = parser.parse_args()
     shapes = layer_shapes(args.model or ensure_default_model("small"))
     weights = [torch.randn(n, k) for n, k in shapes]
+    if args.quantized:
+        compare_formats(shapes, weights, args)
+        return
     impls = {"torch": TorchLinear, "oneDNN": OneDnnLinear, "native": PackedLinear}
 
     def build(w: torch.Tensor, cls: type, gated: bool):

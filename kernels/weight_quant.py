@@ -11,6 +11,12 @@ scale``:
   e4m3's largest value, so each row uses the format's whole range.
 
 A row of zeros gets scale 1 (its values are all 0 either way).
+
+A third format, ``int4``, is what GPTQ and AWQ checkpoints hold: codes ``0..15`` with a
+scale and a zero point per row and group of ``group_size`` inputs, ``W = (Q - zero) *
+scale``. The loader unpacks those checkpoints into it; :func:`quantize_int4` makes one by
+rounding to the nearest code (the grid GPTQ and AWQ use, without their error
+compensation), for tests.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 WEIGHT_FORMATS = ("int8", "fp8")
-"""The quantized formats a linear's weight can be stored in."""
+"""The formats a weight can be quantized to at load (``--quantization``)."""
 
 _RANGE = {"int8": 127.0, "fp8": 448.0}
 _STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -28,14 +34,19 @@ _STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A linear's ``(N, K)`` weight as ``qweight * scale[:, None]``."""
+    """A linear's ``(N, K)`` weight as ``qweight * scale`` (``int8``, ``fp8``: a scale per
+    row), or ``(qweight - zero) * scale`` per row and group of ``group_size`` (``int4``)."""
 
     format: str
-    """One of :data:`WEIGHT_FORMATS`."""
+    """``int8``, ``fp8`` or ``int4``."""
     qweight: torch.Tensor
-    """``(N, K)`` int8 or float8_e4m3fn."""
+    """``(N, K)`` int8, float8_e4m3fn, or uint8 codes 0-15 (int4)."""
     scale: torch.Tensor
-    """``(N,)`` float32, one per output channel."""
+    """``(N,)`` float32, one per output channel; int4: ``(N, K / group_size)``."""
+    zero: torch.Tensor | None = None
+    """int4: ``(N, K / group_size)`` float32 zero points, in codes."""
+    group_size: int = 0
+    """int4: inputs per group (0: none, a scale per row)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -43,7 +54,12 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight these values stand for, ``(N, K)`` in ``dtype``."""
-        return (self.qweight.to(torch.float32) * self.scale[:, None]).to(dtype)
+        values = self.qweight.to(torch.float32)
+        if self.format != "int4":
+            return (values * self.scale[:, None]).to(dtype)
+        g = self.group_size
+        zero = self.zero.repeat_interleave(g, dim=1)  # type: ignore[union-attr]
+        return ((values - zero) * self.scale.repeat_interleave(g, dim=1)).to(dtype)
 
 
 def quantize(weight: torch.Tensor, format: str) -> QuantizedWeight:
@@ -63,14 +79,40 @@ def quantize(weight: torch.Tensor, format: str) -> QuantizedWeight:
     return QuantizedWeight(format, qweight.contiguous(), scale.contiguous())
 
 
+def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
+    """``weight`` ``(N, K)`` as int4 codes, each group of ``group_size`` inputs of a row
+    spanning its range: ``scale = (max - min) / 15``, ``zero = round(-min / scale)``,
+    ``Q = clamp(round(W / scale) + zero, 0, 15)`` (zero and codes are integers, as GPTQ
+    and AWQ store them)."""
+    rows, inputs = weight.shape
+    if group_size <= 0 or inputs % group_size:
+        raise ValueError(f"group size {group_size} does not divide {inputs} inputs")
+    w = weight.to(torch.float32).reshape(rows, inputs // group_size, group_size)
+    low = w.amin(dim=2).clamp(max=0)
+    high = w.amax(dim=2).clamp(min=0)
+    scale = torch.where(high > low, (high - low) / 15, torch.ones_like(high))
+    zero = (-low / scale).round().clamp(0, 15)
+    codes = ((w / scale[..., None]).round() + zero[..., None]).clamp(0, 15)
+    return QuantizedWeight(
+        "int4",
+        codes.reshape(rows, inputs).to(torch.uint8),
+        scale.contiguous(),
+        zero.contiguous(),
+        group_size,
+    )
+
+
 def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Row blocks of one format stacked into one weight (a fused Q/K/V or gate/up
-    projection): per-row scales make that exact."""
-    formats = {part.format for part in parts}
-    if len(formats) != 1:
-        raise ValueError(f"cannot stack weights of formats {sorted(formats)}")
+    projection): per-row scales (and zero points) make that exact."""
+    kinds = {(part.format, part.group_size, part.zero is None) for part in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot stack weights of formats {sorted(k[:2] for k in kinds)}")
+    first = parts[0]
     return QuantizedWeight(
-        parts[0].format,
+        first.format,
         torch.cat([part.qweight for part in parts]),
         torch.cat([part.scale for part in parts]),
+        None if first.zero is None else torch.cat([p.zero for p in parts]),  # type: ignore[misc]
+        first.group_size,
     )

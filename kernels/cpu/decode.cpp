@@ -32,11 +32,13 @@ void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m, int64_t k
 void lamina_packed_silu_mul(const float* x, int64_t x_stride, int64_t m, int64_t k,
                             const float* packed, int64_t n, const float* bias, float* out);
 void lamina_packed_linear_q(const float* x, int64_t x_stride, int64_t m, int64_t k,
-                            const void* packed, int format, const float* scale, int64_t n,
-                            const float* bias, float* out);
+                            const void* packed, int format, const float* scale,
+                            const float* zero, int64_t group, int64_t n, const float* bias,
+                            float* out);
 void lamina_packed_silu_mul_q(const float* x, int64_t x_stride, int64_t m, int64_t k,
-                              const void* packed, int format, const float* scale, int64_t n,
-                              const float* bias, float* out);
+                              const void* packed, int format, const float* scale,
+                              const float* zero, int64_t group, int64_t n, const float* bias,
+                              float* out);
 int lamina_paged_decode_attention(const float* q, int64_t q_stride, const void* cache,
                                   int cache_kind, const float* scales, const int64_t* tables,
                                   int64_t table_stride, const int64_t* contexts,
@@ -48,15 +50,18 @@ int lamina_paged_decode_attention(const float* q, int64_t q_stride, const void* 
 namespace {
 
 // A packed linear as decode.py lays it out: format (0 fp32, else gemm.cpp's Format),
-// packed weight, scales (quantized) or 0, bias or 0, outputs, inputs.
+// packed weight, scales (quantized) or 0, zero points (int4) or 0, the group size along K,
+// bias or 0, outputs, inputs.
 struct Linear {
   int64_t format;
   const void* packed;
   const float* scale;
+  const float* zero;
+  int64_t group;
   const float* bias;
   int64_t n, k;
 };
-static_assert(sizeof(Linear) == 6 * sizeof(int64_t));
+static_assert(sizeof(Linear) == 8 * sizeof(int64_t));
 
 struct Layer {
   const float* input_norm;
@@ -68,7 +73,7 @@ struct Layer {
   Linear down;
   float* kv_cache;  // (2, num_blocks, block_size, Hkv, D) fp32
 };
-static_assert(sizeof(Layer) == 28 * sizeof(int64_t));
+static_assert(sizeof(Layer) == 36 * sizeof(int64_t));
 
 // The model's shapes, as decode.py passes them.
 struct Dims {
@@ -80,8 +85,10 @@ void linear(const Linear& l, const float* x, int64_t rows, float* out, bool gate
     (gated ? lamina_packed_silu_mul : lamina_packed_linear)(
         x, l.k, rows, l.k, static_cast<const float*>(l.packed), l.n, l.bias, out);
   } else {
-    (gated ? lamina_packed_silu_mul_q : lamina_packed_linear_q)(
-        x, l.k, rows, l.k, l.packed, static_cast<int>(l.format), l.scale, l.n, l.bias, out);
+    (gated ? lamina_packed_silu_mul_q : lamina_packed_linear_q)(x, l.k, rows, l.k, l.packed,
+                                                                static_cast<int>(l.format),
+                                                                l.scale, l.zero, l.group, l.n,
+                                                                l.bias, out);
   }
 }
 
@@ -124,7 +131,7 @@ extern "C" int lamina_decode_layers(const int64_t* layers, int64_t num_layers,
   const int64_t token_kv = kv_size, cache_half = d.num_blocks * d.block_size * kv_size;
   for (int64_t n = 0; n < num_layers; ++n) {
     Layer layer;
-    std::memcpy(&layer, layers + n * 28, sizeof(layer));
+    std::memcpy(&layer, layers + n * 36, sizeof(layer));
     if (n == 0) {
       lamina_rms_norm(hidden, d.hidden, nullptr, 0, layer.input_norm, eps, seqs, d.hidden, x,
                       nullptr);

@@ -20,7 +20,11 @@
 // activation is applied to each output block as soon as its two sums are done.
 //
 // Quantized weights (weight-only: x and out stay fp32) use the same layout with one byte per
-// element: int8 with a scale per output column, or fp8 e4m3 with a scale per output column.
+// element: int8 with a scale per output column, or fp8 e4m3 with a scale per output column;
+// or half a byte: int4 codes (GPTQ's and AWQ's), w = (q - zero) * scale with a scale and a
+// zero point per column and group of K (a panel's k-row is 8 bytes, byte j holding column j
+// in its low nibble and column j + 8 in its high one). One row of x against int4 sums x * q
+// and x per group and takes scale * (sum x q - zero * sum x) once per group.
 // A byte is widened to fp32 in registers as it is loaded; the column's scale multiplies the
 // finished sums (sum_k x_k * q_jk * s_j = s_j * sum_k x_k * q_jk), so decoding reads a
 // quarter of the fp32 bytes and does no more arithmetic. With more rows than one
@@ -59,8 +63,17 @@ constexpr int64_t kFetchCalls = 3;  // see the panel prefetch in packed_matmul
 struct Fp8 {
   uint8_t bits;
 };
+// Two int4 codes: a panel's column j (low nibble) and j + 8 (high nibble) at one k.
+struct Int4 {
+  uint8_t bits;
+};
 template <typename W>
 constexpr bool kQuantized = !std::is_same_v<W, float>;
+template <typename W>
+constexpr bool kGrouped = std::is_same_v<W, Int4>;
+// Elements of W in one k-row of a panel.
+template <typename W>
+constexpr int64_t kPerK = kGrouped<W> ? kNR / 2 : kNR;
 
 // One element as fp32 (the scalar path; the column's scale is applied by the caller).
 inline float widen(float w) { return w; }
@@ -70,6 +83,12 @@ inline float widen(Fp8 w) {
   const float magnitude = exponent ? std::ldexp(1.0f + mantissa / 8.0f, exponent - 7)
                                    : std::ldexp(mantissa / 8.0f, -6);  // subnormal
   return (w.bits & 0x80) ? -magnitude : magnitude;
+}
+
+// Column j's code in an int4 k-row.
+inline float code(const Int4* row, int j) {
+  const uint8_t byte = row[j & 7].bits;
+  return static_cast<float>(j < 8 ? byte & 0xF : byte >> 4);
 }
 
 #if LAMINA_AVX2
@@ -94,6 +113,12 @@ inline void load16(const Fp8* b, __m256& lo, __m256& hi) {
       _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
   lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+inline void load16(const Int4* b, __m256& lo, __m256& hi) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, nibble)));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)));
 }
 #endif
 
@@ -226,6 +251,100 @@ inline void widen_panel(const W* b, int64_t kc, const float* scale, float* dst) 
 #endif
 }
 
+// x[0] + ... + x[n - 1].
+inline float sum(const float* x, int64_t n) {
+  int64_t i = 0;
+  float total = 0.0f;
+#if LAMINA_AVX2
+  __m256 lanes = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(x + i));
+  alignas(32) float parts[8];
+  _mm256_store_ps(parts, lanes);
+  for (const float part : parts) total += part;
+#endif
+  for (; i < n; ++i) total += x[i];
+  return total;
+}
+
+// out (1 x cols) = or += one row of x (all of K) against an int4 panel: per group of K,
+// scale * (sum x q - zero * sum x) for each column (scale, zero: the panel's groups x 16).
+inline void micro_int4_row(const float* a, const Int4* b, int64_t kc, float* out, bool first,
+                           const float* bias, const float* scale, const float* zero,
+                           int64_t group, int64_t cols) {
+  alignas(32) float block[kNR];
+#if LAMINA_AVX2
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t g0 = 0, g = 0; g0 < kc; g0 += group, ++g) {
+    const int64_t g1 = std::min(kc, g0 + group);
+    __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+    __m256 sum_lo2 = _mm256_setzero_ps(), sum_hi2 = _mm256_setzero_ps();  // a second chain
+    const float xs = sum(a + g0, g1 - g0);
+    int64_t k = g0;
+    for (; k + 2 <= g1; k += 2) {
+      __m256 w0, w1, w2, w3;
+      load16(b + k * 8, w0, w1);
+      load16(b + (k + 1) * 8, w2, w3);
+      const __m256 x0 = _mm256_broadcast_ss(a + k), x1 = _mm256_broadcast_ss(a + k + 1);
+      sum_lo = _mm256_fmadd_ps(x0, w0, sum_lo);
+      sum_hi = _mm256_fmadd_ps(x0, w1, sum_hi);
+      sum_lo2 = _mm256_fmadd_ps(x1, w2, sum_lo2);
+      sum_hi2 = _mm256_fmadd_ps(x1, w3, sum_hi2);
+    }
+    for (; k < g1; ++k) {
+      __m256 w0, w1;
+      load16(b + k * 8, w0, w1);
+      const __m256 x0 = _mm256_broadcast_ss(a + k);
+      sum_lo = _mm256_fmadd_ps(x0, w0, sum_lo);
+      sum_hi = _mm256_fmadd_ps(x0, w1, sum_hi);
+    }
+    const __m256 x_sum = _mm256_set1_ps(xs);
+    const float* s = scale + g * kNR;
+    const float* z = zero + g * kNR;
+    sum_lo = _mm256_fnmadd_ps(_mm256_loadu_ps(z), x_sum, _mm256_add_ps(sum_lo, sum_lo2));
+    sum_hi = _mm256_fnmadd_ps(_mm256_loadu_ps(z + 8), x_sum, _mm256_add_ps(sum_hi, sum_hi2));
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(s), sum_lo, lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(s + 8), sum_hi, hi);
+  }
+  _mm256_store_ps(block, lo);
+  _mm256_store_ps(block + 8, hi);
+#else
+  for (int j = 0; j < kNR; ++j) block[j] = 0.0f;
+  for (int64_t g0 = 0, g = 0; g0 < kc; g0 += group, ++g) {
+    const int64_t g1 = std::min(kc, g0 + group);
+    float xs = 0.0f, sums[kNR] = {};
+    for (int64_t k = g0; k < g1; ++k) {
+      xs += a[k];
+      for (int j = 0; j < kNR; ++j) sums[j] += a[k] * code(b + k * 8, j);
+    }
+    for (int j = 0; j < kNR; ++j)
+      block[j] += scale[g * kNR + j] * (sums[j] - zero[g * kNR + j] * xs);
+  }
+#endif
+  for (int64_t j = 0; j < cols; ++j)
+    out[j] = first ? block[j] + (bias ? bias[j] : 0.0f) : out[j] + block[j];
+}
+
+// dst (kc x kNR fp32) = an int4 panel's slice b (its k-rows depth to depth + kc), as
+// (q - zero) * scale of each k's group.
+inline void widen_panel(const Int4* b, int64_t kc, int64_t depth, const float* scale,
+                        const float* zero, int64_t group, float* dst) {
+  for (int64_t k = 0; k < kc; ++k) {
+    const int64_t g = (depth + k) / group;
+    const float* s = scale + g * kNR;
+    const float* z = zero + g * kNR;
+#if LAMINA_AVX2
+    __m256 lo, hi;
+    load16(b + k * 8, lo, hi);
+    lo = _mm256_mul_ps(_mm256_sub_ps(lo, _mm256_loadu_ps(z)), _mm256_loadu_ps(s));
+    hi = _mm256_mul_ps(_mm256_sub_ps(hi, _mm256_loadu_ps(z + 8)), _mm256_loadu_ps(s + 8));
+    _mm256_store_ps(dst + k * kNR, lo);
+    _mm256_store_ps(dst + k * kNR + 8, hi);
+#else
+    for (int j = 0; j < kNR; ++j) dst[k * kNR + j] = (code(b + k * 8, j) - z[j]) * s[j];
+#endif
+  }
+}
+
 // x rows [0, rows) x depth [p, p + kc) into panels of kMR rows, k-major; the last panel
 // has the rows that are left (rows % kMR of them, if any).
 inline void pack_rows(const float* x, int64_t x_stride, int64_t rows, int64_t p, int64_t kc,
@@ -262,10 +381,13 @@ inline void silu_mul_block(const float* gate, const float* up, int64_t ld, int64
 // their biases): then the packed weight's panels alternate, gate's 16 columns then up's
 // same 16, so that both sums of an output block are done one panel apart and are combined
 // while in cache; the gate-and-up result (twice the output) is never written out. W is the
-// weight's element type; a quantized one comes with its columns' scales (panel order).
+// weight's element type; a quantized one comes with its columns' scales (panel order), an
+// int4 one also with their zero points, each per group of `group` along K ([panel][group]
+// [16]; one group of all of K otherwise).
 template <bool Gated, typename W>
 void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const W* packed,
-                   const float* scale, int64_t n, const float* bias, float* out) {
+                   const float* scale, const float* zero, int64_t group, int64_t n,
+                   const float* bias, float* out) {
   constexpr int64_t kStep = Gated ? 2 : 1;  // weight panels per 16 output columns
   const int64_t groups = (n + kNR - 1) / kNR;
   const int64_t micro_rows = (m + kMR - 1) / kMR;
@@ -283,7 +405,9 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
     float* a = aligned(packed_rows, std::min(kMC, m) * slice);
     // A quantized weight with more than one micro-kernel call per panel is widened a
     // slice at a time into this buffer, which the fp32 micro-kernel then reads.
-    const bool widen_slices = kQuantized<W> && m > kMR;
+    // int4 has a fused micro-kernel for one row only.
+    const bool widen_slices = kQuantized<W> && m > (kGrouped<W> ? 1 : kMR);
+    const int64_t groups_per_column = (k + group - 1) / group;
     float* wide = widen_slices ? aligned(widened, slice * kNR) : nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t part = item / group_parts, q = item % group_parts;
@@ -310,17 +434,24 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
           // at 64 rows than the first way). One call per panel reads the panels in one
           // sequential stream, which the hardware prefetches.
           const int64_t calls = (rows + kMR - 1) / kMR;
-          const int64_t lines = (kc * kNR * static_cast<int64_t>(sizeof(W)) + 63) / 64;
+          const int64_t lines = (kc * kPerK<W> * static_cast<int64_t>(sizeof(W)) + 63) / 64;
           const int64_t share = calls > kFetchCalls ? -(-lines / calls) : 0;
           for (int64_t panel = p0; panel < p1; ++panel) {
-            const W* b = packed + (panel * k + depth) * kNR;
+            const W* b = packed + (panel * k + depth) * kPerK<W>;
             const int64_t col = panel / kStep * kNR, cols = std::min<int64_t>(kNR, n - col);
             const float* panel_bias = bias ? bias + panel * kNR : nullptr;
-            const float* panel_scale = kQuantized<W> ? scale + panel * kNR : nullptr;
+            const int64_t panel_groups = panel * groups_per_column * kNR;
+            const float* panel_scale = kQuantized<W> ? scale + panel_groups : nullptr;
+            const float* panel_zero = kGrouped<W> ? zero + panel_groups : nullptr;
             float* dst = Gated ? sums + (panel - p0) * kNR : out + r0 * n + col;
-            const char* next = reinterpret_cast<const char*>(b + k * kNR);
+            const char* next = reinterpret_cast<const char*>(b + k * kPerK<W>);
             const bool has_next = panel + 1 < p1;
-            if (widen_slices) widen_panel(b, kc, panel_scale, wide);
+            if (widen_slices) {
+              if constexpr (kGrouped<W>)
+                widen_panel(b, kc, depth, panel_scale, panel_zero, group, wide);
+              else
+                widen_panel(b, kc, panel_scale, wide);
+            }
             for (int64_t r = 0; r < rows; r += kMR) {
               if (has_next && share) {
                 const int64_t line = r / kMR * share, last = std::min(lines, line + share);
@@ -332,6 +463,9 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
               if (widen_slices) {
                 kMicro<float>[0][width](panels_of_x + r * kc, wide, kc, block, ld, depth == 0,
                                         panel_bias, nullptr, cols);
+              } else if constexpr (kGrouped<W>) {  // one row, all of K
+                micro_int4_row(panels_of_x, b, kc, block, depth == 0, panel_bias, panel_scale,
+                               panel_zero, group, cols);
               } else {
                 kMicro<W>[fetch][width](panels_of_x + r * kc, b, kc, block, ld, depth == 0,
                                         panel_bias, panel_scale, cols);
@@ -362,18 +496,21 @@ void pack_weight(const T* weight, int64_t n, int64_t k, T* packed) {
 }
 
 // The quantized weight formats, as lamina_packed_*_q take them.
-enum Format : int { kInt8 = 1, kFp8 = 2 };
+enum Format : int { kInt8 = 1, kFp8 = 2, kInt4 = 3 };
 
 template <bool Gated>
 void quantized_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k,
-                      const void* packed, int format, const float* scale, int64_t n,
-                      const float* bias, float* out) {
+                      const void* packed, int format, const float* scale, const float* zero,
+                      int64_t group, int64_t n, const float* bias, float* out) {
   if (format == kInt8)
-    packed_matmul<Gated>(x, x_stride, m, k, static_cast<const int8_t*>(packed), scale, n,
-                         bias, out);
+    packed_matmul<Gated>(x, x_stride, m, k, static_cast<const int8_t*>(packed), scale, nullptr,
+                         k, n, bias, out);
+  else if (format == kFp8)
+    packed_matmul<Gated>(x, x_stride, m, k, static_cast<const Fp8*>(packed), scale, nullptr, k,
+                         n, bias, out);
   else
-    packed_matmul<Gated>(x, x_stride, m, k, static_cast<const Fp8*>(packed), scale, n, bias,
-                         out);
+    packed_matmul<Gated>(x, x_stride, m, k, static_cast<const Int4*>(packed), scale, zero,
+                         group, n, bias, out);
 }
 
 }  // namespace
@@ -391,7 +528,7 @@ extern "C" void lamina_pack_weight_bytes(const uint8_t* weight, int64_t n, int64
 extern "C" void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m, int64_t k,
                                      const float* packed, int64_t n, const float* bias,
                                      float* out) {
-  packed_matmul<false>(x, x_stride, m, k, packed, nullptr, n, bias, out);
+  packed_matmul<false>(x, x_stride, m, k, packed, nullptr, nullptr, k, n, bias, out);
 }
 
 // out (m, n) = silu(x @ gate^T + gate_bias) * (x @ up^T + up_bias), on a weight packed by
@@ -400,21 +537,43 @@ extern "C" void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m
 extern "C" void lamina_packed_silu_mul(const float* x, int64_t x_stride, int64_t m, int64_t k,
                                        const float* packed, int64_t n, const float* bias,
                                        float* out) {
-  packed_matmul<true>(x, x_stride, m, k, packed, nullptr, n, bias, out);
+  packed_matmul<true>(x, x_stride, m, k, packed, nullptr, nullptr, k, n, bias, out);
 }
 
-// lamina_packed_linear and lamina_packed_silu_mul on a quantized weight packed by
-// lamina_pack_weight_bytes: format 1 int8, 2 fp8 e4m3; scale, one per packed row (panel
-// order, as the bias).
+// An int4 weight (n, k) of codes 0-15, one per byte, packed into panels of 8 bytes per
+// k-row (see Int4); zero past row n.
+extern "C" void lamina_pack_weight_int4(const uint8_t* codes, int64_t n, int64_t k,
+                                        uint8_t* packed) {
+  const int64_t panels = (n + kNR - 1) / kNR;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      uint8_t* dst = packed + panel * k * (kNR / 2);
+      for (int64_t d = 0; d < k; ++d)
+        for (int64_t j = 0; j < kNR / 2; ++j) {
+          const int64_t low = panel * kNR + j, high = low + kNR / 2;
+          const uint8_t a = low < n ? codes[low * k + d] & 0xF : 0;
+          const uint8_t b = high < n ? codes[high * k + d] & 0xF : 0;
+          dst[d * (kNR / 2) + j] = static_cast<uint8_t>(a | (b << 4));
+        }
+    }
+  });
+}
+
+// lamina_packed_linear and lamina_packed_silu_mul on a quantized weight: format 1 int8 and
+// 2 fp8 e4m3 (packed by lamina_pack_weight_bytes; scale, one per packed row, in panel
+// order as the bias), 3 int4 (packed by lamina_pack_weight_int4; scale and zero, one per
+// packed row and group of `group` along K, [panel][group][16]; zero is read only for
+// int4).
 extern "C" void lamina_packed_linear_q(const float* x, int64_t x_stride, int64_t m, int64_t k,
                                        const void* packed, int format, const float* scale,
-                                       int64_t n, const float* bias, float* out) {
-  quantized_matmul<false>(x, x_stride, m, k, packed, format, scale, n, bias, out);
+                                       const float* zero, int64_t group, int64_t n,
+                                       const float* bias, float* out) {
+  quantized_matmul<false>(x, x_stride, m, k, packed, format, scale, zero, group, n, bias, out);
 }
 
 extern "C" void lamina_packed_silu_mul_q(const float* x, int64_t x_stride, int64_t m,
                                          int64_t k, const void* packed, int format,
-                                         const float* scale, int64_t n, const float* bias,
-                                         float* out) {
-  quantized_matmul<true>(x, x_stride, m, k, packed, format, scale, n, bias, out);
+                                         const float* scale, const float* zero, int64_t group,
+                                         int64_t n, const float* bias, float* out) {
+  quantized_matmul<true>(x, x_stride, m, k, packed, format, scale, zero, group, n, bias, out);
 }

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lamina.kernels.cpu.build import load_library, ptr
 from lamina.kernels.weight_quant import QuantizedWeight
 
-FORMATS = {"int8": 1, "fp8": 2}
+FORMATS = {"int8": 1, "fp8": 2, "int4": 3}
 """The quantized formats the native matmul takes, by the number ``gemm.cpp``'s ``Format``
 gives each."""
 
@@ -53,9 +53,9 @@ class PackedLinear:
 
     def native_fields(self) -> tuple[int, ...]:
         """This linear as ``decode.cpp``'s ``Linear`` reads it: format (0: fp32), packed
-        weight, scales (0: none), bias (0: none), outputs, inputs."""
+        weight, scales, zero points (0: none), group size, bias (0: none), outputs, inputs."""
         packed, n, bias = self._pointers
-        return (0, packed, 0, bias or 0, n, self.in_features)
+        return (0, packed, 0, 0, self.in_features, bias or 0, n, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(..., K)`` fp32; returns ``(..., N)``."""
@@ -76,41 +76,55 @@ class PackedLinear:
 
 
 class PackedQuantLinear(PackedLinear):
-    """``x @ weight.dequantize().T + bias`` on the CPU for fp32 ``x`` and an int8 or fp8
-    weight, packed once as :class:`PackedLinear` packs fp32 (one byte per element); the
-    kernel widens each byte in registers and applies the row's scale to the finished
-    sums."""
+    """``x @ weight.dequantize().T + bias`` on the CPU for fp32 ``x`` and an int8, fp8 or
+    int4 weight, packed once as :class:`PackedLinear` packs fp32 (one byte per element, or
+    two int4 codes per byte); the kernel widens the codes in registers and applies the
+    scales (and int4's zero points, per group of K) to the sums."""
 
     _kernel = "lamina_packed_linear_q"
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         if weight.format not in FORMATS:
-            raise ValueError(f"{type(self).__name__} takes int8 or fp8, not {weight.format}")
-        self.in_features = weight.shape[1]
+            raise ValueError(f"{type(self).__name__} takes int8, fp8 or int4, not {weight.format}")
+        self.in_features = k = weight.shape[1]
         self.out_features = self._outputs(weight.qweight)
         codes = self._arrange(weight.qweight.view(torch.uint8))
-        scale, bias = self._arrange(weight.scale), self._arrange(bias)
+        bias = self._arrange(bias)
         rows = codes.shape[0]
         panels = -(-rows // PANEL) * PANEL
-        self.packed = torch.empty(panels * self.in_features, dtype=torch.uint8)
         library = load_library()
-        library.lamina_pack_weight_bytes(
-            ptr(codes.contiguous()), rows, self.in_features, ptr(self.packed)
-        )
-        self.scale = F.pad(scale, (0, panels - rows)).contiguous()  # the kernel reads 16
+        int4 = weight.format == "int4"
+        self.packed = torch.empty(panels * k // (2 if int4 else 1), dtype=torch.uint8)
+        pack = library.lamina_pack_weight_int4 if int4 else library.lamina_pack_weight_bytes
+        pack(ptr(codes.contiguous()), rows, k, ptr(self.packed))
+        self.group = weight.group_size or k
+        # Scales (and zero points) per packed row and group, [panel][group][16]: the
+        # kernel reads a panel's 16 at a time (zero past the last row).
+        self.scale = self._by_panel(weight.scale, panels)
+        self.zero = None if weight.zero is None else self._by_panel(weight.zero, panels)
         self.bias = None if bias is None else bias.contiguous()
         self._matmul = getattr(library, self._kernel)
         self._pointers = (
             ptr(self.packed),
             FORMATS[weight.format],
             ptr(self.scale),
+            ptr(self.zero),
+            self.group,
             self.out_features,
             ptr(self.bias),
         )
 
+    def _by_panel(self, values: torch.Tensor, panels: int) -> torch.Tensor:
+        """Per-row values ``(N,)`` or per row and group ``(N, G)`` in packed row order, as
+        ``[panel][group][16]``."""
+        arranged = self._arrange(values.reshape(values.shape[0], -1))
+        padded = F.pad(arranged, (0, 0, 0, panels - arranged.shape[0]))
+        groups = padded.shape[1]
+        return padded.view(panels // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+
     def native_fields(self) -> tuple[int, ...]:
-        packed, fmt, scale, n, bias = self._pointers
-        return (fmt, packed, scale, bias or 0, n, self.in_features)
+        packed, fmt, scale, zero, group, n, bias = self._pointers
+        return (fmt, packed, scale, zero or 0, group, bias or 0, n, self.in_features)
 
 
 class _GatedRows:

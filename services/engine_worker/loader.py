@@ -10,6 +10,38 @@ from safetensors import safe_open
 
 from lamina.kernels.weight_quant import QuantizedWeight
 from lamina.services.engine_worker.errors import ModelLoadError
+from lamina.services.engine_worker.model_config import CheckpointQuantization
+
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+"""Bit offsets of the eight 4-bit codes packed in an int32, lowest first."""
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+"""Which of eight consecutive output columns each nibble of an AWQ int32 holds, lowest
+nibble first (AutoAWQ's GEMM packing)."""
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` ``(..., C)`` int32 as ``(..., C, 8)`` codes, lowest nibble first."""
+    return (packed.to(torch.int32)[..., None] >> _SHIFTS) & 0xF
+
+
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's int4 layout: ``qweight`` ``(K / 8, N)`` int32, eight inputs per int32 (input
+    ``8r + i`` in nibble ``i``); ``qzeros`` ``(G, N / 8)``, eight output columns per int32.
+    Returns codes ``(K, N)`` and zero points ``(G, N)`` as stored."""
+    codes = _nibbles(qweight).transpose(1, 2).reshape(-1, qweight.shape[1])
+    return codes, _nibbles(qzeros).reshape(qzeros.shape[0], -1)
+
+
+def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's GEMM layout: ``qweight`` ``(K, N / 8)`` and ``qzeros`` ``(G, N / 8)`` int32,
+    eight output columns per int32 in :data:`AWQ_ORDER`. Returns codes ``(K, N)`` and zero
+    points ``(G, N)``."""
+    column = torch.tensor([AWQ_ORDER.index(j) for j in range(8)])  # column j's nibble
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        return _nibbles(packed)[..., column].reshape(packed.shape[0], -1)
+
+    return unpack(qweight), unpack(qzeros)
 
 
 class CheckpointTensors:
@@ -65,12 +97,21 @@ class CheckpointTensors:
         return tensor.to(dtype)
 
     def take_linear(
-        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype
+        self,
+        prefix: str,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        quantization: CheckpointQuantization | None = None,
     ) -> torch.Tensor | QuantizedWeight:
-        """Remove and return the linear ``prefix``'s weight: cast to ``dtype``, or, stored as
-        fp8 (e4m3) with its ``weight_scale`` (one per tensor or per output row), as that
-        :class:`QuantizedWeight`. A checkpoint's ``input_scale`` (static activation
-        scales) is removed unused: activations stay in the model's dtype."""
+        """Remove and return the linear ``prefix``'s ``(N, K)`` weight: cast to ``dtype``;
+        or, stored as fp8 (e4m3) with its ``weight_scale`` (one per tensor or per output
+        row), as that :class:`QuantizedWeight`; or, in an int4 checkpoint, unpacked from
+        its GPTQ or AWQ tensors (:func:`unpack_gptq`, :func:`unpack_awq`). A checkpoint's
+        ``input_scale`` (static activation scales) is removed unused: activations stay in
+        the model's dtype. A linear a quantized checkpoint left unquantized (commonly the
+        LM head) loads as a plain weight."""
+        if quantization is not None and prefix + "qweight" in self._tensors:
+            return self._take_int4(prefix, shape, quantization)
         name = prefix + "weight"
         stored = self._tensors.get(name)
         if stored is None or stored.dtype != torch.float8_e4m3fn:
@@ -92,6 +133,49 @@ class CheckpointTensors:
                 f"shape {tuple(scale.shape)}: expected a scalar or one per row ({rows})",
             )
         return QuantizedWeight("fp8", qweight, scale)
+
+    def _take_int4(
+        self, prefix: str, shape: tuple[int, int], quantization: CheckpointQuantization
+    ) -> QuantizedWeight:
+        where = f"{self._source[prefix + 'qweight']}: {prefix}"
+        names = ("qweight", "qzeros", "scales")
+        if quantization.weight_format != "int4" or not all(
+            prefix + n in self._tensors for n in names
+        ):
+            raise ModelLoadError(where, f"needs {', '.join(names)} for {quantization.method}")
+        qweight, qzeros, scales = (self._tensors.pop(prefix + n) for n in names)
+        g_idx = self._tensors.pop(prefix + "g_idx", None)
+        rows, inputs = shape
+        group = quantization.group_size or inputs
+        if inputs % group or inputs % 8 or rows % 8:
+            raise ModelLoadError(where, f"{shape} does not split into int4 groups of {group}")
+        if g_idx is not None and not torch.equal(
+            g_idx.to(torch.int64), torch.arange(inputs) // group
+        ):
+            raise ModelLoadError(
+                where, "g_idx reorders the groups (desc_act / act-order): not supported"
+            )
+        unpack = unpack_gptq if quantization.method == "gptq" else unpack_awq
+        try:
+            codes, zeros = unpack(qweight, qzeros)
+        except RuntimeError as exc:
+            raise ModelLoadError(where, f"cannot unpack {quantization.method}: {exc}") from exc
+        expected = {"codes": (inputs, rows), "zeros": (inputs // group, rows)}
+        expected["scales"] = expected["zeros"]
+        got = {"codes": codes.shape, "zeros": zeros.shape, "scales": scales.shape}
+        for part, want in expected.items():
+            if tuple(got[part]) != want:
+                raise ModelLoadError(
+                    where, f"{part} unpack to {tuple(got[part])}, not {want} for {shape}"
+                )
+        zeros = zeros + quantization.zero_offset
+        return QuantizedWeight(
+            "int4",
+            codes.T.to(torch.uint8).contiguous(),
+            scales.T.to(torch.float32).contiguous(),
+            zeros.T.to(torch.float32).contiguous(),
+            group,
+        )
 
     def take_per_head(self, name: str, num_heads: int) -> torch.Tensor:
         """Remove and return ``name``, a scalar or one value per head, as ``(num_heads,)``

@@ -11,6 +11,7 @@ fused weights and ``self.local`` describes its shapes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,32 @@ from lamina.services.engine_worker.errors import ModelLoadError
 from lamina.services.engine_worker.loader import CheckpointTensors
 from lamina.services.engine_worker.model_config import ModelConfig
 from lamina.services.engine_worker.parallel import SINGLE, TensorParallel
+
+
+def _placed(
+    weight: QuantizedWeight, tp: TensorParallel, dim: int | None, device: torch.device
+) -> QuantizedWeight:
+    """This rank's share of a quantized weight (its rows for ``dim`` 0, its inputs for 1,
+    with their scales and zero points), on ``device``."""
+
+    def share(t: torch.Tensor | None, along: int | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if along is not None and t.dim() > along:
+            if t.shape[along] % tp.size:
+                raise ModelLoadError(
+                    "quantized weight",
+                    f"{t.shape[along]} groups do not split across {tp.size} ranks",
+                )
+            t = tp.shard(t, along)
+        return t.to(device)
+
+    return dataclasses.replace(
+        weight,
+        qweight=share(weight.qweight, dim),
+        scale=share(weight.scale, dim),
+        zero=share(weight.zero, dim),
+    )
 
 
 def stack_rows(parts: list[Weight]) -> Weight:
@@ -71,7 +98,8 @@ class CausalLM:
         self.local = tp.local_config(config)
         """This rank's shapes (heads and MLP width divided across tensor-parallel ranks)."""
         self.dtype = dtype
-        self.weight_dtype = quantization or config.quantization or str(dtype).removeprefix("torch.")
+        stored = config.quantization.weight_format if config.quantization else None
+        self.weight_dtype = quantization or stored or str(dtype).removeprefix("torch.")
         """What the linears' weights are stored as: the quantized format, or ``dtype``."""
         c = config
         h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
@@ -87,12 +115,10 @@ class CausalLM:
         def weight(prefix: str, *shape: int, shard_dim: int | None = None) -> Weight:
             """A linear's weight, plain or as the checkpoint quantized it; with ``shard_dim``
             this rank's output rows (0: column-parallel) or input columns (1)."""
-            loaded = weights.take_linear(prefix, (shape[0], shape[1]), dtype)
+            loaded = weights.take_linear(prefix, (shape[0], shape[1]), dtype, config.quantization)
             if isinstance(loaded, torch.Tensor):
                 return (loaded if shard_dim is None else tp.shard(loaded, shard_dim)).to(device)
-            scale = loaded.scale if shard_dim != 0 else tp.shard(loaded.scale, 0)
-            qweight = loaded.qweight if shard_dim is None else tp.shard(loaded.qweight, shard_dim)
-            return QuantizedWeight(loaded.format, qweight.to(device), scale.to(device))
+            return _placed(loaded, tp, shard_dim, device)
 
         def rank0_bias(name: str, *shape: int) -> torch.Tensor | None:
             bias = take(name, *shape)  # added once, before the all-reduce sums the ranks
@@ -101,7 +127,7 @@ class CausalLM:
         if quantization is not None and config.quantization is not None:
             raise ModelLoadError(
                 "quantization",
-                f"the checkpoint is already quantized ({config.quantization}); load it "
+                f"the checkpoint is already quantized ({config.quantization.method}); load it "
                 "without --quantization",
             )
         self.ops = load_ops(device, dtype)

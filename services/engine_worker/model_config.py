@@ -54,9 +54,9 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
-    quantization: str | None = None
-    """The checkpoint's weight format when it comes quantized (``fp8``: see
-    :func:`checkpoint_quantization`), else None."""
+    quantization: CheckpointQuantization | None = None
+    """How the checkpoint's weights are quantized, when they are (see
+    :func:`checkpoint_quantization`)."""
 
     @property
     def q_size(self) -> int:
@@ -151,20 +151,43 @@ class ModelConfig:
         )
 
 
-def checkpoint_quantization(where: str, config: Any) -> str | None:
-    """The weight format of a pre-quantized checkpoint, from its ``quantization_config``:
-    ``fp8`` for fp8 (e4m3) weights with a scale per tensor or per output channel, as vLLM's
-    ``fp8`` and llm-compressor's ``compressed-tensors`` (``float-quantized``) checkpoints
-    store them; None for an unquantized checkpoint. Any other method or scheme (GPTQ, AWQ,
-    block-wise fp8, int4 groups, ...) fails here, naming it. A checkpoint's activation
-    scales (W8A8) are not used: the engine runs its weights with activations in the model's
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """How a pre-quantized checkpoint stores its linears' weights."""
+
+    method: str
+    """``quantization_config.quant_method``: ``fp8``, ``compressed-tensors``, ``gptq``,
+    ``awq``."""
+    weight_format: str
+    """The :class:`~lamina.kernels.weight_quant.QuantizedWeight` format it loads as:
+    ``fp8`` or ``int4``."""
+    group_size: int = 0
+    """int4: inputs per scale and zero point (0: a row's all)."""
+    zero_offset: int = 0
+    """What to add to each stored zero point: GPTQ's original format stores them one
+    less than they are (``checkpoint_format`` ``gptq``; ``gptq_v2`` does not)."""
+
+
+def checkpoint_quantization(where: str, config: Any) -> CheckpointQuantization | None:
+    """How a pre-quantized checkpoint's weights are stored, from its
+    ``quantization_config`` (None for an unquantized checkpoint):
+
+    * fp8 (e4m3) weights with a scale per tensor or per output channel, as vLLM's ``fp8``
+      and llm-compressor's ``compressed-tensors`` (``float-quantized``) write them;
+    * int4 with a scale and a zero point per group of inputs, in GPTQ's layout
+      (``gptq``, 4 bits, ``checkpoint_format`` ``gptq`` or ``gptq_v2``) and AWQ's GEMM
+      layout (``awq``, 4 bits, with zero points).
+
+    Any other method or scheme (block-wise fp8, 8-bit GPTQ, AWQ's GEMV layout, int4
+    compressed-tensors, ...) fails here, naming it. A checkpoint's activation scales
+    (W8A8) are not used: the engine runs its weights with activations in the model's
     dtype, as it runs weights it quantizes itself."""
     if config is None:
         return None
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{where}: quantization_config", "not a JSON object")
-    method = config.get("quant_method")
     field = f"{where}: quantization_config"
+    if not isinstance(config, dict):
+        raise ModelLoadError(field, "not a JSON object")
+    method = config.get("quant_method")
     if method == "fp8":
         if config.get("weight_block_size"):
             raise ModelLoadError(
@@ -173,9 +196,11 @@ def checkpoint_quantization(where: str, config: Any) -> str | None:
                 f"{config['weight_block_size']}) is not supported; per-tensor and "
                 "per-channel scales are",
             )
-        return "fp8"
+        return CheckpointQuantization("fp8", "fp8")
     if method == "compressed-tensors":
         groups = config.get("config_groups") or {}
+        if not groups:
+            raise ModelLoadError(f"{field}.config_groups", "no quantization scheme")
         for name, group in groups.items():
             weights = (group or {}).get("weights") or {}
             scheme = {k: weights.get(k) for k in ("num_bits", "type", "strategy")}
@@ -186,14 +211,27 @@ def checkpoint_quantization(where: str, config: Any) -> str | None:
                     f"{scheme} is not supported: compressed-tensors checkpoints load with "
                     "8-bit float weights, per tensor or per channel",
                 )
-        if not groups:
-            raise ModelLoadError(f"{field}.config_groups", "no quantization scheme")
-        return "fp8"
+        return CheckpointQuantization("compressed-tensors", "fp8")
+    if method in ("gptq", "awq"):
+        if config.get("bits") != 4:
+            raise ModelLoadError(f"{field}.bits", f"{config.get('bits')!r}: only 4 is supported")
+        group = int(config.get("group_size") or -1)
+        if method == "awq":
+            version = str(config.get("version", "gemm")).lower()
+            if version != "gemm" or not config.get("zero_point", True):
+                raise ModelLoadError(
+                    field,
+                    f"AWQ version {version!r}, zero_point {config.get('zero_point')!r}: only "
+                    "the GEMM layout with zero points is supported",
+                )
+            return CheckpointQuantization("awq", "int4", max(group, 0))
+        v1 = config.get("checkpoint_format", "gptq") == "gptq"
+        return CheckpointQuantization("gptq", "int4", max(group, 0), zero_offset=int(v1))
     raise ModelLoadError(
         field,
-        f"quant_method {method!r} is not supported; supported: fp8 and compressed-tensors "
-        "(fp8 weights); unquantized checkpoints load with --quantization int8 or fp8 to "
-        "quantize them at load",
+        f"quant_method {method!r} is not supported; supported: fp8, compressed-tensors (fp8 "
+        "weights), gptq and awq (4 bits); unquantized checkpoints load with --quantization "
+        "int8 or fp8 to quantize them at load",
     )
 
 

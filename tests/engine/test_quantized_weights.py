@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lamina.kernels.weight_quant import WEIGHT_FORMATS, quantize
+from lamina.kernels.weight_quant import WEIGHT_FORMATS, QuantizedWeight, quantize, quantize_int4
 from lamina.services.engine_worker.errors import ModelLoadError
+from lamina.services.engine_worker.loader import AWQ_ORDER
 from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
-from tests.engine.test_hf_parity import hf_model
+from tests.engine.test_hf_parity import assert_logits_match, hf_model, sequences
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[1, 400, 261, 403], [1, 306, 323, 283, 272, 260, 389], [1, 73, 87, 316]]
@@ -188,8 +189,9 @@ def test_an_fp8_checkpoint_loads_and_matches_transformers_on_its_dequantized_wei
 @pytest.mark.parametrize(
     ("quantization_config", "named"),
     [
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq'"),
-        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "only 4"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "GEMM layout"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
         (
             {
@@ -214,8 +216,129 @@ def test_an_unsupported_quantized_checkpoint_fails_at_load_naming_what(
         make_engine(path)
 
 
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``(..., 8)`` codes as one int32 each, the first in the lowest nibble."""
+    packed = torch.zeros(codes.shape[:-1], dtype=torch.int32)
+    for i in range(8):
+        packed |= codes[..., i].to(torch.int32) << (4 * i)
+    return packed
+
+
+def gptq_symmetric(weight: torch.Tensor, group: int) -> QuantizedWeight:
+    """GPTQ's symmetric 4-bit grid (zero point 8, ``scale = 2 max|w| / 15`` per group),
+    rounded to the nearest code: what a ``sym: true`` GPTQ checkpoint holds."""
+    rows, inputs = weight.shape
+    w = weight.reshape(rows, inputs // group, group)
+    scale = (2 * w.abs().amax(dim=2) / 15).clamp(min=1e-8).half().float()
+    codes = ((w / scale[..., None]).round() + 8).clamp(0, 15).reshape(rows, inputs)
+    zero = torch.full_like(scale, 8.0)
+    return QuantizedWeight("int4", codes.to(torch.uint8), scale, zero, group)
+
+
+def int4_checkpoint(source: Path, target: Path, method: str, group: int) -> Path:
+    """``source`` written as a 4-bit checkpoint in the published layout of ``method``:
+    ``gptq`` (AutoGPTQ's original format: symmetric, zero points stored one less, a
+    ``g_idx``), ``gptq_v2`` (asymmetric, zero points as they are) or ``awq`` (AutoAWQ's
+    GEMM packing); fp16 scales; the LM head and embeddings left as they are. Also writes
+    ``target``-dequantized: the same model with each linear's dequantized values."""
+    shutil.copytree(source, target)
+    reference = target.with_name(target.name + "-dequantized")
+    shutil.copytree(source, reference)
+    tensors = load_file(str(source / "model.safetensors"))
+    dequantized = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
+        prefix = name.removesuffix("weight")
+        weight = tensors.pop(name)
+        if method == "gptq":
+            q = gptq_symmetric(weight, group)
+        else:
+            q = quantize_int4(weight, group)
+            q = QuantizedWeight("int4", q.qweight, q.scale.half().float(), q.zero, group)
+        dequantized[name] = q.dequantize()
+        codes, zeros = q.qweight.T.contiguous(), q.zero.T.to(torch.int32)  # (K, N), (G, N)
+        k, n = codes.shape
+        if method == "awq":
+            order = list(AWQ_ORDER)
+            tensors[prefix + "qweight"] = _pack_nibbles(codes.view(k, n // 8, 8)[..., order])
+            tensors[prefix + "qzeros"] = _pack_nibbles(zeros.view(-1, n // 8, 8)[..., order])
+        else:
+            stored = (zeros - 1) & 0xF if method == "gptq" else zeros
+            tensors[prefix + "qweight"] = _pack_nibbles(codes.view(k // 8, 8, n).transpose(1, 2))
+            tensors[prefix + "qzeros"] = _pack_nibbles(stored.view(-1, n // 8, 8))
+            tensors[prefix + "g_idx"] = (torch.arange(k) // group).to(torch.int32)
+        tensors[prefix + "scales"] = q.scale.T.half().contiguous()
+    config = json.loads((source / "config.json").read_text())
+    save_file(dequantized, str(reference / "model.safetensors"))
+    (reference / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+         "version": "gemm"}
+        if method == "awq"
+        else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+              "sym": method == "gptq", "checkpoint_format": method}
+    )  # fmt: skip
+    save_file(tensors, str(target / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptq_v2", "awq"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gptq_and_awq_checkpoints_load_and_match_their_dequantized_weights(
+    make_checkpoint, tmp_path, method, family, monkeypatch
+):
+    """A 4-bit checkpoint written here in each published layout (groups of 32 inputs,
+    Qwen2's q/k/v biases) loads as int4 on the native matmul; its logits, prefill and
+    decode, match ``transformers`` on the dequantized weights, and so do its greedy
+    tokens."""
+    path = int4_checkpoint(make_checkpoint(family), tmp_path / method, method, 32)
+    reference = hf_model(path.with_name(path.name + "-dequantized"))
+    engine = make_engine(path)
+    model = engine.runner.model
+    assert model.weight_dtype == "int4" and engine.model_config.quantization.group_size == 32
+    assert model.layers[0].gate_up.__class__.__name__ == "PackedQuantSiluMul"
+    assert_logits_match(engine, reference)
+    prompts = dict(zip("ab", sequences(256, [5, 19], seed=3), strict=True))
+    ours = run_to_completion(make_engine(path), prompts, greedy(16))
+    for request_id, prompt in prompts.items():
+        want = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert ours[request_id] == want, request_id
+
+
+def test_a_gptq_checkpoint_with_act_order_fails_at_load(make_checkpoint, tmp_path):
+    path = int4_checkpoint(make_checkpoint("llama"), tmp_path / "gptq", "gptq", 32)
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()  # groups out of order (desc_act)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="desc_act"):
+        make_engine(path)
+
+
 def test_an_unknown_quantization_is_refused():
     from lamina.services.engine_worker.config import EngineConfig
 
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")
+
+
+def test_the_int4_layouts_unpack_as_published():
+    """One int32 0x76543210 holds codes 0-7, lowest nibble first: GPTQ's qweight as eight
+    consecutive inputs of one column, GPTQ's qzeros as eight consecutive columns, AWQ's
+    as columns 0, 2, 4, 6, 1, 3, 5, 7."""
+    from lamina.services.engine_worker.loader import unpack_awq, unpack_gptq
+
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    codes, zeros = unpack_gptq(word, word)
+    assert codes.flatten().tolist() == list(range(8)) and codes.shape == (8, 1)
+    assert zeros.tolist() == [list(range(8))]
+    codes, zeros = unpack_awq(word, word)
+    assert codes.tolist() == zeros.tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    negative = torch.tensor([[-1]], dtype=torch.int32)  # 0xFFFFFFFF: every code 15
+    assert unpack_gptq(negative, negative)[0].flatten().tolist() == [15] * 8

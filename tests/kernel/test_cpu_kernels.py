@@ -2,7 +2,8 @@
 (GQA ratios 1-8, head dims 64-256, lengths 1 to several blocks with partial last blocks,
 strided queries, fp8 and int8 caches), the fused elementwise ops (odd sizes that leave
 SIMD tails, strided rows, the inputs they hand back to the reference) and the packed
-matmul, on fp32 weights and on int8 and fp8 ones (against dequantize-then-matmul); then
+matmul, on fp32 weights and on int8, fp8 and int4 ones (against dequantize-then-matmul);
+then
 the engine's greedy outputs on the ``cpu`` backend against ``reference``, and how the
 backend is chosen."""
 
@@ -16,7 +17,7 @@ from lamina.kernels import reference as ref
 from lamina.kernels.cpu import build
 from lamina.kernels.dispatch import choose_backend
 from lamina.kernels.reference import kv_quant
-from lamina.kernels.weight_quant import WEIGHT_FORMATS, QuantizedWeight, quantize
+from lamina.kernels.weight_quant import WEIGHT_FORMATS, QuantizedWeight, quantize, quantize_int4
 from tests.kernel.layout import metadata, paged_layout
 
 CPU = torch.device("cpu")
@@ -217,6 +218,37 @@ def test_quantized_packed_silu_mul_matches_dequantize_then_silu_and_mul(fmt, row
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 7, 73])
+@pytest.mark.parametrize(("k", "group"), [(96, 32), (1100, 100), (600, 600)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int4_packed_linear_matches_dequantize_then_linear(rows, k, group, with_bias):
+    """int4 codes with a scale and zero point per group: one row (the fused path, which
+    sums x per group) and more (each panel's slice widened first, slices of 512 crossing
+    group boundaries), groups of 32, of 100 (not dividing a slice) and one per row, a
+    partial last panel (67 outputs); zero points that are not integers too."""
+    g = torch.Generator().manual_seed(rows * k + group)
+    weight = quantize_int4(torch.randn(67, k, generator=g), group)
+    weight = QuantizedWeight(
+        "int4", weight.qweight, weight.scale, weight.zero + 0.25, group
+    )  # any zero point
+    bias = torch.randn(67, generator=g) if with_bias else None
+    x = torch.randn(rows, k + 3, generator=g)[:, :k]
+    want = torch.nn.functional.linear(x, weight.dequantize(), bias)
+    got = cpu.PackedQuantLinear(weight, bias)(x)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_int4_packed_silu_mul_matches_dequantize_then_silu_and_mul(rows):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = quantize_int4(torch.randn(2 * 67, 256, generator=g) / 16, 64)
+    bias = torch.randn(2 * 67, generator=g)
+    x = torch.randn(rows, 256, generator=g)
+    want = ref.silu_and_mul(torch.nn.functional.linear(x, gate_up.dequantize(), bias))
+    got = cpu.PackedQuantSiluMul(gate_up, bias)(x)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_every_fp8_code_widens_to_what_torch_matches():
     """Each finite e4m3 code, subnormals and negative zero included, widens in the kernel
     to exactly torch's value: an identity input reads the weight back column by column."""
@@ -229,8 +261,8 @@ def test_every_fp8_code_widens_to_what_torch_matches():
 
 
 def test_quantized_packed_linear_refuses_other_formats():
-    with pytest.raises(ValueError, match="int8 or fp8"):
-        cpu.PackedQuantLinear(QuantizedWeight("int4", torch.zeros(4, 4), torch.ones(4)), None)
+    with pytest.raises(ValueError, match="int8, fp8 or int4"):
+        cpu.PackedQuantLinear(QuantizedWeight("int2", torch.zeros(4, 4), torch.ones(4)), None)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lamina.kernels.weight_quant import QuantizedWeight, concat, quantize
+from lamina.kernels.weight_quant import QuantizedWeight, concat, quantize, quantize_int4
 
 
 def _weight() -> torch.Tensor:
@@ -47,6 +47,23 @@ def test_rows_stack_exactly_and_formats_do_not_mix():
     assert torch.equal(stacked.dequantize(), quantize(weight, "int8").dequantize())
     with pytest.raises(ValueError, match="formats"):
         concat([parts[0], quantize(weight, "fp8")])
+
+
+def test_int4_groups_span_their_range_with_integer_zero_points():
+    weight = _weight()
+    q = quantize_int4(weight, 25)
+    assert q.qweight.dtype == torch.uint8 and int(q.qweight.max()) <= 15
+    assert q.scale.shape == q.zero.shape == (24, 4)
+    assert torch.equal(q.zero, q.zero.round()) and q.scale[7].eq(1).all()
+    error = (q.dequantize() - weight).abs()
+    step = q.scale.repeat_interleave(25, dim=1)
+    assert (error <= step / 2 * (1 + 1e-5) + 1e-7).all()  # half a step, or the clamped edge
+    stacked = concat([quantize_int4(weight[:10], 25), quantize_int4(weight[10:], 25)])
+    assert torch.equal(stacked.dequantize(), q.dequantize())
+    with pytest.raises(ValueError, match="formats"):
+        concat([q, quantize_int4(weight, 50)])
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_int4(weight, 30)
 
 
 def test_bad_requests_are_refused():
