@@ -55,6 +55,7 @@ constexpr int64_t kKC = 512;   // depth of one slice of K
 constexpr int64_t kMC = 72;    // rows of x packed at a time (12 micro-panels)
 constexpr int64_t kMinRows = 192;  // fewest rows a thread gets when rows are split
 constexpr int64_t kFetchCalls = 3;  // see the panel prefetch in packed_matmul
+constexpr int64_t kInt4Rows = 3;    // most rows int4's one-row micro-kernel runs for
 // kKC and kMC: of the sizes tried (KC 256-512, MC 48-144, K unrolled by one or four) at
 // 64, 600 and 2048 rows, none was faster beyond the noise.
 
@@ -401,12 +402,17 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
     // A few micro-panels of rows (decoding) take K whole: the weight panels then stream
     // front to back in one pass instead of in slices a panel apart (and micro<M, true>
     // finds the next panel right after its own).
-    const int64_t slice = m <= kFetchCalls * kMR ? k : kKC;
+    // A quantized weight is widened a slice at a time into a buffer that the fp32
+    // micro-kernel then reads where the widening would otherwise be repeated for many
+    // micro-kernel calls per panel (prefill); with up to kFetchCalls calls each call widens
+    // in registers, overlapped with its FMAs (faster at 2-18 rows). int4's fused
+    // micro-kernel takes one row: up to kInt4Rows rows each runs it (the codes widened
+    // once per row); beyond, the slices are widened, 512 deep so that the buffer stays in
+    // L1.
+    const bool widen_slices =
+        kQuantized<W> && m > (kGrouped<W> ? kInt4Rows : kFetchCalls * kMR);
+    const int64_t slice = m <= kFetchCalls * kMR && !(kGrouped<W> && widen_slices) ? k : kKC;
     float* a = aligned(packed_rows, std::min(kMC, m) * slice);
-    // A quantized weight with more than one micro-kernel call per panel is widened a
-    // slice at a time into this buffer, which the fp32 micro-kernel then reads.
-    // int4 has a fused micro-kernel for one row only.
-    const bool widen_slices = kQuantized<W> && m > (kGrouped<W> ? 1 : kMR);
     const int64_t groups_per_column = (k + group - 1) / group;
     float* wide = widen_slices ? aligned(widened, slice * kNR) : nullptr;
     for (int64_t item = begin; item < end; ++item) {
@@ -463,9 +469,10 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
               if (widen_slices) {
                 kMicro<float>[0][width](panels_of_x + r * kc, wide, kc, block, ld, depth == 0,
                                         panel_bias, nullptr, cols);
-              } else if constexpr (kGrouped<W>) {  // one row, all of K
-                micro_int4_row(panels_of_x, b, kc, block, depth == 0, panel_bias, panel_scale,
-                               panel_zero, group, cols);
+              } else if constexpr (kGrouped<W>) {  // row by row, all of K (read in place)
+                for (int i = 0; i < width; ++i)
+                  micro_int4_row(x + (r0 + r + i) * x_stride, b, kc, block + i * ld, true,
+                                 panel_bias, panel_scale, panel_zero, group, cols);
               } else {
                 kMicro<W>[fetch][width](panels_of_x + r * kc, b, kc, block, ld, depth == 0,
                                         panel_bias, panel_scale, cols);
