@@ -13,10 +13,12 @@ On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs i
 
 ``LAMINA_CPU_LINEAR=native|onednn|torch`` overrides the choice.
 
-Quantized weights (int8, fp8: :mod:`lamina.kernels.weight_quant`) run on the native
+Quantized weights (int8, fp8, int4: :mod:`lamina.kernels.weight_quant`) run on the native
 matmul for fp32 on an AVX2 CPU with the ``cpu`` kernels (:class:`~lamina.kernels.cpu.linear.
-PackedQuantLinear`, every size: a quantized model's linears are all quantized), and
-elsewhere on :class:`DequantLinear`, the reference, which dequantizes on every call.
+PackedQuantLinear`, every size: a quantized model's linears are all quantized), on the
+Triton W8A16 / W4A16 kernel with the ``triton`` backend on CUDA
+(:class:`~lamina.kernels.triton.quant_linear.TritonQuantLinear`), and elsewhere on
+:class:`DequantLinear`, the reference, which dequantizes on every call.
 
 The MLP's gate and up projections are one :data:`GatedLinear`, ``silu(x @ gate.T) * (x @
 up.T)`` (:func:`gated_linear_factory`): with the native matmul, one fused call
@@ -132,7 +134,7 @@ def linear_factory(
     it first and every linear runs on the quantized weight; a weight that comes quantized
     (a quantized checkpoint) runs as it is either way."""
     plain = _plain_linear(device, dtype, backend)
-    quantized = PackedQuantLinear if _native_quantized(device, dtype, backend) else DequantLinear
+    quantized = _quantized_linear(device, dtype, backend)
     if quantization is not None:
         _log_once(f"{quantized.__name__} ({quantization} weights, {device.type}, {dtype})")
 
@@ -144,6 +146,17 @@ def linear_factory(
         return plain(weight, bias)
 
     return make
+
+
+def _quantized_linear(device: torch.device, dtype: torch.dtype, backend: str) -> type:
+    """What runs a quantized weight (see the module's docstring)."""
+    if _native_quantized(device, dtype, backend):
+        return PackedQuantLinear
+    if device.type == "cuda" and backend == "triton":
+        from lamina.kernels.triton.quant_linear import TritonQuantLinear
+
+        return TritonQuantLinear
+    return DequantLinear
 
 
 def _native_quantized(device: torch.device, dtype: torch.dtype, backend: str) -> bool:

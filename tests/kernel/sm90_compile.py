@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from lamina.kernels.triton import activation, attention, norm, rotary
+from lamina.kernels.triton import quant_linear as ql
 
 SM90 = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"scale", "eps"}
@@ -91,6 +92,16 @@ def cases():
             )
     reduce = {"NUM_HEADS": 32, "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16}
     yield "decode_reduce", attention._decode_reduce_kernel, reduce, PARTIALS
+    blocks = {"BLOCK_M": ql.BLOCK_M, "BLOCK_N": ql.BLOCK_N, "BLOCK_K": ql.BLOCK_K}
+    for fmt, code in ql.FORMATS.items():
+        weights = {"w_ptr": "i8" if fmt == "int8" else "u8", "scale_ptr": "fp32"}
+        weights["zero_ptr"] = "fp32"
+        yield (
+            f"quant_linear {fmt}",
+            ql._quant_linear_kernel,
+            blocks | {"FORMAT": code, "HAS_BIAS": True},
+            weights,
+        )
 
 
 def main() -> None:

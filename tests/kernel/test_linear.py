@@ -69,7 +69,8 @@ def test_which_linear_runs_where(monkeypatch):
     assert _built(CPU, torch.float32, "reference", "int8") is DequantLinear
     assert _built(CPU, torch.bfloat16, "reference") is TorchLinear
     assert _built(cuda, torch.float32, "triton") is TorchLinear
-    assert _built(cuda, torch.bfloat16, "triton", "fp8") is DequantLinear
+    assert _built(cuda, torch.bfloat16, "triton", "fp8").__name__ == "TritonQuantLinear"
+    assert _built(cuda, torch.bfloat16, "reference", "fp8") is DequantLinear
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "onednn")
     assert _built(CPU, torch.float32, "cpu") is OneDnnLinear
     assert _built(CPU, torch.float32, "cpu", "int8") is DequantLinear

@@ -167,3 +167,52 @@ def test_flat_metadata_skips_the_dense_masks():
     assert meta.decode_groups == () and meta.prefill_contexts == ()
     assert meta.query_start_loc.tolist() == [0, 1, 2, 7] and meta.max_query_len == 5
     assert meta.num_prefill_tokens == 5
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 67, 96), (5, 130, 200), (17, 64, 64)])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                DEVICE.type != "cuda",
+                reason="Triton's interpreter computes bf16 tl.dot wrongly (a 16x16 dot is off "
+                "by 1e10); on a GPU",
+            ),
+        ),
+    ],
+)
+def test_quant_linear_matches_dequantize_then_linear(fmt, rows, n, k, dtype):
+    """W8A16 / W4A16: int8, fp8 and int4 (groups of 32, or one per row where 32 does not
+    divide K) weights, partial tiles in every dimension, a bias; fp32 activations, and on
+    a GPU bf16 ones (the weight widened to bf16, as the reference dequantizes to it)."""
+    from lamina.kernels.triton.quant_linear import TritonQuantLinear
+    from lamina.kernels.weight_quant import quantize, quantize_int4
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    weight = torch.randn(n, k, generator=g)
+    q = quantize_int4(weight, 32 if k % 32 == 0 else k) if fmt == "int4" else quantize(weight, fmt)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    q = type(q)(q.format, on(q.qweight), on(q.scale), on(q.zero), q.group_size)
+    got = TritonQuantLinear(q, on(bias).to(dtype))(on(x))
+    want = torch.nn.functional.linear(on(x), q.dequantize(dtype), on(bias).to(dtype))
+    tol = TOL if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_quant_linear_widens_every_fp8_code_exactly():
+    from lamina.kernels.triton.quant_linear import TritonQuantLinear
+    from lamina.kernels.weight_quant import QuantizedWeight
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[codes.to(torch.float32).isfinite()]
+    weight = QuantizedWeight(
+        "fp8", finite.view(1, -1).repeat(16, 1).to(DEVICE), torch.ones(16, device=DEVICE)
+    )
+    got = TritonQuantLinear(weight, None)(torch.eye(len(finite), device=DEVICE))
+    assert torch.equal(got, weight.dequantize().T)
