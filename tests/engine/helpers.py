@@ -93,3 +93,15 @@ def teacher_forced_logits(
     for request in requests:
         blocks.free_request(request)
     return [torch.stack(rows) for rows in collected]
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """``transformers``' greedy continuation of ``prompt`` (no end-of-sequence stop)."""
+    out = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()

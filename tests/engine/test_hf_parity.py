@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from tests.conftest import FAMILIES
-from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
+from tests.engine.helpers import (
+    greedy,
+    hf_greedy,
+    make_engine,
+    run_to_completion,
+    teacher_forced_logits,
+)
 
 
 def hf_model(path, dtype=torch.float32):
@@ -64,14 +70,7 @@ def test_batched_greedy_tokens_match_hf_generate(family, make_checkpoint):
     prompts = dict(zip("abcd", sequences(256, [3, 19, 40, 8], seed=1), strict=True))
     ours = run_to_completion(engine, prompts, greedy(20))
     for request_id, prompt in prompts.items():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=20,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        assert ours[request_id] == out[0, len(prompt) :].tolist(), request_id
+        assert ours[request_id] == hf_greedy(hf, prompt, 20), request_id
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from tests.conftest import FAMILIES
-from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
+from tests.engine.helpers import (
+    greedy,
+    hf_greedy,
+    make_engine,
+    run_to_completion,
+    teacher_forced_logits,
+)
 from tests.engine.test_hf_parity import assert_logits_match, hf_model, sequences
 
 PROMPTS = [5, 37, 16]
@@ -57,13 +63,7 @@ def test_long_native_greedy_decoding_matches_transformers(stories):
     assert engine.runner.model._native[1] is not None
     hf = transformers.AutoModelForCausalLM.from_pretrained(stories).eval()
     for request_id, prompt in prompts.items():
-        want = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=200,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        want = hf_greedy(hf, prompt, 200)
         assert ours[request_id] == want, request_id
 
 

@@ -17,7 +17,13 @@ from safetensors.torch import load_file, save_file
 from lamina.kernels.weight_quant import WEIGHT_FORMATS, QuantizedWeight, quantize, quantize_int4
 from lamina.services.engine_worker.errors import ModelLoadError
 from lamina.services.engine_worker.loader import AWQ_ORDER
-from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
+from tests.engine.helpers import (
+    greedy,
+    hf_greedy,
+    make_engine,
+    run_to_completion,
+    teacher_forced_logits,
+)
 from tests.engine.test_hf_parity import assert_logits_match, hf_model, sequences
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -56,13 +62,7 @@ def test_quantized_engine_matches_transformers_on_the_dequantized_weights(
     assert layer.qkv.__class__.__name__ == "PackedQuantLinear"  # every linear, small ones too
     ours = run_to_completion(engine, dict(enumerate(PROMPTS)), greedy(200))
     for i, prompt in enumerate(PROMPTS):
-        want = reference.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=200,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        want = hf_greedy(reference, prompt, 200)
         assert ours[i] == want, i
     sequences = [p + ours[i][:40] for i, p in enumerate(PROMPTS)]
     lens = [len(p) for p in PROMPTS]
@@ -168,13 +168,7 @@ def test_an_fp8_checkpoint_loads_and_matches_transformers_on_its_dequantized_wei
     assert engine.runner.model.layers[0].qkv.__class__.__name__ == "PackedQuantLinear"
     ours = run_to_completion(engine, dict(enumerate(PROMPTS)), greedy(100))
     for i, prompt in enumerate(PROMPTS):
-        want = reference.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=100,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        want = hf_greedy(reference, prompt, 100)
         assert ours[i] == want, i
     sequences, lens = [p + ours[i][:30] for i, p in enumerate(PROMPTS)], [len(p) for p in PROMPTS]
     got = teacher_forced_logits(make_engine(path, max_num_batched_tokens=64), sequences, lens)
@@ -301,13 +295,7 @@ def test_gptq_and_awq_checkpoints_load_and_match_their_dequantized_weights(
     prompts = dict(zip("ab", sequences(256, [5, 19], seed=3), strict=True))
     ours = run_to_completion(make_engine(path), prompts, greedy(16))
     for request_id, prompt in prompts.items():
-        want = reference.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=16,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        want = hf_greedy(reference, prompt, 16)
         assert ours[request_id] == want, request_id
 
 

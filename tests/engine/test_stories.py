@@ -3,9 +3,7 @@ show up as a diverging token, unlike random weights."""
 
 from __future__ import annotations
 
-import torch
-
-from tests.engine.helpers import greedy, make_engine, run_to_completion
+from tests.engine.helpers import greedy, hf_greedy, make_engine, run_to_completion
 
 
 def test_long_greedy_generation_matches_transformers(stories):
@@ -21,11 +19,5 @@ def test_long_greedy_generation_matches_transformers(stories):
     engine = make_engine(stories, max_num_batched_tokens=64, max_model_len=256)
     ours = run_to_completion(engine, prompts, greedy(200))
     for request_id, prompt in prompts.items():
-        want = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=200,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        want = hf_greedy(hf, prompt, 200)
         assert ours[request_id] == want, request_id
