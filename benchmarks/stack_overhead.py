@@ -28,10 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.server
+import multiprocessing
 import random
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -181,29 +181,51 @@ def service_env(pairs: list[str]) -> dict[str, str]:
 
 class OtlpSink:
     """A local OTLP/HTTP trace receiver that takes every export and keeps only counts:
-    the services export as they would to a collector, and the measurement includes it."""
+    the services export as they would to a collector, and the measurement includes it.
+    It runs in a process of its own, as a collector would: in this one its thread would
+    share the interpreter with the client and the in-process engine being timed."""
 
     def __init__(self) -> None:
-        sink = self
-        self.requests = self.bytes = 0
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                sink.requests, sink.bytes = sink.requests + 1, sink.bytes + len(body)
-                self.send_response(200)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self._counts = multiprocessing.Array("q", 2)  # requests, bytes
+        ready = multiprocessing.Event()
+        self._port = multiprocessing.Value("i", 0)
+        self._process = multiprocessing.Process(
+            target=_serve_sink, args=(self._counts, self._port, ready), daemon=True
+        )
+        self._process.start()
+        ready.wait(10)
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return f"http://127.0.0.1:{self._port.value}"
+
+    @property
+    def requests(self) -> int:
+        return self._counts[0]
+
+    @property
+    def bytes(self) -> int:
+        return self._counts[1]
+
+
+def _serve_sink(counts, port, ready) -> None:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            with counts.get_lock():
+                counts[0] += 1
+                counts[1] += len(body)
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port.value = server.server_address[1]
+    ready.set()
+    server.serve_forever()
 
 
 def pct(values: list[float], q: float) -> float:

@@ -399,18 +399,18 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
   const int64_t row_parts = std::clamp<int64_t>(m / kMinRows, 1, threads);
   const int64_t group_parts = std::min(groups, std::max<int64_t>(1, threads / row_parts));
   at::parallel_for(0, row_parts * group_parts, 1, [&](int64_t begin, int64_t end) {
-    // A few micro-panels of rows (decoding) take K whole: the weight panels then stream
-    // front to back in one pass instead of in slices a panel apart (and micro<M, true>
-    // finds the next panel right after its own).
     // A quantized weight is widened a slice at a time into a buffer that the fp32
     // micro-kernel then reads where the widening would otherwise be repeated for many
     // micro-kernel calls per panel (prefill); with up to kFetchCalls calls each call widens
     // in registers, overlapped with its FMAs (faster at 2-18 rows). int4's fused
     // micro-kernel takes one row: up to kInt4Rows rows each runs it (the codes widened
-    // once per row); beyond, the slices are widened, 512 deep so that the buffer stays in
-    // L1.
+    // once per row); beyond, the slices are widened.
     const bool widen_slices =
         kQuantized<W> && m > (kGrouped<W> ? kInt4Rows : kFetchCalls * kMR);
+    // A few micro-panels of rows (decoding) take K whole: the weight panels then stream
+    // front to back in one pass instead of in slices a panel apart (and micro<M, true>
+    // finds the next panel right after its own). Widened int4 slices stay 512 deep, so
+    // that the buffer stays in L1.
     const int64_t slice = m <= kFetchCalls * kMR && !(kGrouped<W> && widen_slices) ? k : kKC;
     float* a = aligned(packed_rows, std::min(kMC, m) * slice);
     const int64_t groups_per_column = (k + group - 1) / group;
