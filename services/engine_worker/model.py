@@ -4,9 +4,10 @@ Every step's tokens, from all sequences, form one ``(T,)`` run; attention finds 
 token's sequence through :class:`AttentionMetadata`. Q/K/V and gate/up projections are
 fused into one matmul each at load time: fewer, larger kernels per layer. With a
 ``quantization``, every linear (the LM head included; not the embedding) runs on weights
-quantized at load. Under tensor
-parallelism (``parallel.py``) each rank holds its heads' and MLP columns' share of those
-fused weights and ``self.local`` describes its shapes.
+quantized at load; a quantized checkpoint's linears run on its weights as stored. Under
+tensor parallelism (``parallel.py``) each rank holds its heads' and MLP columns' share of
+those fused weights and ``self.local`` describes its shapes. A step of decodes only on the
+CPU backend runs its layers in one native call where it can (:meth:`CausalLM.forward`).
 """
 
 from __future__ import annotations
