@@ -47,6 +47,10 @@ class QuantizedWeight:
     """int4: ``(N, K / group_size)`` float32 zero points, in codes."""
     group_size: int = 0
     """int4: inputs per group (0: none, a scale per row)."""
+    input_order: torch.Tensor | None = None
+    """``(K,)`` int64 where the stored inputs are not in the model's order (act-order
+    GPTQ, whose groups are contiguous only when its inputs are reordered): stored input
+    ``j`` is the model's input ``input_order[j]``, so a matmul reads ``x[:, input_order]``."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,7 +63,12 @@ class QuantizedWeight:
             return (values * self.scale[:, None]).to(dtype)
         g = self.group_size
         zero = self.zero.repeat_interleave(g, dim=1)  # type: ignore[union-attr]
-        return ((values - zero) * self.scale.repeat_interleave(g, dim=1)).to(dtype)
+        stored = (values - zero) * self.scale.repeat_interleave(g, dim=1)
+        if self.input_order is None:
+            return stored.to(dtype)
+        weight = torch.empty_like(stored)
+        weight[:, self.input_order] = stored
+        return weight.to(dtype)
 
 
 def quantize(weight: torch.Tensor, format: str) -> QuantizedWeight:
@@ -109,10 +118,17 @@ def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if len(kinds) != 1:
         raise ValueError(f"cannot stack weights of formats {sorted(k[:2] for k in kinds)}")
     first = parts[0]
+    orders = [part.input_order for part in parts]
+    if any(o is not None for o in orders) and not all(
+        o is not None and torch.equal(o, orders[0])
+        for o in orders  # type: ignore[arg-type]
+    ):
+        raise ValueError("cannot stack weights whose inputs are stored in different orders")
     return QuantizedWeight(
         first.format,
         torch.cat([part.qweight for part in parts]),
         torch.cat([part.scale for part in parts]),
         None if first.zero is None else torch.cat([p.zero for p in parts]),  # type: ignore[misc]
         first.group_size,
+        first.input_order,
     )

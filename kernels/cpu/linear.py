@@ -103,6 +103,7 @@ class PackedQuantLinear(PackedLinear):
         self.scale = self._by_panel(weight.scale, panels)
         self.zero = None if weight.zero is None else self._by_panel(weight.zero, panels)
         self.bias = None if bias is None else bias.contiguous()
+        self.input_order = weight.input_order
         self._matmul = getattr(library, self._kernel)
         self._pointers = (
             ptr(self.packed),
@@ -113,6 +114,11 @@ class PackedQuantLinear(PackedLinear):
             self.out_features,
             ptr(self.bias),
         )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:  # the weight's inputs are stored reordered
+            x = x.index_select(-1, self.input_order)
+        return super().__call__(x)
 
     def _by_panel(self, values: torch.Tensor, panels: int) -> torch.Tensor:
         """Per-row values ``(N,)`` or per row and group ``(N, G)`` in packed row order, as

@@ -112,8 +112,11 @@ class TritonQuantLinear:
         self.scale = weight.scale.to(torch.float32).contiguous()
         self.zero = None if weight.zero is None else weight.zero.to(torch.float32).contiguous()
         self.bias = bias
+        self.input_order = weight.input_order
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:  # the weight's inputs are stored reordered
+            x = x.index_select(-1, self.input_order)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(1) != 1:

@@ -24,6 +24,22 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return (packed.to(torch.int32)[..., None] >> _SHIFTS) & 0xF
 
 
+def _input_order(
+    where: str, g_idx: torch.Tensor | None, inputs: int, group: int
+) -> torch.Tensor | None:
+    """For a GPTQ ``g_idx`` (each input's group) that is not in order (act-order /
+    ``desc_act``), the order of inputs that makes every group contiguous; None when the
+    groups already are. A ``g_idx`` whose groups are not ``group`` inputs each is refused."""
+    in_order = torch.arange(inputs) // group
+    if g_idx is None or torch.equal(g_idx.to(torch.int64), in_order):
+        return None
+    g_idx = g_idx.to(torch.int64)
+    order = torch.sort(g_idx, stable=True).indices
+    if g_idx.shape != (inputs,) or not torch.equal(g_idx[order], in_order):
+        raise ModelLoadError(where, f"g_idx does not give every group {group} inputs")
+    return order
+
+
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's int4 layout: ``qweight`` ``(K / 8, N)`` int32, eight inputs per int32 (input
     ``8r + i`` in nibble ``i``); ``qzeros`` ``(G, N / 8)``, eight output columns per int32.
@@ -149,12 +165,7 @@ class CheckpointTensors:
         group = quantization.group_size or inputs
         if inputs % group or inputs % 8 or rows % 8:
             raise ModelLoadError(where, f"{shape} does not split into int4 groups of {group}")
-        if g_idx is not None and not torch.equal(
-            g_idx.to(torch.int64), torch.arange(inputs) // group
-        ):
-            raise ModelLoadError(
-                where, "g_idx reorders the groups (desc_act / act-order): not supported"
-            )
+        order = _input_order(where, g_idx, inputs, group)
         unpack = unpack_gptq if quantization.method == "gptq" else unpack_awq
         try:
             codes, zeros = unpack(qweight, qzeros)
@@ -169,12 +180,15 @@ class CheckpointTensors:
                     where, f"{part} unpack to {tuple(got[part])}, not {want} for {shape}"
                 )
         zeros = zeros + quantization.zero_offset
+        if order is not None:
+            codes = codes[order]  # stored so that each group's inputs are together
         return QuantizedWeight(
             "int4",
             codes.T.to(torch.uint8).contiguous(),
             scales.T.to(torch.float32).contiguous(),
             zeros.T.to(torch.float32).contiguous(),
             group,
+            order,
         )
 
     def take_per_head(self, name: str, num_heads: int) -> torch.Tensor:

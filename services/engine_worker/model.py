@@ -42,6 +42,11 @@ def _placed(
     """This rank's share of a quantized weight (its rows for ``dim`` 0, its inputs for 1,
     with their scales and zero points), on ``device``."""
 
+    if weight.input_order is not None and dim == 1 and tp.size > 1:
+        raise ModelLoadError(
+            "quantized weight", "act-order (reordered) inputs do not split across ranks"
+        )
+
     def share(t: torch.Tensor | None, along: int | None) -> torch.Tensor | None:
         if t is None:
             return None
@@ -248,6 +253,8 @@ class CausalLM:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
             if not all(isinstance(lin, PackedLinear) for lin in linears):
                 return None
+            if any(getattr(lin, "input_order", None) is not None for lin in linears):
+                return None  # act-order inputs: the native step does not reorder them
             if cache.dtype != torch.float32:
                 return None
             layers.append(

@@ -229,12 +229,28 @@ def gptq_symmetric(weight: torch.Tensor, group: int) -> QuantizedWeight:
     return QuantizedWeight("int4", codes.to(torch.uint8), scale, zero, group)
 
 
-def int4_checkpoint(source: Path, target: Path, method: str, group: int) -> Path:
+SAME_INPUT = {
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "gate_proj": "gate_up",
+    "up_proj": "gate_up",
+}
+"""Projections that read the same input (one act-order input order between them)."""
+
+
+def int4_checkpoint(
+    source: Path, target: Path, method: str, group: int, act_order: bool = False
+) -> Path:
     """``source`` written as a 4-bit checkpoint in the published layout of ``method``:
     ``gptq`` (AutoGPTQ's original format: symmetric, zero points stored one less, a
     ``g_idx``), ``gptq_v2`` (asymmetric, zero points as they are) or ``awq`` (AutoAWQ's
-    GEMM packing); fp16 scales; the LM head and embeddings left as they are. Also writes
-    ``target``-dequantized: the same model with each linear's dequantized values."""
+    GEMM packing); fp16 scales; the LM head and embeddings left as they are. With
+    ``act_order`` (GPTQ's ``desc_act``), each layer's inputs are quantized in a shuffled
+    order, shared by the projections that read the same input, and ``g_idx`` says each
+    input's group. Also writes ``target``-dequantized: the same model with each linear's
+    dequantized values."""
+    orders: dict[str, torch.Tensor] = {}
     shutil.copytree(source, target)
     reference = target.with_name(target.name + "-dequantized")
     shutil.copytree(source, reference)
@@ -243,14 +259,24 @@ def int4_checkpoint(source: Path, target: Path, method: str, group: int) -> Path
     for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
         prefix = name.removesuffix("weight")
         weight = tensors.pop(name)
+        k = weight.shape[1]
+        layer, projection = prefix.rstrip(".").rsplit(".", 1)
+        reads = layer + "." + SAME_INPUT.get(projection, projection)
+        order = orders.setdefault(reads, torch.randperm(k)) if act_order else None
+        stored = weight if order is None else weight[:, order]
         if method == "gptq":
-            q = gptq_symmetric(weight, group)
+            q = gptq_symmetric(stored, group)
         else:
-            q = quantize_int4(weight, group)
+            q = quantize_int4(stored, group)
             q = QuantizedWeight("int4", q.qweight, q.scale.half().float(), q.zero, group)
+        q = QuantizedWeight("int4", q.qweight, q.scale, q.zero, group, order)
         dequantized[name] = q.dequantize()
-        codes, zeros = q.qweight.T.contiguous(), q.zero.T.to(torch.int32)  # (K, N), (G, N)
-        k, n = codes.shape
+        codes = q.qweight.T.contiguous()  # (K, N) in the stored order
+        if order is not None:  # back to the model's order; g_idx names each input's group
+            codes = codes[torch.argsort(order)]
+            tensors[prefix + "g_idx"] = (torch.argsort(order) // group).to(torch.int32)
+        zeros = q.zero.T.to(torch.int32)  # (G, N)
+        n = codes.shape[1]
         if method == "awq":
             order = list(AWQ_ORDER)
             tensors[prefix + "qweight"] = _pack_nibbles(codes.view(k, n // 8, 8)[..., order])
@@ -259,7 +285,7 @@ def int4_checkpoint(source: Path, target: Path, method: str, group: int) -> Path
             stored = (zeros - 1) & 0xF if method == "gptq" else zeros
             tensors[prefix + "qweight"] = _pack_nibbles(codes.view(k // 8, 8, n).transpose(1, 2))
             tensors[prefix + "qzeros"] = _pack_nibbles(stored.view(-1, n // 8, 8))
-            tensors[prefix + "g_idx"] = (torch.arange(k) // group).to(torch.int32)
+            tensors.setdefault(prefix + "g_idx", (torch.arange(k) // group).to(torch.int32))
         tensors[prefix + "scales"] = q.scale.T.half().contiguous()
     config = json.loads((source / "config.json").read_text())
     save_file(dequantized, str(reference / "model.safetensors"))
@@ -268,7 +294,7 @@ def int4_checkpoint(source: Path, target: Path, method: str, group: int) -> Path
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
          "version": "gemm"}
         if method == "awq"
-        else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+        else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
               "sym": method == "gptq", "checkpoint_format": method}
     )  # fmt: skip
     save_file(tensors, str(target / "model.safetensors"))
@@ -299,13 +325,29 @@ def test_gptq_and_awq_checkpoints_load_and_match_their_dequantized_weights(
         assert ours[request_id] == want, request_id
 
 
-def test_a_gptq_checkpoint_with_act_order_fails_at_load(make_checkpoint, tmp_path):
+@pytest.mark.parametrize("method", ["gptq", "gptq_v2"])
+def test_an_act_order_gptq_checkpoint_loads_and_matches_its_dequantized_weights(
+    make_checkpoint, tmp_path, method
+):
+    """``desc_act``: each input's group is in ``g_idx``, out of order. The engine stores the
+    inputs so that each group's are together and gathers x in that order before the
+    matmul (the layer-by-layer forward: the native decode step does not reorder)."""
+    torch.manual_seed(5)
+    path = int4_checkpoint(make_checkpoint("qwen2"), tmp_path / method, method, 32, True)
+    reference = hf_model(path.with_name(path.name + "-dequantized"))
+    engine = make_engine(path)
+    assert engine.runner.model.layers[0].qkv.input_order is not None
+    assert_logits_match(engine, reference)
+    assert engine.runner.model._native[1] is None
+
+
+def test_a_g_idx_whose_groups_are_the_wrong_size_fails_at_load(make_checkpoint, tmp_path):
     path = int4_checkpoint(make_checkpoint("llama"), tmp_path / "gptq", "gptq", 32)
     tensors = load_file(str(path / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.g_idx"
-    tensors[name] = tensors[name].flip(0).contiguous()  # groups out of order (desc_act)
+    tensors[name] = torch.zeros_like(tensors[name])  # every input in group 0
     save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="desc_act"):
+    with pytest.raises(ModelLoadError, match="g_idx"):
         make_engine(path)
 
 

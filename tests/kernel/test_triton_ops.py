@@ -216,3 +216,18 @@ def test_quant_linear_widens_every_fp8_code_exactly():
     )
     got = TritonQuantLinear(weight, None)(torch.eye(len(finite), device=DEVICE))
     assert torch.equal(got, weight.dequantize().T)
+
+
+def test_quant_linear_reads_reordered_inputs():
+    """An act-order int4 weight (inputs stored in another order): x is gathered first."""
+    from lamina.kernels.triton.quant_linear import TritonQuantLinear
+    from lamina.kernels.weight_quant import QuantizedWeight, quantize_int4
+
+    g = torch.Generator().manual_seed(7)
+    order = torch.randperm(96, generator=g)
+    q = quantize_int4(torch.randn(40, 96, generator=g), 32)
+    x = torch.randn(3, 96, generator=g)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    weight = QuantizedWeight("int4", *map(on, (q.qweight, q.scale, q.zero)), 32, on(order))
+    want = torch.nn.functional.linear(on(x), weight.dequantize())
+    torch.testing.assert_close(TritonQuantLinear(weight, None)(on(x)), want, **TOL)

@@ -66,6 +66,17 @@ def test_int4_groups_span_their_range_with_integer_zero_points():
         quantize_int4(weight, 30)
 
 
+def test_reordered_inputs_dequantize_in_the_models_order_and_stack_only_alike():
+    weight = _weight()
+    order = torch.randperm(100)
+    stored = quantize_int4(weight[:, order], 25)  # quantized in the stored order
+    q = QuantizedWeight("int4", stored.qweight, stored.scale, stored.zero, 25, order)
+    torch.testing.assert_close(q.dequantize()[:, order], stored.dequantize())
+    assert torch.equal(concat([q, q]).input_order, order)
+    with pytest.raises(ValueError, match="orders"):
+        concat([q, stored])
+
+
 def test_bad_requests_are_refused():
     with pytest.raises(ValueError, match="int8, fp8"):
         quantize(torch.ones(2, 2), "int4")
