@@ -146,7 +146,8 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, **options: Any) -> Bus:
-        """Connect to ``url``; reconnects forever with the client's default back-off.
+        """Connect to ``url`` (comma-separated: the first that answers, in that order, and
+        the next ones when it is lost); reconnects forever.
         Raises :class:`NotAdmitted` at once when the server refuses the credential on the
         first connection (retrying would not change its mind); later refusals, while a
         server reloads its users, are retried like any other disconnection."""
@@ -181,6 +182,9 @@ class Bus:
                 name=name,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
+                # The servers in the order given: a cluster's node on this host first, so
+                # queue groups stay local (NATS prefers a queue member on the same node).
+                dont_randomize=True,
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,

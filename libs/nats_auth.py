@@ -25,9 +25,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lamina.libs.nats_server import NatsCluster
 from lamina.schemas.v1 import subjects
 
 P = subjects.PREFIX
@@ -39,6 +42,7 @@ _NAMED = re.compile(rf"(worker|api)\.({subjects.TOKEN})")
 SEED_SUFFIX = ".nk"
 USERS_FILE = "users.conf"
 SERVER_FILE = "server.conf"
+ROUTE_SECRET_FILE = "route.secret"
 
 ONE_SHOT_RESPONSES = {"max": 10_000, "expires": "2m"}
 """Replies to a request this identity received: enough for a KV snapshot in parts."""
@@ -229,24 +233,48 @@ class CredentialStore:
             users.append(f"  {{nkey: {json.dumps(key)}, permissions: {perms}}}  # {identity}")
         return _write_private(self.root / USERS_FILE, "users = [\n" + "\n".join(users) + "\n]\n")
 
+    def route_secret(self) -> str:
+        """The password a cluster's NATS nodes authenticate their routes with (made once,
+        owner-only; every host of a cluster has a copy of the same store)."""
+        path = self.root / ROUTE_SECRET_FILE
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return path.read_text().strip()
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(24) + "\n")
+        return path.read_text().strip()
+
     def write_server_config(
-        self, host: str, port: int, tls_cert: str = "", tls_key: str = ""
+        self,
+        host: str,
+        port: int,
+        tls_cert: str = "",
+        tls_key: str = "",
+        cluster: NatsCluster | None = None,
     ) -> Path:
-        """``server.conf`` for ``nats-server -c``: listen, optional TLS, the user list."""
+        """``server.conf`` for ``nats-server -c``: listen, optional TLS, the user list; for
+        a node of a cluster, its routes too (authenticated by :meth:`route_secret`), in
+        ``server-<its name>.conf``, so hosts that share one store each keep their own."""
         lines = [f"host: {json.dumps(host)}", f"port: {port}"]
         if tls_cert or tls_key:
             lines.append(
                 f"tls {{cert_file: {json.dumps(tls_cert)}, key_file: {json.dumps(tls_key)}}}"
             )
         lines.append(f"authorization {{\n  include {json.dumps(USERS_FILE)}\n}}")
+        if cluster is not None:
+            lines.append(cluster.config(self.route_secret()))
         self.write_users()
-        return _write_private(self.root / SERVER_FILE, "\n".join(lines) + "\n")
+        name = SERVER_FILE if cluster is None else f"server-{cluster.server_name}.conf"
+        return _write_private(self.root / name, "\n".join(lines) + "\n")
 
 
 def _write_private(path: Path, text: str) -> Path:
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # A temporary name of its own: processes sharing one store (a cluster's nodes on one
+    # file system) may rewrite the same file at once.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
     with os.fdopen(fd, "w") as out:
         out.write(text)
-    tmp.replace(path)  # a reloading server never reads half a file
+    Path(tmp).replace(path)  # a reloading server never reads half a file
     return path

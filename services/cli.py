@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         from lamina.services.launcher import main as up
 
         return up(argv[1:])
+    if argv and argv[0] == "node":
+        from lamina.services.node import main as node
+
+        return node(argv[1:])
     if argv[:2] == ["schemas", "export"]:
         from lamina.schemas.export import main as export
 
@@ -43,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in SERVICES:
         commands.add_parser(name, help=f"run the {name} service (see `lamina {name} --help`)")
     commands.add_parser("up", help="run the whole stack locally (see `lamina up --help`)")
+    commands.add_parser(
+        "node", help="run one host's share of a multi-host stack (see `lamina node --help`)"
+    )
     commands.add_parser("ctl", help="operate a running cluster (see `lamina ctl --help`)")
     commands.add_parser("creds", help="the bus's credentials (see `lamina creds --help`)")
     schemas = commands.add_parser("schemas", help="wire schema tools")

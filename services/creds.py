@@ -1,8 +1,10 @@
 """``lamina creds``: the bus's credentials (``lamina.libs.nats_auth``).
 
-``init`` makes the services' credentials (and any identities named) and writes
-``server.conf`` for ``nats-server -c``: what a NATS server that ``lamina up`` did not start
-(compose, a cluster) needs. ``add`` makes more (a worker on another host, an API client)
+``init`` makes the services' credentials (and any identities named), the route secret a
+cluster's nodes authenticate each other with, and ``server.conf`` for ``nats-server -c``:
+what a NATS server that ``lamina up`` did not start (compose, a cluster) needs. A cluster
+of ``lamina node`` hosts shares one store: make it once, with every host's worker
+identities, and copy it to each host. ``add`` makes more (a worker on another host, an API client)
 and rewrites the user list; a running server admits them after ``nats-server --signal
 reload``. ``list`` prints the identities and their grants. Existing credentials are
 never replaced: whoever holds one stays admitted.
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "init":
             for path in store.ensure(*DEPLOYMENT, *args.identities):
                 print(path)
+            store.route_secret()
             if bool(args.tls_cert) != bool(args.tls_key):
                 raise BadIdentity("--tls-cert and --tls-key go together")
             conf = store.write_server_config(args.host, args.port, args.tls_cert, args.tls_key)

@@ -25,18 +25,21 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lamina.libs.bus import NatsConfig
 from lamina.libs.config import lamina_home, option, parse_config, to_argv
 from lamina.libs.nats_auth import DEPLOYMENT, CredentialStore
-from lamina.libs.nats_server import NatsServer, free_port
+from lamina.libs.nats_server import NatsCluster, NatsServer, free_port
 from lamina.libs.service import RESTARTS_ENV
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.errors import ModelLoadError
 from lamina.services.engine_worker.model_config import ModelConfig
+
+SERVICES = frozenset({"gateway", "scheduler", "telemetry", "worker"})
 
 
 @dataclass
@@ -62,6 +65,20 @@ class Stack:
     gateway_args: list[str] = field(default_factory=list)
     telemetry_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    services: frozenset[str] = SERVICES
+    """The services to run (``lamina node`` runs a host's share); workers only with
+    ``worker`` among them."""
+    nats_host: str = "127.0.0.1"
+    """Address the embedded NATS server listens on."""
+    cluster: NatsCluster | None = None
+    """The embedded server's place in a NATS cluster (None: it stands alone)."""
+    peer_urls: tuple[str, ...] = ()
+    """The other nodes' client URLs: every service gets them after this node's, so it
+    reconnects to another node when this one is lost."""
+    worker_prefix: str = "worker"
+    """Worker ids are ``<prefix>-<index>``: unique across the hosts of a cluster."""
+    scheduler_id: str = ""
+    """The scheduler replica's id (empty: its own default, ``<host>-<pid>``)."""
     nats: NatsServer | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     specs: dict[str, tuple[str, list[str], str]] = field(default_factory=dict)
@@ -82,15 +99,16 @@ class Stack:
         """How a process connects to this stack's bus as ``identity`` (made if new, and
         then admitted by the running embedded server)."""
         ca = self.nats_tls[2] if self.nats_tls else ""
+        servers = ",".join([self.nats_url or "", *self.peer_urls])
         if self.credentials is None:
-            return NatsConfig(self.nats_url or "", nats_tls_ca=ca)
+            return NatsConfig(servers, nats_tls_ca=ca)
         store = CredentialStore(self.credentials)
         new = not store.path(identity).exists()
         (path,) = store.ensure(identity)
         if new and self.nats is not None:
             self.nats.reload()
             time.sleep(0.2)  # the reload is asynchronous; a client this early is refused
-        return NatsConfig(self.nats_url or "", nats_credential=str(path), nats_tls_ca=ca)
+        return NatsConfig(servers, nats_credential=str(path), nats_tls_ca=ca)
 
     def _spawn(self, name: str, module: str, args: list[str], identity: str) -> subprocess.Popen:
         bus = self.nats_config(identity)
@@ -146,8 +164,11 @@ class Stack:
         how = "stopped" if code is None else f"exited with {code}"
         return f"{name} {how}; restarting it in {delay:g}s"
 
+    def worker_id(self, index: int) -> str:
+        return f"{self.worker_prefix}-{index}"
+
     def start_worker(self, index: int) -> subprocess.Popen:
-        wid = f"worker-{index}"
+        wid = self.worker_id(index)
         return self._spawn(
             wid,
             "lamina.services.engine_worker",
@@ -171,52 +192,70 @@ class Stack:
             raise RuntimeError("the stack is already started")
         if self.nats_url is None:
             tls = self.nats_tls[:2] if self.nats_tls else None
-            self.nats = NatsServer(port=self.nats_port or None, tls=tls)
+            self.nats = NatsServer(
+                port=self.nats_port or None, host=self.nats_host, tls=tls, cluster=self.cluster
+            )
             if self.credentials is not None:
                 store = CredentialStore(self.credentials)
-                store.ensure(*DEPLOYMENT, *(f"worker.worker-{i}" for i in range(self.workers)))
-                self.nats.config = store.write_server_config(self.nats.host, self.nats.port)
+                workers = (f"worker.{self.worker_id(i)}" for i in range(self.workers))
+                store.ensure(*DEPLOYMENT, *workers)
+                self.nats.config = store.write_server_config(
+                    self.nats.host, self.nats.port, cluster=self.cluster
+                )
             self.nats.start()
             self.nats_url = self.nats.url
-        self._spawn("scheduler", "lamina.services.scheduler", [], "scheduler")
-        self._spawn(
-            "telemetry",
-            "lamina.services.telemetry",
-            [
-                "--http-host",
-                self.http_host,
-                "--http-port",
-                str(self.metrics_port),
-                *self.telemetry_args,
-            ],
-            "telemetry",
-        )
-        for index in range(self.workers):
-            self.start_worker(index)
-        self._spawn(
-            "gateway",
-            "lamina.services.gateway",
-            [
-                "--model",
-                str(self.model),
-                "--http-host",
-                self.http_host,
-                "--http-port",
-                str(self.http_port),
-                *self.gateway_args,
-            ],
-            "gateway",
-        )
+        if "scheduler" in self.services:
+            named = ["--scheduler-id", self.scheduler_id] if self.scheduler_id else []
+            self._spawn("scheduler", "lamina.services.scheduler", named, "scheduler")
+        if "telemetry" in self.services:
+            self._spawn(
+                "telemetry",
+                "lamina.services.telemetry",
+                [
+                    "--http-host",
+                    self.http_host,
+                    "--http-port",
+                    str(self.metrics_port),
+                    *self.telemetry_args,
+                ],
+                "telemetry",
+            )
+        if "worker" in self.services:
+            for index in range(self.workers):
+                self.start_worker(index)
+        if "gateway" in self.services:
+            self._spawn(
+                "gateway",
+                "lamina.services.gateway",
+                [
+                    "--model",
+                    str(self.model),
+                    "--http-host",
+                    self.http_host,
+                    "--http-port",
+                    str(self.http_port),
+                    *self.gateway_args,
+                ],
+                "gateway",
+            )
         self.wait_ready(timeout)
         return self
 
     def wait_ready(self, timeout: float) -> None:
+        """Until the gateway says it is ready; without a gateway, until the services have
+        got past their imports (a worker's model loads afterwards)."""
         deadline = time.monotonic() + timeout
+        settled = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     self.stop()
                     raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
+            if "gateway" not in self.services:
+                if time.monotonic() >= settled:
+                    return
+                time.sleep(0.2)
+                continue
             try:
                 with urllib.request.urlopen(self.base_url + "/ready", timeout=1) as response:
                     if response.status == 200:
@@ -281,15 +320,13 @@ class UpConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
-def preflight(config: UpConfig, model: Path) -> str | None:
-    """What would stop the stack, found before any process is spawned: a taken port, or
-    a model directory that cannot be served. None when all is well."""
-    ports = [("--http-port", config.http_port), ("--metrics-port", config.metrics_port)]
-    if not config.nats_url:
-        ports.append(("--nats-port", config.nats_port))
-    for flag, port in ports:
-        if port and not port_is_free(config.http_host, port):
-            return f"port {port} on {config.http_host} is in use ({flag})"
+def preflight(config: UpConfig, model: Path, ports: list[tuple[str, str, int]]) -> str | None:
+    """What would stop the stack, found before any process is spawned: a taken port (each
+    ``(flag, host, port)`` of ``ports``), or a model directory that cannot be served. None
+    when all is well."""
+    for flag, host, port in ports:
+        if port and not port_is_free(host, port):
+            return f"port {port} on {host} is in use ({flag})"
     if bool(config.nats_tls_cert) != bool(config.nats_tls_key):
         return "--nats-tls-cert and --nats-tls-key go together"
     for flag, path in (
@@ -322,16 +359,11 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = parse_config(UpConfig, argv, prog="lamina up")
-    # The default model is made once, here, before the workers race to create it.
-    model = config.engine.model or ensure_default_model()
-    problem = preflight(config, model)
-    if problem is not None:
-        print(f"lamina up: {problem}", file=sys.stderr)
-        return 2
+def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
+    """The :class:`Stack` that ``config`` describes; ``placement`` sets the rest of its
+    fields (``lamina node``: the services, addresses and cluster of one host)."""
     names = ["--model-name", config.model_name] if config.model_name else []
-    stack = Stack(
+    fields: dict[str, object] = dict(
         model=model,
         workers=config.workers,
         http_host=config.http_host,
@@ -347,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         gateway_args=[*names, *(["--api-key", config.api_key] if config.api_key else [])],
         telemetry_args=["--metrics-compat", config.metrics_compat] if config.metrics_compat else [],
     )
+    return Stack(**{**fields, **placement})
+
+
+def serve(stack: Stack, prog: str, banner: Callable[[], list[str]]) -> int:
+    """Start ``stack``, print ``banner()``, supervise until SIGTERM or Ctrl-C, stop it."""
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -359,21 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
     except (RuntimeError, TimeoutError) as exc:
         if not stopping:
-            print(f"lamina up: {exc} (logs: each service's output above)", file=sys.stderr)
+            print(f"{prog}: {exc} (logs: each service's output above)", file=sys.stderr)
             return 1
         # Ctrl-C during start-up: the services got it too and stopped; not a failure.
         print("stopped during start-up", file=sys.stderr)
         return 0
-    print(f"Lamina is up: {config.workers} worker(s) serving {config.model_name or model.name}")
-    print(f"  OpenAI API   {stack.base_url}/v1  (try: curl {stack.base_url}/v1/models)")
-    if stack.credentials is None:
-        print(f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate)")
-    else:
-        api = stack.nats_config("api.default").nats_credential
-        print(f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate.default")
-        print(f"               as {api}; more clients: lamina creds add api.<name>)")
-    print(f"  metrics      {stack.metrics_url}")
-    print("Ctrl-C stops everything.", flush=True)
+    print("\n".join([*banner(), "Ctrl-C stops everything."]), flush=True)
     try:
         while not stopping:
             for line in stack.supervise():
@@ -382,6 +410,44 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stack.stop()
     return 0
+
+
+def nats_banner(stack: Stack) -> list[str]:
+    """How a NATS API client reaches ``stack``'s bus."""
+    if stack.credentials is None:
+        return [f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate)"]
+    api = stack.nats_config("api.default").nats_credential
+    return [
+        f"  NATS         {stack.nats_url}  (request API: lamina.v1.api.generate.default",
+        f"               as {api}; more clients: lamina creds add api.<name>)",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(UpConfig, argv, prog="lamina up")
+    # The default model is made once, here, before the workers race to create it.
+    model = config.engine.model or ensure_default_model()
+    ports = [
+        ("--http-port", config.http_host, config.http_port),
+        ("--metrics-port", config.http_host, config.metrics_port),
+    ]
+    if not config.nats_url:
+        ports.append(("--nats-port", config.http_host, config.nats_port))
+    problem = preflight(config, model, ports)
+    if problem is not None:
+        print(f"lamina up: {problem}", file=sys.stderr)
+        return 2
+    stack = stack_of(config, model)
+    return serve(
+        stack,
+        "lamina up",
+        lambda: [
+            f"Lamina is up: {config.workers} worker(s) serving {config.model_name or model.name}",
+            f"  OpenAI API   {stack.base_url}/v1  (try: curl {stack.base_url}/v1/models)",
+            *nats_banner(stack),
+            f"  metrics      {stack.metrics_url}",
+        ],
+    )
 
 
 __all__ = ["Stack", "UpConfig", "free_port", "main"]

@@ -257,14 +257,20 @@ class OpenAIApi:
         return {"content": content}
 
     async def _open(
-        self, body: CompletionRequest | ChatCompletionRequest, best_priority: int | None = None
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        response_key: str,
+        best_priority: int | None = None,
     ) -> list[TextStream]:
         """Submit ``body``: a request per sequence (``n`` per prompt, for each prompt of a
         batch: each a choice of its own, prompt-major), admitted together; every way it
         can be refused is a :class:`GenerationError`, and one refused sequence refuses the
         whole body. A prompt's ``n`` sequences share an affinity (one worker, one
-        prefill) and, with a seed, draw from ``seed + i`` (vLLM's rule).
-        ``best_priority``: the lowest ``priority`` the caller's API key may ask for."""
+        prefill) and, with a seed, draw from ``seed + i`` (vLLM's rule). Each request's
+        id is ``response_key`` (the response's id after its ``cmpl-``), with ``-<k>`` for
+        the k-th sequence when there are several, so the bus's records and traces name
+        the response a client saw. ``best_priority``: the lowest ``priority`` the
+        caller's API key may ask for."""
         if best_priority is not None and body.priority < best_priority:
             raise GenerationError(
                 403,
@@ -291,6 +297,7 @@ class OpenAIApi:
             sampling = msgspec.structs.replace(sampling, bad_words_token_ids=words)
         sla, stop, n = body.sla(), body.stop_strings(), body.n
         affinities = [uuid.uuid4().hex if n > 1 else None for _ in prompts]
+        several = len(prompts) * n > 1
         opened = await asyncio.gather(
             *(
                 self.admission.admit(
@@ -305,8 +312,9 @@ class OpenAIApi:
                     tools=tools,
                     affinity=affinity,
                     n=n if i == 0 else 0,
+                    request_id=f"{response_key}-{j * n + i}" if several else response_key,
                 )
-                for prompt, affinity in zip(prompts, affinities, strict=True)
+                for j, (prompt, affinity) in enumerate(zip(prompts, affinities, strict=True))
                 for i in range(n)
             ),
             return_exceptions=True,
@@ -338,13 +346,15 @@ class OpenAIApi:
             return PARSERS[self.tool_call_parser]
         return None
 
-    async def _open_in_callers_trace(self, body: Any, scope: Scope) -> list[TextStream]:
+    async def _open_in_callers_trace(
+        self, body: Any, scope: Scope, response_key: str
+    ) -> list[TextStream]:
         """``_open``, continuing the caller's trace (W3C ``traceparent``, ``tracestate``,
         ``baggage``): the request's span, made as it is admitted, is a child of the
         caller's span; without one it starts a trace."""
         token = otel_context.attach(propagate.extract(_headers(scope)))
         try:
-            return await self._open(body, scope.get("lamina.best_priority"))
+            return await self._open(body, response_key, scope.get("lamina.best_priority"))
         finally:
             otel_context.detach(token)
 
@@ -369,16 +379,17 @@ class OpenAIApi:
             await send_json(send, 400, error)
             return
         status, payload, headers = 200, None, []
+        response_key = uuid.uuid4().hex
         with ClientWatch(receive) as client:
             try:
-                streams = await self._open_in_callers_trace(body, scope)
+                streams = await self._open_in_callers_trace(body, scope, response_key)
             except GenerationError as exc:
                 status, payload, headers = exc.status, _error_body(exc), _error_headers(exc)
             else:
                 chat = kind is ChatCompletionRequest
                 if body.return_tokens_as_token_ids:
                     build = functools.partial(build, as_ids=True)
-                response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+                response_id = ("chatcmpl-" if chat else "cmpl-") + response_key
                 created = int(time.time())
                 echoes = self._echoes(body)
                 if body.stream:
