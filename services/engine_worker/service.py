@@ -27,6 +27,7 @@ from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.cluster import FORGET_AFTER_S, MISSED_HEARTBEATS
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, NoResponders, RequestTimeout
+from lamina.libs.health import HealthServer
 from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import (
@@ -75,6 +76,8 @@ class WorkerConfig:
         60.0, "seconds the engine thread may go without a loop iteration before it is failed"
     )
     drain_timeout: float = option(300.0, "most seconds SIGTERM waits for in-flight work")
+    health_host: str = option("0.0.0.0", "address /health and /ready are served on")
+    health_port: int = option(0, "port for /health and /ready (ready: taking requests; 0: off)")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -110,9 +113,17 @@ class WorkerService:
         self.engine_thread: EngineThread | None = None
         self._outbox: asyncio.Queue[list[Outgoing]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        self.health: HealthServer | None = None
+
+    def ready(self) -> bool:
+        """Taking requests: loaded, ``ready`` and on the bus (the readiness probe)."""
+        connected = self.bus is not None and self.bus.nc.is_connected
+        return connected and self.state == WorkerState.READY
 
     async def start(self) -> None:
         cfg = self.config
+        if cfg.health_port:  # first: a model that loads for minutes is alive meanwhile
+            self.health = await HealthServer(cfg.health_host, cfg.health_port, self.ready).start()
         self.bus = bus = await cfg.nats.connect(f"worker-{self.worker_id}")
         await self._check_id_is_free()  # before loading a model, which can take minutes
         engine_config = cfg.engine.with_model()
@@ -416,6 +427,8 @@ class WorkerService:
         await self._outbox.join()
 
     async def close(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
         if self.engine_thread is not None:
             self.engine_thread.stop()
         for task in self._tasks:

@@ -29,6 +29,7 @@ from lamina.libs.bounded import BoundedDict
 from lamina.libs.bus import Bus, NatsConfig, in_trace
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, BusError, NoResponders, PayloadTooLarge, RequestTimeout
+from lamina.libs.health import HealthServer
 from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel, ControlAck, Ping
@@ -86,6 +87,8 @@ class SchedulerConfig:
     max_queue_requests: int = option(1024, "most requests waiting in this replica's queue")
     max_queue_tokens: int = option(1 << 20, "most prompt tokens waiting in its queue")
     max_queue_wait: float = option(30.0, "seconds a request may wait in the queue")
+    health_host: str = option("0.0.0.0", "address /health and /ready are served on")
+    health_port: int = option(0, "port for /health and /ready (ready: on the bus; 0: off)")
 
     def __post_init__(self) -> None:
         Policy(self.placement)  # a ValueError naming the value
@@ -109,8 +112,17 @@ class SchedulerService:
         """Each worker's last traced heartbeat (what a placement span links to)."""
         self._kv_spans: dict[str, trace.SpanContext] = {}
         """Each worker's last traced KV event batch, in the prefix index (linked too)."""
+        self.health: HealthServer | None = None
+        self._subscribed = False
+
+    def ready(self) -> bool:
+        """Subscribed and on the bus: submits reach this replica (the readiness probe)."""
+        return self._subscribed and self.bus is not None and self.bus.nc.is_connected
 
     async def start(self) -> None:
+        cfg = self.config
+        if cfg.health_port:
+            self.health = await HealthServer(cfg.health_host, cfg.health_port, self.ready).start()
         self.bus = bus = await self.config.nats.connect(f"scheduler-{self.scheduler_id}")
         bus.on_reconnect.append(self._resync_all)
         await bus.subscribe(subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False)
@@ -122,6 +134,7 @@ class SchedulerService:
         await bus.subscribe(subjects.SCHED_STATUS, ClusterStatusRequest, self._on_status)
         await bus.subscribe(subjects.SCHED_CANCEL, Cancel, self._on_cancel)
         self._tasks.append(asyncio.create_task(self._expire()))
+        self._subscribed = True
         await announce(bus, "scheduler", self.scheduler_id)
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
@@ -444,6 +457,8 @@ class SchedulerService:
             )
 
     async def close(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
         for task in [*self._syncing.values(), *self._tasks]:
             task.cancel()
         if self.bus is not None:
