@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import tempfile
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from timing import stream_completion
 
 from lamina.libs.block_hash import hash_blocks
 from lamina.libs.nats_server import free_port
@@ -105,30 +105,6 @@ def ideal_hit_rate(prompts: list[list[int]]) -> float:
     return hit / total
 
 
-async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> tuple:
-    """``(ttft_s, cached_tokens, completion_tokens)`` of one streamed completion."""
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started, ttft, usage = time.perf_counter(), None, {}
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if ttft is None and event.get("choices"):
-                ttft = time.perf_counter() - started
-            usage = event.get("usage") or usage
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return ttft, cached, usage.get("completion_tokens", 0)
-
-
 async def open_loop(base_url: str, prompts: list[list[int]], rate: float, out: int) -> Result:
     """Poisson arrivals at ``rate`` requests/s."""
     rng = random.Random(11)
@@ -136,7 +112,7 @@ async def open_loop(base_url: str, prompts: list[list[int]], rate: float, out: i
         started = time.perf_counter()
         tasks = []
         for prompt in prompts:
-            tasks.append(asyncio.create_task(one(client, prompt, out)))
+            tasks.append(asyncio.create_task(stream_completion(client, prompt, out)))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         seconds = time.perf_counter() - started
@@ -155,7 +131,7 @@ async def closed_loop(base_url: str, prompts: list[list[int]], clients: int, out
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while pending:
-            await one(client, pending.pop(), out)
+            await stream_completion(client, pending.pop(), out)
 
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         started = time.perf_counter()

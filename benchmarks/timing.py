@@ -1,10 +1,13 @@
-"""Timing shared by the CPU micro-benchmarks (run as scripts from this folder)."""
+"""Timing shared by the benchmarks (run as scripts from this folder)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
+
+import httpx
 
 
 def median_ms(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
@@ -18,3 +21,30 @@ def median_ms(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, prompt: list[int], max_tokens: int
+) -> tuple[float, int, int]:
+    """``(ttft_s, cached_tokens, completion_tokens)`` of one greedy streamed completion
+    of ``max_tokens`` (``ignore_eos``): TTFT is the time to the first chunk with text."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started, ttft, usage = time.perf_counter(), None, {}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event.get("choices"):
+                ttft = time.perf_counter() - started
+            usage = event.get("usage") or usage
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return ttft, cached, usage.get("completion_tokens", 0)

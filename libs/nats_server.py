@@ -53,6 +53,9 @@ class NatsCluster:
     """``host:port`` of the other nodes' route listeners."""
     name: str = "lamina"
     """The cluster's name: nodes of another cluster are refused."""
+    advertise: str = ""
+    """``host:port`` the other nodes reach this one's routes at, where that is not where
+    it listens (a port forward, a proxy); empty: ``host:port``."""
 
     def config(self, secret: str = "") -> str:
         """This node's ``server_name`` and ``cluster {}`` block of a server configuration.
@@ -68,6 +71,8 @@ class NatsCluster:
             f"  listen: {json.dumps(f'{self.host}:{self.port}')}",
             f"  routes: [{routes}]",
         ]
+        if self.advertise:
+            lines.append(f"  advertise: {json.dumps(self.advertise)}")
         if secret:
             login = f"user: {json.dumps(ROUTE_USER)}, password: {json.dumps(secret)}"
             lines.append(f"  authorization {{{login}}}")

@@ -48,6 +48,9 @@ class NodeConfig(UpConfig):
         "(ports default to this host's --nats-port and --cluster-port)",
     )
     cluster_port: int = option(6222, "port this host's NATS node takes the other nodes' routes on")
+    cluster_advertise: str = option(
+        "", "host:port the other nodes reach this node's routes at, if not --address:--cluster-port"
+    )
     node_name: str = option(
         "", "this host's name: its NATS server's, and its workers' ids <name>-worker-<i> "
         "(default: the host name)"
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         host=config.address,
         port=config.cluster_port,
         routes=tuple(f"{peer.address}:{peer.cluster_port}" for peer in peers),
+        advertise=config.cluster_advertise,
     )
     stack = stack_of(
         config,

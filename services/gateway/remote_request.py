@@ -205,6 +205,7 @@ class RemoteRequest:
             match event:
                 case Accepted(worker_id=worker_id):
                     self._note_numerics(event.numerics)
+                    self.inbox.accepted(self._subject, worker_id, self.request.request_id)
                     self.worker_id, self._accepted_at = worker_id, time.monotonic()
                     self._first_accepted_at = self._first_accepted_at or self._accepted_at
                     self.queued = False

@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_SUBNET = 10 + os.getpid() % 200  # 10.<n>.0.0/24: unlikely to clash with a parallel run
-
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
@@ -84,18 +82,20 @@ class Host:
 
 
 class TestHosts:
-    """``count`` hosts on one bridge (see the module docstring)."""
+    """``count`` hosts on one bridge (see the module docstring). ``network``: which of a
+    process's sets of hosts this is, when it makes several at once."""
 
-    def __init__(self, count: int, log_dir: Path) -> None:
-        tag = f"lm{os.getpid() % 10000}"
+    def __init__(self, count: int, log_dir: Path, network: int = 0) -> None:
+        tag = f"lm{os.getpid() % 10000}{'abcdefgh'[network]}"
+        subnet = 10 + (os.getpid() * 8 + network) % 200  # unlikely to clash with another run
         self.bridge = f"{tag}br"
-        self.gateway_address = f"10.{_SUBNET}.0.254"
+        self.gateway_address = f"10.{subnet}.0.254"
         self.hosts = [
             Host(
                 name=chr(ord("a") + i),
                 netns=f"{tag}-{chr(ord('a') + i)}",
                 veth=f"{tag}v{i}",
-                address=f"10.{_SUBNET}.0.{i + 1}",
+                address=f"10.{subnet}.0.{i + 1}",
                 log_dir=log_dir / chr(ord("a") + i),
             )
             for i in range(count)

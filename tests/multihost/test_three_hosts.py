@@ -1,7 +1,7 @@
 """The stack on three hosts (network namespaces, ``tests/multihost/netns.py``), each a
 ``lamina node`` with its own NATS node in one three-node cluster, on one credential store:
 
-- host a: gateway, scheduler, worker ``a-worker-0``
+- host a: gateway, scheduler, telemetry, worker ``a-worker-0``
 - host b: gateway, scheduler, worker ``b-worker-0``
 - host c: telemetry, worker ``c-worker-0``
 
@@ -17,28 +17,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 
-from lamina.libs.bus import NatsConfig
-from lamina.libs.errors import NoResponders, RequestTimeout
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import PlacementRecord, RequestRecord
-from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, WorkerState
 from tests.e2e.conftest import make_stack
-from tests.multihost import netns
+from tests.multihost import netns, nodes
+from tests.multihost.nodes import converge
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 
-ROLES = {"a": "gateway,scheduler,worker", "b": "gateway,scheduler,worker", "c": "telemetry,worker"}
-WORKERS = {f"{name}-worker-0" for name in ROLES}
+ROLES = {
+    "a": "gateway,scheduler,telemetry,worker",
+    "b": "gateway,scheduler,worker",
+    "c": "telemetry,worker",
+}
+WORKERS = nodes.workers_of(ROLES)
 ENGINE = ["--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024"]
 PROMPTS = [f"{i} said host number {i}, once upon a time" for i in range(6)]
 # Prompts no worker has cached yet (KV-aware placement sends a cached prefix back where it
@@ -54,23 +51,14 @@ GREEDY = {  # and output-sensitive penalties: a moved stream must carry its outp
     "presence_penalty": 0.4,
     "repetition_penalty": 1.3,
 }
-LAMINA = [sys.executable, "-m", "lamina.services.cli"]
 
 
 @dataclass
-class Cluster:
-    hosts: dict[str, netns.Host]
-    home: Path
-    reference: dict[tuple[str, int], str]
+class Checked(nodes.Cluster):
+    """The cluster, and what a single-host stack answered to the same requests."""
+
+    reference: dict[tuple[str, int], str] = field(default_factory=dict)
     """(prompt, max_tokens) -> the single-host stack's greedy text."""
-
-    def gateway(self, name: str) -> str:
-        return f"http://{self.hosts[name].address}:8000"
-
-    def bus(self, identity: str, *hosts: str) -> NatsConfig:
-        """How the test joins the bus as ``identity``, through ``hosts``' NATS nodes."""
-        urls = ",".join(f"nats://{self.hosts[h].address}:4222" for h in hosts)
-        return NatsConfig(urls, nats_credential=str(self.home / "nats" / f"{identity}.nk"))
 
 
 @dataclass
@@ -90,7 +78,7 @@ class Heard:
 
 
 @contextlib.asynccontextmanager
-async def listening(c: Cluster, *hosts: str):
+async def listening(c: nodes.Cluster, *hosts: str):
     bus = await c.bus("telemetry", *hosts).connect("test-listener")
     heard = Heard()
 
@@ -107,42 +95,6 @@ async def listening(c: Cluster, *hosts: str):
         yield heard
     finally:
         await bus.drain()  # everything published before now has arrived
-
-
-async def views(c: Cluster, replicas: tuple[str, ...]) -> dict[str, set[str]]:
-    """Each scheduler replica's workers that take requests (alive and ready), as it
-    answers ``sched.status``."""
-    bus = await c.bus("operator", *replicas).connect("test-operator")
-    found: dict[str, set[str]] = {}
-    try:
-        for replica in replicas:
-            with contextlib.suppress(RequestTimeout, NoResponders):
-                answers = await bus.request_many(
-                    subjects.SCHED_STATUS,
-                    ClusterStatusRequest(),
-                    ClusterStatus,
-                    lambda status, r=replica: status.scheduler_id == r,
-                    timeout=1,
-                )
-                found[replica] = {
-                    w.stats.worker_id
-                    for w in answers[-1].workers
-                    if w.alive and w.stats.state == WorkerState.READY
-                }
-    finally:
-        await bus.close()
-    return found
-
-
-async def converge(c: Cluster, replicas: tuple[str, ...], workers: set[str], timeout: float):
-    """Until every scheduler replica in ``replicas`` sees exactly ``workers`` ready."""
-    deadline, seen = time.monotonic() + timeout, {}
-    while time.monotonic() < deadline:
-        seen = await views(c, replicas)
-        if seen == dict.fromkeys(replicas, workers):
-            return
-        await asyncio.sleep(0.3)
-    raise AssertionError(f"the schedulers did not converge on {sorted(workers)}: {seen}")
 
 
 async def complete(
@@ -214,24 +166,9 @@ def cluster(tiny_model, tmp_path_factory):
         for prompts, max_tokens in ((PROMPTS, SHORT), (CUT_OFF, LONG), (LOST, LONG)):
             texts = asyncio.run(complete(single.base_url, prompts, max_tokens, at_once=False))
             reference.update({(p, max_tokens): t for p, t in zip(prompts, texts, strict=True)})
-    home = tmp / "home"
-    env = {**os.environ, "LAMINA_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    # One credential store for every host, made once, as an operator would (and copy it).
-    workers = [f"worker.{w}" for w in sorted(WORKERS)]
-    subprocess.run([*LAMINA, "creds", "init", *workers], env=env, check=True, capture_output=True)
-    with netns.TestHosts(3, tmp / "logs") as hosts:
-        for host in hosts:
-            peers = ",".join(other.address for other in hosts if other is not host)
-            host.spawn(
-                [*LAMINA, "node", "--address", host.address, "--peers", peers,
-                 "--node-name", host.name, "--services", ROLES[host.name],
-                 "--model", str(tiny_model), *ENGINE],
-                env,
-                "node",
-            )  # fmt: skip
-        c = Cluster({host.name: host for host in hosts}, home, reference)
+    with nodes.running(ROLES, tiny_model, ENGINE, tmp) as c:
         asyncio.run(converge(c, ("a", "b"), WORKERS, timeout=240))
-        yield c
+        yield Checked(c.hosts, c.home, reference)
 
 
 def test_requests_through_either_gateway_equal_the_single_host_stacks(cluster):
@@ -252,18 +189,25 @@ def test_requests_through_either_gateway_equal_the_single_host_stacks(cluster):
     assert {r.outcome for r in heard.records} == {"finished"}
     assert {p.worker_id for p in heard.placements} == WORKERS
     assert {p.scheduler_id for p in heard.placements} == {"a", "b"}
+    # Both telemetry replicas see the whole cluster, whichever host they are on.
+    for host in ("a", "c"):
+        url = f"http://{cluster.hosts[host].address}:9400/v1/cluster"
+        seen = {w["worker_id"] for w in httpx.get(url, timeout=10).json()["workers"]}
+        assert seen == WORKERS, host
 
 
 def test_a_partitioned_host_loses_its_streams_without_duplicates_and_serves_again(cluster):
     """Host c's cable is pulled while it serves streams of gateway a, then put back."""
-    c_host = cluster.hosts["c"]
+    c_host, operator = cluster.hosts["c"], cluster.bus("operator", "a")
 
     async def main() -> tuple[list[Stream], Heard]:
         async with listening(cluster, "a") as heard:
+            await nodes.cordon(operator, WORKERS, {"c-worker-0"})  # the streams go to c
             streams = [Stream(p) for p in CUT_OFF]
             tasks = [asyncio.create_task(stream(cluster.gateway("a"), s)) for s in streams]
             for s in streams:
                 await s.started.wait()
+            await nodes.cordon(operator, WORKERS, WORKERS)  # and may move anywhere
             c_host.link(up=False)
             try:
                 await asyncio.wait_for(asyncio.gather(*tasks), 90)
@@ -272,40 +216,45 @@ def test_a_partitioned_host_loses_its_streams_without_duplicates_and_serves_agai
             finally:
                 c_host.link(up=True)
             # ... and converges on all three again once c is back.
-            await converge(cluster, ("a", "b"), WORKERS, timeout=60)
-            # c takes work again: bursts of new prompts until one is placed there.
-            for burst in range(20):
-                fresh = [f"{i} is burst {burst} after the heal" for i in range(6)]
-                await complete(cluster.gateway("a"), fresh, SHORT)
-                if any(p.worker_id == "c-worker-0" for p in heard.placements[-len(fresh) :]):
-                    break
-            else:
-                raise AssertionError("nothing was placed on c-worker-0 after the heal")
+            await converge(cluster, ("a", "b"), WORKERS, timeout=60, stable_for=3.0)
+            # c takes work again: with the others cordoned, requests go there and finish.
+            await nodes.cordon(operator, WORKERS, {"c-worker-0"})
+            fresh = [f"{i} is a request after the heal" for i in range(3)]
+            await complete(cluster.gateway("a"), fresh, SHORT)
+            await nodes.cordon(operator, WORKERS, WORKERS)
         return streams, heard
 
     streams, heard = asyncio.run(main())
     assert [s.error for s in streams] == [None] * len(streams)
     # Every token once, in order: the text is the reference's, no more, no less.
     assert [s.text for s in streams] == [cluster.reference[(s.prompt, LONG)] for s in streams]
+    assert [p.worker_id for p in heard.placements[-3:]] == ["c-worker-0"] * 3  # healed
     ids = {request_id(s) for s in streams}
-    on_c = heard.placed_on("c-worker-0", ids)
-    assert on_c, [(p.request_id in ids, p.worker_id, p.attempt) for p in heard.placements]
-    moved = {r.request_id for r in heard.records if r.request_id in on_c and r.moves >= 1}
-    assert moved == on_c
+    assert heard.placed_on("c-worker-0", ids) == ids
+    moved = {r.request_id for r in heard.records if r.request_id in ids and r.moves >= 1}
+    assert moved == ids
 
 
 def test_a_lost_host_s_streams_move_and_its_gateway_s_clients_get_an_error(cluster):
     """Host b (gateway, scheduler, worker and NATS node) is killed mid-load."""
-    b_host = cluster.hosts["b"]
+    b_host, operator = cluster.hosts["b"], cluster.bus("operator", "a")
 
     async def main() -> tuple[list[Stream], list[Stream], Heard]:
         async with listening(cluster, "a", "c") as heard:
+            # Half of gateway a's streams on b's worker, half elsewhere.
             via_a = [Stream(p) for p in LOST]
             via_b = [Stream(p) for p in LOST]
-            tasks = [asyncio.create_task(stream(cluster.gateway("a"), s)) for s in via_a]
-            tasks += [asyncio.create_task(stream(cluster.gateway("b"), s)) for s in via_b]
-            for s in via_a + via_b:
-                await s.started.wait()
+            a, b = cluster.gateway("a"), cluster.gateway("b")
+            tasks = []
+            for serving, streams in (
+                (WORKERS - {"b-worker-0"}, [(a, s) for s in via_a[:3]]),
+                ({"b-worker-0"}, [(a, s) for s in via_a[3:]] + [(b, s) for s in via_b]),
+            ):
+                await nodes.cordon(operator, WORKERS, serving)
+                tasks += [asyncio.create_task(stream(url, s)) for url, s in streams]
+                for _, s in streams:
+                    await s.started.wait()
+            await nodes.cordon(operator, WORKERS, WORKERS)
             b_host.kill()
             await asyncio.wait_for(asyncio.gather(*tasks), 90)
             await converge(cluster, ("a",), WORKERS - {"b-worker-0"}, timeout=30)
@@ -316,10 +265,10 @@ def test_a_lost_host_s_streams_move_and_its_gateway_s_clients_get_an_error(clust
     # The surviving gateway's clients: nothing lost, nothing duplicated, no errors.
     assert [s.error for s in via_a] == [None] * len(via_a)
     assert [s.text for s in via_a] == [cluster.reference[(s.prompt, LONG)] for s in via_a]
-    on_b = heard.placed_on("b-worker-0", {request_id(s) for s in via_a})
-    assert on_b, "no stream of gateway a was on host b when it was lost"
-    moved = {r.request_id for r in heard.records if r.request_id in on_b and r.moves >= 1}
-    assert moved == on_b
+    on_b = {request_id(s) for s in via_a[3:]}
+    assert heard.placed_on("b-worker-0", on_b) == on_b
+    moved = {r.request_id for r in heard.records if r.moves >= 1}
+    assert moved == on_b  # and the others never noticed
     # The lost gateway's clients: a connection error, at once, not a hang or a clean end.
     for s in via_b:
         assert not s.finished

@@ -1,0 +1,161 @@
+"""A Lamina cluster on test hosts (``netns.py``): one ``lamina node`` per host, one NATS
+node each, routed to all the others, on one credential store (made once, as an operator
+makes it and copies it to every host). The tests and ``benchmarks/multi_host.py`` share
+it.
+
+With ``delay_ms``, every route between NATS nodes runs through a delaying TCP proxy
+(``benchmarks/delay_proxy.py``) in front of each node's route port: the node listens on
+port 6223 and advertises the proxy's 6222, so each route connection, whichever node
+solicited it, crosses exactly one proxy (``delay_ms`` each way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from lamina.libs.bus import NatsConfig
+from lamina.libs.errors import NoResponders, RequestTimeout
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.control import ControlAck, Cordon, Uncordon
+from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, WorkerState
+from tests.multihost import netns
+
+LAMINA = [sys.executable, "-m", "lamina.services.cli"]
+PROXY = Path(__file__).resolve().parents[2] / "benchmarks" / "delay_proxy.py"
+NATS_PORT, ROUTE_PORT, PROXIED_ROUTE_PORT = 4222, 6222, 6223
+
+
+@dataclass
+class Cluster:
+    hosts: dict[str, netns.Host]
+    home: Path
+    """The shared ``LAMINA_HOME`` (its ``nats/`` is the credential store)."""
+
+    def gateway(self, name: str) -> str:
+        return f"http://{self.hosts[name].address}:8000"
+
+    def bus(self, identity: str, *hosts: str) -> NatsConfig:
+        """How a client joins the bus as ``identity``, through ``hosts``' NATS nodes."""
+        urls = ",".join(f"nats://{self.hosts[h].address}:{NATS_PORT}" for h in hosts)
+        return NatsConfig(urls, nats_credential=str(self.home / "nats" / f"{identity}.nk"))
+
+
+def workers_of(roles: dict[str, str]) -> set[str]:
+    """The worker ids of hosts whose roles include a worker (one each)."""
+    return {f"{name}-worker-0" for name, services in roles.items() if "worker" in services}
+
+
+@contextlib.contextmanager
+def running(
+    roles: dict[str, str],
+    model: Path,
+    engine: list[str],
+    tmp: Path,
+    delay_ms: float = 0.0,
+    network: int = 0,
+) -> Iterator[Cluster]:
+    """Hosts named by ``roles`` (host -> its ``--services``), each a node; removed on exit.
+    Returns once the nodes are spawned: wait with :func:`converge`."""
+    home = tmp / "home"
+    env = {**os.environ, "LAMINA_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    identities = [f"worker.{w}" for w in sorted(workers_of(roles))]
+    subprocess.run(
+        [*LAMINA, "creds", "init", *identities], env=env, check=True, capture_output=True
+    )
+    with netns.TestHosts(len(roles), tmp / "logs", network) as hosts:
+        named = dict(zip(roles, hosts, strict=True))
+        for name, host in named.items():
+            others = [o for o in hosts if o is not host]
+            peers = ",".join(f"{o.address}:{NATS_PORT}:{ROUTE_PORT}" for o in others)
+            placement = []
+            if delay_ms:
+                host.spawn(
+                    [sys.executable, str(PROXY), "--listen", f"{host.address}:{ROUTE_PORT}",
+                     "--to", f"{host.address}:{PROXIED_ROUTE_PORT}", "--delay-ms", str(delay_ms)],
+                    env,
+                    "proxy",
+                )  # fmt: skip
+                placement = ["--cluster-port", str(PROXIED_ROUTE_PORT),
+                             "--cluster-advertise", f"{host.address}:{ROUTE_PORT}"]  # fmt: skip
+            host.spawn(
+                [*LAMINA, "node", "--address", host.address, "--peers", peers,
+                 "--node-name", name, "--services", roles[name], *placement,
+                 "--model", str(model), *engine],
+                env,
+                "node",
+            )  # fmt: skip
+        yield Cluster(named, home)
+
+
+async def views(c: Cluster, replicas: tuple[str, ...]) -> dict[str, set[str]]:
+    """Each scheduler replica's workers that take requests (alive and ready), as it
+    answers ``sched.status``."""
+    bus = await c.bus("operator", *replicas).connect("test-operator")
+    found: dict[str, set[str]] = {}
+    try:
+        for replica in replicas:
+            with contextlib.suppress(RequestTimeout, NoResponders):
+                answers = await bus.request_many(
+                    subjects.SCHED_STATUS,
+                    ClusterStatusRequest(),
+                    ClusterStatus,
+                    lambda status, r=replica: status.scheduler_id == r,
+                    timeout=1,
+                )
+                found[replica] = {
+                    w.stats.worker_id
+                    for w in answers[-1].workers
+                    if w.alive and w.stats.state == WorkerState.READY
+                }
+    finally:
+        await bus.close()
+    return found
+
+
+async def converge(
+    c: Cluster,
+    replicas: tuple[str, ...],
+    workers: set[str],
+    timeout: float,
+    stable_for: float = 0.0,
+) -> None:
+    """Until every scheduler replica in ``replicas`` sees exactly ``workers`` ready, and
+    has for ``stable_for`` seconds (after a partition heals, a host's heartbeats can come
+    in bursts while TCP's retransmission back-off runs down, and it flaps)."""
+    deadline, seen, since = time.monotonic() + timeout, {}, None
+    while time.monotonic() < deadline:
+        seen = await views(c, replicas)
+        if seen != dict.fromkeys(replicas, workers):
+            since = None
+        elif since is None:
+            since = time.monotonic()
+        if since is not None and time.monotonic() - since >= stable_for:
+            return
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"the schedulers did not converge on {sorted(workers)}: {seen}")
+
+
+async def cordon(operator: NatsConfig, workers: set[str], serving: set[str]) -> None:
+    """Leave only ``serving`` of ``workers`` taking new requests (``lamina ctl cordon``
+    on the others, ``uncordon`` on these), waiting out workers still loading."""
+    bus = await operator.connect("test-cordon")
+    try:
+        for worker in sorted(workers):
+            command = Uncordon() if worker in serving else Cordon()
+            for _ in range(600):  # a worker loading its model is not subscribed yet
+                try:
+                    await bus.request(subjects.worker_control(worker), command, ControlAck)
+                    break
+                except NoResponders:
+                    await asyncio.sleep(0.1)
+    finally:
+        await bus.close()
+    await asyncio.sleep(0.3)  # every scheduler replica has the workers' new heartbeats
