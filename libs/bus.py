@@ -104,6 +104,17 @@ def _attributes(subject: str, size: int, operation: str) -> dict[str, Any]:
     }
 
 
+async def flush(nc: Client) -> None:
+    """Return once the server has every command this connection sent so far (a barrier:
+    a subscription just made is in place, a message just published was read).
+    ``nats-py``'s ``flush`` writes its PING straight to the socket, ahead of commands still
+    queued for its flusher task, so its PONG can come back before a ``SUB`` queued just
+    before it was read. The first round trip lets the flusher write what was queued; the
+    second PING goes after it."""
+    await nc.flush()
+    await nc.flush()
+
+
 @dataclass(frozen=True)
 class NatsConfig:
     """How a process reaches the bus; embedded in every service's config."""
@@ -441,6 +452,10 @@ class Bus:
                 pass
         log.warning("draining with no NATS server connected: closing instead")
         await self.nc.close()
+
+    async def flush(self) -> None:
+        """Until the server has everything sent so far (:func:`flush`)."""
+        await flush(self.nc)
 
     async def close(self) -> None:
         self._stop_health()

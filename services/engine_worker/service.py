@@ -154,6 +154,7 @@ class WorkerService:
         )
         self._tasks.append(asyncio.create_task(self._publish_outbox()))
         self.numerics = self.worker_stats().numerics()
+        await bus.flush()  # the server has the subscriptions before a heartbeat says ready
         self.lifecycle.move(Event.LOADED)
         await self._publish_stats()
         blocks = engine.blocks  # fixed at construction: safe to read from this thread

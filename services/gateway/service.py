@@ -116,6 +116,7 @@ class GatewayService:
         self._admission = admission
         self._nats_api = NatsApi(bus, admission)
         await self._nats_api.start()
+        await bus.flush()  # its inbox and the API's subscriptions are in place at the server
         app = OpenAIApi(
             admission, ready=lambda: self.cluster_ready, tool_call_parser=cfg.tool_call_parser
         ).app()

@@ -134,6 +134,7 @@ class SchedulerService:
         await bus.subscribe(subjects.SCHED_STATUS, ClusterStatusRequest, self._on_status)
         await bus.subscribe(subjects.SCHED_CANCEL, Cancel, self._on_cancel)
         self._tasks.append(asyncio.create_task(self._expire()))
+        await bus.flush()  # the server has the subscriptions before it says it is ready
         self._subscribed = True
         await announce(bus, "scheduler", self.scheduler_id)
 

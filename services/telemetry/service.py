@@ -179,7 +179,7 @@ class TelemetryService:
         await bus.subscribe(
             subjects.EVENTS_SERVICE, ServiceStarted | BusHealth, self._on_service, traced=False
         )
-        await bus.nc.flush()  # the server has our subscriptions before we say ready
+        await bus.flush()  # the server has our subscriptions before we say ready
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if stats.worker_id == subjects.sender_worker(msg.subject):  # not one posing as another

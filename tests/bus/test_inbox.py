@@ -69,7 +69,7 @@ def test_a_worker_still_streaming_to_a_closed_attempt_is_told_once_to_stop(nats_
         inbox.close(again)
         inbox.accepted(back, "w-cut", "twice")
         await bus.publish(again, Tokens(request_id="twice", seq=5, token_ids=[7]))
-        await bus.nc.flush()
+        await bus.flush()
         await asyncio.sleep(0.3)  # the inbox handles its messages, its cancels come back
         await bus.drain()
         return cancels

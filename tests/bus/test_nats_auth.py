@@ -11,7 +11,7 @@ import stat
 import nats
 import pytest
 
-from lamina.libs.bus import Bus, NatsConfig, encode
+from lamina.libs.bus import Bus, NatsConfig, encode, flush
 from lamina.libs.errors import NotAdmitted
 from lamina.libs.nats_auth import CredentialStore, api_subject
 from lamina.libs.nats_server import NatsServer
@@ -45,7 +45,7 @@ class Client:
             self.received.append((msg.subject, msg.data))
 
         await self.nc.subscribe(subject, cb=on_msg)
-        await self.nc.flush()
+        await flush(self.nc)
 
 
 async def connect_as(secured, identity: str) -> Client:
@@ -62,7 +62,7 @@ async def connect_as(secured, identity: str) -> Client:
 
 async def settle(*clients: Client) -> None:
     for client in clients:
-        await client.nc.flush()
+        await flush(client.nc)
     await asyncio.sleep(0.2)
 
 
@@ -165,7 +165,7 @@ def test_tls_with_credentials(tmp_path):
     async def main() -> None:
         url = f"tls://{server.host}:{server.port}"
         bus = await NatsConfig(url, str(gateway), ca).connect("tls-test")
-        await bus.nc.flush()
+        await bus.flush()
         assert bus.nc.is_connected and bus.nc.connected_url.scheme == "tls"
         await bus.close()
         with pytest.raises(TimeoutError):  # a server it cannot verify: never connected

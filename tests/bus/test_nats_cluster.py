@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nats
 
-from lamina.libs.bus import Bus
+from lamina.libs.bus import Bus, flush
 from lamina.libs.nats_auth import ROUTE_SECRET_FILE, CredentialStore
 from lamina.libs.nats_server import NatsCluster, NatsServer, free_port
 from lamina.schemas.v1 import subjects
@@ -53,7 +53,7 @@ def test_a_message_crosses_the_routes_and_a_client_fails_over_to_the_next_node()
 
         listener = await Bus.connect(second.url, "test-listener")
         await listener.subscribe("t.cluster", Cancel, on_cancel)
-        await listener.nc.flush()
+        await listener.flush()
         sender = await Bus.connect(f"{first.url},{second.url}", "test-sender")
         assert sender.nc.connected_url.port == first.port  # the list's order is kept
         received = []
@@ -100,7 +100,7 @@ def test_routes_are_admitted_only_with_the_stores_route_secret(tmp_path: Path):
                 queue.put_nowait(msg.data)
 
             await nc.subscribe(subjects.WORKER_STATS_ALL, cb=on_message)
-            await nc.flush()
+            await flush(nc)
             subscribers.append(nc)
         worker = await connect(nodes[0][0], store, "worker.w")
         crossed = await _until_received(

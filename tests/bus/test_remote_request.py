@@ -140,7 +140,7 @@ def run(
         await peer.subscribe(subjects.worker_cancel("*"), Cancel, on_cancel)
         await peer.subscribe(subjects.SCHED_CANCEL, Cancel, on_queue_cancel)
         await peer.subscribe(subjects.EVENTS_REQUEST, RequestRecord, on_record)
-        await peer.nc.flush()
+        await peer.flush()
         bus = await Bus.connect(nats_url, "test-generation-gateway")
         inbox = Inbox(bus)
         await inbox.start()
@@ -167,7 +167,7 @@ def run(
             result.error = exc
         result.record = await asyncio.wait_for(records.get(), 5)
         await bus.drain()
-        await peer.nc.flush()  # the gateway's cancels have arrived
+        await peer.flush()  # the gateway's cancels have arrived
         await peer.drain()
         return result
 

@@ -58,7 +58,7 @@ class Harness:
     async def __aenter__(self) -> Harness:
         for scheduler in self.schedulers:
             await scheduler.start()
-            await scheduler.bus.nc.flush()  # its subscriptions are in place at the server
+            await scheduler.bus.flush()  # its subscriptions are in place at the server
         self.bus = bus = await Bus.connect(self.nats_url, "test-neighbours")
         self.reply = bus.inbox()
 
@@ -170,7 +170,7 @@ def test_a_saturated_cluster_queues_by_priority_and_deadline_and_answers_at_once
             assert full.retry_after_s >= 1
             # A client that hangs up leaves the queue.
             await h.bus.publish(subjects.SCHED_CANCEL, Cancel(request_id="late"))
-            await h.bus.nc.flush()
+            await h.bus.flush()
             # A heartbeat with room lets the queue drain: priority first, then deadline.
             await h.heartbeat(**(busy | {"num_waiting": 0}))
             order = [(await asyncio.wait_for(h.forwarded.get(), 5))[0].request_id for _ in "ab"]
@@ -258,7 +258,7 @@ def test_a_worker_that_did_not_see_a_request_through_is_skipped_until_it_answers
                 await h.bus.reply(msg, ack)
 
             await h.bus.subscribe(subjects.worker_control("bus-sched-ghost"), Ping, answer)
-            await h.bus.nc.flush()
+            await h.bus.flush()
             await h.heartbeat()  # its next heartbeat pings it again; now it answers
             while "bus-sched-ghost" in h.schedulers[0].registry.quarantined:
                 await asyncio.sleep(0.01)

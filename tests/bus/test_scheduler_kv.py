@@ -47,7 +47,7 @@ class Workers:
             self.records.put_nowait(record)
 
         await self.bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, on_record)
-        await self.bus.nc.flush()
+        await self.bus.flush()
 
     def _answer(self, worker: str):
         async def answer(_: KvSyncRequest, msg) -> None:
@@ -123,7 +123,7 @@ def test_the_index_syncs_places_by_prefix_and_resyncs_after_gaps_and_restarts(na
             SchedulerConfig(nats=NatsConfig(nats_url), scheduler_id="s-kv")
         )
         await scheduler.start()
-        await scheduler.bus.nc.flush()
+        await scheduler.bus.flush()
         bus = await Bus.connect(nats_url, "test-kv-workers")
         workers = Workers(bus)
         workers.caches["a"] = (HASHES, 10)  # "a" has the whole prompt's blocks cached
@@ -186,7 +186,7 @@ def test_a_replica_counts_the_other_replicas_placements_as_pending(nats_url):
         ]
         for replica in replicas:
             await replica.start()
-            await replica.bus.nc.flush()
+            await replica.bus.flush()
         bus = await Bus.connect(nats_url, "test-kv-peers")
         workers = Workers(bus)
         await workers.start()

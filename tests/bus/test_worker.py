@@ -216,7 +216,7 @@ def test_a_worker_heartbeats_starting_before_its_model_is_loaded(nats_url, tiny_
             seen.append(stats)
 
         await bus.subscribe(subjects.worker_stats(worker_id), WorkerStats, on_stats)
-        await bus.nc.flush()
+        await bus.flush()
         worker = WorkerService(worker_config(nats_url, worker_id, tiny_model))
         try:
             await worker.start()
@@ -428,7 +428,7 @@ def test_a_worker_stops_the_requests_of_a_gateway_that_stopped_heartbeating(nats
         try:
             await bus.subscribe(f"{prefix}.*", StreamEvent, lambda e, m: _append(orphan, e))
             await bus.publish(subjects.gateway_alive("gw-test"), alive)
-            await bus.nc.flush()
+            await bus.flush()
             long = GenerateRequest(
                 request_id="orphan",
                 model="lamina-tiny",

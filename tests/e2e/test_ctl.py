@@ -47,7 +47,7 @@ def placements(base_url: str, nats_url: str, count: int) -> list[str]:
                 placed.append(record.worker_id)
 
         await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, on_record)
-        await bus.nc.flush()
+        await bus.flush()
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
             body = {"prompt": [5, 6, 7], "max_tokens": 4}
             responses = await asyncio.gather(

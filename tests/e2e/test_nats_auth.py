@@ -12,7 +12,7 @@ import msgspec
 import nats
 import pytest
 
-from lamina.libs.bus import Bus, NatsConfig
+from lamina.libs.bus import Bus, NatsConfig, flush
 from lamina.libs.errors import NotAdmitted
 from lamina.libs.nats_auth import api_subject, inbox_prefix
 from lamina.schemas.v1.api import ApiError, ApiEvent, ApiFinished, ApiRequest
@@ -54,7 +54,7 @@ async def listen(config: NatsConfig, seconds: float) -> list[bytes]:
         got.append(msg.data)
 
     await nc.subscribe(inbox_prefix("api.default") + ".>", cb=on_msg)
-    await nc.flush()
+    await flush(nc)
     await asyncio.sleep(seconds)
     await nc.drain()
     return got

@@ -29,7 +29,7 @@ def test_two_replicas_spread_a_burst_and_place_each_request_once(tiny_model, tmp
             placed.append(record)
 
         await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, on_record)
-        await bus.nc.flush()
+        await bus.flush()
         # Every replica answers sched.status: wait until the second one knows the workers.
         for _ in range(100):
             with contextlib.suppress(RequestTimeout):  # not subscribed yet

@@ -52,7 +52,7 @@ def test_a_shared_prefix_lands_where_it_is_cached_and_distinct_prompts_spread(ti
 
         await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, on_record)
         await bus.subscribe(subjects.WORKER_KV_ALL, KvEventBatch, on_kv)
-        await bus.nc.flush()
+        await bus.flush()
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
             first = await complete(client, [*PREFIX, 1, 2, 3])
             assert cached_tokens(first) == 0
@@ -71,7 +71,7 @@ def test_a_shared_prefix_lands_where_it_is_cached_and_distinct_prompts_spread(ti
             # Distinct long prompts at once: nothing cached anywhere, so queued work decides.
             distinct = [[(i * 31 + j * 7) % 400 + 500 for j in range(300)] for i in range(6)]
             await asyncio.gather(*(complete(client, prompt) for prompt in distinct))
-            await bus.nc.flush()
+            await bus.flush()
             spread = [r.worker_id for r in placed]
         await bus.drain()
         return [cached_tokens(u) for u in repeats], prefix_workers, spread

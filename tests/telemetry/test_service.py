@@ -61,7 +61,7 @@ async def scenario() -> str:
                     subjects.EVENTS_PLACEMENT,
                     PlacementRecord(request_id="r1", worker_id="w1", reason="placed", candidates=1),
                 )
-                await bus.nc.flush()
+                await bus.flush()
             finally:
                 await bus.close()
 
