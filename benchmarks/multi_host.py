@@ -79,9 +79,8 @@ async def measure(t: Topology, args: argparse.Namespace, rng: random.Random) -> 
     async with httpx.AsyncClient(base_url=t.base_url, timeout=60) as client:
         for _ in range(args.requests):
             for where, serving in t.placements.items():
-                await nodes.cordon(
-                    t.operator, t.workers, serving
-                )  # and 0.3 s idle before each request
+                # Cordoning waits 0.3 s: each request finds an idle cluster.
+                await nodes.cordon(t.operator, t.workers, serving)
                 ttft, _, _ = await stream_completion(client, prompt(rng), 8)
                 t.ttft[where].append(ttft * 1000)
         for where, serving in t.placements.items():

@@ -242,9 +242,10 @@ class CredentialStore:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             return path.read_text().strip()
+        secret = secrets.token_urlsafe(24)
         with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(24) + "\n")
-        return path.read_text().strip()
+            out.write(secret + "\n")
+        return secret
 
     def write_server_config(
         self,

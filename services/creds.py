@@ -4,10 +4,10 @@
 cluster's nodes authenticate each other with, and ``server.conf`` for ``nats-server -c``:
 what a NATS server that ``lamina up`` did not start (compose, a cluster) needs. A cluster
 of ``lamina node`` hosts shares one store: make it once, with every host's worker
-identities, and copy it to each host. ``add`` makes more (a worker on another host, an API client)
-and rewrites the user list; a running server admits them after ``nats-server --signal
-reload``. ``list`` prints the identities and their grants. Existing credentials are
-never replaced: whoever holds one stays admitted.
+identities, and copy it to each host. ``add`` makes more (a worker on another host, an
+API client) and rewrites the user list; a running server admits them after
+``nats-server --signal reload``. ``list`` prints the identities and their grants.
+Existing credentials are never replaced: whoever holds one stays admitted.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ async def stream(base_url: str, s: Stream, timeout: float = 60) -> None:
                     s.finished = True
                     break
                 chunk = json.loads(line[6:])
-                s.request_id = chunk["id"]
+                s.request_id = chunk["id"].removeprefix("cmpl-")  # the bus's request id
                 for choice in chunk["choices"]:
                     s.text += choice["text"]
                 s.started.set()
@@ -151,11 +151,6 @@ async def stream(base_url: str, s: Stream, timeout: float = 60) -> None:
         s.error = exc
     finally:
         s.started.set()
-
-
-def request_id(s: Stream) -> str:
-    """The bus's request id of a completion (``cmpl-<id>``)."""
-    return s.request_id.removeprefix("cmpl-")
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +226,7 @@ def test_a_partitioned_host_loses_its_streams_without_duplicates_and_serves_agai
     assert [s.error for s in streams] == [None] * len(streams)
     # Every token once, in order: the text is the reference's, no more, no less.
     assert [s.text for s in streams] == [cluster.reference[(s.prompt, LONG)] for s in streams]
-    ids = {request_id(s) for s in streams}
+    ids = {s.request_id for s in streams}
     assert heard.placed_on("c-worker-0", ids) == ids
     moved = {r.request_id for r in heard.records if r.request_id in ids and r.moves >= 1}
     assert moved == ids
@@ -267,7 +262,7 @@ def test_a_lost_host_s_streams_move_and_its_gateway_s_clients_get_an_error(clust
     # The surviving gateway's clients: nothing lost, nothing duplicated, no errors.
     assert [s.error for s in via_a] == [None] * len(via_a)
     assert [s.text for s in via_a] == [cluster.reference[(s.prompt, LONG)] for s in via_a]
-    on_b = {request_id(s) for s in via_a[3:]}
+    on_b = {s.request_id for s in via_a[3:]}
     assert heard.placed_on("b-worker-0", on_b) == on_b
     moved = {r.request_id for r in heard.records if r.moves >= 1}
     assert moved == on_b  # and the others never noticed
