@@ -35,8 +35,8 @@ from nats.aio.subscription import Subscription
 from nats.errors import ConnectionReconnectingError, MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
-from opentelemetry.trace import SpanKind
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from lamina.libs.config import option
 from lamina.libs.errors import (
@@ -47,6 +47,7 @@ from lamina.libs.errors import (
     RequestTimeout,
 )
 from lamina.libs.nats_auth import identity_of, inbox_prefix
+from lamina.libs.trace_context import extract, inject
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.errors import BadMessage
 from lamina.schemas.v1.records import BusHealth
@@ -102,6 +103,29 @@ def _attributes(subject: str, size: int, operation: str) -> dict[str, Any]:
         "messaging.destination.temporary": subject.startswith("_INBOX."),
         "messaging.message.body.size": size,
     }
+
+
+class _Current:
+    """``span`` as the current span for a block (over ``context``, default the current
+    one), ended after it; an exception escaping the block is recorded on it. What the
+    SDK's ``start_as_current_span`` does, without its two generator-based context
+    managers: this runs for every traced message."""
+
+    __slots__ = ("_context", "_span", "_token")
+
+    def __init__(self, span: Span, context: otel_context.Context | None = None) -> None:
+        self._span, self._context = span, context
+
+    def __enter__(self) -> Span:
+        self._token = otel_context.attach(trace.set_span_in_context(self._span, self._context))
+        return self._span
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, _tb: object) -> None:
+        otel_context.detach(self._token)
+        if exc is not None and self._span.is_recording():
+            self._span.record_exception(exc)
+            self._span.set_status(Status(StatusCode.ERROR, f"{kind.__name__}: {exc}"))
+        self._span.end()
 
 
 async def flush(nc: Client) -> None:
@@ -271,17 +295,18 @@ class Bus:
         data = encode(message)
         headers: dict[str, str] = {}
         if not traced or not _recording() or not in_trace(context):
-            propagate.inject(headers, context=context)
+            inject(headers, context)
             self._check_size(subject, data, headers)
             await self._send(subject, data, reply, headers)
             return
-        with tracer.start_as_current_span(
+        span = tracer.start_span(
             f"{_span_subject(subject)} publish",
             context=context,
             kind=SpanKind.PRODUCER,
             attributes=_attributes(subject, len(data), "publish"),
-        ):
-            propagate.inject(headers)
+        )
+        with _Current(span, context):
+            inject(headers)
             self._check_size(subject, data, headers)
             await self._send(subject, data, reply, headers)
 
@@ -296,18 +321,17 @@ class Bus:
     ) -> T:
         """Send ``message`` and decode the single reply as ``response_type``."""
         data = encode(message)
-        span = (
-            tracer.start_as_current_span(
+        scope: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if _recording() and in_trace():
+            span = tracer.start_span(
                 f"{_span_subject(subject)} publish",
                 kind=SpanKind.PRODUCER,
                 attributes=_attributes(subject, len(data), "request"),
             )
-            if _recording() and in_trace()
-            else contextlib.nullcontext()
-        )
-        with span:
+            scope = _Current(span)
+        with scope:
             headers: dict[str, str] = {}
-            propagate.inject(headers)
+            inject(headers)
             self._check_size(subject, data, headers)
             try:
                 reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
@@ -404,7 +428,7 @@ class Bus:
             if not traced:
                 await self._run(handler, decoded, msg)
                 return
-            context = propagate.extract(msg.headers or {})
+            context = extract(msg.headers)
             if not _recording() or not in_trace(context):  # no span to record or continue
                 token = otel_context.attach(context)
                 try:
@@ -412,12 +436,13 @@ class Bus:
                 finally:
                     otel_context.detach(token)
                 return
-            with tracer.start_as_current_span(
+            span = tracer.start_span(
                 f"{_span_subject(msg.subject)} process",
                 context=context,
                 kind=SpanKind.CONSUMER,
                 attributes=_attributes(msg.subject, len(msg.data), "process"),
-            ):
+            )
+            with _Current(span, context):
                 await self._run(handler, decoded, msg)
 
         return await self.nc.subscribe(subject, queue=queue, cb=callback)

@@ -428,8 +428,11 @@ class RemoteRequest:
             timings=self.finished.timings if self.finished else None,
         )
         with contextlib.suppress(Exception):
-            await self.bus.publish(
-                subjects.EVENTS_REQUEST, record, context=trace.set_span_in_context(self._span)
+            await self.bus.publish(  # in the request's trace, not a span of its own
+                subjects.EVENTS_REQUEST,
+                record,
+                context=trace.set_span_in_context(self._span),
+                traced=False,
             )
         return record
 

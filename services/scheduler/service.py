@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.msg import Msg
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.trace import Link
 
 from lamina.libs.bounded import BoundedDict
@@ -31,6 +31,7 @@ from lamina.libs.config import option
 from lamina.libs.errors import BadReply, BusError, NoResponders, PayloadTooLarge, RequestTimeout
 from lamina.libs.health import HealthServer
 from lamina.libs.service import announce
+from lamina.libs.trace_context import extract
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel, ControlAck, Ping
 from lamina.schemas.v1.generate import GenerateRequest, Queued, Rejected, RejectReason
@@ -127,7 +128,9 @@ class SchedulerService:
         bus.on_reconnect.append(self._resync_all)
         await bus.subscribe(subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False)
         await bus.subscribe(subjects.WORKER_KV_ALL, KvEventBatch, self._on_kv, traced=False)
-        await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, self._on_peer_placement)
+        await bus.subscribe(
+            subjects.EVENTS_PLACEMENT, PlacementRecord, self._on_peer_placement, traced=False
+        )
         await bus.subscribe(
             subjects.SCHED_SUBMIT, GenerateRequest, self._on_submit, queue="scheduler"
         )
@@ -432,6 +435,7 @@ class SchedulerService:
                 queued_s=queued_s,
                 queue_depth=len(self.queue),
             ),
+            traced=False,  # a record for telemetry and the other replicas, not a hop
         )
 
     async def _on_status(self, _: ClusterStatusRequest, msg: Msg) -> None:
@@ -469,7 +473,7 @@ class SchedulerService:
 def _remember_span(msg: Msg, worker_id: str, spans: dict[str, trace.SpanContext]) -> None:
     """Keep the span a traced (sampled) message came under, for placements to link to."""
     if msg.headers:
-        context = trace.get_current_span(propagate.extract(msg.headers)).get_span_context()
+        context = trace.get_current_span(extract(msg.headers)).get_span_context()
         if context.is_valid:
             spans[worker_id] = context
 

@@ -35,6 +35,7 @@ from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
+from lamina.libs.trace_context import extract
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import BusHealth, PlacementRecord, RequestRecord, ServiceStarted
 from lamina.schemas.v1.stats import WorkerStats
@@ -174,8 +175,12 @@ class TelemetryService:
     async def _subscribe(self, bus: Bus) -> None:
         """Hear heartbeats and records (no queue group: every replica hears everything)."""
         await bus.subscribe(subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False)
-        await bus.subscribe(subjects.EVENTS_REQUEST, RequestRecord, self._on_request)
-        await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, self._on_placement)
+        # Records are read, not traced: a span per record would be noise in the request's
+        # trace, and its cost would fall on the cores the engine is computing on.
+        await bus.subscribe(subjects.EVENTS_REQUEST, RequestRecord, self._on_request, traced=False)
+        await bus.subscribe(
+            subjects.EVENTS_PLACEMENT, PlacementRecord, self._on_placement, traced=False
+        )
         await bus.subscribe(
             subjects.EVENTS_SERVICE, ServiceStarted | BusHealth, self._on_service, traced=False
         )
@@ -194,7 +199,7 @@ class TelemetryService:
     async def _on_request(self, record: RequestRecord, msg: Msg) -> None:
         # The record travels in its request's trace (the gateway publishes it from the
         # request's span): that trace is the exemplar of its latencies.
-        context = trace.get_current_span().get_span_context()
+        context = trace.get_current_span(extract(msg.headers)).get_span_context()
         trace_id = format(context.trace_id, "032x") if context.is_valid else None
         self.aggregator.observe_request(record, trace_id)
 

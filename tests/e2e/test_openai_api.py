@@ -218,8 +218,8 @@ def traced_request(client, trace_file, max_tokens: int, prompt: str = "trace me"
         spans = [s for s in read_spans(trace_file) if s["trace_id"] == trace_id]
         services = {s["service"] for s in spans}
         names = {s["name"] for s in spans}
-        # The last to end: the worker's span, and telemetry's reading of the gateway's record.
-        ends = {"serve lamina-tiny", "lamina.v1.events.request process"}
+        # The last to end: the worker's span, and the gateway's once the reply is in.
+        ends = {"serve lamina-tiny", "generate lamina-tiny"}
         if {"gateway", "scheduler", "engine-worker"} <= services and ends <= names:
             (root,) = [s for s in spans if s["name"] == "generate lamina-tiny"]
             assert root["parent_id"] == parent  # a child of the caller's span
