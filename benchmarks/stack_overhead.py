@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.server
 import multiprocessing
 import random
@@ -37,7 +38,6 @@ from pathlib import Path
 
 import msgspec
 
-from lamina.libs.bus import NatsConfig
 from lamina.libs.nats_server import free_port
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import ControlAck, ResetPrefixCache
@@ -137,30 +137,38 @@ async def stack_throughput(host: str, port: int, work: Workload) -> float:
 
 async def paired_ttfts(
     engine: Engine,
-    host: str,
-    port: int,
+    stacks: list[tuple[str, int]],
     prompts: list[list[int]],
     gap: float,
     keep_alive: bool = True,
-) -> tuple[list[float], list[float]]:
-    """(in-process, stack) TTFTs: each prompt first to the engine, then through the stack,
-    one at a time, ``gap`` apart. Stack requests share one keep-alive connection (as a
-    client with a pool sends them) unless ``keep_alive`` is off (a new connection each)."""
-    connection = await asyncio.open_connection(host, port) if keep_alive else None
-    local, stack = [], []
-    for prompt in prompts:
+) -> tuple[list[float], list[list[float]]]:
+    """(in-process, per stack) TTFTs: each prompt first to the engine, then through each
+    stack (the stacks' order turning with each prompt), one at a time, ``gap`` apart.
+    Stack requests share one keep-alive connection per stack (as a client with a pool
+    sends them) unless ``keep_alive`` is off (a new connection each)."""
+    connections = [
+        await asyncio.open_connection(host, port) if keep_alive else None for host, port in stacks
+    ]
+    local: list[float] = []
+    remote: list[list[float]] = [[] for _ in stacks]
+    for i, prompt in enumerate(prompts):
         await asyncio.sleep(gap)
         local.append(engine_ttft(engine, prompt))
-        await asyncio.sleep(gap)
-        stack.append((await http_stream(host, port, prompt, 1, connection))[0])
-    if connection is not None:
-        connection[1].close()
-    return local, stack
+        for k in range(len(stacks)):
+            which = (i + k) % len(stacks)
+            host, port = stacks[which]
+            await asyncio.sleep(gap)
+            ttft, _ = await http_stream(host, port, prompt, 1, connections[which])
+            remote[which].append(ttft)
+    for connection in connections:
+        if connection is not None:
+            connection[1].close()
+    return local, remote
 
 
-async def reset_worker_cache(operator: NatsConfig) -> None:
+async def reset_worker_cache(stack: Stack) -> None:
     """The worker's ``ResetPrefixCache`` control command, over the bus, as an operator."""
-    bus = await operator.connect("benchmark")
+    bus = await stack.nats_config("operator").connect("benchmark")
     ack = await bus.request(
         subjects.worker_control("worker-0"), ResetPrefixCache(), ControlAck, timeout=10
     )
@@ -257,15 +265,19 @@ def main() -> None:
     parser.add_argument(
         "--trace-export",
         action="store_true",
-        help="the services export every span over OTLP/HTTP to a local sink (the cost of "
-        "tracing on; the default is tracing off)",
+        help="two stacks at once, tracing off and every span exported over OTLP/HTTP to a "
+        "local sink, requests alternating between them: the cost of tracing",
     )
     args = parser.parse_args()
     env = service_env(args.service_env)
+    variants = {"stack": env}
     sink = None
     if args.trace_export:
         sink = OtlpSink()
-        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.endpoint
+        variants = {
+            "tracing off": env,
+            "export on": {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint},
+        }
 
     model = args.model or ensure_default_model("small")
     gap = args.ttft_gap_ms / 1e3
@@ -282,51 +294,72 @@ def main() -> None:
     )
 
     engine_throughput(engine, work[:4])  # warm-up
-    with (
-        tempfile.TemporaryDirectory() as logs,
-        Stack(
-            model=model,
-            http_port=free_port(),
-            metrics_port=free_port(),
-            log_dir=Path(logs),
-            credentials=Path(logs) / "nats",  # the closed bus lamina up runs
-            worker_args=["--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)],
-            extra_env=env,
-        ) as stack,
-    ):
-        asyncio.run(stack_throughput(stack.http_host, stack.http_port, work[:4]))  # warm-up
-        ours, theirs, ttft_local, ttft_stack = [], [], [], []
+    worker_args = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)]
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as running:
+        stacks = {}
+        for name, extra in variants.items():
+            where = Path(logs) / name.replace(" ", "-")
+            stacks[name] = running.enter_context(
+                Stack(
+                    model=model,
+                    http_port=free_port(),
+                    metrics_port=free_port(),
+                    log_dir=where,
+                    credentials=where / "nats",  # the closed bus lamina up runs
+                    worker_args=worker_args,
+                    extra_env=extra,
+                )
+            )
+        addresses = [(stack.http_host, stack.http_port) for stack in stacks.values()]
+        for host, port in addresses:
+            asyncio.run(stack_throughput(host, port, work[:4]))  # warm-up
+        theirs: list[float] = []
+        ours: dict[str, list[float]] = {name: [] for name in stacks}
+        ttft_local: list[float] = []
+        ttft_stack: dict[str, list[float]] = {name: [] for name in stacks}
         for run in range(args.runs):
             engine.reset_prefix_cache()
             theirs.append(engine_throughput(engine, work))
-            operator = stack.nats_config("operator")
-            asyncio.run(reset_worker_cache(operator))  # every run computes every prompt
-            ours.append(asyncio.run(stack_throughput(stack.http_host, stack.http_port, work)))
+            for name, stack in stacks.items():
+                asyncio.run(reset_worker_cache(stack))  # every run computes every prompt
+                throughput = stack_throughput(stack.http_host, stack.http_port, work)
+                ours[name].append(asyncio.run(throughput))
             engine.reset_prefix_cache()
-            asyncio.run(reset_worker_cache(stack.nats_config("operator")))
+            for stack in stacks.values():
+                asyncio.run(reset_worker_cache(stack))
             local, remote = asyncio.run(
-                paired_ttfts(
-                    engine,
-                    stack.http_host,
-                    stack.http_port,
-                    ttft_prompts,
-                    gap,
-                    not args.new_connections,
-                )
+                paired_ttfts(engine, addresses, ttft_prompts, gap, not args.new_connections)
             )
             ttft_local += local
-            ttft_stack += remote
-            print(f"  run {run + 1}: in-process {theirs[-1]:.1f} tok/s, stack {ours[-1]:.1f} tok/s")
-    a, b = statistics.median(ours), statistics.median(theirs)
-    print(
-        f"throughput (median of {args.runs}): stack {a:.1f} tok/s vs in-process {b:.1f} "
-        f"-> ratio {a / b:.3f} ({(1 - a / b) * 100:+.1f}% loss)"
-    )
-    for q, name in ((0.5, "p50"), (0.99, "p99")):
-        s, e = pct(ttft_stack, q) * 1e3, pct(ttft_local, q) * 1e3
-        print(f"TTFT {name}: stack {s:.2f} ms vs in-process {e:.2f} ms -> added {s - e:.2f} ms")
+            for name, ttfts in zip(stacks, remote, strict=True):
+                ttft_stack[name] += ttfts
+            said = ", ".join(f"{name} {ours[name][-1]:.1f} tok/s" for name in stacks)
+            print(f"  run {run + 1}: in-process {theirs[-1]:.1f} tok/s, {said}")
+    b = statistics.median(theirs)
+    losses = {}
+    for name in stacks:
+        a = statistics.median(ours[name])
+        losses[name] = (1 - a / b) * 100
+        print(
+            f"throughput (median of {args.runs}), {name}: {a:.1f} tok/s vs in-process {b:.1f} "
+            f"-> ratio {a / b:.3f} ({losses[name]:+.1f}% loss)"
+        )
+    added = {}
+    for name in stacks:
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            s, e = pct(ttft_stack[name], q) * 1e3, pct(ttft_local, q) * 1e3
+            added[name, label] = s - e
+            print(
+                f"TTFT {label}, {name}: {s:.2f} ms vs in-process {e:.2f} ms -> added {s - e:.2f} ms"
+            )
     if sink is not None:
-        print(f"trace export: {sink.requests} OTLP requests, {sink.bytes} bytes received")
+        on, off = "export on", "tracing off"
+        print(
+            f"tracing cost: throughput {losses[on] - losses[off]:+.1f} points, "
+            f"p50 TTFT {added[on, 'p50'] - added[off, 'p50']:+.2f} ms, "
+            f"p99 {added[on, 'p99'] - added[off, 'p99']:+.2f} ms; "
+            f"{sink.requests} OTLP requests, {sink.bytes} bytes received"
+        )
 
 
 if __name__ == "__main__":

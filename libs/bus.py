@@ -36,8 +36,9 @@ from nats.errors import ConnectionReconnectingError, MaxPayloadError, NoResponde
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
+from lamina.libs import spans
 from lamina.libs.config import option
 from lamina.libs.errors import (
     BadReply,
@@ -103,29 +104,6 @@ def _attributes(subject: str, size: int, operation: str) -> dict[str, Any]:
         "messaging.destination.temporary": subject.startswith("_INBOX."),
         "messaging.message.body.size": size,
     }
-
-
-class _Current:
-    """``span`` as the current span for a block (over ``context``, default the current
-    one), ended after it; an exception escaping the block is recorded on it. What the
-    SDK's ``start_as_current_span`` does, without its two generator-based context
-    managers: this runs for every traced message."""
-
-    __slots__ = ("_context", "_span", "_token")
-
-    def __init__(self, span: Span, context: otel_context.Context | None = None) -> None:
-        self._span, self._context = span, context
-
-    def __enter__(self) -> Span:
-        self._token = otel_context.attach(trace.set_span_in_context(self._span, self._context))
-        return self._span
-
-    def __exit__(self, kind: type | None, exc: BaseException | None, _tb: object) -> None:
-        otel_context.detach(self._token)
-        if exc is not None and self._span.is_recording():
-            self._span.record_exception(exc)
-            self._span.set_status(Status(StatusCode.ERROR, f"{kind.__name__}: {exc}"))
-        self._span.end()
 
 
 async def flush(nc: Client) -> None:
@@ -299,13 +277,14 @@ class Bus:
             self._check_size(subject, data, headers)
             await self._send(subject, data, reply, headers)
             return
-        span = tracer.start_span(
+        span = spans.start(
+            tracer,
             f"{_span_subject(subject)} publish",
             context=context,
             kind=SpanKind.PRODUCER,
             attributes=_attributes(subject, len(data), "publish"),
         )
-        with _Current(span, context):
+        with spans.Current(span, context):
             inject(headers)
             self._check_size(subject, data, headers)
             await self._send(subject, data, reply, headers)
@@ -323,12 +302,13 @@ class Bus:
         data = encode(message)
         scope: contextlib.AbstractContextManager = contextlib.nullcontext()
         if _recording() and in_trace():
-            span = tracer.start_span(
+            span = spans.start(
+                tracer,
                 f"{_span_subject(subject)} publish",
                 kind=SpanKind.PRODUCER,
                 attributes=_attributes(subject, len(data), "request"),
             )
-            scope = _Current(span)
+            scope = spans.Current(span)
         with scope:
             headers: dict[str, str] = {}
             inject(headers)
@@ -436,13 +416,14 @@ class Bus:
                 finally:
                     otel_context.detach(token)
                 return
-            span = tracer.start_span(
+            span = spans.start(
+                tracer,
                 f"{_span_subject(msg.subject)} process",
                 context=context,
                 kind=SpanKind.CONSUMER,
                 attributes=_attributes(msg.subject, len(msg.data), "process"),
             )
-            with _Current(span, context):
+            with spans.Current(span, context):
                 await self._run(handler, decoded, msg)
 
         return await self.nc.subscribe(subject, queue=queue, cb=callback)

@@ -86,7 +86,11 @@ def setup_tracing(service: str) -> Any:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    from lamina.libs.spans import ReservedIds
+
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service}), id_generator=ReservedIds()
+    )
     if otlp:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -98,6 +102,9 @@ def setup_tracing(service: str) -> Any:
 
 
 def shutdown_tracing() -> None:
+    from lamina.libs.spans import flush
+
+    flush()  # spans ended on the loop that has just stopped
     provider = trace.get_tracer_provider()
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:

@@ -27,6 +27,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode
 
+from lamina.libs import spans
 from lamina.libs.bus import in_trace
 from lamina.schemas.v1.generate import (
     Failed,
@@ -86,7 +87,8 @@ def _request_span(request: GenerateRequest, worker_id: str, context: Any) -> Spa
     or any without a tracing SDK, cost nothing here)."""
     if not in_trace(context):
         return None
-    span = tracer.start_span(
+    span = spans.start(
+        tracer,
         f"serve {request.model}",
         context=context,
         attributes={
@@ -488,7 +490,8 @@ class EngineThread(threading.Thread):
                 )
         if not served or not started_ns:
             return None
-        step = tracer.start_span(
+        step = spans.start(
+            tracer,
             "engine step",
             context=trace.set_span_in_context(served[0]),
             start_time=started_ns,
@@ -587,7 +590,8 @@ class EngineThread(threading.Thread):
         )
         context = None
         if step is not None:
-            span = tracer.start_span(
+            span = spans.start(
+                tracer,
                 f"kv_events {self.worker_id}",
                 context=step,
                 kind=SpanKind.PRODUCER,

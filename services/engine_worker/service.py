@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from lamina.libs import spans
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.cluster import FORGET_AFTER_S, MISSED_HEARTBEATS
 from lamina.libs.config import option
@@ -403,9 +404,9 @@ class WorkerService:
         if not sampled:
             await self.bus.publish(subject, stats)
             return
-        with tracer.start_as_current_span(
-            f"heartbeat {self.worker_id}",
-            attributes={"lamina.worker_id": self.worker_id, "lamina.state": str(stats.state)},
+        attributes = {"lamina.worker_id": self.worker_id, "lamina.state": str(stats.state)}
+        with spans.Current(
+            spans.start(tracer, f"heartbeat {self.worker_id}", None, attributes=attributes)
         ):
             await self.bus.publish(subject, stats)
 

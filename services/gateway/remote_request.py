@@ -34,6 +34,7 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
+from lamina.libs import spans
 from lamina.libs.bus import Bus
 from lamina.libs.errors import PayloadTooLarge
 from lamina.schemas.v1 import subjects
@@ -132,7 +133,8 @@ class RemoteRequest:
     async def __aenter__(self) -> RemoteRequest:
         r = self.request
         # The request's root span, with the OpenTelemetry GenAI attributes.
-        self._span = tracer.start_span(
+        self._span = spans.start(
+            tracer,
             f"generate {r.model}",
             kind=SpanKind.SERVER,
             attributes={

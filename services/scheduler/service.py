@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import Link
 
+from lamina.libs import spans
 from lamina.libs.bounded import BoundedDict
 from lamina.libs.bus import Bus, NatsConfig, in_trace
 from lamina.libs.config import option
@@ -257,7 +258,7 @@ class SchedulerService:
             for worker_id in (c.stats.worker_id for c in live)
             if (context := spans.get(worker_id)) is not None
         ]
-        with tracer.start_as_current_span("place", links=links) as span:
+        with spans.Current(spans.start(tracer, "place", links=links)) as span:
             decision = self._timed(self._place(request, live), started)
             span.set_attributes(_placement_attributes(decision, self.placer.policy))
             return decision

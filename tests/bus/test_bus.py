@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from lamina.libs.bus import Bus, encode
 from lamina.libs.errors import NoResponders, PayloadTooLarge, RequestTimeout
+from lamina.libs.spans import ReservedIds
 from lamina.schemas.v1.control import Cancel, ControlAck, Drain
 from lamina.schemas.v1.errors import BadMessage
 
@@ -21,7 +22,7 @@ CALLER = trace.get_tracer("test.caller")
 
 @pytest.fixture(scope="module", autouse=True)
 def tracing():
-    provider = TracerProvider()
+    provider = TracerProvider(id_generator=ReservedIds())  # as the services record spans
     provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
     trace.set_tracer_provider(provider)
     yield
