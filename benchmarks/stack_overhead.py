@@ -354,6 +354,11 @@ def main() -> None:
             )
     if sink is not None:
         on, off = "export on", "tracing off"
+        paired = [x - y for x, y in zip(ttft_stack[on], ttft_stack[off], strict=True)]
+        print(
+            f"TTFT, export on minus tracing off, prompt by prompt: median "
+            f"{statistics.median(paired) * 1e3:+.2f} ms over {len(paired)} prompts"
+        )
         print(
             f"tracing cost: throughput {losses[on] - losses[off]:+.1f} points, "
             f"p50 TTFT {added[on, 'p50'] - added[off, 'p50']:+.2f} ms, "

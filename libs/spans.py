@@ -7,11 +7,9 @@ processors) took 80-110 µs in a service between requests, against 20 µs in a l
 token. What the path needs from a span while its work runs is only its identity, to
 pass on to the next hop: a :class:`DeferredSpan` is that identity (trace id, a new span
 id, the parent's sampled flag) plus what is said about it meanwhile (attributes,
-events, status), kept in plain lists. :meth:`DeferredSpan.end` then records it through
-the SDK, with the span id it already gave out and its real start and event times: on
-an event loop, once the loop has had a turn to write what was sent meanwhile (the
-message the span was about, the token the client waits for); on any other thread (the
-engine's), at once, so that thread hands its spans to the loop to end.
+events, status), kept in plain lists. :meth:`DeferredSpan.end` hands it to a recording
+thread, which records it through the SDK in a batch with others, under the span id it
+already gave out and with its real start and event times.
 
 The span id travels to the SDK through :class:`ReservedIds`, the provider's id generator
 (``setup_tracing`` installs it): ``end`` reserves the id for the one span it makes. A
@@ -22,7 +20,7 @@ same).
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import random
 import threading
 import time
@@ -137,8 +135,7 @@ class DeferredSpan(Span):
         )
 
     def end(self, end_time: int | None = None) -> None:
-        """End the span now (or at ``end_time``, ns); it is recorded after the loop's next
-        turn, or at once off an event loop."""
+        """End the span now (or at ``end_time``, ns); the recording thread records it."""
         if self._end_ns:
             return
         self._end_ns = end_time or time.time_ns()
@@ -189,49 +186,53 @@ class Current:
         self._span.end()
 
 
+RECORD_PERIOD_S = 1.0
+"""How often the recording thread records the spans ended since its last turn."""
+RECORD_BATCH = 512
+"""Ended spans that wake the recording thread before its period is up."""
+
+
 class _Recorder:
-    """Records ended spans on the event loop two turns after they end, so that what was
-    sent meanwhile is on the wire first: nats-py writes from a flusher task of its own,
-    woken by the publish, and a span the engine thread ended reaches the loop alongside
-    the batch of token events it goes with, which its publisher task has yet to send."""
+    """Records ended spans on a thread of its own, in batches: every ``RECORD_PERIOD_S``,
+    or sooner once ``RECORD_BATCH`` are waiting. A span's record then costs its request
+    nothing: on a machine whose cores the engine is computing on, even work done after
+    a request's message has gone (the scheduler's, once it has forwarded it) slowed that
+    request's prefill by as much (``docs/performance.md``). A batch costs the requests
+    in flight while it is recorded, as the SDK's batch exporter's thread already does."""
 
     def __init__(self) -> None:
-        self._pending: list[DeferredSpan] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._pending: collections.deque[DeferredSpan] = collections.deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     def add(self, span: DeferredSpan) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # another thread: the loop records it, if there is one
-            if self._loop is not None and self._loop.is_running():
-                self._loop.call_soon_threadsafe(self.add, span)
-            else:
-                span.record()
-            return
-        if loop is not self._loop:
-            self._loop, self._wake = loop, asyncio.Event()
-            self._task = loop.create_task(self._run(self._wake))
         self._pending.append(span)
-        self._wake.set()
+        if self._thread is None:
+            self._start()
+        if len(self._pending) >= RECORD_BATCH:
+            self._wake.set()
 
-    async def _run(self, wake: asyncio.Event) -> None:
-        try:
-            while True:
-                await wake.wait()
-                wake.clear()
-                await asyncio.sleep(0)
-                await asyncio.sleep(0)
-                self.flush()
-        finally:  # the loop is closing (asyncio.run cancels what is left)
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="lamina-span-recorder", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(RECORD_PERIOD_S)
+            self._wake.clear()
             self.flush()
 
     def flush(self) -> None:
-        """Record every ended span now (at shutdown, before the provider's)."""
-        pending, self._pending = self._pending, []
-        for span in pending:
-            span.record()
+        """Record every ended span now (the thread's turn, and at shutdown before the
+        provider's own flush)."""
+        with self._lock:
+            for _ in range(len(self._pending)):  # what has ended so far, no more
+                self._pending.popleft().record()
 
 
 _RECORDER = _Recorder()

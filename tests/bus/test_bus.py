@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from lamina.libs.bus import Bus, encode
 from lamina.libs.errors import NoResponders, PayloadTooLarge, RequestTimeout
-from lamina.libs.spans import ReservedIds
+from lamina.libs.spans import ReservedIds, flush
 from lamina.schemas.v1.control import Cancel, ControlAck, Drain
 from lamina.schemas.v1.errors import BadMessage
 
@@ -26,6 +26,12 @@ def tracing():
     provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
     trace.set_tracer_provider(provider)
     yield
+
+
+def finished():
+    """The spans recorded so far (the services' recording thread flushed first)."""
+    flush()
+    return EXPORTER.get_finished_spans()
 
 
 def run(coro):
@@ -125,7 +131,7 @@ def test_trace_context_crosses_the_bus(nats_url):
         await bus.drain()
 
     run(main())
-    spans = {s.name: s for s in EXPORTER.get_finished_spans()}
+    spans = {s.name: s for s in finished()}
     producer, consumer = spans["t.traced publish"], spans["t.traced process"]
     assert producer.parent.span_id == spans["caller"].context.span_id
     assert producer.kind == trace.SpanKind.PRODUCER and consumer.kind == trace.SpanKind.CONSUMER
@@ -177,7 +183,7 @@ def test_without_a_tracing_sdk_the_trace_context_still_crosses_the_bus(nats_url,
     run(main())
     assert [trace_id for trace_id, _ in seen] == [0x1234, 0x1234]
     assert all(headers["traceparent"].startswith(f"00-{0x1234:032x}-") for _, headers in seen)
-    assert EXPORTER.get_finished_spans() == ()
+    assert finished() == ()
 
 
 def test_draining_after_the_server_went_away_closes_promptly():
@@ -222,7 +228,7 @@ def test_the_bus_continues_traces_and_never_starts_one(nats_url):
         return seen
 
     beat, token = run(main())
-    spans = {s.name: s for s in EXPORTER.get_finished_spans()}
+    spans = {s.name: s for s in finished()}
     assert not beat.is_valid  # the heartbeat's handler ran in no trace
     assert "t.housekeeping publish" not in spans  # neither publish made a span
     consumer = spans["t.housekeeping process"]  # only the traced one was handled in a span
