@@ -104,7 +104,7 @@ def setup_tracing(service: str) -> Any:
 def shutdown_tracing() -> None:
     from lamina.libs.spans import flush
 
-    flush()  # spans ended on the loop that has just stopped
+    flush()  # the ended spans the recording thread has not reached yet
     provider = trace.get_tracer_provider()
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:

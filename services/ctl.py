@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import lamina_home
 from lamina.libs.errors import BadReply, NoResponders, NotAdmitted, RequestTimeout
-from lamina.libs.telemetry_setup import setup_tracing
+from lamina.libs.telemetry_setup import setup_tracing, shutdown_tracing
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import (
     ControlAck,
@@ -171,13 +171,12 @@ async def run(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    provider = setup_tracing("lamina-ctl")
+    setup_tracing("lamina-ctl")
     try:
         print(asyncio.run(run(args)))
     except CtlError as exc:
         print(f"lamina ctl: {exc}", file=sys.stderr)
         return 1
     finally:
-        if provider is not None:
-            provider.shutdown()  # flushes this invocation's trace
+        shutdown_tracing()  # records and exports this invocation's trace
     return 0

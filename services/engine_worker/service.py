@@ -406,7 +406,7 @@ class WorkerService:
             return
         attributes = {"lamina.worker_id": self.worker_id, "lamina.state": str(stats.state)}
         with spans.Current(
-            spans.start(tracer, f"heartbeat {self.worker_id}", None, attributes=attributes)
+            spans.start(tracer, f"heartbeat {self.worker_id}", attributes=attributes)
         ):
             await self.bus.publish(subject, stats)
 

@@ -254,9 +254,9 @@ class SchedulerService:
             return self._timed(self._place(request, live), started)  # untraced, or queued
         links = [
             Link(context, {"lamina.link": kind, "lamina.worker_id": worker_id})
-            for kind, spans in (("heartbeat", self._heartbeat_spans), ("kv_events", self._kv_spans))
+            for kind, seen in (("heartbeat", self._heartbeat_spans), ("kv_events", self._kv_spans))
             for worker_id in (c.stats.worker_id for c in live)
-            if (context := spans.get(worker_id)) is not None
+            if (context := seen.get(worker_id)) is not None
         ]
         with spans.Current(spans.start(tracer, "place", links=links)) as span:
             decision = self._timed(self._place(request, live), started)
