@@ -11,6 +11,10 @@ engine called in-process, on the same model and workload, in one run.
   engine (a back-to-back in-process loop would find torch's threads spinning and its
   caches warm, which no request arriving at an idle server does).
 
+``--trace-export`` runs two stacks at once, tracing off and every span exported to a
+local OTLP sink, and sends each prompt to both (their order turning): the cost of
+tracing, as the difference of the two, and prompt by prompt.
+
 The model is the ``small`` preset (38.5M parameters), the engine benchmark's model
 (``engine_vs_hf.py``), unless ``--model``. On the ``tiny`` default model of ``make up``
 (~1M parameters) the engine needs only 0.4-0.5 ms of CPU per token, so the HTTP client,
@@ -320,7 +324,8 @@ def main() -> None:
         for run in range(args.runs):
             engine.reset_prefix_cache()
             theirs.append(engine_throughput(engine, work))
-            for name, stack in stacks.items():
+            turn = list(stacks.items())[:: -1 if run % 2 else 1]  # neither always goes first
+            for name, stack in turn:
                 asyncio.run(reset_worker_cache(stack))  # every run computes every prompt
                 throughput = stack_throughput(stack.http_host, stack.http_port, work)
                 ours[name].append(asyncio.run(throughput))
