@@ -86,7 +86,7 @@ def test_the_recording_thread_records_ended_spans_in_batches(recorded):
     assert sorted(s.name for s in recorded.exporter.get_finished_spans()) == names
 
 
-def test_without_reserved_ids_a_span_is_the_tracers_own(recorded, monkeypatch):
+def test_without_reserved_ids_a_span_is_the_tracers_own(monkeypatch):
     provider = TracerProvider()
     monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
     span = spans.start(provider.get_tracer("test"), "plain")
