@@ -11,9 +11,14 @@ engine called in-process, on the same model and workload, in one run.
   engine (a back-to-back in-process loop would find torch's threads spinning and its
   caches warm, which no request arriving at an idle server does).
 
-``--trace-export`` runs two stacks at once, tracing off and every span exported to a
-local OTLP sink, and sends each prompt to both (their order turning): the cost of
-tracing, as the difference of the two, and prompt by prompt.
+``--trace-export`` runs two stacks at once, one with tracing off and one exporting every
+span of a sampled request to a local OTLP sink, and sends each prompt three ways (their
+order turning): to the first stack; to the second, sampled (it starts the trace); and to
+the second as a caller that does not sample would (``traceparent`` flags ``00``). The
+cost of tracing is the sampled request against the unsampled one on the same stack,
+prompt by prompt: two stacks started alike still differ by a few ms of TTFT between
+invocations (which one gets its memory where), more than the effect, so the comparison
+across stacks is printed too but is not the measure.
 
 The model is the ``small`` preset (38.5M parameters), the engine benchmark's model
 (``engine_vs_hf.py``), unless ``--model``. On the ``tiny`` default model of ``make up``
@@ -38,6 +43,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -84,8 +90,25 @@ def engine_ttft(engine: Engine, prompt: list[int]) -> float:
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where requests go: a stack's HTTP address, and the trace flags a caller's W3C
+    ``traceparent`` carries (None: no header, the stack's sampler decides)."""
+
+    name: str
+    host: str
+    port: int
+    trace_flags: str | None = None
+
+    def headers(self) -> bytes:
+        if self.trace_flags is None:
+            return b""
+        ids = f"{random.getrandbits(128):032x}-{random.getrandbits(64):016x}"
+        return f"traceparent: 00-{ids}-{self.trace_flags}\r\n".encode()
+
+
 async def http_stream(
-    host: str, port: int, prompt: list[int], n: int, connection: Connection | None = None
+    target: Target, prompt: list[int], n: int, connection: Connection | None = None
 ) -> tuple[float, int]:
     """One streaming completion: (seconds to the first token, completion tokens).
 
@@ -106,10 +129,11 @@ async def http_stream(
         }
     )
     started, first, usage, pending = time.perf_counter(), None, 0, b""
-    reader, writer = connection or await asyncio.open_connection(host, port)
+    reader, writer = connection or await asyncio.open_connection(target.host, target.port)
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body)
+        b"%sContent-Length: %d\r\n\r\n%s"
+        % (target.host.encode(), target.headers(), len(body), body)
     )
     head = await reader.readuntil(b"\r\n\r\n")
     assert head.split(b" ", 2)[1] == b"200" and b"chunked" in head.lower(), head
@@ -130,9 +154,9 @@ async def http_stream(
     return first if first is not None else time.perf_counter() - started, usage
 
 
-async def stack_throughput(host: str, port: int, work: Workload) -> float:
+async def stack_throughput(target: Target, work: Workload) -> float:
     started = time.perf_counter()
-    results = await asyncio.gather(*(http_stream(host, port, p, n) for p, n in work))
+    results = await asyncio.gather(*(http_stream(target, p, n) for p, n in work))
     elapsed = time.perf_counter() - started
     produced = sum(tokens for _, tokens in results)
     assert produced == sum(n for _, n in work), (produced, sum(n for _, n in work))
@@ -141,28 +165,30 @@ async def stack_throughput(host: str, port: int, work: Workload) -> float:
 
 async def paired_ttfts(
     engine: Engine,
-    stacks: list[tuple[str, int]],
+    targets: list[Target],
     prompts: list[list[int]],
     gap: float,
     keep_alive: bool = True,
 ) -> tuple[list[float], list[list[float]]]:
-    """(in-process, per stack) TTFTs: each prompt first to the engine, then through each
-    stack (the stacks' order turning with each prompt), one at a time, ``gap`` apart.
-    Stack requests share one keep-alive connection per stack (as a client with a pool
-    sends them) unless ``keep_alive`` is off (a new connection each)."""
+    """(in-process, per target) TTFTs: each prompt first to the engine, then to each
+    target (their order turning with each prompt), one at a time, ``gap`` apart. Stack
+    requests share one keep-alive connection per target (as a client with a pool sends
+    them) unless ``keep_alive`` is off (a new connection each)."""
     connections = [
-        await asyncio.open_connection(host, port) if keep_alive else None for host, port in stacks
+        await asyncio.open_connection(t.host, t.port) if keep_alive else None for t in targets
     ]
     local: list[float] = []
-    remote: list[list[float]] = [[] for _ in stacks]
+    remote: list[list[float]] = [[] for _ in targets]
     for i, prompt in enumerate(prompts):
         await asyncio.sleep(gap)
         local.append(engine_ttft(engine, prompt))
-        for k in range(len(stacks)):
-            which = (i + k) % len(stacks)
-            host, port = stacks[which]
+        for k in range(len(targets)):
+            which = (i + k) % len(targets)
             await asyncio.sleep(gap)
-            ttft, _ = await http_stream(host, port, prompt, 1, connections[which])
+            # Its own first token per target: two targets on one stack share its prefix
+            # cache, and the second would find the whole prompt cached.
+            own = [prompt[0] + which, *prompt[1:]]
+            ttft, _ = await http_stream(targets[which], own, 1, connections[which])
             remote[which].append(ttft)
     for connection in connections:
         if connection is not None:
@@ -240,6 +266,11 @@ def _serve_sink(counts, port, ready) -> None:
     server.serve_forever()
 
 
+EXPORT_SETTLE_S = 6.0
+"""Pause before each throughput run with tracing on: the span processor exports every 5 s,
+so one run's spans are not exported during the next."""
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -269,8 +300,9 @@ def main() -> None:
     parser.add_argument(
         "--trace-export",
         action="store_true",
-        help="two stacks at once, tracing off and every span exported over OTLP/HTTP to a "
-        "local sink, requests alternating between them: the cost of tracing",
+        help="two stacks at once, tracing off and exporting every sampled span over OTLP/HTTP "
+        "to a local sink; each prompt to the first, and to the second sampled and unsampled: "
+        "the cost of tracing",
     )
     args = parser.parse_args()
     env = service_env(args.service_env)
@@ -290,7 +322,9 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     work = workload(args.requests, vocab)
     rng = random.Random(1)
-    ttft_prompts = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(args.ttft_requests)]
+    ttft_prompts = [
+        [rng.randrange(3, vocab - 8) for _ in range(64)] for _ in range(args.ttft_requests)
+    ]
     print(
         f"model {model.name}; {len(work)} concurrent requests, prompts 32-256, outputs "
         f"32-128 ({sum(n for _, n in work)} output tokens); TTFT over "
@@ -314,60 +348,76 @@ def main() -> None:
                     extra_env=extra,
                 )
             )
-        addresses = [(stack.http_host, stack.http_port) for stack in stacks.values()]
-        for host, port in addresses:
-            asyncio.run(stack_throughput(host, port, work[:4]))  # warm-up
+        if sink is None:
+            targets = [Target("stack", stacks["stack"].http_host, stacks["stack"].http_port)]
+        else:
+            off, on = stacks["tracing off"], stacks["export on"]
+            targets = [
+                Target("tracing off", off.http_host, off.http_port),
+                Target("sampled", on.http_host, on.http_port),
+                Target("unsampled", on.http_host, on.http_port, trace_flags="00"),
+            ]
+        for target in targets:
+            asyncio.run(stack_throughput(target, work[:4]))  # warm-up
         theirs: list[float] = []
-        ours: dict[str, list[float]] = {name: [] for name in stacks}
+        ours: dict[str, list[float]] = {t.name: [] for t in targets}
         ttft_local: list[float] = []
-        ttft_stack: dict[str, list[float]] = {name: [] for name in stacks}
+        ttft_stack: dict[str, list[float]] = {t.name: [] for t in targets}
         for run in range(args.runs):
             engine.reset_prefix_cache()
             theirs.append(engine_throughput(engine, work))
-            turn = list(stacks.items())[:: -1 if run % 2 else 1]  # neither always goes first
-            for name, stack in turn:
-                asyncio.run(reset_worker_cache(stack))  # every run computes every prompt
-                throughput = stack_throughput(stack.http_host, stack.http_port, work)
-                ours[name].append(asyncio.run(throughput))
+            for k in range(len(targets)):  # none always goes first
+                target = targets[(run + k) % len(targets)]
+                for stack in stacks.values():
+                    asyncio.run(reset_worker_cache(stack))  # every run computes every prompt
+                if sink is not None:
+                    time.sleep(EXPORT_SETTLE_S)  # the last run's spans are exported by now
+                ours[target.name].append(asyncio.run(stack_throughput(target, work)))
             engine.reset_prefix_cache()
             for stack in stacks.values():
                 asyncio.run(reset_worker_cache(stack))
             local, remote = asyncio.run(
-                paired_ttfts(engine, addresses, ttft_prompts, gap, not args.new_connections)
+                paired_ttfts(engine, targets, ttft_prompts, gap, not args.new_connections)
             )
             ttft_local += local
-            for name, ttfts in zip(stacks, remote, strict=True):
-                ttft_stack[name] += ttfts
-            said = ", ".join(f"{name} {ours[name][-1]:.1f} tok/s" for name in stacks)
+            for target, ttfts in zip(targets, remote, strict=True):
+                ttft_stack[target.name] += ttfts
+            said = ", ".join(f"{t.name} {ours[t.name][-1]:.1f} tok/s" for t in targets)
             print(f"  run {run + 1}: in-process {theirs[-1]:.1f} tok/s, {said}")
     b = statistics.median(theirs)
     losses = {}
-    for name in stacks:
-        a = statistics.median(ours[name])
+    for name, rates in ours.items():
+        a = statistics.median(rates)
         losses[name] = (1 - a / b) * 100
         print(
             f"throughput (median of {args.runs}), {name}: {a:.1f} tok/s vs in-process {b:.1f} "
             f"-> ratio {a / b:.3f} ({losses[name]:+.1f}% loss)"
         )
     added = {}
-    for name in stacks:
+    for name, ttfts in ttft_stack.items():
         for q, label in ((0.5, "p50"), (0.99, "p99")):
-            s, e = pct(ttft_stack[name], q) * 1e3, pct(ttft_local, q) * 1e3
+            s, e = pct(ttfts, q) * 1e3, pct(ttft_local, q) * 1e3
             added[name, label] = s - e
             print(
                 f"TTFT {label}, {name}: {s:.2f} ms vs in-process {e:.2f} ms -> added {s - e:.2f} ms"
             )
     if sink is not None:
-        on, off = "export on", "tracing off"
-        paired = [x - y for x, y in zip(ttft_stack[on], ttft_stack[off], strict=True)]
+        for a, b in (
+            ("sampled", "unsampled"),
+            ("sampled", "tracing off"),
+            ("unsampled", "tracing off"),
+        ):
+            paired = [x - y for x, y in zip(ttft_stack[a], ttft_stack[b], strict=True)]
+            where = "same stack" if "tracing off" not in b else "two stacks"
+            print(
+                f"TTFT, {a} minus {b} ({where}), prompt by prompt: median "
+                f"{statistics.median(paired) * 1e3:+.2f} ms over {len(paired)} prompts"
+            )
         print(
-            f"TTFT, export on minus tracing off, prompt by prompt: median "
-            f"{statistics.median(paired) * 1e3:+.2f} ms over {len(paired)} prompts"
-        )
-        print(
-            f"tracing cost: throughput {losses[on] - losses[off]:+.1f} points, "
-            f"p50 TTFT {added[on, 'p50'] - added[off, 'p50']:+.2f} ms, "
-            f"p99 {added[on, 'p99'] - added[off, 'p99']:+.2f} ms; "
+            f"tracing cost (sampled vs unsampled, same stack): throughput "
+            f"{losses['sampled'] - losses['unsampled']:+.1f} points, p50 TTFT "
+            f"{added['sampled', 'p50'] - added['unsampled', 'p50']:+.2f} ms, p99 "
+            f"{added['sampled', 'p99'] - added['unsampled', 'p99']:+.2f} ms; "
             f"{sink.requests} OTLP requests, {sink.bytes} bytes received"
         )
 

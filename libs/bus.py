@@ -10,12 +10,14 @@ Tracing follows the OpenTelemetry messaging conventions: a publish is a PRODUCER
 inside a CONSUMER span ``"<subject> process"`` that continues it. Reply inboxes are
 temporary destinations and are named ``(temporary)`` to keep span names low-cardinality.
 
-The bus continues traces; it never starts one. A publish outside any trace (a heartbeat,
-a KV event batch, a readiness poll) makes no span, and a message that arrives without a
-trace context is handled without one: housekeeping every half second would otherwise be
-most of the trace store. A publish inside a trace can opt out of its own span too
-(``traced=False``: a request's token events, one per engine step) and still carries the
-context, so whoever receives it can continue the trace.
+The bus continues traces; it never starts one. A publish outside any sampled trace (a
+heartbeat, a KV event batch, a readiness poll) makes no span, and a message that arrives
+without a sampled trace context is handled without one: housekeeping every half second
+would otherwise be most of the trace store, and an unsampled request would pay at each hop
+for spans nobody records. An unsampled context still travels, unchanged. A publish inside
+a trace can opt out of its own span too (``traced=False``: a request's token events, one
+per engine step; a request forwarded as the last act of its span) and still carries the
+context, so whoever receives it continues the trace.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from lamina.schemas.v1.errors import BadMessage
 from lamina.schemas.v1.records import BusHealth
 
 log = logging.getLogger("lamina.bus")
-tracer = trace.get_tracer("lamina.bus")
+tracer = spans.Tracer("lamina.bus")
 
 HEALTH_PERIOD_S = 5.0
 """How often :meth:`Bus.report_health` looks for changed counters."""
@@ -84,11 +86,6 @@ def _recording() -> bool:
     propagates it, which costs a fifth of a no-op span's bookkeeping per message."""
     provider = trace.get_tracer_provider()
     return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
-
-
-def in_trace(context: otel_context.Context | None = None) -> bool:
-    """Whether ``context`` (or, when None, the current one) is inside a trace."""
-    return trace.get_current_span(context).get_span_context().is_valid
 
 
 def _span_subject(subject: str) -> str:
@@ -272,7 +269,7 @@ class Bus:
         """
         data = encode(message)
         headers: dict[str, str] = {}
-        if not traced or not _recording() or not in_trace(context):
+        if not traced or not _recording() or not spans.sampled(context):
             inject(headers, context)
             self._check_size(subject, data, headers)
             await self._send(subject, data, reply, headers)
@@ -301,7 +298,7 @@ class Bus:
         """Send ``message`` and decode the single reply as ``response_type``."""
         data = encode(message)
         scope: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if _recording() and in_trace():
+        if _recording() and spans.sampled():
             span = spans.start(
                 tracer,
                 f"{_span_subject(subject)} publish",
@@ -409,7 +406,7 @@ class Bus:
                 await self._run(handler, decoded, msg)
                 return
             context = extract(msg.headers)
-            if not _recording() or not in_trace(context):  # no span to record or continue
+            if not _recording() or not spans.sampled(context):  # no span to record or continue
                 token = otel_context.attach(context)
                 try:
                     await self._run(handler, decoded, msg)

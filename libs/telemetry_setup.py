@@ -3,7 +3,8 @@
 Logs are one line each: ``time level service [trace_id] logger: message``, or one JSON
 object each with ``LAMINA_LOG_FORMAT=json``; the trace id ties a log line to the
 request's trace. Tracing exports over OTLP/HTTP when the standard
-``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) is set, and to a JSON-lines
+``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) is set (protobuf, or JSON
+with ``OTEL_EXPORTER_OTLP_PROTOCOL=http/json``), and to a JSON-lines
 file when ``LAMINA_TRACE_FILE`` is (used by the end-to-end tests to capture spans from
 several processes); with neither, the no-op tracer costs nothing.
 """
@@ -83,22 +84,38 @@ def setup_tracing(service: str) -> Any:
     if not otlp and not trace_file:
         return None
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    from lamina.libs.spans import ReservedIds
+    from lamina.libs.spans import RecordingProvider
 
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": service}), id_generator=ReservedIds()
-    )
+    provider = RecordingProvider(resource=Resource.create({"service.name": service}))
     if otlp:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
     if trace_file:
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(trace_file)))
     trace.set_tracer_provider(provider)
     return provider
+
+
+def _otlp_exporter() -> Any:
+    """The OTLP/HTTP exporter of the standard protocol variable: ``http/protobuf`` (the
+    default: the SDK's) or ``http/json`` (``libs/otlp_json.py``: a third of the CPU)."""
+    protocol = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    )
+    if protocol == "http/json":
+        from lamina.libs.otlp_json import OtlpJsonSpanExporter
+
+        return OtlpJsonSpanExporter()
+    if protocol != "http/protobuf":
+        raise ValueError(
+            f"OTLP protocol {protocol!r} is not supported here: http/protobuf or http/json"
+        )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
 
 
 def shutdown_tracing() -> None:

@@ -28,7 +28,6 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode
 
 from lamina.libs import spans
-from lamina.libs.bus import in_trace
 from lamina.schemas.v1.generate import (
     Failed,
     Finished,
@@ -46,7 +45,7 @@ from lamina.services.engine_worker.request import PromptLogprob
 from lamina.services.engine_worker.scheduler import ScheduledBatch
 
 log = logging.getLogger("lamina.worker.engine")
-tracer = trace.get_tracer("lamina.worker")
+tracer = spans.Tracer("lamina.worker")
 
 Outgoing = tuple[str, Any, Any]  # (subject, message, trace context or None)
 _STATS_PERIOD_S = 0.1
@@ -85,7 +84,7 @@ def _request_span(request: GenerateRequest, worker_id: str, context: Any) -> Spa
     """A span for the request's time in this engine, if its caller traced it and this
     process records spans (requests are traced as their callers decide: untraced ones,
     or any without a tracing SDK, cost nothing here)."""
-    if not in_trace(context):
+    if not spans.sampled(context):
         return None
     span = spans.start(
         tracer,

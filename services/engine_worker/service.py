@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 
 from lamina.libs import spans
 from lamina.libs.bus import Bus, NatsConfig
@@ -52,7 +51,7 @@ from lamina.services.engine_worker.errors import InvalidRequestError
 from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Lifecycle
 
 log = logging.getLogger("lamina.worker")
-tracer = trace.get_tracer("lamina.worker")
+tracer = spans.Tracer("lamina.worker")
 
 TRACE_HEARTBEAT_EVERY = 20
 """Trace one heartbeat in this many (and every change of state)."""

@@ -57,7 +57,7 @@ from lamina.services.gateway.errors import CLIENT_RETRIES, GenerationError
 from lamina.services.gateway.inbox import Inbox, Undeliverable
 
 log = logging.getLogger("lamina.gateway")
-tracer = trace.get_tracer("lamina.gateway")
+tracer = spans.Tracer("lamina.gateway")
 
 _LIVENESS_CHECK_S = 0.5  # how often a waiting stream checks its worker's heartbeats
 
@@ -249,6 +249,7 @@ class RemoteRequest:
                 msgspec.structs.replace(request, attempt=self.attempts - 1),
                 reply=self._subject,
                 context=trace.set_span_in_context(self._span),
+                traced=False,  # the scheduler's span is the request span's child
             )
         except PayloadTooLarge as exc:
             raise GenerationError(

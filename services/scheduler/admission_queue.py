@@ -13,6 +13,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from lamina.schemas.v1.generate import GenerateRequest
 
@@ -26,6 +27,8 @@ class Waiting:
     reply: str = field(compare=False)
     queued_at: float = field(compare=False)
     """Monotonic time it was queued."""
+    context: Any = field(default=None, compare=False)
+    """What it arrived in (its trace context), to be sent on in it: opaque here."""
 
 
 class AdmissionQueue:
@@ -44,9 +47,11 @@ class AdmissionQueue:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ids
 
-    def push(self, request: GenerateRequest, reply: str, now: float, now_ms: int) -> bool:
-        """Queue ``request`` (``now``: monotonic seconds, ``now_ms``: Unix ms); False,
-        queueing nothing, when it would exceed a bound."""
+    def push(
+        self, request: GenerateRequest, reply: str, now: float, now_ms: int, context: Any = None
+    ) -> bool:
+        """Queue ``request`` (``now``: monotonic seconds, ``now_ms``: Unix ms; ``context``
+        comes back with it); False, queueing nothing, when it would exceed a bound."""
         tokens = len(request.prompt_token_ids)
         if len(self) >= self.max_requests or self.tokens + tokens > self.max_tokens:
             return False
@@ -55,7 +60,8 @@ class AdmissionQueue:
             math.inf if sla.deadline_ms is None else sla.deadline_ms,
             math.inf if sla.ttft_target_ms is None else now_ms + sla.ttft_target_ms,
         )
-        waiting = Waiting((sla.priority, due, next(self._arrivals)), request, reply, now)
+        key = (sla.priority, due, next(self._arrivals))
+        waiting = Waiting(key, request, reply, now, context)
         heapq.heappush(self._heap, waiting)
         self._ids[request.request_id] = waiting
         self.tokens += tokens

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link
 
 from lamina.libs import spans
 from lamina.libs.bounded import BoundedDict
-from lamina.libs.bus import Bus, NatsConfig, in_trace
+from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.errors import BadReply, BusError, NoResponders, PayloadTooLarge, RequestTimeout
 from lamina.libs.health import HealthServer
@@ -57,7 +58,7 @@ from lamina.services.scheduler.placement import (
 from lamina.services.scheduler.registry import Candidate, Registry
 
 log = logging.getLogger("lamina.scheduler")
-tracer = trace.get_tracer("lamina.scheduler")
+tracer = spans.Tracer("lamina.scheduler")
 
 MAX_TRACKED_PLACEMENTS = 10_000
 """Recent placements remembered, to know which worker a resubmission comes back from."""
@@ -250,8 +251,8 @@ class SchedulerService:
         worker's last traced heartbeat and last traced KV event batch)."""
         started = time.perf_counter()
         live = self.registry.candidates()
-        if not in_trace():
-            return self._timed(self._place(request, live), started)  # untraced, or queued
+        if not spans.sampled():
+            return self._timed(self._place(request, live), started)  # an untraced request
         links = [
             Link(context, {"lamina.link": kind, "lamina.worker_id": worker_id})
             for kind, seen in (("heartbeat", self._heartbeat_spans), ("kv_events", self._kv_spans))
@@ -305,7 +306,9 @@ class SchedulerService:
             decision = Decision(
                 None, RejectReason.DEADLINE_UNMEETABLE, message, 0, retry_after_s=retry_after(drain)
             )
-        elif not self.queue.push(request, reply, time.monotonic(), int(time.time() * 1000)):
+        elif not self.queue.push(
+            request, reply, time.monotonic(), int(time.time() * 1000), otel_context.get_current()
+        ):
             message = (
                 f"every worker is saturated and the queue is full ({len(self.queue)} "
                 f"requests, {self.queue.tokens} prompt tokens)"
@@ -323,11 +326,12 @@ class SchedulerService:
     async def _dispatch(self) -> None:
         """Send queued requests, head first, while a worker has room for them."""
         while (waiting := self.queue.peek()) is not None:
-            decision = self._decide(waiting.request)
-            if decision.reason == RejectReason.OVERLOADED:
-                return  # still no room: it keeps its place
-            self.queue.pop()
-            await self._send(waiting.request, waiting.reply, decision, waiting.queued_at)
+            with spans.within(waiting.context):  # its own trace, not the caller's
+                decision = self._decide(waiting.request)
+                if decision.reason == RejectReason.OVERLOADED:
+                    return  # still no room: it keeps its place
+                self.queue.pop()
+                await self._send(waiting.request, waiting.reply, decision, waiting.queued_at)
 
     async def _expire(self) -> None:
         """Answer queued requests whose deadline passed, or that waited too long."""
@@ -348,7 +352,8 @@ class SchedulerService:
                     decision = self._refusal(
                         Decision(None, None, "", 0), RejectReason.OVERLOADED, message
                     )
-                await self._send(waiting.request, waiting.reply, decision, waiting.queued_at)
+                with spans.within(waiting.context):
+                    await self._send(waiting.request, waiting.reply, decision, waiting.queued_at)
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         if self.queue.remove(cancel.request_id) is not None:
@@ -377,8 +382,8 @@ class SchedulerService:
         else:
             forwarded = msgspec.structs.replace(request, worker_id=decision.worker_id)
             try:
-                await self.bus.publish(
-                    subjects.worker_generate(decision.worker_id), forwarded, reply=reply
+                await self.bus.publish(  # the worker's span is this one's child
+                    subjects.worker_generate(decision.worker_id), forwarded, reply, traced=False
                 )
             except PayloadTooLarge as exc:  # the worker id pushed it over the limit
                 message = f"the request is too large to forward: {exc}"
@@ -475,7 +480,7 @@ def _remember_span(msg: Msg, worker_id: str, spans: dict[str, trace.SpanContext]
     """Keep the span a traced (sampled) message came under, for placements to link to."""
     if msg.headers:
         context = trace.get_current_span(extract(msg.headers)).get_span_context()
-        if context.is_valid:
+        if context.trace_flags.sampled:  # an unsampled one is in no trace store
             spans[worker_id] = context
 
 

@@ -198,9 +198,9 @@ class TelemetryService:
 
     async def _on_request(self, record: RequestRecord, msg: Msg) -> None:
         # The record travels in its request's trace (the gateway publishes it from the
-        # request's span): that trace is the exemplar of its latencies.
+        # request's span): that trace, if it is recorded, is the exemplar of its latencies.
         context = trace.get_current_span(extract(msg.headers)).get_span_context()
-        trace_id = format(context.trace_id, "032x") if context.is_valid else None
+        trace_id = format(context.trace_id, "032x") if context.trace_flags.sampled else None
         self.aggregator.observe_request(record, trace_id)
 
     async def _on_placement(self, record: PlacementRecord, msg: Msg) -> None:

@@ -6,13 +6,12 @@ import asyncio
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from lamina.libs.bus import Bus, encode
 from lamina.libs.errors import NoResponders, PayloadTooLarge, RequestTimeout
-from lamina.libs.spans import ReservedIds, flush
+from lamina.libs.spans import RecordingProvider, flush
 from lamina.schemas.v1.control import Cancel, ControlAck, Drain
 from lamina.schemas.v1.errors import BadMessage
 
@@ -22,7 +21,7 @@ CALLER = trace.get_tracer("test.caller")
 
 @pytest.fixture(scope="module", autouse=True)
 def tracing():
-    provider = TracerProvider(id_generator=ReservedIds())  # as the services record spans
+    provider = RecordingProvider()  # as the services record spans
     provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
     trace.set_tracer_provider(provider)
     yield
@@ -234,3 +233,36 @@ def test_the_bus_continues_traces_and_never_starts_one(nats_url):
     consumer = spans["t.housekeeping process"]  # only the traced one was handled in a span
     assert consumer.parent.span_id == spans["caller"].context.span_id
     assert token.trace_id == spans["caller"].context.trace_id
+
+
+def test_an_unsampled_trace_crosses_the_bus_unchanged_and_makes_no_span(nats_url):
+    """A caller that does not sample (``traceparent`` flags ``00``): every hop passes its
+    context on as it came, and no hop spends a span on it."""
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    EXPORTER.clear()
+    upstream = SpanContext(trace_id=0x5678, span_id=0x42, is_remote=True, trace_flags=TraceFlags(0))
+    seen: list[str] = []
+
+    async def main():
+        bus = await Bus.connect(nats_url, "test")
+        done = asyncio.Event()
+
+        async def first(msg, raw):
+            seen.append(raw.headers["traceparent"])
+            await bus.publish("t.unsampled2", msg)
+
+        async def second(msg, raw):
+            seen.append(raw.headers["traceparent"])
+            done.set()
+
+        await bus.subscribe("t.unsampled1", Cancel, first)
+        await bus.subscribe("t.unsampled2", Cancel, second)
+        parent = trace.set_span_in_context(NonRecordingSpan(upstream))
+        await bus.publish("t.unsampled1", Cancel(request_id="r"), context=parent)
+        await done.wait()
+        await bus.drain()
+
+    run(main())
+    assert seen == [f"00-{0x5678:032x}-{0x42:016x}-00"] * 2
+    assert finished() == ()

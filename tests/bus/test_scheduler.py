@@ -5,11 +5,13 @@ taken off their generate subjects) and a gateway (submits with a reply subject).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 
 import msgspec
 
 from lamina.libs.bus import Bus, NatsConfig, encode
+from lamina.libs.trace_context import extract
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel, ControlAck, Ping
 from lamina.schemas.v1.generate import (
@@ -54,6 +56,7 @@ class Harness:
         ]
         self.forwarded: asyncio.Queue[tuple[GenerateRequest, str]] = asyncio.Queue()
         self.replies: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.forward_headers: dict[str, dict[str, str]] = {}
 
     async def __aenter__(self) -> Harness:
         for scheduler in self.schedulers:
@@ -63,6 +66,7 @@ class Harness:
         self.reply = bus.inbox()
 
         async def on_forward(forwarded: GenerateRequest, msg) -> None:
+            self.forward_headers[forwarded.request_id] = msg.headers or {}
             self.forwarded.put_nowait((forwarded, msg.reply))
 
         async def on_reply(event: StreamEvent, _msg) -> None:
@@ -86,8 +90,10 @@ class Harness:
         heartbeat = make_stats(self.worker, **(beat | self.stats | stats))
         await self.bus.publish(subjects.worker_stats(self.worker), heartbeat)
 
-    async def submit(self, submitted: GenerateRequest) -> None:
-        await self.bus.publish(subjects.SCHED_SUBMIT, submitted, reply=self.reply)
+    async def submit(self, submitted: GenerateRequest, traceparent: str | None = None) -> None:
+        """Submit as a gateway would, inside the caller's trace when given one."""
+        context = extract({"traceparent": traceparent}) if traceparent else None
+        await self.bus.publish(subjects.SCHED_SUBMIT, submitted, self.reply, context)
 
 
 def test_a_submit_is_forwarded_to_the_worker_keeping_its_reply_subject(nats_url):
@@ -186,6 +192,26 @@ def test_a_saturated_cluster_queues_by_priority_and_deadline_and_answers_at_once
             await h.submit(sla_request("hopeless", deadline_in_ms=-1))
             hopeless = await next_reply(h)
             assert isinstance(hopeless, Rejected) and hopeless.reason == "deadline_unmeetable"
+
+    asyncio.run(main())
+
+
+def test_a_queued_request_is_sent_on_in_its_own_trace(nats_url):
+    """Dispatched later, from a heartbeat's handler, a queued request still carries the
+    trace it arrived in: the worker's span joins that trace, not none or another's."""
+    busy = {"num_waiting": 8, "max_num_seqs": 8, "prefill_tokens_per_s": 20_000.0}
+    traces = {"a": secrets.token_hex(16), "b": secrets.token_hex(16)}
+
+    async def main() -> None:
+        async with Harness(nats_url, "bus-sched-trace", replicas=1, **busy) as h:
+            for rid, trace_id in traces.items():
+                await h.submit(request(rid), f"00-{trace_id}-{secrets.token_hex(8)}-01")
+                assert isinstance(await next_reply(h), Queued)
+            await h.heartbeat(**(busy | {"num_waiting": 0}))  # room: the queue drains
+            for _ in traces:
+                await asyncio.wait_for(h.forwarded.get(), 5)
+            for rid, trace_id in traces.items():
+                assert h.forward_headers[rid]["traceparent"].split("-")[1] == trace_id
 
     asyncio.run(main())
 

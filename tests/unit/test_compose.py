@@ -33,7 +33,7 @@ CREDENTIALS = "credentials"
 #: ``LAMINA_*`` variables read process-wide (libs, default model), not config fields.
 PROCESS_WIDE_ENV = {"LAMINA_HOME", "LAMINA_LOG_LEVEL", "LAMINA_TRACE_FILE"}
 #: OpenTelemetry's standard variables (``libs/telemetry_setup.py`` reads them).
-STANDARD_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT"}
+STANDARD_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"}
 
 
 def default_of(value: str) -> str:

@@ -6,26 +6,27 @@ import time
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace import SpanKind, StatusCode
 
-from lamina.libs import spans
+from lamina.libs import otlp_json, spans
 
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """A provider as the services install it (a real SDK, ``ReservedIds``), and what it
-    exports."""
+    """A provider as the services install it (a real SDK's ``RecordingProvider``), and
+    what it exports."""
     exporter = InMemorySpanExporter()
 
     def install(sampler=None):
-        provider = TracerProvider(id_generator=spans.ReservedIds(), sampler=sampler)
+        provider = spans.RecordingProvider(sampler=sampler)
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
-        return provider.get_tracer("test")
+        return spans.Tracer("test")
 
     install.exporter = exporter
     return install
@@ -58,6 +59,12 @@ def test_a_span_is_recorded_under_the_ids_it_gave_out(recorded):
     ]
     assert made_child.status.status_code == StatusCode.ERROR
     assert made_child.status.description == "failed"
+    assert made_root.instrumentation_scope.name == "test"
+    assert made_root.resource.attributes["service.name"].startswith("unknown_service")
+    # Both exporters take them as they take the SDK's own spans.
+    request = encode_spans([made_root, made_child])
+    assert [s.name for s in request.resource_spans[0].scope_spans[0].spans] == ["root", "child"]
+    assert b'"name":"child"' in otlp_json.encode([made_child])
     root.end()  # a second end records nothing more
     spans.flush()
     assert len(recorded.exporter.get_finished_spans()) == 2
@@ -66,8 +73,12 @@ def test_a_span_is_recorded_under_the_ids_it_gave_out(recorded):
 def test_the_sampler_decides_a_root_and_its_children_follow(recorded):
     tracer = recorded(ParentBased(ALWAYS_OFF))
     root = spans.start(tracer, "root")
+    assert not root.get_span_context().trace_flags.sampled and root.get_span_context().is_valid
+    assert not spans.sampled(trace.set_span_in_context(root))
+    # Under an unsampled parent no span is made: the parent's context passes on as it is.
     child = spans.start(tracer, "child", trace.set_span_in_context(root))
-    assert not root.get_span_context().trace_flags.sampled and not child.is_recording()
+    assert not child.is_recording() and not isinstance(child, spans.DeferredSpan)
+    assert child.get_span_context() == root.get_span_context()
     child.end()
     root.end()
     spans.flush()
@@ -86,8 +97,8 @@ def test_the_recording_thread_records_ended_spans_in_batches(recorded):
     assert sorted(s.name for s in recorded.exporter.get_finished_spans()) == names
 
 
-def test_without_reserved_ids_a_span_is_the_tracers_own(monkeypatch):
+def test_under_another_provider_a_span_is_its_own(monkeypatch):
     provider = TracerProvider()
     monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
-    span = spans.start(provider.get_tracer("test"), "plain")
+    span = spans.start(spans.Tracer("test", provider.get_tracer("test")), "plain")
     assert not isinstance(span, spans.DeferredSpan) and span.is_recording()
