@@ -271,6 +271,19 @@ EXPORT_SETTLE_S = 6.0
 so one run's spans are not exported during the next."""
 
 
+def p50_difference_interval(
+    a: list[float], b: list[float], draws: int = 2000
+) -> tuple[float, float]:
+    """A 95% bootstrap interval for p50(a) - p50(b), ``a`` and ``b`` paired by prompt
+    (the prompts resampled together): how far one invocation's p50 difference resolves."""
+    rng = random.Random(7)
+    n, differences = len(a), []
+    for _ in range(draws):
+        picks = [rng.randrange(n) for _ in range(n)]
+        differences.append(pct([a[i] for i in picks], 0.5) - pct([b[i] for i in picks], 0.5))
+    return pct(differences, 0.025), pct(differences, 0.975)
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -409,9 +422,11 @@ def main() -> None:
         ):
             paired = [x - y for x, y in zip(ttft_stack[a], ttft_stack[b], strict=True)]
             where = "same stack" if "tracing off" not in b else "two stacks"
+            low, high = p50_difference_interval(ttft_stack[a], ttft_stack[b])
             print(
-                f"TTFT, {a} minus {b} ({where}), prompt by prompt: median "
-                f"{statistics.median(paired) * 1e3:+.2f} ms over {len(paired)} prompts"
+                f"TTFT, {a} minus {b} ({where}): prompt by prompt, median "
+                f"{statistics.median(paired) * 1e3:+.2f} ms over {len(paired)} prompts; "
+                f"p50 difference 95% interval {low * 1e3:+.2f} to {high * 1e3:+.2f} ms"
             )
         print(
             f"tracing cost (sampled vs unsampled, same stack): throughput "
