@@ -130,22 +130,29 @@ class DeferredSpan(Span):
     def is_recording(self) -> bool:
         return self._context.trace_flags.sampled and not self._end_ns
 
+    # What is said about a span after its end is ignored, as the SDK ignores it: the
+    # recording thread may be reading it.
     def set_attribute(self, key: str, value: Any) -> None:
-        self._attributes[key] = value
+        if not self._end_ns:
+            self._attributes[key] = value
 
     def set_attributes(self, attributes: dict[str, Any]) -> None:
-        self._attributes.update(attributes)
+        if not self._end_ns:
+            self._attributes.update(attributes)
 
     def add_event(
         self, name: str, attributes: Attributes = None, timestamp: int | None = None
     ) -> None:
-        self._events.append((name, attributes, timestamp or time.time_ns()))
+        if not self._end_ns:
+            self._events.append((name, attributes, timestamp or time.time_ns()))
 
     def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
-        self._status = status if isinstance(status, Status) else Status(status, description)
+        if not self._end_ns:
+            self._status = status if isinstance(status, Status) else Status(status, description)
 
     def update_name(self, name: str) -> None:
-        self._name = name
+        if not self._end_ns:
+            self._name = name
 
     def record_exception(self, exception: BaseException, *args: Any, **kwargs: Any) -> None:
         self.add_event(

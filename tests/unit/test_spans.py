@@ -65,6 +65,9 @@ def test_a_span_is_recorded_under_the_ids_it_gave_out(recorded):
     request = encode_spans([made_root, made_child])
     assert [s.name for s in request.resource_spans[0].scope_spans[0].spans] == ["root", "child"]
     assert b'"name":"child"' in otlp_json.encode([made_child])
+    root.set_attribute("late", 1)  # after its end: ignored, as the SDK ignores it
+    root.add_event("late")
+    assert "late" not in made_root.attributes and not made_root.events
     root.end()  # a second end records nothing more
     spans.flush()
     assert len(recorded.exporter.get_finished_spans()) == 2
