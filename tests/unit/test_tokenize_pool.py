@@ -58,8 +58,9 @@ def test_long_prompts_are_tokenized_off_the_loop_exactly_as_inline(tokenizer, ti
     ids, stall, chat, short = asyncio.run(main())
     assert ids == inline_ids
     assert chat == tokenizer.encode_chat(messages) and short == tokenizer.encode("hello")
-    # Inline, the loop would have stalled for all of inline_s (~1 s); here it kept running.
-    assert stall < 0.05 < inline_s / 4, (stall, inline_s)
+    # Inline, the loop would have stalled for all of inline_s (~1 s; 3.5 s on a loaded CI
+    # machine); here it kept running, bar taking the result in.
+    assert stall < inline_s / 10, (stall, inline_s)
 
 
 def test_a_template_error_comes_back_from_the_pool(tiny_model, tmp_path):
