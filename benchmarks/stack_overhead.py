@@ -17,7 +17,7 @@ order turning): to the first stack; to the second, sampled (it starts the trace)
 the second as a caller that does not sample would (``traceparent`` flags ``00``). The
 cost of tracing is the sampled request against the unsampled one on the same stack,
 prompt by prompt: two stacks started alike still differ by a few ms of TTFT between
-invocations (which one gets its memory where), more than the effect, so the comparison
+invocations (why is not known), more than the effect, so the comparison
 across stacks is printed too but is not the measure.
 
 The model is the ``small`` preset (38.5M parameters), the engine benchmark's model

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, SpanContext
 
@@ -74,11 +74,6 @@ def _flags(context: SpanContext | None) -> int:
     )
 
 
-def _trace_state(context: SpanContext) -> str:
-    state = context.trace_state
-    return ",".join(f"{key}={value}" for key, value in state.items()) if state else ""
-
-
 def _link(link: Link) -> dict[str, Any]:
     context = link.context
     out: dict[str, Any] = {
@@ -89,6 +84,17 @@ def _link(link: Link) -> dict[str, Any]:
     }
     if link.dropped_attributes:
         out["droppedAttributesCount"] = link.dropped_attributes
+    return out
+
+
+def _event(event: Event) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "timeUnixNano": str(event.timestamp),
+        "name": event.name,
+        "attributes": _attributes(event.attributes),
+    }
+    if event.dropped_attributes:
+        out["droppedAttributesCount"] = event.dropped_attributes
     return out
 
 
@@ -104,24 +110,12 @@ def _span(span: ReadableSpan) -> dict[str, Any]:
         "attributes": _attributes(span.attributes),
         "flags": _flags(span.parent),
     }
-    if state := _trace_state(context):
-        out["traceState"] = state
+    if context.trace_state:
+        out["traceState"] = context.trace_state.to_header()
     if span.parent is not None:
         out["parentSpanId"] = f"{span.parent.span_id:016x}"
     if span.events:
-        out["events"] = [
-            {
-                "timeUnixNano": str(event.timestamp),
-                "name": event.name,
-                "attributes": _attributes(event.attributes),
-            }
-            | (
-                {"droppedAttributesCount": event.dropped_attributes}
-                if event.dropped_attributes
-                else {}
-            )
-            for event in span.events
-        ]
+        out["events"] = [_event(event) for event in span.events]
     if span.links:
         out["links"] = [_link(link) for link in span.links]
     status = span.status

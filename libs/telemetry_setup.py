@@ -99,7 +99,8 @@ def setup_tracing(service: str) -> Any:
 
 def _otlp_exporter() -> Any:
     """The OTLP/HTTP exporter of the standard protocol variable: ``http/protobuf`` (the
-    default: the SDK's) or ``http/json`` (``libs/otlp_json.py``: a third of the CPU)."""
+    default: the SDK's) or ``http/json`` (``libs/otlp_json.py``: encodes in a third of the
+    time)."""
     protocol = (
         os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")

@@ -50,6 +50,13 @@ def extract(headers: Mapping[str, str] | None) -> Context:
     return trace.set_span_in_context(NonRecordingSpan(remote), Context())
 
 
+def sampled_context(headers: Mapping[str, str] | None) -> SpanContext | None:
+    """The span context ``headers`` carry if it is sampled (a trace store holds it), else
+    None: what an exemplar or a span link may point at."""
+    context = trace.get_current_span(extract(headers)).get_span_context()
+    return context if context.trace_flags.sampled else None
+
+
 def _full_extract(headers: Mapping[str, str]) -> Context:
     return _BAGGAGE.extract(headers, context=_TRACECONTEXT.extract(headers))
 

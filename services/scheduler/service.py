@@ -33,7 +33,7 @@ from lamina.libs.config import option
 from lamina.libs.errors import BadReply, BusError, NoResponders, PayloadTooLarge, RequestTimeout
 from lamina.libs.health import HealthServer
 from lamina.libs.service import announce
-from lamina.libs.trace_context import extract
+from lamina.libs.trace_context import sampled_context
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel, ControlAck, Ping
 from lamina.schemas.v1.generate import GenerateRequest, Queued, Rejected, RejectReason
@@ -478,10 +478,8 @@ class SchedulerService:
 
 def _remember_span(msg: Msg, worker_id: str, spans: dict[str, trace.SpanContext]) -> None:
     """Keep the span a traced (sampled) message came under, for placements to link to."""
-    if msg.headers:
-        context = trace.get_current_span(extract(msg.headers)).get_span_context()
-        if context.trace_flags.sampled:  # an unsampled one is in no trace store
-            spans[worker_id] = context
+    if (context := sampled_context(msg.headers)) is not None:
+        spans[worker_id] = context
 
 
 def _placement_attributes(decision: Decision, policy: str) -> dict:

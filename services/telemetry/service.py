@@ -27,7 +27,6 @@ from typing import Any
 import uvicorn
 from litestar import Litestar, Request, Response, get
 from nats.aio.msg import Msg
-from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 
@@ -35,7 +34,7 @@ from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
-from lamina.libs.trace_context import extract
+from lamina.libs.trace_context import sampled_context
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import BusHealth, PlacementRecord, RequestRecord, ServiceStarted
 from lamina.schemas.v1.stats import WorkerStats
@@ -199,8 +198,8 @@ class TelemetryService:
     async def _on_request(self, record: RequestRecord, msg: Msg) -> None:
         # The record travels in its request's trace (the gateway publishes it from the
         # request's span): that trace, if it is recorded, is the exemplar of its latencies.
-        context = trace.get_current_span(extract(msg.headers)).get_span_context()
-        trace_id = format(context.trace_id, "032x") if context.trace_flags.sampled else None
+        context = sampled_context(msg.headers)
+        trace_id = format(context.trace_id, "032x") if context is not None else None
         self.aggregator.observe_request(record, trace_id)
 
     async def _on_placement(self, record: PlacementRecord, msg: Msg) -> None:
