@@ -97,6 +97,7 @@ def status_table(status: ClusterStatus) -> str:
     for view in status.workers:
         s = view.stats
         state = "cordoned" if s.cordoned and s.state == "ready" else str(s.state)
+        state = "quarantined" if view.quarantined else state
         rows.append(
             (
                 s.worker_id,

@@ -124,6 +124,9 @@ class WorkerView(Message):
     stats: WorkerStats
     alive: bool
     last_seen_ms: int
+    quarantined: bool = False
+    """This replica places nothing on it: a request it placed there was resubmitted, and
+    the worker has not answered a ping since (it may be alive but unreachable one way)."""
 
 
 class ClusterStatus(Message):

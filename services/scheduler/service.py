@@ -272,6 +272,9 @@ class SchedulerService:
         """Where ``request`` goes now among ``live``, or why not; a deadline the chosen
         worker cannot meet by the prediction is a refusal."""
         decision = self.placer.place(request, live, self.registry.index.overlap)
+        if decision.reason == RejectReason.NO_WORKER and (held := self._held_back()):
+            message = f"{decision.message}; held back until they answer a ping: {held}"
+            decision = dataclasses.replace(decision, message=message)
         deadline = request.sla.deadline_ms
         if decision.worker_id is not None and deadline is not None:
             eta_ms = time.time() * 1000 + (decision.predicted_ttft_s or 0.0) * 1000
@@ -283,6 +286,12 @@ class SchedulerService:
                     "the request's deadline",
                 )
         return decision
+
+    def _held_back(self) -> str:
+        """The live workers left out of placement because a request placed there was
+        lost (comma-separated; empty when none)."""
+        live = {entry.stats.worker_id for entry in self.registry.view.live()}
+        return ", ".join(sorted(self.registry.quarantined & live))
 
     def _refusal(self, decision: Decision, reason: RejectReason, message: str) -> Decision:
         """A retryable refusal that says when to retry."""
@@ -446,7 +455,12 @@ class SchedulerService:
 
     async def _on_status(self, _: ClusterStatusRequest, msg: Msg) -> None:
         views = [
-            WorkerView(stats=e.stats, alive=alive, last_seen_ms=e.last_seen_ms)
+            WorkerView(
+                stats=e.stats,
+                alive=alive,
+                last_seen_ms=e.last_seen_ms,
+                quarantined=e.stats.worker_id in self.registry.quarantined,
+            )
             for e, alive in self.registry.view.snapshot()
         ]
         status = ClusterStatus(

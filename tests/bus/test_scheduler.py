@@ -22,6 +22,7 @@ from lamina.schemas.v1.generate import (
     Sla,
     StreamEvent,
 )
+from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
 from lamina.services.scheduler.service import SchedulerConfig, SchedulerService
 from tests.telemetry.helpers import make_stats
 
@@ -270,6 +271,13 @@ def test_a_worker_that_did_not_see_a_request_through_is_skipped_until_it_answers
 
     async def main() -> None:
         async with Harness(nats_url, "bus-sched-ghost", replicas=1) as h:
+
+            async def quarantined() -> list[bool]:
+                status = await h.bus.request(
+                    subjects.SCHED_STATUS, ClusterStatusRequest(), ClusterStatus
+                )
+                return [w.quarantined for w in status.workers]
+
             await h.submit(request("first"))
             forwarded, _ = await asyncio.wait_for(h.forwarded.get(), 5)
             assert forwarded.request_id == "first"
@@ -277,7 +285,8 @@ def test_a_worker_that_did_not_see_a_request_through_is_skipped_until_it_answers
             await h.submit(msgspec.structs.replace(request("first"), attempt=1))
             refused = await next_reply(h)
             assert isinstance(refused, Rejected) and refused.reason == "no_worker"
-            assert "bus-sched-ghost" in h.schedulers[0].registry.quarantined
+            assert "held back until they answer a ping: bus-sched-ghost" in refused.message
+            assert await quarantined() == [True]  # and an operator's status shows why
 
             async def answer(ping: Ping, msg) -> None:
                 ack = ControlAck(worker_id="bus-sched-ghost", ok=True, state="ready")
@@ -286,7 +295,7 @@ def test_a_worker_that_did_not_see_a_request_through_is_skipped_until_it_answers
             await h.bus.subscribe(subjects.worker_control("bus-sched-ghost"), Ping, answer)
             await h.bus.flush()
             await h.heartbeat()  # its next heartbeat pings it again; now it answers
-            while "bus-sched-ghost" in h.schedulers[0].registry.quarantined:
+            while await quarantined() != [False]:
                 await asyncio.sleep(0.01)
             await h.submit(request("second"))
             forwarded, _ = await asyncio.wait_for(h.forwarded.get(), 5)

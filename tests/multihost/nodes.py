@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lamina.libs.bus import NatsConfig
+from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.errors import NoResponders, RequestTimeout
 from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.control import ControlAck, Cordon, Uncordon
+from lamina.schemas.v1.control import ControlAck, Cordon, Ping, Uncordon
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, WorkerState
 from tests.multihost import netns
 
@@ -96,12 +96,14 @@ def running(
 
 
 async def views(c: Cluster, replicas: tuple[str, ...]) -> dict[str, set[str]]:
-    """Each scheduler replica's workers that take requests (alive and ready), as it
-    answers ``sched.status``."""
-    bus = await c.bus("operator", *replicas).connect("test-operator")
+    """Each scheduler replica's workers that take requests, as it answers
+    ``sched.status`` (alive, ready, not quarantined), and that answer a ping through the
+    replica's own NATS node. After a partition heals, heartbeats can flow one way while
+    the other still waits out TCP's retransmission back-off: only a ping shows both."""
     found: dict[str, set[str]] = {}
-    try:
-        for replica in replicas:
+    for replica in replicas:
+        bus = await c.bus("operator", replica).connect(f"test-operator-{replica}")
+        try:
             with contextlib.suppress(RequestTimeout, NoResponders):
                 answers = await bus.request_many(
                     subjects.SCHED_STATUS,
@@ -110,14 +112,23 @@ async def views(c: Cluster, replicas: tuple[str, ...]) -> dict[str, set[str]]:
                     lambda status, r=replica: status.scheduler_id == r,
                     timeout=1,
                 )
-                found[replica] = {
+                ready = [
                     w.stats.worker_id
                     for w in answers[-1].workers
-                    if w.alive and w.stats.state == WorkerState.READY
-                }
-    finally:
-        await bus.close()
+                    if w.alive and w.stats.state == WorkerState.READY and not w.quarantined
+                ]
+                found[replica] = {w for w in ready if await _answers(bus, w)}
+        finally:
+            await bus.close()
     return found
+
+
+async def _answers(bus: Bus, worker: str) -> bool:
+    try:
+        await bus.request(subjects.worker_control(worker), Ping(), ControlAck, timeout=1)
+    except (RequestTimeout, NoResponders):
+        return False
+    return True
 
 
 async def converge(
@@ -143,18 +154,24 @@ async def converge(
     raise AssertionError(f"the schedulers did not converge on {sorted(workers)}: {seen}")
 
 
-async def cordon(operator: NatsConfig, workers: set[str], serving: set[str]) -> None:
+async def cordon(
+    operator: NatsConfig, workers: set[str], serving: set[str], timeout: float = 60
+) -> None:
     """Leave only ``serving`` of ``workers`` taking new requests (``lamina ctl cordon``
-    on the others, ``uncordon`` on these), waiting out workers still loading."""
+    on the others, ``uncordon`` on these), waiting out workers still loading (not
+    subscribed yet) and routes still recovering from a partition (no reply yet)."""
     bus = await operator.connect("test-cordon")
     try:
         for worker in sorted(workers):
             command = Uncordon() if worker in serving else Cordon()
-            for _ in range(600):  # a worker loading its model is not subscribed yet
+            deadline = time.monotonic() + timeout
+            while True:
                 try:
                     await bus.request(subjects.worker_control(worker), command, ControlAck)
                     break
-                except NoResponders:
+                except (NoResponders, RequestTimeout):
+                    if time.monotonic() > deadline:
+                        raise
                     await asyncio.sleep(0.1)
     finally:
         await bus.close()

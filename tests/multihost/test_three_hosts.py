@@ -112,7 +112,9 @@ async def complete(
             responses = await asyncio.gather(*map(one, prompts))
         else:
             responses = [await one(p) for p in prompts]
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    pairs = zip(prompts, responses, strict=True)
+    failed = [(p, r.status_code, r.text) for p, r in pairs if r.status_code != 200]
+    assert not failed, failed  # each failure whole: a list of every reply gets truncated
     return [r.json()["choices"][0]["text"] for r in responses]
 
 

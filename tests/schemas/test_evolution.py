@@ -327,10 +327,12 @@ def golden_instances() -> dict[str, Message]:
         stats,
         ClusterStatusRequest(),
         GatewayAlive(gateway_id="gw-node-2-88", inbox_prefix="_INBOX.aB3dE5", interval_s=2.0),
-        WorkerView(stats=stats, alive=True, last_seen_ms=1767225600750),
+        WorkerView(stats=stats, alive=True, last_seen_ms=1767225600750, quarantined=True),
         ClusterStatus(
             scheduler_id="sched-a-311",
-            workers=[WorkerView(stats=stats, alive=True, last_seen_ms=1767225600750)],
+            workers=[
+                WorkerView(stats=stats, alive=True, last_seen_ms=1767225600750, quarantined=True)
+            ],
             queued=2,
             queued_tokens=640,
         ),
