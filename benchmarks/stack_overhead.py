@@ -30,6 +30,8 @@ Prints medians of ``--runs`` runs and the ratios. Not a test: run it by hand.
 
     .venv/bin/python benchmarks/stack_overhead.py
     .venv/bin/python benchmarks/stack_overhead.py --model ~/.cache/lamina/models/lamina-tiny
+    .venv/bin/python benchmarks/stack_overhead.py --trace-export --runs 10 --requests 16 \
+        --ttft-requests 60 --model ~/.cache/lamina/models/lamina-tiny
 """
 
 from __future__ import annotations
@@ -376,6 +378,7 @@ def main() -> None:
         ours: dict[str, list[float]] = {t.name: [] for t in targets}
         ttft_local: list[float] = []
         ttft_stack: dict[str, list[float]] = {t.name: [] for t in targets}
+        p50_runs: dict[str, list[float]] = {t.name: [] for t in targets}
         for run in range(args.runs):
             engine.reset_prefix_cache()
             theirs.append(engine_throughput(engine, work))
@@ -395,6 +398,7 @@ def main() -> None:
             ttft_local += local
             for target, ttfts in zip(targets, remote, strict=True):
                 ttft_stack[target.name] += ttfts
+                p50_runs[target.name].append(pct(ttfts, 0.5))
             said = ", ".join(f"{t.name} {ours[t.name][-1]:.1f} tok/s" for t in targets)
             print(f"  run {run + 1}: in-process {theirs[-1]:.1f} tok/s, {said}")
     b = statistics.median(theirs)
@@ -434,6 +438,18 @@ def main() -> None:
             f"{added['sampled', 'p50'] - added['unsampled', 'p50']:+.2f} ms, p99 "
             f"{added['sampled', 'p99'] - added['unsampled', 'p99']:+.2f} ms; "
             f"{sink.requests} OTLP requests, {sink.bytes} bytes received"
+        )
+        # Run by run, both sides measured in the same run, seconds apart: what one invocation
+        # resolves on a machine whose speed drifts between invocations.
+        ratios = [s / u for s, u in zip(ours["sampled"], ours["unsampled"], strict=True)]
+        steps = [
+            (s - u) * 1e3 for s, u in zip(p50_runs["sampled"], p50_runs["unsampled"], strict=True)
+        ]
+        print(
+            f"tracing cost run by run ({args.runs} runs, sampled vs unsampled): throughput "
+            f"ratio median {statistics.median(ratios):.3f} (range {min(ratios):.3f} to "
+            f"{max(ratios):.3f}), p50 TTFT difference median {statistics.median(steps):+.2f} ms "
+            f"(range {min(steps):+.2f} to {max(steps):+.2f})"
         )
 
 
