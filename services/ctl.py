@@ -96,8 +96,12 @@ def status_table(status: ClusterStatus) -> str:
     rows = [COLUMNS]
     for view in status.workers:
         s = view.stats
-        state = "cordoned" if s.cordoned and s.state == "ready" else str(s.state)
-        state = "quarantined" if view.quarantined else state
+        if view.quarantined:
+            state = "quarantined"
+        elif s.cordoned and s.state == "ready":
+            state = "cordoned"
+        else:
+            state = str(s.state)
         rows.append(
             (
                 s.worker_id,

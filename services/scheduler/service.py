@@ -273,7 +273,9 @@ class SchedulerService:
         worker cannot meet by the prediction is a refusal."""
         decision = self.placer.place(request, live, self.registry.index.overlap)
         if decision.reason == RejectReason.NO_WORKER and (held := self._held_back()):
-            message = f"{decision.message}; held back until they answer a ping: {held}"
+            # With every live worker held back, admission saw none "alive": say which.
+            said = decision.message if live else "no other engine worker is alive"
+            message = f"{said}; held back until they answer a ping: {held}"
             decision = dataclasses.replace(decision, message=message)
         deadline = request.sla.deadline_ms
         if decision.worker_id is not None and deadline is not None:
