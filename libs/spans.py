@@ -105,7 +105,7 @@ class DeferredSpan(Span):
         start_ns: int | None,
     ) -> None:
         self._provider, self._scope = provider, scope
-        self._name, self._kind, self._links = name, kind, links
+        self._name, self._kind, self._links = name, kind, list(links)
         self._attributes = dict(attributes or {})
         self._events: list[tuple[str, Attributes, int]] = []
         self._status: Status | None = None
@@ -149,6 +149,10 @@ class DeferredSpan(Span):
     def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
         if not self._end_ns:
             self._status = status if isinstance(status, Status) else Status(status, description)
+
+    def add_link(self, context: SpanContext, attributes: Attributes = None) -> None:
+        if not self._end_ns:
+            self._links.append(Link(context, attributes))
 
     def update_name(self, name: str) -> None:
         if not self._end_ns:

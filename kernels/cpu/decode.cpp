@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 extern "C" {
 void lamina_rms_norm(const float* x, int64_t x_stride, const float* residual,
@@ -51,7 +52,8 @@ namespace {
 
 // A packed linear as decode.py lays it out: format (0 fp32, else gemm.cpp's Format),
 // packed weight, scales (quantized) or 0, zero points (int4) or 0, the group size along K,
-// bias or 0, outputs, inputs.
+// bias or 0, outputs, inputs, and the order its inputs are stored in (act-order GPTQ: the
+// weight's input j is x's input order[j]) or 0.
 struct Linear {
   int64_t format;
   const void* packed;
@@ -60,8 +62,10 @@ struct Linear {
   int64_t group;
   const float* bias;
   int64_t n, k;
+  const int64_t* order;
 };
-static_assert(sizeof(Linear) == 8 * sizeof(int64_t));
+static_assert(sizeof(Linear) == 9 * sizeof(int64_t));
+constexpr int64_t kLayerFields = 40;
 
 struct Layer {
   const float* input_norm;
@@ -73,14 +77,22 @@ struct Layer {
   Linear down;
   float* kv_cache;  // (2, num_blocks, block_size, Hkv, D) fp32
 };
-static_assert(sizeof(Layer) == 36 * sizeof(int64_t));
+static_assert(sizeof(Layer) == kLayerFields * sizeof(int64_t));
 
 // The model's shapes, as decode.py passes them.
 struct Dims {
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks, block_size;
 };
 
+thread_local std::vector<float> gathered;  // x in a linear's stored input order
+
 void linear(const Linear& l, const float* x, int64_t rows, float* out, bool gated) {
+  if (l.order) {
+    if (static_cast<int64_t>(gathered.size()) < rows * l.k) gathered.resize(rows * l.k);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < l.k; ++j) gathered[r * l.k + j] = x[r * l.k + l.order[j]];
+    x = gathered.data();
+  }
   if (l.format == 0) {
     (gated ? lamina_packed_silu_mul : lamina_packed_linear)(
         x, l.k, rows, l.k, static_cast<const float*>(l.packed), l.n, l.bias, out);
@@ -131,7 +143,7 @@ extern "C" int lamina_decode_layers(const int64_t* layers, int64_t num_layers,
   const int64_t token_kv = kv_size, cache_half = d.num_blocks * d.block_size * kv_size;
   for (int64_t n = 0; n < num_layers; ++n) {
     Layer layer;
-    std::memcpy(&layer, layers + n * 36, sizeof(layer));
+    std::memcpy(&layer, layers + n * kLayerFields, sizeof(layer));
     if (n == 0) {
       lamina_rms_norm(hidden, d.hidden, nullptr, 0, layer.input_norm, eps, seqs, d.hidden, x,
                       nullptr);

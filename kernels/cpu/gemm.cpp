@@ -23,8 +23,9 @@
 // element: int8 with a scale per output column, or fp8 e4m3 with a scale per output column;
 // or half a byte: int4 codes (GPTQ's and AWQ's), w = (q - zero) * scale with a scale and a
 // zero point per column and group of K (a panel's k-row is 8 bytes, byte j holding column j
-// in its low nibble and column j + 8 in its high one). One row of x against int4 sums x * q
-// and x per group and takes scale * (sum x q - zero * sum x) once per group.
+// in its low nibble and column j + 8 in its high one). Rows of x against int4 sum x * q per
+// group and take scale * (sum x q - zero * sum x) once per group (sum x: each row's, per
+// group, computed first).
 // A byte is widened to fp32 in registers as it is loaded; the column's scale multiplies the
 // finished sums (sum_k x_k * q_jk * s_j = s_j * sum_k x_k * q_jk), so decoding reads a
 // quarter of the fp32 bytes and does no more arithmetic. With more rows than one
@@ -55,7 +56,6 @@ constexpr int64_t kKC = 512;   // depth of one slice of K
 constexpr int64_t kMC = 72;    // rows of x packed at a time (12 micro-panels)
 constexpr int64_t kMinRows = 192;  // fewest rows a thread gets when rows are split
 constexpr int64_t kFetchCalls = 3;  // see the panel prefetch in packed_matmul
-constexpr int64_t kInt4Rows = 3;    // most rows int4's one-row micro-kernel runs for
 // kKC and kMC: of the sizes tried (KC 256-512, MC 48-144, K unrolled by one or four) at
 // 64, 600 and 2048 rows, none was faster beyond the noise.
 
@@ -325,6 +325,82 @@ inline void micro_int4_row(const float* a, const Int4* b, int64_t kc, float* out
     out[j] = first ? block[j] + (bias ? bias[j] : 0.0f) : out[j] + block[j];
 }
 
+// out block (M x cols, row stride ldo) = M rows of x (a: all of K, k-major [k][M]) against
+// an int4 panel, as micro_int4_row does for one row: per group, each row's sums of x * q
+// in registers (two per row: the FMA chains are independent), then scale * (sums - zero *
+// sum x) added to the block (in L1) once per group. xs: each row's sum of x per group, row
+// i's at xs + i * groups. With Fetch, also pulls the next panel (right after this one) in.
+template <int M, bool Fetch>
+inline void micro_int4(const float* a, const Int4* b, int64_t kc, float* out, int64_t ldo,
+                       const float* bias, const float* scale, const float* zero,
+                       int64_t group, const float* xs, int64_t groups, int64_t cols) {
+  alignas(32) float block[M][kNR] = {};
+  [[maybe_unused]] const char* next = reinterpret_cast<const char*>(b + kc * 8);
+  for (int64_t g0 = 0, g = 0; g0 < kc; g0 += group, ++g) {
+    const int64_t g1 = std::min(kc, g0 + group);
+    const float* s = scale + g * kNR;
+    const float* z = zero + g * kNR;
+#if LAMINA_AVX2
+    __m256 lo[M], hi[M];
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t k = g0; k < g1; ++k) {
+      if constexpr (Fetch) {
+        if (k % 8 == 0) __builtin_prefetch(next + 8 * k, 0, 3);  // a line per 8 k-rows
+      }
+      __m256 w0, w1;
+      load16(b + k * 8, w0, w1);
+#pragma GCC unroll 6
+      for (int i = 0; i < M; ++i) {
+        const __m256 x = _mm256_broadcast_ss(a + k * M + i);
+        lo[i] = _mm256_fmadd_ps(x, w0, lo[i]);
+        hi[i] = _mm256_fmadd_ps(x, w1, hi[i]);
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+    const __m256 z0 = _mm256_loadu_ps(z), z1 = _mm256_loadu_ps(z + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < M; ++i) {
+      const __m256 x_sum = _mm256_set1_ps(xs[i * groups + g]);
+      const __m256 t0 = _mm256_fnmadd_ps(z0, x_sum, lo[i]);
+      const __m256 t1 = _mm256_fnmadd_ps(z1, x_sum, hi[i]);
+      _mm256_store_ps(block[i], _mm256_fmadd_ps(s0, t0, _mm256_load_ps(block[i])));
+      _mm256_store_ps(block[i] + 8, _mm256_fmadd_ps(s1, t1, _mm256_load_ps(block[i] + 8)));
+    }
+#else
+    for (int i = 0; i < M; ++i) {
+      float sums[kNR] = {};
+      for (int64_t k = g0; k < g1; ++k)
+        for (int j = 0; j < kNR; ++j) sums[j] += a[k * M + i] * code(b + k * 8, j);
+      for (int j = 0; j < kNR; ++j) block[i][j] += s[j] * (sums[j] - z[j] * xs[i * groups + g]);
+    }
+#endif
+  }
+  for (int i = 0; i < M; ++i) {
+    float* row = out + i * ldo;
+    for (int64_t j = 0; j < cols; ++j) row[j] = block[i][j] + (bias ? bias[j] : 0.0f);
+  }
+}
+
+using MicroInt4 = void (*)(const float*, const Int4*, int64_t, float*, int64_t, const float*,
+                           const float*, const float*, int64_t, const float*, int64_t, int64_t);
+// By Fetch and rows (2 to kMR; one row runs micro_int4_row).
+constexpr MicroInt4 kMicroInt4[2][kMR + 1] = {
+    {nullptr, nullptr, micro_int4<2, false>, micro_int4<3, false>, micro_int4<4, false>,
+     micro_int4<5, false>, micro_int4<6, false>},
+    {nullptr, nullptr, micro_int4<2, true>, micro_int4<3, true>, micro_int4<4, true>,
+     micro_int4<5, true>, micro_int4<6, true>}};
+
+// xs (rows x groups) = each row's sum of x over each group of K.
+inline void group_sums(const float* x, int64_t x_stride, int64_t rows, int64_t k,
+                       int64_t group, float* xs) {
+  const int64_t groups = (k + group - 1) / group;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      xs[r * groups + g] = sum(x + r * x_stride + g * group, std::min(group, k - g * group));
+}
+
 // dst (kc x kNR fp32) = an int4 panel's slice b (its k-rows depth to depth + kc), as
 // (q - zero) * scale of each k's group.
 inline void widen_panel(const Int4* b, int64_t kc, int64_t depth, const float* scale,
@@ -370,6 +446,7 @@ inline float* aligned(std::vector<float>& buffer, int64_t floats) {
 thread_local std::vector<float> packed_rows;  // x's rows, packed (see pack_rows)
 thread_local std::vector<float> gated_sums;   // a gated matmul's gate and up sums
 thread_local std::vector<float> widened;      // a quantized panel's slice (see widen_panel)
+thread_local std::vector<float> x_sums;       // int4: rows' sums of x per group (group_sums)
 
 // out (rows x cols, row stride ldo) = silu(gate) * up; gate and up have row stride ld.
 inline void silu_mul_block(const float* gate, const float* up, int64_t ld, int64_t rows,
@@ -402,18 +479,17 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
     // A quantized weight is widened a slice at a time into a buffer that the fp32
     // micro-kernel then reads where the widening would otherwise be repeated for many
     // micro-kernel calls per panel (prefill); with up to kFetchCalls calls each call widens
-    // in registers, overlapped with its FMAs (faster at 2-18 rows). int4's fused
-    // micro-kernel takes one row: up to kInt4Rows rows each runs it (the codes widened
-    // once per row); beyond, the slices are widened.
-    const bool widen_slices =
-        kQuantized<W> && m > (kGrouped<W> ? kInt4Rows : kFetchCalls * kMR);
+    // in registers, overlapped with its FMAs (faster at 2-18 rows), int4's with its groups.
+    const bool widen_slices = kQuantized<W> && m > kFetchCalls * kMR;
     // A few micro-panels of rows (decoding) take K whole: the weight panels then stream
     // front to back in one pass instead of in slices a panel apart (and micro<M, true>
-    // finds the next panel right after its own). Widened int4 slices stay 512 deep, so
-    // that the buffer stays in L1.
-    const int64_t slice = m <= kFetchCalls * kMR && !(kGrouped<W> && widen_slices) ? k : kKC;
+    // finds the next panel right after its own).
+    const int64_t slice = m <= kFetchCalls * kMR ? k : kKC;
     float* a = aligned(packed_rows, std::min(kMC, m) * slice);
     const int64_t groups_per_column = (k + group - 1) / group;
+    float* xs = kGrouped<W> && !widen_slices && m > 1
+                    ? aligned(x_sums, std::min(kMC, m) * groups_per_column)
+                    : nullptr;
     float* wide = widen_slices ? aligned(widened, slice * kNR) : nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t part = item / group_parts, q = item % group_parts;
@@ -427,6 +503,7 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
       float* sums = Gated ? aligned(gated_sums, std::min(kMC, m) * ld) : nullptr;
       for (int64_t r0 = first_row; r0 < last_row; r0 += kMC) {
         const int64_t rows = std::min(kMC, last_row - r0);
+        if (xs) group_sums(x + r0 * x_stride, x_stride, rows, k, group, xs);
         for (int64_t depth = 0; depth < k; depth += slice) {
           const int64_t kc = std::min(slice, k - depth);
           // One row is its own panel: read it in place.
@@ -469,10 +546,14 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
               if (widen_slices) {
                 kMicro<float>[0][width](panels_of_x + r * kc, wide, kc, block, ld, depth == 0,
                                         panel_bias, nullptr, cols);
-              } else if constexpr (kGrouped<W>) {  // row by row, all of K (read in place)
-                for (int i = 0; i < width; ++i)
-                  micro_int4_row(x + (r0 + r + i) * x_stride, b, kc, block + i * ld, true,
-                                 panel_bias, panel_scale, panel_zero, group, cols);
+              } else if constexpr (kGrouped<W>) {  // all of K
+                if (width == 1)
+                  micro_int4_row(panels_of_x + r * kc, b, kc, block, true, panel_bias,
+                                 panel_scale, panel_zero, group, cols);
+                else
+                  kMicroInt4[fetch][width](panels_of_x + r * kc, b, kc, block, ld, panel_bias,
+                                           panel_scale, panel_zero, group,
+                                           xs + r * groups_per_column, groups_per_column, cols);
               } else {
                 kMicro<W>[fetch][width](panels_of_x + r * kc, b, kc, block, ld, depth == 0,
                                         panel_bias, panel_scale, cols);

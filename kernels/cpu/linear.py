@@ -53,9 +53,10 @@ class PackedLinear:
 
     def native_fields(self) -> tuple[int, ...]:
         """This linear as ``decode.cpp``'s ``Linear`` reads it: format (0: fp32), packed
-        weight, scales, zero points (0: none), group size, bias (0: none), outputs, inputs."""
+        weight, scales, zero points (0: none), group size, bias (0: none), outputs, inputs,
+        the stored input order (0: the model's)."""
         packed, n, bias = self._pointers
-        return (0, packed, 0, 0, self.in_features, bias or 0, n, self.in_features)
+        return (0, packed, 0, 0, self.in_features, bias or 0, n, self.in_features, 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(..., K)`` fp32; returns ``(..., N)``."""
@@ -103,7 +104,8 @@ class PackedQuantLinear(PackedLinear):
         self.scale = self._by_panel(weight.scale, panels)
         self.zero = None if weight.zero is None else self._by_panel(weight.zero, panels)
         self.bias = None if bias is None else bias.contiguous()
-        self.input_order = weight.input_order
+        order = weight.input_order
+        self.input_order = None if order is None else order.to(torch.int64).contiguous()
         self._matmul = getattr(library, self._kernel)
         self._pointers = (
             ptr(self.packed),
@@ -130,7 +132,8 @@ class PackedQuantLinear(PackedLinear):
 
     def native_fields(self) -> tuple[int, ...]:
         packed, fmt, scale, zero, group, n, bias = self._pointers
-        return (fmt, packed, scale, zero or 0, group, bias or 0, n, self.in_features)
+        order = ptr(self.input_order) or 0
+        return (fmt, packed, scale, zero or 0, group, bias or 0, n, self.in_features, order)
 
 
 class _GatedRows:

@@ -80,6 +80,17 @@ class _Stream:
         self.span = None
 
 
+@dataclass(frozen=True)
+class _TracedStep:
+    """A step that served traced requests, as its span is made from (after its tokens)."""
+
+    batch: ScheduledBatch
+    served: list[Span]  # the traced requests' spans, in the batch's order
+    prefills: int  # sequences (traced or not) in their prefill
+    started_ns: int
+    ended_ns: int
+
+
 def _request_span(request: GenerateRequest, worker_id: str, context: Any) -> Span | None:
     """A span for the request's time in this engine, if its caller traced it and this
     process records spans (requests are traced as their callers decide: untraced ones,
@@ -292,8 +303,8 @@ class EngineThread(threading.Thread):
                     self._fail_all("engine step failed")
                     self.on_step_failure("engine step failed")
                     continue
-                step = self._trace_step(self.engine.last_batch, started)
-                self._emit_outputs(outputs, step)
+                traced = self._trace_requests(self.engine.last_batch, started)
+                self._emit_outputs(outputs, traced)
                 self._stop_expired()
             self._refresh_stats()
 
@@ -442,17 +453,12 @@ class EngineThread(threading.Thread):
         if batch:
             self.emit(batch)
 
-    def _trace_step(self, batch: ScheduledBatch | None, started_ns: int) -> Any:
-        """The step's part in each traced request: events on the request's span (when it
-        was first scheduled, what it waited; each prefill chunk; a preemption), and one
-        ``engine step`` span for the whole step, linked to every traced request it served.
-
-        The step span is a child of the first traced request in the batch (the oldest
-        running one: decodes come first), so a single traced request's trace holds all its
-        steps; other traced requests reach it through their link. Returns the context of
-        the step span (what the step's KV event batch is traced under), or ``None``. With
-        no traced request in the step, nothing here costs more than a set lookup.
-        """
+    def _trace_requests(self, batch: ScheduledBatch | None, started_ns: int) -> _TracedStep | None:
+        """The step's part in each traced request, as events on the request's span (when
+        it was first scheduled, what it waited; each prefill chunk; a preemption). Returns
+        what the step's own span needs, made once its tokens are on their way
+        (:meth:`_trace_step`), or ``None`` when the step served no traced request; then
+        nothing here costs more than a set lookup."""
         if batch is None:
             return None
         for request in batch.preempted:  # rare: kept right whether traced or not
@@ -489,28 +495,39 @@ class EngineThread(threading.Thread):
                 )
         if not served or not started_ns:
             return None
+        return _TracedStep(batch, served, prefills, started_ns, time.time_ns())
+
+    def _trace_step(self, traced: _TracedStep) -> Any:
+        """One ``engine step`` span for the whole step, linked to every traced request it
+        served; returns its context (what the step's KV event batch is traced under).
+
+        The step span is a child of the first traced request in the batch (the oldest
+        running one: decodes come first), so a single traced request's trace holds all its
+        steps; other traced requests reach it through their link."""
+        batch, served = traced.batch, traced.served
         step = spans.start(
             tracer,
             "engine step",
             context=trace.set_span_in_context(served[0]),
-            start_time=started_ns,
+            start_time=traced.started_ns,
             links=[Link(span.get_span_context()) for span in served],
             attributes={
                 "lamina.worker_id": self.worker_id,
                 "lamina.batch.tokens": sum(batch.num_new_tokens),
-                "lamina.batch.decode_seqs": len(batch) - prefills,
-                "lamina.batch.prefill_seqs": prefills,
+                "lamina.batch.decode_seqs": len(batch) - traced.prefills,
+                "lamina.batch.prefill_seqs": traced.prefills,
                 "lamina.batch.preempted": len(batch.preempted),
                 "lamina.batch.traced_seqs": len(served),
                 "lamina.kv_cache_usage": self.engine.blocks.usage,
             },
         )
-        step.end()
+        step.end(traced.ended_ns)
         return trace.set_span_in_context(step)
 
-    def _emit_outputs(self, outputs: list[RequestOutput], step: Any = None) -> None:
+    def _emit_outputs(self, outputs: list[RequestOutput], traced: _TracedStep | None) -> None:
         """Each request's new tokens (or its end) to its reply inbox, then the step's KV
-        events; ``step`` is the traced step's context, if it was traced."""
+        events. A traced step's span, and its KV events' under it, are made after its
+        tokens have been handed on: the first token does not wait for them."""
         batch: list[Outgoing] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -567,7 +584,12 @@ class EngineThread(threading.Thread):
                 )
             stream.seq += 1
             batch.append((stream.reply, message, stream.context))
-        batch += self._kv_events(step)
+        if traced is not None:
+            if batch:
+                self.emit(batch)
+            batch = self._kv_events(self._trace_step(traced))
+        else:
+            batch += self._kv_events()
         if batch:
             self.emit(batch)
 

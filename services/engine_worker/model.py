@@ -253,8 +253,6 @@ class CausalLM:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
             if not all(isinstance(lin, PackedLinear) for lin in linears):
                 return None
-            if any(getattr(lin, "input_order", None) is not None for lin in linears):
-                return None  # act-order inputs: the native step does not reorder them
             if cache.dtype != torch.float32:
                 return None
             layers.append(

@@ -246,23 +246,34 @@ class SchedulerService:
             await self._send(request, msg.reply, decision)
 
     def _decide(self, request: GenerateRequest) -> Decision:
-        """Where ``request`` goes now, or why not, in a ``place`` span when the request is
-        traced: each candidate's score inputs, and links to what they came from (each
-        worker's last traced heartbeat and last traced KV event batch)."""
-        started = time.perf_counter()
+        """Where ``request`` goes now, or why not. A traced request's placement is told in
+        a span: each candidate's score inputs, and links to what they came from (each
+        worker's last traced heartbeat and last traced KV event batch). Placed as it
+        arrives, that span is the submit's CONSUMER span, still open (one span fewer on the
+        request's path); placed later, from the queue, a ``place`` span of its own."""
+        started, started_ns = time.perf_counter(), time.time_ns()
         live = self.registry.candidates()
+        decision = self._timed(self._place(request, live), started)
         if not spans.sampled():
-            return self._timed(self._place(request, live), started)  # an untraced request
+            return decision  # an untraced request
+        attributes = _placement_attributes(decision, self.placer.policy)
         links = [
             Link(context, {"lamina.link": kind, "lamina.worker_id": worker_id})
             for kind, seen in (("heartbeat", self._heartbeat_spans), ("kv_events", self._kv_spans))
             for worker_id in (c.stats.worker_id for c in live)
             if (context := seen.get(worker_id)) is not None
         ]
-        with spans.Current(spans.start(tracer, "place", links=links)) as span:
-            decision = self._timed(self._place(request, live), started)
-            span.set_attributes(_placement_attributes(decision, self.placer.policy))
-            return decision
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(attributes)
+            for link in links:
+                span.add_link(link.context, link.attributes)
+        else:
+            place = spans.start(
+                tracer, "place", attributes=attributes, links=links, start_time=started_ns
+            )
+            place.end()
+        return decision
 
     @staticmethod
     def _timed(decision: Decision, started: float) -> Decision:

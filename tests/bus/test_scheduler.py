@@ -9,7 +9,11 @@ import secrets
 import time
 
 import msgspec
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from lamina.libs import spans
 from lamina.libs.bus import Bus, NatsConfig, encode
 from lamina.libs.trace_context import extract
 from lamina.schemas.v1 import subjects
@@ -197,11 +201,17 @@ def test_a_saturated_cluster_queues_by_priority_and_deadline_and_answers_at_once
     asyncio.run(main())
 
 
-def test_a_queued_request_is_sent_on_in_its_own_trace(nats_url):
+def test_a_queued_request_is_sent_on_in_its_own_trace(nats_url, monkeypatch):
     """Dispatched later, from a heartbeat's handler, a queued request still carries the
-    trace it arrived in: the worker's span joins that trace, not none or another's."""
+    trace it arrived in: the worker's span joins that trace, not none or another's. Its
+    placement is told where it happened: the refusal that queued it on the submit's span,
+    the placement that sent it on in a ``place`` span of that trace."""
     busy = {"num_waiting": 8, "max_num_seqs": 8, "prefill_tokens_per_s": 20_000.0}
     traces = {"a": secrets.token_hex(16), "b": secrets.token_hex(16)}
+    exporter = InMemorySpanExporter()
+    provider = spans.RecordingProvider()  # as the services record spans
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
 
     async def main() -> None:
         async with Harness(nats_url, "bus-sched-trace", replicas=1, **busy) as h:
@@ -215,6 +225,20 @@ def test_a_queued_request_is_sent_on_in_its_own_trace(nats_url):
                 assert h.forward_headers[rid]["traceparent"].split("-")[1] == trace_id
 
     asyncio.run(main())
+    spans.flush()
+    recorded = exporter.get_finished_spans()
+    for rid, trace_id in traces.items():
+        in_trace = [s for s in recorded if f"{s.context.trace_id:032x}" == trace_id]
+        (submit,) = [s for s in in_trace if s.name == "lamina.v1.sched.submit process"]
+        places = sorted((s for s in in_trace if s.name == "place"), key=lambda s: s.end_time)
+        # Each try from the queue is a place span; the last sent it on.
+        assert places[-1].attributes["lamina.placement.reason"] == "placed"
+        assert places[-1].attributes["lamina.placement.worker_id"] == "bus-sched-trace"
+        assert all(p.attributes["lamina.placement.reason"] == "overloaded" for p in places[:-1])
+        if rid == "a":  # it found the queue empty: placed as it arrived, and refused
+            assert submit.attributes["lamina.placement.reason"] == "overloaded"
+        else:  # it queued behind a without a placement of its own
+            assert "lamina.placement.reason" not in submit.attributes
 
 
 def test_a_scheduler_that_shuts_down_hands_its_queue_back_as_retryable(nats_url):

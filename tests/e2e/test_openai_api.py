@@ -251,10 +251,11 @@ def test_one_trace_follows_the_caller_through_gateway_scheduler_and_worker(clien
     assert all(s["links"] == [served["span_id"]] for s in steps)
     usage = [s["attributes"]["lamina.kv_cache_usage"] for s in steps]  # after each step
     assert 0 < usage[0] <= 1 and usage[-1] == 0  # the last step freed its blocks
-    # Placement: the choice among the candidates, what each scored, and links to what it
-    # was decided by: the worker's last traced heartbeat and KV event batch (the first
-    # request's, which stored this prompt's blocks), all of them in the trace store.
-    place = by_name["place"]
+    # Placement, told on the submit's span (placed as it arrived): the choice among the
+    # candidates, what each scored, and links to what it was decided by: the worker's last
+    # traced heartbeat and KV event batch (the first request's, which stored this prompt's
+    # blocks), all of them in the trace store.
+    place = by_name["lamina.v1.sched.submit process"]
     assert place["attributes"]["lamina.placement.worker_id"] == "worker-0"
     assert place["attributes"]["lamina.placement.prefix_hit_blocks"] > 0
     assert place["attributes"]["lamina.candidate.worker_id"] == ["worker-0"]

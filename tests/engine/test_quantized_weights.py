@@ -331,14 +331,17 @@ def test_an_act_order_gptq_checkpoint_loads_and_matches_its_dequantized_weights(
 ):
     """``desc_act``: each input's group is in ``g_idx``, out of order. The engine stores the
     inputs so that each group's are together and gathers x in that order before the
-    matmul (the layer-by-layer forward: the native decode step does not reorder)."""
+    matmul, in the layer-by-layer forward and in the native decode step alike."""
     torch.manual_seed(5)
     path = int4_checkpoint(make_checkpoint("qwen2"), tmp_path / method, method, 32, True)
     reference = hf_model(path.with_name(path.name + "-dequantized"))
-    engine = make_engine(path)
-    assert engine.runner.model.layers[0].qkv.input_order is not None
-    assert_logits_match(engine, reference)
-    assert engine.runner.model._native[1] is None
+    for native in (True, False):
+        engine = make_engine(path)
+        engine.runner.model.native_decode = native
+        assert engine.runner.model.layers[0].qkv.input_order is not None
+        assert_logits_match(engine, reference)
+        decoded_by = engine.runner.model._native  # (cache, the native step) once it ran
+        assert (decoded_by is not None and decoded_by[1] is not None) == native
 
 
 def test_a_g_idx_whose_groups_are_the_wrong_size_fails_at_load(make_checkpoint, tmp_path):

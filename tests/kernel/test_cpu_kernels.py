@@ -218,14 +218,15 @@ def test_quantized_packed_silu_mul_matches_dequantize_then_silu_and_mul(fmt, row
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 73])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 18, 19, 73])
 @pytest.mark.parametrize(("k", "group"), [(96, 32), (1100, 100), (600, 600)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int4_packed_linear_matches_dequantize_then_linear(rows, k, group, with_bias):
-    """int4 codes with a scale and zero point per group: one and two rows (the fused path,
-    which sums x per group, row by row) and more (each panel's slice widened first, slices
-    of 512 crossing group boundaries), groups of 32, of 100 (not dividing a slice) and one
-    per row, a partial last panel (67 outputs); zero points that are not integers too."""
+    """int4 codes with a scale and zero point per group: up to 18 rows the fused path (per
+    group, sums of x * q in registers, scaled once: one row on its own, micro-panels of 2
+    to 6 rows, a last one of 1 in 7 and 19), beyond that each panel's slice widened first
+    (slices of 512 crossing group boundaries); groups of 32, of 100 (not dividing K) and
+    one per row, a partial last panel (67 outputs); zero points that are not integers too."""
     g = torch.Generator().manual_seed(rows * k + group)
     weight = quantize_int4(torch.randn(67, k, generator=g), group)
     weight = QuantizedWeight(
@@ -238,7 +239,7 @@ def test_int4_packed_linear_matches_dequantize_then_linear(rows, k, group, with_
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("rows", [1, 3, 9, 19])
 def test_int4_packed_silu_mul_matches_dequantize_then_silu_and_mul(rows):
     g = torch.Generator().manual_seed(rows)
     gate_up = quantize_int4(torch.randn(2 * 67, 256, generator=g) / 16, 64)

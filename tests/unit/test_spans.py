@@ -40,6 +40,7 @@ def test_a_span_is_recorded_under_the_ids_it_gave_out(recorded):
     child.add_event("first_token", {"n": 1}, timestamp=456)
     child.set_attributes({"b": 2})
     child.set_status(StatusCode.ERROR, "failed")
+    child.add_link(root.get_span_context(), {"why": "linked later"})  # after its start
     assert recorded.exporter.get_finished_spans() == ()  # nothing recorded while running
     child.end(789)
     root.set_attribute("c", 3)
@@ -58,6 +59,9 @@ def test_a_span_is_recorded_under_the_ids_it_gave_out(recorded):
         ("first_token", {"n": 1}, 456)
     ]
     assert made_child.status.status_code == StatusCode.ERROR
+    (link,) = made_child.links
+    assert link.context == root.get_span_context()
+    assert dict(link.attributes) == {"why": "linked later"}
     assert made_child.status.description == "failed"
     assert made_root.instrumentation_scope.name == "test"
     assert made_root.resource.attributes["service.name"].startswith("unknown_service")
@@ -67,7 +71,8 @@ def test_a_span_is_recorded_under_the_ids_it_gave_out(recorded):
     assert b'"name":"child"' in otlp_json.encode([made_child])
     root.set_attribute("late", 1)  # after its end: ignored, as the SDK ignores it
     root.add_event("late")
-    assert "late" not in made_root.attributes and not made_root.events
+    root.add_link(child.get_span_context())
+    assert "late" not in made_root.attributes and not made_root.events and not made_root.links
     root.end()  # a second end records nothing more
     spans.flush()
     assert len(recorded.exporter.get_finished_spans()) == 2
