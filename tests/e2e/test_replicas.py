@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 
 import httpx
 
@@ -14,8 +15,25 @@ from lamina.libs.bus import Bus
 from lamina.libs.errors import RequestTimeout
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import PlacementRecord
-from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
+from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, WorkerState
 from tests.e2e.conftest import make_stack
+
+
+def ready_workers(status: ClusterStatus) -> int:
+    return sum(
+        w.alive and w.stats.state == WorkerState.READY and not w.quarantined for w in status.workers
+    )
+
+
+def both_replicas_answered() -> Callable[[ClusterStatus], bool]:
+    """``request_many``'s ``last``: true once two replicas have answered."""
+    answered: set[str] = set()
+
+    def last(status: ClusterStatus) -> bool:
+        answered.add(status.scheduler_id)
+        return len(answered) == 2
+
+    return last
 
 
 def test_two_replicas_spread_a_burst_and_place_each_request_once(tiny_model, tmp_path):
@@ -30,21 +48,22 @@ def test_two_replicas_spread_a_burst_and_place_each_request_once(tiny_model, tmp
 
         await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, on_record)
         await bus.flush()
-        # Every replica answers sched.status: wait until the second one knows the workers.
-        for _ in range(100):
-            with contextlib.suppress(RequestTimeout):  # not subscribed yet
+        # Every replica answers sched.status: wait until both see all three workers ready
+        # (the gateway is ready with one: a worker still loading would take no part).
+        for _ in range(300):
+            with contextlib.suppress(RequestTimeout):  # the second is not subscribed yet
                 answers = await bus.request_many(
                     subjects.SCHED_STATUS,
                     ClusterStatusRequest(),
                     ClusterStatus,
-                    lambda status: status.scheduler_id == "second",
+                    both_replicas_answered(),
                     timeout=1,
                 )
-                if len(answers[-1].workers) == 3:
+                if all(ready_workers(status) == 3 for status in answers):
                     break
             await asyncio.sleep(0.1)
         else:
-            raise AssertionError("the second replica never saw the three workers")
+            raise AssertionError("the replicas never saw the three workers ready")
         prompts = [[(i * 37 + j * 11) % 900 + 5 for j in range(400)] for i in range(12)]
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
             responses = await asyncio.gather(
