@@ -239,8 +239,16 @@ def test_a_scheduler_that_reconnects_resyncs_every_worker():
             await until(lambda: not scheduler.bus.nc.is_connected, "the scheduler noticing")
             server = NatsServer(port=port).start()  # the same address, a fresh server
             await until(lambda: scheduler.bus.nc.is_connected and bus.nc.is_connected, "both back")
-            await workers.heartbeat("a")  # the worker is back: the scheduler asks it again
-            synced.append(await asyncio.wait_for(workers.syncs.get(), 10))
+            for connection in (scheduler.bus, bus):  # the subscriptions are at the new server
+                await connection.flush()
+            # The worker is back, heartbeating as a worker does (the scheduler's reconnect
+            # callback may run after the first): the scheduler asks it again.
+            deadline = time.monotonic() + 10
+            while workers.syncs.empty():
+                assert time.monotonic() < deadline, "no KV sync after the reconnect"
+                await workers.heartbeat("a")
+                await asyncio.sleep(0.25)
+            synced.append(workers.syncs.get_nowait())
             return synced
         finally:
             await bus.close()
