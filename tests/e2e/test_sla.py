@@ -20,6 +20,15 @@ async def complete(client: httpx.AsyncClient, **body: object) -> httpx.Response:
     return await client.post("/v1/completions", json=payload)
 
 
+async def hold(client: httpx.AsyncClient, streaming: asyncio.Event, **body: object) -> int:
+    """A streamed completion: ``streaming`` is set at its first event; returns its status."""
+    payload = {"prompt": [5, 6, 7, 8], "ignore_eos": True, "stream": True} | body
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        async for _ in response.aiter_lines():
+            streaming.set()
+    return response.status_code
+
+
 def test_overload_deadlines_and_queueing_through_http(tiny_model, tmp_path):
     stack = make_stack(
         tiny_model,
@@ -32,9 +41,12 @@ def test_overload_deadlines_and_queueing_through_http(tiny_model, tmp_path):
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
             burst = await asyncio.gather(*(complete(client) for _ in range(6)))
             hopeless = await complete(client, timeout_ms=1)
-            # A long request holds the worker; one behind it has a short deadline.
-            long = asyncio.create_task(complete(client, max_tokens=1500))
-            await asyncio.sleep(0.1)
+            # A long request holds the worker (it is streaming: not still in the scheduler's
+            # queue, where the short one, having a deadline, would go ahead of it); one
+            # behind it has a short deadline.
+            streaming = asyncio.Event()
+            long = asyncio.create_task(hold(client, streaming, max_tokens=1500))
+            await asyncio.wait_for(streaming.wait(), 30)
             short = await complete(client, timeout_ms=300)
             return {"burst": burst, "hopeless": [hopeless], "long": [await long], "short": [short]}
 
@@ -56,7 +68,7 @@ def test_overload_deadlines_and_queueing_through_http(tiny_model, tmp_path):
     (short,) = got["short"]
     assert short.status_code == 504, short.text
     assert short.json()["error"]["code"] == "deadline_exceeded"
-    assert got["long"][0].status_code == 200
+    assert got["long"] == [200]
 
 
 def test_queued_requests_are_served_by_priority(tiny_model, tmp_path):
