@@ -65,7 +65,7 @@ struct Linear {
   const int64_t* order;
 };
 static_assert(sizeof(Linear) == 9 * sizeof(int64_t));
-constexpr int64_t kLayerFields = 40;
+constexpr int64_t kLayerFields = 40;  // decode.py's LAYER_FIELDS
 
 struct Layer {
   const float* input_norm;

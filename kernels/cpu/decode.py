@@ -12,6 +12,9 @@ import torch
 from lamina.kernels.cpu.build import load_library, ptr
 from lamina.kernels.cpu.linear import PackedLinear
 
+LAYER_FIELDS = 40
+"""Fields in a row of the layer table: ``decode.cpp``'s ``kLayerFields``."""
+
 
 @dataclass(frozen=True)
 class DecodeLayer:
@@ -68,6 +71,8 @@ class DecodeLayers:
         self.intermediate = first.gate_up.out_features
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self._table = torch.tensor([layer.fields() for layer in layers], dtype=torch.int64)
+        if self._table.shape[1] != LAYER_FIELDS:  # decode.cpp would read past each row
+            raise ValueError(f"a layer has {self._table.shape[1]} fields, not {LAYER_FIELDS}")
         self._dims = torch.tensor(
             [self.hidden, num_heads, num_kv_heads, head_dim, self.intermediate, num_blocks,
              block_size],

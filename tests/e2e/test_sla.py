@@ -14,15 +14,16 @@ import httpx
 
 from tests.e2e.conftest import make_stack
 
+BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "ignore_eos": True}
+
 
 async def complete(client: httpx.AsyncClient, **body: object) -> httpx.Response:
-    payload = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "ignore_eos": True} | body
-    return await client.post("/v1/completions", json=payload)
+    return await client.post("/v1/completions", json=BODY | body)
 
 
 async def hold(client: httpx.AsyncClient, streaming: asyncio.Event, **body: object) -> int:
     """A streamed completion: ``streaming`` is set at its first event; returns its status."""
-    payload = {"prompt": [5, 6, 7, 8], "ignore_eos": True, "stream": True} | body
+    payload = BODY | {"stream": True} | body
     async with client.stream("POST", "/v1/completions", json=payload) as response:
         async for _ in response.aiter_lines():
             streaming.set()
