@@ -61,8 +61,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
         [_P, _I64, _I64, _I64, _P, ctypes.c_int, _P, _P, _I64, _I64, _P, _P],
         None,
     ),
-    "lamina_decode_layers": (
-        [_P, _I64, _P, _F32, _F32, _I64, *[_P] * 6, _I64, _P, _P],
+    "lamina_decode_logits": (
+        [_P, _I64, _P, _F32, _F32, _I64, *[_P] * 9, _I64, _P, _P, _P],
         ctypes.c_int,
     ),
     "lamina_paged_decode_attention": (

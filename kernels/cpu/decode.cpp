@@ -1,9 +1,12 @@
-// A decode step's decoder layers in one native call, for the CPU backend: the same
-// kernels the Python forward calls one by one (RMSNorm, the packed matmuls, rotary, the
-// paged decode attention), run back to back on buffers the caller allocated once for the
+// A decode step's forward pass in one native call, for the CPU backend: from the token ids
+// to the logits, the same kernels the Python forward calls one by one (the embedding and
+// rotary lookups, RMSNorm, the packed matmuls, rotary, the paged decode attention, the
+// final norm and the LM head), run back to back on buffers the caller allocated for the
 // step. At batch 1 a step's arithmetic is small, and the Python between the kernels (a
 // dozen calls per layer, each with its checks, its output allocation and its ctypes
-// crossing) cost about as much as the matmuls of an int8 model; here it is gone.
+// crossing) cost about as much as the matmuls of an int8 model; here it is gone, and so is
+// what the Python around the layers cost (the lookups, the attention metadata, the final
+// norm and the head: a tenth of an fp32 step of the 'small' model).
 //
 // Per layer (the Python forward's order and arithmetic):
 //   x, residual = rms_norm(hidden [+ residual])      (layer 0: residual = hidden)
@@ -12,7 +15,7 @@
 //   attn = paged decode attention of q over the cache
 //   x, residual = rms_norm(attn @ Wo^T (+ b) + residual)
 //   hidden = silu(x @ Wgate^T) * (x @ Wup^T) @ Wdown^T (+ biases)
-// The caller applies the final norm and the LM head (as for any step).
+// then logits = rms_norm(hidden + residual) @ Whead^T.
 //
 // Layers come as rows of int64 fields (pointers and sizes), built once at load by
 // kernels/cpu/decode.py, which names each field.
@@ -81,7 +84,8 @@ static_assert(sizeof(Layer) == kLayerFields * sizeof(int64_t));
 
 // The model's shapes, as decode.py passes them.
 struct Dims {
-  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks, block_size;
+  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks, block_size,
+      vocab, max_positions;
 };
 
 thread_local std::vector<float> gathered;  // x in a linear's stored input order
@@ -118,20 +122,12 @@ void head_norm(float* x, int64_t stride, int64_t rows, int64_t heads, int64_t di
     }
 }
 
-}  // namespace
-
-// hidden (S, H): the step's embeddings in, the last layer's output out; residual (S, H):
-// the residual stream out (the final norm adds the two). cos, sin (S, D/2); slots (S,)
-// flat cache slots of the new tokens; tables (S, table_stride) block ids; contexts (S,)
-// cached tokens before each new one. work: at least S * (H + Hq*D + 2*Hkv*D + (Hq+Hkv)*D +
-// Hq*D + H + I) floats. Returns 0, or the attention kernel's error.
-extern "C" int lamina_decode_layers(const int64_t* layers, int64_t num_layers,
-                                    const int64_t* dims, float eps, float sm_scale, int64_t seqs,
-                                    float* hidden, float* residual, const float* cos,
-                                    const float* sin, const int64_t* slots, const int64_t* tables,
-                                    int64_t table_stride, const int64_t* contexts, float* work) {
-  Dims d;
-  std::memcpy(&d, dims, sizeof(d));
+// The decoder layers on hidden (S, H), the step's embeddings, which end as the last
+// layer's output, with the residual stream in residual (S, H).
+int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float eps,
+               float sm_scale, int64_t seqs, float* hidden, float* residual, const float* cos,
+               const float* sin, const int64_t* slots, const int64_t* tables,
+               int64_t table_stride, const int64_t* contexts, float* work) {
   const int64_t hq = d.num_heads, hkv = d.num_kv_heads, hd = d.head_dim;
   const int64_t q_size = hq * hd, kv_size = hkv * hd, qkv_width = q_size + 2 * kv_size;
   float* x = work;                                // (S, H)
@@ -173,3 +169,51 @@ extern "C" int lamina_decode_layers(const int64_t* layers, int64_t num_layers,
   }
   return 0;
 }
+
+}  // namespace
+
+// logits (S, V) for the S sequences' next tokens: ids (S,) their last tokens, positions
+// (S,) those tokens' positions; embed (V, H), cos and sin (max_positions, D/2) the rotary
+// tables, final_norm (H,), head the LM head as one row of Linear fields (or NULL: logits
+// then receives the final norm's output, (S, H), for the caller's head). slots (S,) flat
+// cache slots of the new tokens; tables (S, table_stride) block ids; contexts (S,) cached
+// tokens before each new one. work: at least S * (5 H + D + 3 Hq*D + 3 Hkv*D + I) floats.
+// Returns 0; the attention kernel's error (1: the query heads do not share the KV heads
+// evenly); or 3 for a token id or a position outside the tables (nothing is read then).
+extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
+                                    const int64_t* dims, float eps, float sm_scale, int64_t seqs,
+                                    const int64_t* ids, const int64_t* positions,
+                                    const float* embed, const float* cos_table,
+                                    const float* sin_table, const float* final_norm,
+                                    const int64_t* head, const int64_t* slots,
+                                    const int64_t* tables, int64_t table_stride,
+                                    const int64_t* contexts, float* work, float* logits) {
+  Dims d;
+  std::memcpy(&d, dims, sizeof(d));
+  const int64_t half = d.head_dim / 2;
+  float* hidden = work;                      // (S, H)
+  float* residual = hidden + seqs * d.hidden;  // (S, H)
+  float* cos = residual + seqs * d.hidden;   // (S, D/2)
+  float* sin = cos + seqs * half;            // (S, D/2)
+  float* normed = sin + seqs * half;         // (S, H)
+  float* layer_work = normed + seqs * d.hidden;
+  for (int64_t s = 0; s < seqs; ++s) {
+    if (ids[s] < 0 || ids[s] >= d.vocab || positions[s] < 0 || positions[s] >= d.max_positions)
+      return 3;
+    std::memcpy(hidden + s * d.hidden, embed + ids[s] * d.hidden, sizeof(float) * d.hidden);
+    std::memcpy(cos + s * half, cos_table + positions[s] * half, sizeof(float) * half);
+    std::memcpy(sin + s * half, sin_table + positions[s] * half, sizeof(float) * half);
+  }
+  const int status = run_layers(layers, num_layers, d, eps, sm_scale, seqs, hidden, residual, cos,
+                                sin, slots, tables, table_stride, contexts, layer_work);
+  if (status) return status;
+  lamina_rms_norm(hidden, d.hidden, residual, d.hidden, final_norm, eps, seqs, d.hidden,
+                  head ? normed : logits, residual);
+  if (head) {
+    Linear lm_head;
+    std::memcpy(&lm_head, head, sizeof(lm_head));
+    linear(lm_head, normed, seqs, logits, false);
+  }
+  return 0;
+}
+

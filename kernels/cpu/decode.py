@@ -1,12 +1,16 @@
-"""A decode step's decoder layers in one native call (``decode.cpp``), for fp32 on the
-CPU with every linear on the native matmul (fp32 or quantized weights) and an fp32 KV
-cache: what :meth:`lamina.services.engine_worker.model.CausalLM.forward` runs for a
-step of decodes only, instead of a dozen Python-level kernel calls per layer."""
+"""A decode step's forward pass in one native call (``decode.cpp``), from the token ids
+to the logits, for fp32 on the CPU with every linear on the native matmul (fp32 or
+quantized weights) and an fp32 KV cache: what
+:meth:`lamina.services.engine_worker.model.CausalLM.decode_logits` runs for a step of
+decodes only, instead of a dozen Python-level kernel calls per layer and the lookups,
+attention metadata and LM head around them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lamina.kernels.cpu.build import load_library, ptr
@@ -43,9 +47,11 @@ class DecodeLayer:
         ]
 
 
-class DecodeLayers:
-    """Every decoder layer of a model for steps of decodes only (one token per sequence).
-    The tensors the layers name must outlive it (the model and its runner hold them)."""
+class DecodeStep:
+    """A model's forward pass for steps of decodes only (one token per sequence): every
+    decoder layer, with the embedding and rotary lookups before them and the final norm
+    and LM head after. The tensors it names must outlive it (the model and its runner
+    hold them)."""
 
     def __init__(
         self,
@@ -55,49 +61,65 @@ class DecodeLayers:
         head_dim: int,
         eps: float,
         scale: float,
+        embed: torch.Tensor,  # (V, H)
+        cos: torch.Tensor,  # (max_positions, D/2), and sin
+        sin: torch.Tensor,
+        norm: torch.Tensor,  # (H,): the final norm
+        lm_head: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         for layer in layers:
             norms = (layer.input_norm, layer.post_norm, layer.qk_norm)
-            if not all(
-                t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in norms
-            ):
+            if not all(t is None or _fp32(t) for t in norms):
                 raise ValueError("the native decode step takes contiguous fp32 norm weights")
-            cache = layer.kv_cache
-            if cache.dtype != torch.float32 or not cache.is_contiguous():
+            if not _fp32(layer.kv_cache):
                 raise ValueError("the native decode step takes a contiguous fp32 KV cache")
+        if not all(_fp32(t) for t in (embed, cos, sin, norm)):
+            raise ValueError("the native decode step takes contiguous fp32 tables and norm")
         first = layers[0]
         _, num_blocks, block_size, _, _ = first.kv_cache.shape
-        self.hidden = first.qkv.in_features
-        self.intermediate = first.gate_up.out_features
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        hidden = first.qkv.in_features
+        intermediate = first.gate_up.out_features
+        if embed.shape[1] != hidden or cos.shape[1] * 2 != head_dim or cos.shape != sin.shape:
+            raise ValueError("the embedding or rotary tables do not fit the layers")
+        # A head on the native matmul runs in the same call; another (a small weight on
+        # F.linear) is called on the final norm's output.
+        self._python_head = None if isinstance(lm_head, PackedLinear) else lm_head
+        self._outputs = hidden if self._python_head else lm_head.out_features
         self._table = torch.tensor([layer.fields() for layer in layers], dtype=torch.int64)
         if self._table.shape[1] != LAYER_FIELDS:  # decode.cpp would read past each row
             raise ValueError(f"a layer has {self._table.shape[1]} fields, not {LAYER_FIELDS}")
         self._dims = torch.tensor(
-            [self.hidden, num_heads, num_kv_heads, head_dim, self.intermediate, num_blocks,
-             block_size],
+            [hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks, block_size,
+             embed.shape[0], cos.shape[0]],
             dtype=torch.int64,
         )  # fmt: skip
-        # decode.cpp's work buffers, per sequence: x, qkv, rotated q and k, attention, o, mlp
-        self._width = 2 * self.hidden + 3 * self.q_size + 3 * self.kv_size + self.intermediate
+        self._head = None if self._python_head else torch.tensor(lm_head.native_fields())
+        # decode.cpp's work buffers, per sequence: hidden, residual, cos and sin, the final
+        # norm's output; per layer x, qkv, rotated q and k, attention, o, mlp
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self._width = 5 * hidden + head_dim + 3 * q_size + 3 * kv_size + intermediate
         self._num_layers, self._eps, self._scale = len(layers), eps, scale
-        self._run = load_library().lamina_decode_layers
+        self._tables = (ptr(embed), ptr(cos), ptr(sin), ptr(norm), ptr(self._head))
+        self._named = (layers, embed, cos, sin, norm, lm_head)  # what the pointers point at
+        self._run = load_library().lamina_decode_logits
 
     def __call__(
         self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_table: torch.Tensor,
-        context_lens: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every layer on ``hidden`` ``(S, H)`` (the embeddings; overwritten), each
-        sequence's new token at ``slot_mapping``, attending over its ``block_table`` row's
-        ``context_lens`` cached tokens and itself; ``cos``/``sin`` ``(S, 1, D/2)``. Returns
-        the last layer's output and the residual stream, for the final norm."""
-        seqs = hidden.shape[0]
-        residual = torch.empty_like(hidden)
+        ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        block_table: np.ndarray,
+        context_lens: np.ndarray,
+    ) -> torch.Tensor:
+        """Logits ``(S, V)`` for ``S`` sequences' next tokens: each one's last token
+        ``ids`` at ``positions``, written to the cache at ``slots``, attending over its
+        ``block_table`` row's ``context_lens`` cached tokens and itself (int64 arrays)."""
+        ids, positions, slots, table, contexts = (
+            np.ascontiguousarray(a, dtype=np.int64)
+            for a in (ids, positions, slots, block_table, context_lens)
+        )
+        seqs = ids.shape[0]
+        logits = torch.empty((seqs, self._outputs))
         work = torch.empty(seqs * self._width)
         status = self._run(
             ptr(self._table),
@@ -106,16 +128,22 @@ class DecodeLayers:
             self._eps,
             self._scale,
             seqs,
-            ptr(hidden),
-            ptr(residual),
-            ptr(cos),
-            ptr(sin),
-            ptr(slot_mapping),
-            ptr(block_table),
-            block_table.stride(0),
-            ptr(context_lens),
+            ids.ctypes.data,
+            positions.ctypes.data,
+            *self._tables,
+            slots.ctypes.data,
+            table.ctypes.data,
+            table.shape[1],
+            contexts.ctypes.data,
             ptr(work),
+            ptr(logits),
         )
+        if status == 3:
+            raise ValueError("a token id or position is outside the model's tables")
         if status:
             raise ValueError("query heads do not share the KV heads evenly")
-        return hidden, residual
+        return logits if self._python_head is None else self._python_head(logits).float()
+
+
+def _fp32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous()

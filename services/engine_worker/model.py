@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lamina.kernels.cpu.decode import DecodeLayer, DecodeLayers
+from lamina.kernels.cpu.decode import DecodeLayer, DecodeStep
 from lamina.kernels.cpu.linear import PackedLinear
 from lamina.kernels.dispatch import load_ops
 from lamina.kernels.linear import (
@@ -208,8 +209,8 @@ class CausalLM:
         self.scale = d**-0.5
         self.native_decode = self.ops.backend == "cpu" and tp.size == 1
         """Run steps of decodes only as one native call (``kernels/cpu/decode.cpp``) where
-        the layers allow it (see :meth:`_decode_layers`)."""
-        self._native: tuple[int, DecodeLayers | None] | None = None
+        the layers allow it (see :meth:`decode_logits`)."""
+        self._native: tuple[int, DecodeStep | None] | None = None
         """(the KV caches it was made for, by their first's address; the native step)."""
 
     @staticmethod
@@ -236,18 +237,37 @@ class CausalLM:
         scales = torch.stack([weights.take_per_head(name, num_kv_heads) for name in names])
         return tp.shard(scales, 1).to(device)
 
-    def _decode_layers(self, kv_caches: list[torch.Tensor]) -> DecodeLayers | None:
+    @torch.inference_mode()
+    def decode_logits(
+        self,
+        ids: np.ndarray,  # (S,) each sequence's last token
+        positions: np.ndarray,  # (S,)
+        slots: np.ndarray,  # (S,) flat cache slots of the new tokens
+        block_table: np.ndarray,  # (S, max_blocks)
+        context_lens: np.ndarray,  # (S,) cached tokens before each new one
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor | None:
+        """Logits ``(S, vocab)`` of a step of decodes only, by the native decode step in one
+        call; None where that does not apply (the caller runs :meth:`forward`)."""
+        step = self._decode_step(kv_caches)
+        if step is None:
+            return None
+        return step(ids, positions, slots, block_table, context_lens)
+
+    def _decode_step(self, kv_caches: list[torch.Tensor]) -> DecodeStep | None:
         """The native decode step over ``kv_caches``, made on first use; None where it
-        does not apply: another backend or tensor parallelism, a linear not on the native
-        matmul (a small fp32 weight runs ``F.linear``), or a quantized KV cache."""
+        does not apply: another backend or dtype, tensor parallelism, a linear not on the
+        native matmul (a small fp32 weight runs ``F.linear``), or a quantized KV cache."""
         if not self.native_decode or not kv_caches:
             return None
         key = kv_caches[0].data_ptr()
         if self._native is None or self._native[0] != key:
-            self._native = (key, self._make_decode_layers(kv_caches))
+            self._native = (key, self._make_decode_step(kv_caches))
         return self._native[1]
 
-    def _make_decode_layers(self, kv_caches: list[torch.Tensor]) -> DecodeLayers | None:
+    def _make_decode_step(self, kv_caches: list[torch.Tensor]) -> DecodeStep | None:
+        if self.dtype != torch.float32:
+            return None
         layers = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -268,8 +288,18 @@ class CausalLM:
                 )
             )
         c = self.local
-        return DecodeLayers(
-            layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale
+        return DecodeStep(
+            layers,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+            self.scale,
+            self.embed.contiguous(),
+            self.cos.contiguous(),
+            self.sin.contiguous(),
+            self.norm.contiguous(),
+            self.lm_head,
         )
 
     @torch.inference_mode()
@@ -289,16 +319,6 @@ class CausalLM:
         eps = c.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
         cos, sin = rotary_for_positions(positions, self.cos, self.sin, self.dtype)
-        if attn.num_decodes == num_tokens:
-            native = self._decode_layers(kv_caches)
-            if native is not None:
-                hidden, residual = native(
-                    hidden, cos, sin, attn.slot_mapping, attn.block_table, attn.context_lens
-                )
-                hidden, _ = self.ops.rms_norm(
-                    hidden[logits_indices], self.norm, c.rms_norm_eps, residual[logits_indices]
-                )
-                return self.lm_head(hidden).float()
         heads = c.num_heads + c.num_kv_heads
         ops = self.ops
         residual: torch.Tensor | None = None

@@ -89,6 +89,12 @@ class ModelRunner:
         decodes_only = batch.num_decodes == len(requests) and not extra
         if graphs is not None and decodes_only and graphs.bucket(len(ids)):
             return graphs.run(np.asarray(ids), positions, slots, ctx_arr, table)
+        if decodes_only and done.all():  # (a one-token prompt chunk is not sampled)
+            logits = self.model.decode_logits(
+                np.asarray(ids), positions, slots, table, ctx_arr, self.kv_caches
+            )
+            if logits is not None:
+                return logits
         dev = self.device
         slot_mapping = upload(slots, torch.int64, dev)
         meta = AttentionMetadata.build(

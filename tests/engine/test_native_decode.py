@@ -79,3 +79,23 @@ def test_the_layer_by_layer_forward_runs_where_the_native_step_does_not_apply(
     fp32 = make_engine(tiny_model)
     run_to_completion(fp32, {"a": [5, 6, 7]}, greedy(4))
     assert fp32.runner.model._native[1] is None
+
+
+def test_the_native_step_refuses_a_token_or_position_outside_its_tables(
+    make_checkpoint, monkeypatch
+):
+    """The embedding and rotary lookups are bounds-checked in the native call: an id past
+    the vocabulary or a position past the rotary table is an error, not a read past them."""
+    import numpy as np
+
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")
+    monkeypatch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)
+    engine = make_engine(make_checkpoint("llama"))
+    model, caches = engine.runner.model, engine.runner.kv_caches
+    one = np.zeros(1, dtype=np.int64)
+    table = np.zeros((1, 1), dtype=np.int64)
+    assert model.decode_logits(one, one, one, table, one, caches).shape == (1, model.embed.shape[0])
+    vocab, positions = model.embed.shape[0], model.cos.shape[0]
+    for ids, position in (([vocab], [0]), ([-1], [0]), ([0], [positions])):
+        with pytest.raises(ValueError, match="outside the model's tables"):
+            model.decode_logits(np.array(ids), np.array(position), one, table, one, caches)
