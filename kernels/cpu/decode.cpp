@@ -216,4 +216,3 @@ extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
   }
   return 0;
 }
-
