@@ -83,8 +83,9 @@ class DecodeStep:
             raise ValueError("the embedding or rotary tables do not fit the layers")
         # A head on the native matmul runs in the same call; another (a small weight on
         # F.linear) is called on the final norm's output.
-        self._python_head = None if isinstance(lm_head, PackedLinear) else lm_head
-        self._outputs = hidden if self._python_head else lm_head.out_features
+        native_head = isinstance(lm_head, PackedLinear)
+        self._python_head = None if native_head else lm_head
+        self._outputs = lm_head.out_features if native_head else hidden
         self._table = torch.tensor([layer.fields() for layer in layers], dtype=torch.int64)
         if self._table.shape[1] != LAYER_FIELDS:  # decode.cpp would read past each row
             raise ValueError(f"a layer has {self._table.shape[1]} fields, not {LAYER_FIELDS}")
@@ -93,7 +94,7 @@ class DecodeStep:
              embed.shape[0], cos.shape[0]],
             dtype=torch.int64,
         )  # fmt: skip
-        self._head = None if self._python_head else torch.tensor(lm_head.native_fields())
+        self._head = torch.tensor(lm_head.native_fields()) if native_head else None
         # decode.cpp's work buffers, per sequence: hidden, residual, cos and sin, the final
         # norm's output; per layer x, qkv, rotated q and k, attention, o, mlp
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
