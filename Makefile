@@ -36,10 +36,13 @@ format: install
 bench: install
 	$(PY) benchmarks/engine_vs_hf.py
 
-## gpu-wheels: what benchmarks/gpu_check.sh carries to a GPU machine that lacks it.
+## gpu-wheels: what benchmarks/gpu_check.sh carries to a GPU machine that lacks it (in
+## .whl/): msgspec, and the trained stories260K fixture, which lives beside the checkout.
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_17_x86_64 -d .whl "msgspec==0.23.0"
+	if [ -d ../shared/fixtures/stories260K ]; then \
+		mkdir -p .whl/fixtures && cp -r ../shared/fixtures/stories260K .whl/fixtures/; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 4's GPU checks as one script for a lent H200 (device tool), within a few minutes:
-# the kernel tests natively on CUDA, the engine's greedy equality across backends and with
-# CUDA graphs on and off, one host sync per step, then benchmarks/kernels.py. Everything it
-# prints lands in $OUT.
+# The GPU checks as one script for a lent H200 (device tool), within a few minutes: the
+# kernel tests natively on CUDA (the quantized linears among them), the engine's greedy
+# equality across backends (cache dtypes, quantized weights) and with CUDA graphs on and
+# off, one host sync per step, then benchmarks/kernels.py (attention, the quantized
+# linears, engine decode). Everything it prints lands in $OUT.
 #
 # Prepare here (the device has torch, triton, numpy, safetensors, tokenizers, jinja2 but
 # no msgspec, and no network):   make gpu-wheels
@@ -20,6 +21,7 @@ mkdir "$pkg/lamina" && touch "$pkg/lamina/__init__.py"
 for d in services libs kernels schemas; do ln -s "$PWD/$d" "$pkg/lamina/$d"; done
 python3 -m pip install -q --no-index --no-deps --target "$pkg" .whl/*.whl || exit 1
 export PYTHONPATH="$pkg:$PWD"
+export LAMINA_STORIES="$PWD/.whl/fixtures/stories260K"  # carried: see make gpu-wheels
 
 { nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
     > "$OUT/machine.txt" 2>&1
@@ -31,5 +33,5 @@ timeout 170 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 150 --durati
     --ignore=tests/kernel/test_triton_compile.py tests/engine/test_gpu_sync.py \
     tests/engine/test_cuda_graphs.py::test_recorded_graphs_match_eager_on_cuda \
     2>&1 | tee "$OUT/kernel-tests.log"
-timeout 300 python3 benchmarks/kernels.py --peak-gbs 4800 --contexts 1024 8192 32768 \
+timeout 330 python3 benchmarks/kernels.py --peak-gbs 4800 --contexts 1024 8192 32768 \
     2>&1 | tee "$OUT/kernels-bench.log"

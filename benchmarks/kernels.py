@@ -1,11 +1,13 @@
 """GPU kernel benchmark: decode paged attention, Triton vs the torch reference (gather +
 ``scaled_dot_product_attention``), as achieved memory bandwidth and a fraction of the
-device's peak, for bf16 and quantized (fp8, int8) caches; then the engine's end-to-end
-decode tokens/s with each backend, and with CUDA graphs on and off.
+device's peak, for bf16 and quantized (fp8, int8) caches; the weight-only quantized linears
+(W8A16, W4A16) against torch's bf16 matmul on the same shape; then the engine's end-to-end
+decode tokens/s with each backend, with CUDA graphs on and off, and with int8 weights.
 
 Needs a CUDA device; ``benchmarks/gpu_check.sh`` runs it with the GPU tests.
 
-    python benchmarks/kernels.py --peak-gbs 4800 [--parts table engine sweep]  # H200: 4.8 TB/s
+    # H200: 4.8 TB/s
+    python benchmarks/kernels.py --peak-gbs 4800 [--parts table linear engine sweep]
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from lamina.kernels import reference as ref
 from lamina.kernels.reference import AttentionMetadata, kv_quant
@@ -180,19 +184,73 @@ def _sweep_case(
     }
 
 
+def linear_table(args: argparse.Namespace, device: str = "cuda") -> None:
+    """Weight-only quantized linears at decode batch sizes: Triton's W8A16 (int8, fp8) and
+    W4A16 (int4, groups of 128) kernels against torch's bf16 matmul of the same shape (the
+    unquantized peer: a decode-sized matmul reads its weight once, so the quantized ones
+    should take about their share of its bytes) and against torch's dequantize-then-matmul
+    (the reference the tests hold them to). GB/s counts the stored weight's bytes (codes,
+    scales, zero points) over the time."""
+    from lamina.kernels.triton.quant_linear import TritonQuantLinear
+    from lamina.kernels.weight_quant import quantize, quantize_int4
+
+    print(f"weight-only linears, bf16 activations; peak {args.peak_gbs:.0f} GB/s")
+    print(
+        f"{'weight':>6} {'batch':>5} {'N x K':>13} {'GB/s':>6} {'% peak':>7} "
+        f"{'vs bf16':>8} {'vs dequant+mm':>13}"
+    )
+    for n, k in args.linear_shapes:
+        weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+        stored = {
+            "int8": quantize(weight, "int8"),
+            "fp8": quantize(weight, "fp8"),
+            "int4": quantize_int4(weight, 128),
+        }
+        for batch in args.linear_batches:
+            x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
+            t_bf16 = time_cuda(partial(F.linear, x, weight))
+            rows = [("bf16", 2 * n * k, t_bf16, None)]
+            for name, q in stored.items():
+                kernel = TritonQuantLinear(q, None)
+                t_tri = time_cuda(partial(kernel, x))
+                t_ref = time_cuda(partial(_dequantize_then_linear, x, q))
+                tensors = (kernel.weight, kernel.scale, kernel.zero)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+                rows.append((name, nbytes, t_tri, t_ref))
+            for name, nbytes, t, t_ref in rows:
+                gbs = nbytes / t / 1e9
+                vs_ref = "-" if t_ref is None else f"{t_ref / t:.2f}x"
+                print(
+                    f"{name:>6} {batch:>5} {f'{n}x{k}':>13} {gbs:>6.0f} "
+                    f"{100 * gbs / args.peak_gbs:>6.1f}% {t_bf16 / t:>7.2f}x {vs_ref:>13}",
+                    flush=True,
+                )
+        torch.cuda.empty_cache()
+
+
+def _dequantize_then_linear(x: torch.Tensor, q) -> torch.Tensor:
+    return F.linear(x, q.dequantize(x.dtype))
+
+
 def engine_decode(args: argparse.Namespace) -> None:
     """Decode tokens/s of the whole engine (small preset, bf16) at each batch size: the
-    reference ops, Triton eager, and Triton replayed from CUDA graphs."""
+    reference ops, Triton eager, Triton replayed from CUDA graphs, and that with int8
+    weights (W8A16)."""
     from lamina.schemas.v1.generate import Sampling
     from lamina.services.engine_worker.config import EngineConfig
     from lamina.services.engine_worker.default_model import ensure_default_model
     from lamina.services.engine_worker.engine import Engine
 
     model = ensure_default_model("small")
-    setups = [("reference", False), ("triton", False), ("triton", True)]
+    setups = [
+        ("reference", False, None),
+        ("triton", False, None),
+        ("triton", True, None),
+        ("triton", True, "int8"),
+    ]
     for batch in args.engine_batches:
         rates = {}
-        for backend, graphs in setups:
+        for backend, graphs, quantization in setups:
             os.environ["LAMINA_KERNELS"] = backend
             engine = Engine(
                 EngineConfig(
@@ -203,6 +261,7 @@ def engine_decode(args: argparse.Namespace) -> None:
                     max_num_seqs=max(args.engine_batches),
                     kv_cache_memory_bytes=4 << 30,
                     cuda_graphs=graphs,
+                    quantization=quantization,
                 )
             )
             for i in range(batch):
@@ -218,6 +277,7 @@ def engine_decode(args: argparse.Namespace) -> None:
                 produced += len(engine.step())
             torch.cuda.synchronize()
             name = f"{backend}{' + graphs' if graphs else ''}"
+            name += f" + {quantization} weights" if quantization else ""
             rates[name] = produced / (time.perf_counter() - started)
         base = rates["triton"]
         print(
@@ -236,14 +296,24 @@ def main() -> None:
     parser.add_argument("--hkv", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--linear-shapes",
+        type=lambda text: tuple(int(x) for x in text.split("x")),
+        nargs="+",
+        default=[(4096, 4096), (28672, 4096), (4096, 14336)],
+        metavar="NxK",
+        help="weight shapes (default: Llama-3-8B's attention output, fused gate/up, down)",
+    )
+    parser.add_argument("--linear-batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--engine-batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument(
         "--parts",
         nargs="+",
-        default=["table", "engine"],
-        choices=["table", "engine", "sweep"],
-        help="attention table, engine decode, and/or a launch sweep (every tile/warps/"
-        "stages/split configuration on --sweep-cases, for each --kv-cache-dtypes)",
+        default=["table", "linear", "engine"],
+        choices=["table", "linear", "engine", "sweep"],
+        help="attention table, quantized linears, engine decode, and/or a launch sweep "
+        "(every tile/warps/stages/split configuration on --sweep-cases, for each "
+        "--kv-cache-dtypes)",
     )
     parser.add_argument(
         "--sweep-cases",
@@ -264,6 +334,8 @@ def main() -> None:
     print(f"device copy: {copy_bandwidth():.0f} GB/s (read + written)", flush=True)
     if "table" in args.parts:
         attention_table(args)
+    if "linear" in args.parts:
+        linear_table(args)
     if "engine" in args.parts:
         engine_decode(args)
     if "sweep" in args.parts:

@@ -121,6 +121,30 @@ def test_engine_greedy_outputs_equal_on_both_backends(tiny_model, monkeypatch, k
     assert outputs["triton"] == outputs["reference"]
 
 
+@pytest.mark.skipif(
+    DEVICE.type != "cuda",
+    reason="off CUDA both backends dequantize, then multiply: the W8A16 kernel runs in the "
+    "engine on a GPU only",
+)
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_engine_greedy_outputs_equal_on_both_backends_with_quantized_weights(
+    stories, monkeypatch, quantization
+):
+    """On a GPU the Triton backend runs every linear on the W8A16 kernel and the reference
+    backend dequantizes, then multiplies; the trained fixture, so no near-ties decide it."""
+    from tests.engine.helpers import greedy_by_backend
+
+    outputs = greedy_by_backend(
+        stories,
+        monkeypatch,
+        ("reference", "triton"),
+        max_tokens=24,
+        device=str(DEVICE),
+        quantization=quantization,
+    )
+    assert outputs["triton"] == outputs["reference"]
+
+
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (8, 1, 80), (7, 1, 64)])
 @pytest.mark.parametrize("tile", [16, 64])
