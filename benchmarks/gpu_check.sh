@@ -3,12 +3,13 @@
 # kernel tests natively on CUDA (the quantized linears among them), the engine's greedy
 # equality across backends (cache dtypes, quantized weights) and with CUDA graphs on and
 # off, one host sync per step, then benchmarks/kernels.py (attention, the quantized
-# linears, engine decode). Everything it prints lands in $OUT.
+# linears, engine decode), then the quantized linears' launch sweep. Everything it prints
+# lands in $OUT.
 #
 # Prepare here (the device has torch, triton, numpy, safetensors, tokenizers, jinja2 but
 # no msgspec, and no network):   make gpu-wheels
 # Then run with the device tool:  command "bash benchmarks/gpu_check.sh", carry [".whl"],
-#                                 timeout_s 540.
+#                                 timeout_s 600.
 set -uo pipefail
 OUT=${OUT:-/tmp/lamina-gpu}
 mkdir -p "$OUT"
@@ -35,3 +36,6 @@ timeout 170 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 150 --durati
     2>&1 | tee "$OUT/kernel-tests.log"
 timeout 330 python3 benchmarks/kernels.py --peak-gbs 4800 --contexts 1024 8192 32768 \
     2>&1 | tee "$OUT/kernels-bench.log"
+# Last, and cut short if the time is up (it prints case by case): the quantized linears'
+# launch sweep, whose best configurations become kernels/triton/quant_linear.py's defaults.
+timeout 80 python3 benchmarks/kernels.py --parts linear-sweep 2>&1 | tee "$OUT/linear-sweep.log"

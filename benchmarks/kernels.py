@@ -228,6 +228,54 @@ def linear_table(args: argparse.Namespace, device: str = "cuda") -> None:
         torch.cuda.empty_cache()
 
 
+def linear_sweep(args: argparse.Namespace, device: str = "cuda") -> None:
+    """Each quantized linear's GB/s (stored bytes over time) under every launch
+    configuration (columns and inputs per tile, warps, stages, programs per SM the split
+    along K aims for; 0: no split) on a few decode-sized cases, for each format of
+    ``--linear-formats``: what the defaults in ``kernels/triton/quant_linear.py`` should be."""
+    from lamina.kernels.triton.quant_linear import DEFAULT_LAUNCH, Launch, TritonQuantLinear
+    from lamina.kernels.weight_quant import quantize, quantize_int4
+
+    launches = [
+        Launch(block_n, block_k, warps, stages, per_sm)
+        for block_n in (32, 64)
+        for block_k in (64, 128, 256)
+        for warps in (4, 8)
+        for stages in (3,)
+        for per_sm in (0, 2, 4)
+    ]
+    if DEFAULT_LAUNCH not in launches:
+        launches.append(DEFAULT_LAUNCH)
+    name = lambda lc: (  # noqa: E731
+        f"{lc.block_n}/{lc.block_k}/{lc.num_warps}/{lc.num_stages}/{lc.programs_per_sm}"
+    )
+    for fmt in args.linear_formats:
+        print(f"{fmt} linear launch sweep (default {name(DEFAULT_LAUNCH)}), GB/s, "
+              "columns/inputs/warps/stages/programs per SM:")  # fmt: skip
+        overall = dict.fromkeys(launches, 0.0)
+        for batch, n, k in args.linear_sweep_cases:
+            weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+            q = quantize_int4(weight, 128) if fmt == "int4" else quantize(weight, fmt)
+            kernel = TritonQuantLinear(q, None)
+            tensors = (kernel.weight, kernel.scale, kernel.zero)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
+            rates = {lc: nbytes / time_cuda(partial(kernel, x, lc), rounds=1) / 1e9
+                     for lc in launches}  # fmt: skip
+            for lc, rate in rates.items():
+                overall[lc] += math.log(rate) / len(args.linear_sweep_cases)
+            ranked = sorted(rates, key=rates.__getitem__, reverse=True)
+            print(f"  batch {batch} {n}x{k}: default {rates[DEFAULT_LAUNCH]:.0f}; best "
+                  + ", ".join(f"{name(lc)} {rates[lc]:.0f}" for lc in ranked[:5]),
+                  flush=True)  # fmt: skip
+            torch.cuda.empty_cache()
+        geomean = {lc: math.exp(v) for lc, v in overall.items()}
+        ranked = sorted(geomean, key=geomean.__getitem__, reverse=True)
+        print(f"  geometric mean over the cases: default {geomean[DEFAULT_LAUNCH]:.0f}; best "
+              + ", ".join(f"{name(lc)} {geomean[lc]:.0f}" for lc in ranked[:8]),
+              flush=True)  # fmt: skip
+
+
 def _dequantize_then_linear(x: torch.Tensor, q) -> torch.Tensor:
     return F.linear(x, q.dequantize(x.dtype))
 
@@ -305,15 +353,26 @@ def main() -> None:
         help="weight shapes (default: Llama-3-8B's attention output, fused gate/up, down)",
     )
     parser.add_argument("--linear-batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument(
+        "--linear-sweep-cases",
+        type=lambda text: tuple(int(x) for x in text.split("x")),
+        nargs="+",
+        default=[(1, 4096, 4096), (1, 4096, 14336), (16, 28672, 4096)],
+        metavar="BATCHxNxK",
+    )
+    parser.add_argument(
+        "--linear-formats", nargs="+", default=["int8", "int4"], choices=["int8", "fp8", "int4"]
+    )
     parser.add_argument("--engine-batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument(
         "--parts",
         nargs="+",
         default=["table", "linear", "engine"],
-        choices=["table", "linear", "engine", "sweep"],
-        help="attention table, quantized linears, engine decode, and/or a launch sweep "
-        "(every tile/warps/stages/split configuration on --sweep-cases, for each "
-        "--kv-cache-dtypes)",
+        choices=["table", "linear", "engine", "sweep", "linear-sweep"],
+        help="attention table, quantized linears, engine decode, and/or a launch sweep of "
+        "attention (every tile/warps/stages/split configuration on --sweep-cases, for each "
+        "--kv-cache-dtypes) or of the quantized linears (--linear-sweep-cases, for each "
+        "--linear-formats)",
     )
     parser.add_argument(
         "--sweep-cases",
@@ -341,6 +400,8 @@ def main() -> None:
     if "sweep" in args.parts:
         for kind in args.kv_cache_dtypes:
             sweep(args, kind)
+    if "linear-sweep" in args.parts:
+        linear_sweep(args)
 
 
 if __name__ == "__main__":

@@ -92,16 +92,26 @@ def cases():
             )
     reduce = {"NUM_HEADS": 32, "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16}
     yield "decode_reduce", attention._decode_reduce_kernel, reduce, PARTIALS
-    blocks = {"BLOCK_M": ql.BLOCK_M, "BLOCK_N": ql.BLOCK_N, "BLOCK_K": ql.BLOCK_K}
+    launch = ql.DEFAULT_LAUNCH
+    blocks = {"BLOCK_M": ql.BLOCK_M, "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k}
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
     for fmt, code in ql.FORMATS.items():
         weights = {"w_ptr": "i8" if fmt == "int8" else "u8", "scale_ptr": "fp32"}
         weights["zero_ptr"] = "fp32"
-        yield (
-            f"quant_linear {fmt}",
-            ql._quant_linear_kernel,
-            blocks | {"FORMAT": code, "HAS_BIAS": True},
-            weights,
-        )
+        for split in (False, True):
+            yield (
+                f"quant_linear {fmt} split={split}",
+                ql._quant_linear_kernel,
+                blocks | {"FORMAT": code, "HAS_BIAS": True, "SPLIT": split},
+                weights | ({"out_ptr": "fp32"} if split else {}),
+                options,
+            )
+    yield (
+        "quant_linear split sum",
+        ql._split_sum_kernel,
+        {"SCALED": True, "HAS_BIAS": True, "BLOCK": ql.SUM_BLOCK},
+        {"partial_ptr": "fp32", "scale_ptr": "fp32"},
+    )
 
 
 def main() -> None:

@@ -229,6 +229,39 @@ def test_quant_linear_matches_dequantize_then_linear(fmt, rows, n, k, dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("splits", [2, 6, 16])
+def test_quant_linear_split_along_k_matches_dequantize_then_linear(fmt, splits):
+    """K cut into slices (6: three 16-wide tiles each, so slices end mid-group of int4's
+    groups of 32; 16: one tile each), their partials summed, then scaled and biased."""
+    from lamina.kernels.triton.quant_linear import Launch, TritonQuantLinear
+    from lamina.kernels.weight_quant import quantize, quantize_int4
+
+    g = torch.Generator().manual_seed(splits)
+    weight = torch.randn(40, 256, generator=g)
+    q = quantize_int4(weight, 32) if fmt == "int4" else quantize(weight, fmt)
+    bias, x = torch.randn(40, generator=g), torch.randn(3, 256, generator=g)
+    on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    q = type(q)(q.format, on(q.qweight), on(q.scale), on(q.zero), q.group_size)
+    launch = Launch(block_n=16, block_k=16)
+    got = TritonQuantLinear(q, on(bias))(on(x), launch, splits=splits)
+    want = torch.nn.functional.linear(on(x), q.dequantize(), on(bias))
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_k_is_split_only_for_a_grid_smaller_than_the_device():
+    from lamina.kernels.triton.quant_linear import Launch, k_splits
+
+    h200, launch = 132, Launch(block_n=64, block_k=64, programs_per_sm=2)
+    assert k_splits(1, 4096, 4096, h200, launch) == 5  # 64 tiles: ~2 per SM
+    assert k_splits(16, 4096, 4096, h200, launch) == 5  # the same 64 tiles
+    assert k_splits(64, 4096, 4096, h200, launch) == 1  # 256 tiles: every SM has one
+    assert k_splits(1, 28672, 4096, h200, launch) == 1
+    assert k_splits(1, 4096, 192, h200, launch) == 1  # three tiles of K: nothing to split
+    assert k_splits(1, 64, 4096, h200, launch) == 32  # each slice two tiles of K
+    assert k_splits(1, 4096, 4096, h200, Launch(programs_per_sm=0)) == 1
+
+
 def test_quant_linear_widens_every_fp8_code_exactly():
     from lamina.kernels.triton.quant_linear import TritonQuantLinear
     from lamina.kernels.weight_quant import QuantizedWeight
