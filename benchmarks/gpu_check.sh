@@ -6,23 +6,11 @@
 # linears, engine decode), then the quantized linears' launch sweep. Everything it prints
 # lands in $OUT.
 #
-# Prepare here (the device has torch, triton, numpy, safetensors, tokenizers, jinja2 but
-# no msgspec, and no network):   make gpu-wheels
+# Prepare here (what the device lacks, in .whl/: see benchmarks/gpu_env.sh):  make gpu-wheels
 # Then run with the device tool:  command "bash benchmarks/gpu_check.sh", carry [".whl"],
 #                                 timeout_s 600.
 set -uo pipefail
-OUT=${OUT:-/tmp/lamina-gpu}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-
-# The repository's folders as the ``lamina`` package, without installing it (setup.py maps
-# them the same way), plus the carried wheels.
-pkg=$(mktemp -d)
-mkdir "$pkg/lamina" && touch "$pkg/lamina/__init__.py"
-for d in services libs kernels schemas; do ln -s "$PWD/$d" "$pkg/lamina/$d"; done
-python3 -m pip install -q --no-index --no-deps --target "$pkg" .whl/*.whl || exit 1
-export PYTHONPATH="$pkg:$PWD"
-export LAMINA_STORIES="$PWD/.whl/fixtures/stories260K"  # carried: see make gpu-wheels
+source benchmarks/gpu_env.sh
 
 { nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } \
     > "$OUT/machine.txt" 2>&1

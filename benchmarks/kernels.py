@@ -335,6 +335,72 @@ def engine_decode(args: argparse.Namespace) -> None:
         )
 
 
+def step_bytes(config: dict, context: int, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) a batch-1 decode step reads at ``context`` tokens, from a
+    Llama ``config.json``: every linear, norm and the LM head once (the embedding gives one
+    row, which is left out), and the sequence's keys and values in every layer."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    weights = config["num_hidden_layers"] * layer + h + config["vocab_size"] * h
+    kv_bytes = config["num_hidden_layers"] * 2 * kv * context * dtype_bytes
+    return weights * dtype_bytes, kv_bytes
+
+
+def engine_mbu(args: argparse.Namespace) -> None:
+    """Model-bandwidth utilisation of batch-1 decode: the ``--mbu-preset`` model (default
+    ``medium``, 0.7B parameters, made on the device) in bf16 with CUDA graphs, one
+    ``--mbu-prompt``-token prompt decoding ``--mbu-tokens`` tokens; each step must read
+    every weight once and the sequence's K/V, and MBU is those bytes over the step time
+    against ``--peak-gbs``."""
+    import json
+
+    from lamina.schemas.v1.generate import Sampling
+    from lamina.services.engine_worker.config import EngineConfig
+    from lamina.services.engine_worker.default_model import ensure_default_model
+    from lamina.services.engine_worker.engine import Engine
+
+    model = ensure_default_model(args.mbu_preset)
+    config = json.loads((model / "config.json").read_text())
+    os.environ["LAMINA_KERNELS"] = "triton"
+    engine = Engine(
+        EngineConfig(
+            model=model,
+            device="cuda",
+            dtype="bfloat16",
+            max_model_len=args.mbu_prompt + args.mbu_tokens + 16,
+            max_num_seqs=4,
+            kv_cache_memory_bytes=4 << 30,
+            cuda_graphs=True,
+        )
+    )
+    prompt = [3 + i % 500 for i in range(args.mbu_prompt)]
+    for run in range(args.runs + 1):  # the first warms up
+        engine.add_request(
+            f"m{run}", prompt, Sampling(max_tokens=args.mbu_tokens, temperature=0, ignore_eos=True)
+        )
+        engine.step()  # prefill and the first token
+        torch.cuda.synchronize()
+        started, steps = time.perf_counter(), 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        step_s = (time.perf_counter() - started) / steps
+        if run == 0:
+            continue
+        weights, kv = step_bytes(config, args.mbu_prompt + args.mbu_tokens // 2)
+        gbs = (weights + kv) / step_s / 1e9
+        print(
+            f"batch-1 decode, {args.mbu_preset} ({weights / 2e9:.2f}B parameters read per "
+            f"token, bf16, CUDA graphs): {step_s * 1e3:.3f} ms a step ({1 / step_s:.0f} tok/s), "
+            f"{(weights + kv) / 1e6:.0f} MB a step ({kv / 1e6:.1f} MB of it K/V at the "
+            f"mean context): {gbs:.0f} GB/s, MBU {100 * gbs / args.peak_gbs:.1f}% of "
+            f"{args.peak_gbs:.0f} GB/s",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peak-gbs", type=float, default=4800.0)
@@ -363,13 +429,18 @@ def main() -> None:
     parser.add_argument(
         "--linear-formats", nargs="+", default=["int8", "int4"], choices=["int8", "fp8", "int4"]
     )
+    parser.add_argument("--mbu-preset", default="medium")
+    parser.add_argument("--mbu-prompt", type=int, default=128)
+    parser.add_argument("--mbu-tokens", type=int, default=512)
+    parser.add_argument("--runs", type=int, default=3, help="mbu: timed runs")
     parser.add_argument("--engine-batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument(
         "--parts",
         nargs="+",
         default=["table", "linear", "engine"],
-        choices=["table", "linear", "engine", "sweep", "linear-sweep"],
-        help="attention table, quantized linears, engine decode, and/or a launch sweep of "
+        choices=["table", "linear", "engine", "mbu", "sweep", "linear-sweep"],
+        help="attention table, quantized linears, engine decode, batch-1 model-bandwidth "
+        "utilisation (mbu), and/or a launch sweep of "
         "attention (every tile/warps/stages/split configuration on --sweep-cases, for each "
         "--kv-cache-dtypes) or of the quantized linears (--linear-sweep-cases, for each "
         "--linear-formats)",
@@ -397,6 +468,8 @@ def main() -> None:
         linear_table(args)
     if "engine" in args.parts:
         engine_decode(args)
+    if "mbu" in args.parts:
+        engine_mbu(args)
     if "sweep" in args.parts:
         for kind in args.kv_cache_dtypes:
             sweep(args, kind)

@@ -294,6 +294,8 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="checkpoint (default: the 'small' preset)")
+    parser.add_argument("--device", default="cpu", help="the engine's, both sides (cuda)")
+    parser.add_argument("--dtype", default="auto", help="the model's dtype, both sides")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--ttft-requests", type=int, default=40)
     parser.add_argument("--runs", type=int, default=3)
@@ -332,7 +334,13 @@ def main() -> None:
 
     model = args.model or ensure_default_model("small")
     gap = args.ttft_gap_ms / 1e3
-    config = EngineConfig(model=model, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+    config = EngineConfig(
+        model=model,
+        max_model_len=1024,
+        kv_cache_memory_bytes=256 << 20,
+        device=args.device,
+        dtype=args.dtype,
+    )
     engine = Engine(config)
     vocab = engine.model_config.vocab_size
     work = workload(args.requests, vocab)
@@ -348,6 +356,7 @@ def main() -> None:
 
     engine_throughput(engine, work[:4])  # warm-up
     worker_args = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)]
+    worker_args += ["--device", args.device, "--dtype", args.dtype]
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as running:
         stacks = {}
         for name, extra in variants.items():

@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     model = commands.add_parser("model", help="manage local models")
     model_cmds = model.add_subparsers(dest="model_command", required=True)
     init = model_cmds.add_parser("init", help="create the default model (no network)")
-    init.add_argument("--preset", default="tiny", help="tiny (default) or small")
+    init.add_argument(
+        "--preset", default="tiny", help="tiny (default), small, or medium (0.7B parameters)"
+    )
     init.add_argument("--dir", type=Path, help="target directory (default: the cache)")
     init.add_argument("--force", action="store_true", help="recreate it even if present")
 

@@ -41,6 +41,11 @@ PRESETS = {
     "small": Preset(
         hidden_size=512, num_layers=10, num_heads=8, num_kv_heads=2, intermediate_size=2048
     ),
+    # Hundreds of millions (0.7B): enough bytes per token for a GPU's batch-1 decode to be
+    # bound by memory, not launches (`benchmarks/kernels.py --parts mbu`); 2.9 GB in fp32.
+    "medium": Preset(
+        hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=4, intermediate_size=5632
+    ),
 }
 
 

@@ -145,6 +145,32 @@ def test_engine_greedy_outputs_equal_on_both_backends_with_quantized_weights(
     assert outputs["triton"] == outputs["reference"]
 
 
+# Stated tolerance: half-precision logits' relative (L2) error against fp32's on the trained
+# fixture, about twice what the reference ops give on CPU (fp16 0.2-0.8%, bf16 1.3-6.2%:
+# bf16 keeps 8 bits of mantissa, fp16 11); not yet measured on a GPU.
+HALF_ERROR = {"float16": 0.02, "bfloat16": 0.12}
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="half-precision models: on a GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_models_track_fp32_on_both_backends(stories, monkeypatch, dtype):
+    """fp16 and bf16 models (the checkpoint is fp32) on each backend: teacher-forced
+    logits, prefill and decode, near the fp32 model's on the reference ops."""
+    from tests.engine.helpers import make_engine, teacher_forced_logits
+
+    sequences = [list(range(5, 45)), [1, 400, 261, 403, 306, 323, 283, 272, 260, 389, 73]]
+    lens = [24, 4]
+    monkeypatch.setenv("LAMINA_KERNELS", "reference")
+    want = teacher_forced_logits(make_engine(stories, device="cuda"), sequences, lens)
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("LAMINA_KERNELS", backend)
+        engine = make_engine(stories, device="cuda", dtype=dtype)
+        got = teacher_forced_logits(engine, sequences, lens)
+        for w, g in zip(want, got, strict=True):
+            error = ((g.float() - w.float()).norm() / w.float().norm()).item()
+            assert 0 < error < HALF_ERROR[dtype], (backend, error)
+
+
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (8, 1, 80), (7, 1, 64)])
 @pytest.mark.parametrize("tile", [16, 64])
