@@ -232,7 +232,10 @@ def linear_sweep(args: argparse.Namespace, device: str = "cuda") -> None:
     """Each quantized linear's GB/s (stored bytes over time) under every launch
     configuration (columns and inputs per tile, warps, stages, programs per SM the split
     along K aims for; 0: no split) on a few decode-sized cases, for each format of
-    ``--linear-formats``: what the defaults in ``kernels/triton/quant_linear.py`` should be."""
+    ``--linear-formats``: what the defaults in ``kernels/triton/quant_linear.py`` should be.
+    A launch that needs more shared memory than the device has reads 0."""
+    from triton.runtime.errors import OutOfResources
+
     from lamina.kernels.triton.quant_linear import DEFAULT_LAUNCH, Launch, TritonQuantLinear
     from lamina.kernels.weight_quant import quantize, quantize_int4
 
@@ -260,10 +263,16 @@ def linear_sweep(args: argparse.Namespace, device: str = "cuda") -> None:
             tensors = (kernel.weight, kernel.scale, kernel.zero)
             nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
             x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
-            rates = {lc: nbytes / time_cuda(partial(kernel, x, lc), rounds=1) / 1e9
-                     for lc in launches}  # fmt: skip
+            rates = {}
+            for lc in launches:
+                try:
+                    rates[lc] = nbytes / time_cuda(partial(kernel, x, lc), rounds=1) / 1e9
+                except OutOfResources:  # more shared memory than a multiprocessor has
+                    rates[lc] = 0.0
             for lc, rate in rates.items():
-                overall[lc] += math.log(rate) / len(args.linear_sweep_cases)
+                overall[lc] += (math.log(rate) if rate else -math.inf) / len(
+                    args.linear_sweep_cases
+                )
             ranked = sorted(rates, key=rates.__getitem__, reverse=True)
             print(f"  batch {batch} {n}x{k}: default {rates[DEFAULT_LAUNCH]:.0f}; best "
                   + ", ".join(f"{name(lc)} {rates[lc]:.0f}" for lc in ranked[:5]),

@@ -520,7 +520,7 @@ def _split_decode(
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    d_pad = triton.next_power_of_2(head_dim)
+    d_pad = dot_width(head_dim)
     table_width = meta.block_table.shape[1]
     per_split = triton.cdiv(table_width * block_size, num_splits)
     tokens_per_split = triton.cdiv(per_split, launch.tile) * launch.tile
@@ -591,6 +591,13 @@ def decode_splits(
     return max(1, min(by_work, triton.cdiv(multiprocessors * per_sm, programs)))
 
 
+def dot_width(head_dim: int) -> int:
+    """The head dimension as the attention kernels hold it: the next power of two, and at
+    least 16, the shortest inner dimension ``tl.dot`` takes on a GPU (a model with 8-dim
+    heads, like the stories260K fixture, is padded; the padding is masked to zero)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
@@ -654,7 +661,7 @@ def paged_attention(
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim),
+        D_PAD=dot_width(head_dim),
         BLOCK_SIZE=block_size,
         TILE=launch.tile,
         QUANT=quant,

@@ -73,13 +73,17 @@ def _quant_linear_kernel(
     FORMAT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
+    ONE_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """One ``(BLOCK_M, BLOCK_N)`` output tile over the inputs ``[k_begin, k_end)`` of
     split ``program_id(2)``; ``SPLIT``: its unscaled fp32 sums go to ``out_ptr`` as
-    partial ``program_id(2)`` of ``(splits, M, N)``, for :func:`_split_sum_kernel`."""
+    partial ``program_id(2)`` of ``(splits, M, N)``, for :func:`_split_sum_kernel`.
+    ``ONE_GROUP`` (int4): ``group_size`` is a multiple of ``BLOCK_K``, so each tile (which
+    starts at a multiple of ``BLOCK_K``) lies in one group, whose scales and zero points
+    are loaded once per column rather than once per weight."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -100,9 +104,14 @@ def _quant_linear_kernel(
                 w_ptr + cols[None, :] * (K // 2) + ks[:, None] // 2, mask=tile_ok, other=0
             ).to(tl.int32)
             codes = ((packed >> ((ks[:, None] % 2) * 4)) & 0xF).to(tl.float32)
-            groups = cols[None, :] * num_groups + ks[:, None] // group_size
-            scale = tl.load(scale_ptr + groups, mask=tile_ok, other=0.0)
-            zero = tl.load(zero_ptr + groups, mask=tile_ok, other=0.0)
+            if ONE_GROUP:  # the tile is in one group: a scale and zero point per column
+                groups = cols[None, :] * num_groups + k0 // group_size
+                scale = tl.load(scale_ptr + groups, mask=col_ok[None, :], other=0.0)
+                zero = tl.load(zero_ptr + groups, mask=col_ok[None, :], other=0.0)
+            else:  # groups narrower than the tile (or not aligned with it): per weight
+                groups = cols[None, :] * num_groups + ks[:, None] // group_size
+                scale = tl.load(scale_ptr + groups, mask=tile_ok, other=0.0)
+                zero = tl.load(zero_ptr + groups, mask=tile_ok, other=0.0)
             w = ((codes - zero) * scale).to(x.dtype)
         else:  # one byte per weight, (N, K)
             w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=tile_ok, other=0)
@@ -248,6 +257,7 @@ class TritonQuantLinear:
             FORMAT=self.format,
             HAS_BIAS=self.bias is not None,
             SPLIT=splits > 1,
+            ONE_GROUP=self.group % launch.block_k == 0,
             BLOCK_M=BLOCK_M,
             BLOCK_N=launch.block_n,
             BLOCK_K=launch.block_k,

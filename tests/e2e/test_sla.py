@@ -44,11 +44,14 @@ def test_overload_deadlines_and_queueing_through_http(tiny_model, tmp_path):
             hopeless = await complete(client, timeout_ms=1)
             # A long request holds the worker (it is streaming: not still in the scheduler's
             # queue, where the short one, having a deadline, would go ahead of it); one
-            # behind it has a short deadline.
+            # behind it has a deadline past what the scheduler predicts for the work ahead
+            # (its prefill rates, measured on a busy machine, have put that at ~0.4 s; it
+            # does not see the one sequence slot taken until the long one ends), and well
+            # short of what is really ahead: 2,000 tokens, over 1 s even at 0.5 ms a token.
             streaming = asyncio.Event()
-            long = asyncio.create_task(hold(client, streaming, max_tokens=1500))
+            long = asyncio.create_task(hold(client, streaming, max_tokens=2000))
             await asyncio.wait_for(streaming.wait(), 30)
-            short = await complete(client, timeout_ms=300)
+            short = await complete(client, timeout_ms=700)
             return {"burst": burst, "hopeless": [hopeless], "long": [await long], "short": [short]}
 
     with stack:

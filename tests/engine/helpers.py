@@ -86,7 +86,7 @@ def teacher_forced_logits(
         logits = engine.runner.execute(batch)  # every request finishes its tokens
         for row, request in enumerate(live):
             i = requests.index(request)
-            collected[i].append(logits[row])
+            collected[i].append(logits[row].clone())  # a CUDA graph's buffer is reused
             request.num_computed_tokens = request.num_tokens
             if request.num_tokens < len(sequences[i]):
                 request.token_ids.append(sequences[i][request.num_tokens])

@@ -9,6 +9,8 @@ dtype."""
 
 from __future__ import annotations
 
+import itertools
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -17,6 +19,8 @@ from lamina.kernels.triton import activation, attention, norm, rotary
 from lamina.kernels.triton import quant_linear as ql
 
 SM90 = GPUTarget("cuda", 90, 32)
+SM90_SHARED_BYTES = 232448
+"""The most shared memory one program may use on an H100/H200 (227 KiB)."""
 FLOAT_ARGS = {"scale", "eps"}
 CACHE = {0: "bf16", 1: "fp8e4nv", 2: "i8"}  # by the kernels' QUANT switch
 KIND = {0: None, 1: "fp8", 2: "int8"}
@@ -44,11 +48,15 @@ def compile_sm90(
         ASTSource(kernel, signature, constexprs), target=SM90, options=options or {}
     )
     assert compiled.asm["cubin"], kernel
+    # A launch over the multiprocessor's shared memory compiles, then fails to launch.
+    shared = compiled.metadata.shared
+    assert shared <= SM90_SHARED_BYTES, f"{kernel.__name__} needs {shared} B of shared memory"
 
 
 def cases():
     """(name, kernel, constexprs, pointer types[, compile options]) for every kernel and
-    configuration; attention with the default launch of each cache kind."""
+    configuration; attention with the default launch of each cache kind (and head
+    dimensions from 128 down to the stories260K fixture's 8)."""
     for residual in (False, True):
         yield (
             f"rms_norm residual={residual}",
@@ -71,8 +79,8 @@ def cases():
             yield f"write_kv {cache_type}", attention._write_kv_kernel, flags, cache
         launch = attention.default_launch(KIND[quant])
         options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
-        for group, head_dim in ((4, 128), (8, 80), (7, 64)):
-            d_pad = triton.next_power_of_2(head_dim)
+        for group, head_dim in ((4, 128), (8, 80), (7, 64), (2, 8)):
+            d_pad = attention.dot_width(head_dim)
             shape = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim, "D_PAD": d_pad}
             shape |= {"BLOCK_SIZE": 16, "TILE": launch.tile, "QUANT": quant}
             tag = f"{cache_type} group={group} head_dim={head_dim}"
@@ -98,11 +106,13 @@ def cases():
     for fmt, code in ql.FORMATS.items():
         weights = {"w_ptr": "i8" if fmt == "int8" else "u8", "scale_ptr": "fp32"}
         weights["zero_ptr"] = "fp32"
-        for split in (False, True):
+        for split, one_group in itertools.product((False, True), (False, True)):
+            if one_group and fmt != "int4":
+                continue
             yield (
-                f"quant_linear {fmt} split={split}",
+                f"quant_linear {fmt} split={split} one_group={one_group}",
                 ql._quant_linear_kernel,
-                blocks | {"FORMAT": code, "HAS_BIAS": True, "SPLIT": split},
+                blocks | {"FORMAT": code, "HAS_BIAS": True, "SPLIT": split, "ONE_GROUP": one_group},
                 weights | ({"out_ptr": "fp32"} if split else {}),
                 options,
             )

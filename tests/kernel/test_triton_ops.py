@@ -72,7 +72,11 @@ MIXED = [(0, 1), (15, 1), (16, 1), (12, 5), (0, 9), (33, 20)]
 DECODES = [(n, 1) for n in (0, 1, 16, 17, 31, 47, 80)]
 
 
-SHAPES = [(4, 4, 64), (8, 1, 64), (8, 2, 80), (6, 2, 96), (7, 1, 64), (16, 2, 128), (2, 1, 256)]
+# Heads (query, KV) and head dims; (8, 4, 8) is the stories260K fixture's, padded to 16.
+SHAPES = [
+    (4, 4, 64), (8, 1, 64), (8, 2, 80), (6, 2, 96), (7, 1, 64), (16, 2, 128), (2, 1, 256),
+    (8, 4, 8),
+]  # fmt: skip
 
 
 def _attention_case(hq, hkv, d, seqs, bs=16, num_blocks=64, **kwargs):
@@ -172,7 +176,7 @@ def test_half_precision_models_track_fp32_on_both_backends(stories, monkeypatch,
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (8, 1, 80), (7, 1, 64)])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (8, 1, 80), (7, 1, 64), (8, 4, 8)])
 @pytest.mark.parametrize("tile", [16, 64])
 def test_split_k_decode_matches_reference(num_splits, hq, hkv, d, tile):
     torch.manual_seed(1)
@@ -273,6 +277,22 @@ def test_quant_linear_split_along_k_matches_dequantize_then_linear(fmt, splits):
     got = TritonQuantLinear(q, on(bias))(on(x), launch, splits=splits)
     want = torch.nn.functional.linear(on(x), q.dequantize(), on(bias))
     torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_int4_groups_spanning_whole_tiles_match_dequantize_then_linear(group):
+    """Groups of 64 and 128 with the default 64-input tiles: each tile is in one group
+    (its scales and zero points are read once per column), and K is split too."""
+    from lamina.kernels.triton.quant_linear import TritonQuantLinear
+    from lamina.kernels.weight_quant import quantize_int4
+
+    g = torch.Generator().manual_seed(group)
+    q = quantize_int4(torch.randn(70, 384, generator=g), group)
+    x = torch.randn(2, 384, generator=g)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    q = type(q)(q.format, on(q.qweight), on(q.scale), on(q.zero), q.group_size)
+    want = torch.nn.functional.linear(on(x), q.dequantize())
+    torch.testing.assert_close(TritonQuantLinear(q, None)(on(x)), want, **TOL)
 
 
 def test_k_is_split_only_for_a_grid_smaller_than_the_device():
