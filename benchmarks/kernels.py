@@ -214,9 +214,7 @@ def linear_table(args: argparse.Namespace, device: str = "cuda") -> None:
                 kernel = TritonQuantLinear(q, None)
                 t_tri = time_cuda(partial(kernel, x))
                 t_ref = time_cuda(partial(_dequantize_then_linear, x, q))
-                tensors = (kernel.weight, kernel.scale, kernel.zero)
-                nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-                rows.append((name, nbytes, t_tri, t_ref))
+                rows.append((name, _stored_bytes(kernel), t_tri, t_ref))
             for name, nbytes, t, t_ref in rows:
                 gbs = nbytes / t / 1e9
                 vs_ref = "-" if t_ref is None else f"{t_ref / t:.2f}x"
@@ -260,8 +258,7 @@ def linear_sweep(args: argparse.Namespace, device: str = "cuda") -> None:
             weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
             q = quantize_int4(weight, 128) if fmt == "int4" else quantize(weight, fmt)
             kernel = TritonQuantLinear(q, None)
-            tensors = (kernel.weight, kernel.scale, kernel.zero)
-            nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            nbytes = _stored_bytes(kernel)
             x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
             rates = {}
             for lc in launches:
@@ -410,6 +407,17 @@ def engine_mbu(args: argparse.Namespace) -> None:
         )
 
 
+def _dims(text: str) -> tuple[int, ...]:
+    """``"16x8192"`` -> ``(16, 8192)``."""
+    return tuple(int(x) for x in text.split("x"))
+
+
+def _stored_bytes(kernel) -> int:
+    """The bytes of a ``TritonQuantLinear``'s weight as stored: codes, scales, zero points."""
+    tensors = (kernel.weight, kernel.scale, kernel.zero)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peak-gbs", type=float, default=4800.0)
@@ -421,7 +429,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--linear-shapes",
-        type=lambda text: tuple(int(x) for x in text.split("x")),
+        type=_dims,
         nargs="+",
         default=[(4096, 4096), (28672, 4096), (4096, 14336)],
         metavar="NxK",
@@ -430,7 +438,7 @@ def main() -> None:
     parser.add_argument("--linear-batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument(
         "--linear-sweep-cases",
-        type=lambda text: tuple(int(x) for x in text.split("x")),
+        type=_dims,
         nargs="+",
         default=[(1, 4096, 4096), (1, 4096, 14336), (16, 28672, 4096)],
         metavar="BATCHxNxK",
@@ -456,7 +464,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--sweep-cases",
-        type=lambda text: tuple(int(x) for x in text.split("x")),
+        type=_dims,
         nargs="+",
         default=[(1, 32768), (16, 8192), (64, 8192), (64, 32768)],
         metavar="BATCHxCONTEXT",

@@ -599,9 +599,11 @@ def dot_width(head_dim: int) -> int:
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors, which the split-K paths (here and in
+    ``quant_linear``) fill; off CUDA (the interpreter, in tests) an H100/H200's 132."""
     if device.type != "cuda":
-        return 132  # the interpreter (tests): split as on an H100/H200
+        return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -632,7 +634,7 @@ def paged_attention(
                 num_tokens,
                 num_kv_heads,
                 meta.block_table.shape[1] * block_size,
-                _multiprocessors(q.device),
+                multiprocessors(q.device),
                 launch.programs_per_sm,
             )
         if num_splits > 1:

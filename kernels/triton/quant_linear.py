@@ -19,13 +19,13 @@ CPU under ``TRITON_INTERPRET=1``, every path (split or not) in every format.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from lamina.kernels.triton.attention import multiprocessors
 from lamina.kernels.weight_quant import QuantizedWeight
 
 FORMATS = {"int8": 1, "fp8": 2, "int4": 3}
@@ -185,13 +185,6 @@ def k_splits(rows: int, n: int, k: int, multiprocessors: int, launch: Launch) ->
     return max(1, min(by_work, triton.cdiv(target, tiles)))
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter (tests): split as on an H100/H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 class TritonQuantLinear:
     """``x @ weight.dequantize().T + bias`` on a quantized weight kept at its size (int4:
     two codes per byte), for the Triton backend."""
@@ -231,7 +224,7 @@ class TritonQuantLinear:
         m, n, k = x2.shape[0], self.out_features, self.in_features
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if splits is None:
-            splits = k_splits(m, n, k, _multiprocessors(x.device), launch)
+            splits = k_splits(m, n, k, multiprocessors(x.device), launch)
         tiles_per_split = triton.cdiv(triton.cdiv(k, launch.block_k), splits)
         k_per_split = tiles_per_split * launch.block_k
         splits = triton.cdiv(k, k_per_split)  # none empty
