@@ -250,7 +250,7 @@ class TritonQuantLinear:
             FORMAT=self.format,
             HAS_BIAS=self.bias is not None,
             SPLIT=splits > 1,
-            ONE_GROUP=self.group % launch.block_k == 0,
+            ONE_GROUP=self.format == FORMATS["int4"] and self.group % launch.block_k == 0,
             BLOCK_M=BLOCK_M,
             BLOCK_N=launch.block_n,
             BLOCK_K=launch.block_k,
