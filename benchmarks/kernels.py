@@ -86,16 +86,18 @@ def attention_table(args: argparse.Namespace) -> None:
     )
     print(
         f"{'cache':>5} {'batch':>5} {'context':>7} {'triton GB/s':>12} {'% peak':>7} "
-        f"{'torch GB/s':>11} {'speed-up':>8}"
+        f"{'torch GB/s':>11} {'speed-up':>8} {'fp16 dots GB/s':>15}"
     )
     for kind in args.kv_cache_dtypes:
         for batch in args.batches:
             for context in args.contexts:
-                t_tri, t_ref, nbytes = measure(batch, context, kind, args)
+                t_tri, t_ref, t_fp16, nbytes = measure(batch, context, kind, args)
                 gbs, ref_gbs = nbytes / t_tri / 1e9, nbytes / t_ref / 1e9
+                fp16 = "-" if t_fp16 is None else f"{nbytes / t_fp16 / 1e9:.0f}"
                 print(
                     f"{kind:>5} {batch:>5} {context:>7} {gbs:>12.0f} "
-                    f"{100 * gbs / args.peak_gbs:>6.1f}% {ref_gbs:>11.0f} {t_ref / t_tri:>7.2f}x",
+                    f"{100 * gbs / args.peak_gbs:>6.1f}% {ref_gbs:>11.0f} {t_ref / t_tri:>7.2f}x "
+                    f"{fp16:>15}",
                     flush=True,
                 )
                 torch.cuda.empty_cache()
@@ -103,9 +105,13 @@ def attention_table(args: argparse.Namespace) -> None:
 
 def measure(
     batch: int, context: int, kind: str, args: argparse.Namespace
-) -> tuple[float, float, int]:
-    """(Triton seconds, reference seconds, bytes of K/V read) for one decode batch."""
+) -> tuple[float, float, float | None, int]:
+    """(Triton seconds, reference seconds, Triton seconds with the dots in fp16 for a
+    quantized cache (else None), bytes of K/V read) for one decode batch."""
+    import dataclasses
+
     from lamina.kernels import triton as tri
+    from lamina.kernels.triton.attention import default_launch
 
     q, k, cache, scales, meta, nbytes = decode_case(
         batch, context, args.hq, args.hkv, args.head_dim, args.block_size, torch.bfloat16, kind
@@ -113,7 +119,13 @@ def measure(
     scale = args.head_dim**-0.5
     t_tri = time_cuda(lambda: tri.paged_attention(q, k, k, cache, meta, scale, scales))
     t_ref = time_cuda(lambda: ref.paged_attention(q, k, k, cache, meta, scale, scales))
-    return t_tri, t_ref, nbytes
+    t_fp16 = None
+    if kind != "auto":
+        fp16 = dataclasses.replace(default_launch(kind), fp16_dot=True)
+        t_fp16 = time_cuda(
+            lambda: tri.paged_attention(q, k, k, cache, meta, scale, scales, launch=fp16)
+        )
+    return t_tri, t_ref, t_fp16, nbytes
 
 
 def sweep(args: argparse.Namespace, kind: str) -> None:

@@ -328,6 +328,7 @@ def _paged_attention_kernel(
     QUANT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     ROWS: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -350,6 +351,8 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if FP16_DOT:  # the cache's values are converted to q's dtype in _attend_tile
+        q = q.to(tl.float16)
     q_pos = context + q_idx  # absolute position of each query row
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
@@ -397,6 +400,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     QUANT: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -412,6 +416,8 @@ def _decode_split_kernel(
         mask=g_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if FP16_DOT:
+        q = q.to(tl.float16)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
@@ -489,6 +495,11 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 4
+    fp16_dot: bool = False
+    """Quantized caches: take the dots in fp16 (queries converted once, the cache's fp8 or
+    int8 values per tile: conversions Hopper does in one instruction, where bf16 takes
+    two) rather than in the queries' dtype. Not yet measured on a GPU; fp16 holds a
+    query's values only up to 65504 (bf16 queries that large would overflow)."""
 
 
 # Per cache kind: the best geometric mean of a sweep over tile (32-128) x warps (2-8) x
@@ -555,6 +566,7 @@ def _split_decode(
         BLOCK_SIZE=block_size,
         TILE=launch.tile,
         QUANT=quant,
+        FP16_DOT=launch.fp16_dot and quant != 0,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
@@ -669,6 +681,7 @@ def paged_attention(
         QUANT=quant,
         BLOCK_Q=block_q,
         ROWS=triton.next_power_of_2(block_q * group),
+        FP16_DOT=launch.fp16_dot and quant != 0,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )

@@ -79,11 +79,15 @@ def cases():
             yield f"write_kv {cache_type}", attention._write_kv_kernel, flags, cache
         launch = attention.default_launch(KIND[quant])
         options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
-        for group, head_dim in ((4, 128), (8, 80), (7, 64), (2, 8)):
+        shapes = ((4, 128, False), (8, 80, False), (7, 64, False), (2, 8, False))
+        if quant:  # and the dots in fp16 (Launch.fp16_dot)
+            shapes += ((4, 128, True),)
+        for group, head_dim, fp16_dot in shapes:
             d_pad = attention.dot_width(head_dim)
             shape = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim, "D_PAD": d_pad}
             shape |= {"BLOCK_SIZE": 16, "TILE": launch.tile, "QUANT": quant}
-            tag = f"{cache_type} group={group} head_dim={head_dim}"
+            shape |= {"FP16_DOT": fp16_dot}
+            tag = f"{cache_type} group={group} head_dim={head_dim} fp16_dot={fp16_dot}"
             yield (
                 f"paged_attention {tag}",
                 attention._paged_attention_kernel,

@@ -5,6 +5,8 @@ attention) on CPU under TRITON_INTERPRET=1, on CUDA when present."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -113,11 +115,19 @@ def test_quantized_attention_is_close_to_unquantized(kind, atol):
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("fp16_dot", [False, True])
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 80), (8, 1, 64)])
-def test_triton_quantized_cache_matches_reference(kind, hq, hkv, d):
+def test_triton_quantized_cache_matches_reference(kind, hq, hkv, d, fp16_dot):
+    """Prefill and decode (one pass and split-K) on a quantized cache, the dots in the
+    queries' dtype or in fp16 (``Launch.fp16_dot``: fp16 rounding of the queries and the
+    probabilities, ~1e-3)."""
     pytest.importorskip("triton")
     from lamina.kernels import triton as tri
+    from lamina.kernels.triton.attention import default_launch
+
+    launch = dataclasses.replace(default_launch(kind), fp16_dot=fp16_dot)
+    tol = dict(atol=2e-3, rtol=2e-3) if fp16_dot else dict(atol=2e-5, rtol=2e-5)
 
     torch.manual_seed(1)
     num_blocks = 16
@@ -137,8 +147,8 @@ def test_triton_quantized_cache_matches_reference(kind, hq, hkv, d):
     tri.write_kv_cache(kd, vd, cache, dev.slot_mapping, scales, dev.block_writes)
     assert torch.equal(cache.cpu().view(torch.uint8), want_cache.view(torch.uint8))
     torch.testing.assert_close(scales.cpu(), want_scales, atol=0, rtol=0)
-    got = tri.paged_attention(qd, kd, vd, cache, dev, d**-0.5, kv_scales=scales)
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+    got = tri.paged_attention(qd, kd, vd, cache, dev, d**-0.5, kv_scales=scales, launch=launch)
+    torch.testing.assert_close(got.cpu(), want, **tol)
 
     # Decodes alone on the split-K path read the same quantized blocks.
     decodes = [s for s in SEQS if s[1] == 1]
@@ -149,6 +159,6 @@ def test_triton_quantized_cache_matches_reference(kind, hq, hkv, d):
     )  # fmt: skip
     got = tri.paged_attention(
         qd[:n], kd[:n], vd[:n], cache, _meta(table[:n], slots[:n], DEVICE, decodes),
-        d**-0.5, kv_scales=scales, num_splits=2,
+        d**-0.5, kv_scales=scales, num_splits=2, launch=launch,
     )  # fmt: skip
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.cpu(), want, **tol)
