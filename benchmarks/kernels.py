@@ -13,6 +13,7 @@ Needs a CUDA device; ``benchmarks/gpu_check.sh`` runs it with the GPU tests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from lamina.kernels import reference as ref
 from lamina.kernels.reference import AttentionMetadata, kv_quant
+from lamina.kernels.weight_quant import QuantizedWeight
 
 
 def time_cuda(fn, rounds: int = 3) -> float:
@@ -108,8 +110,6 @@ def measure(
 ) -> tuple[float, float, float | None, int]:
     """(Triton seconds, reference seconds, Triton seconds with the dots in fp16 for a
     quantized cache (else None), bytes of K/V read) for one decode batch."""
-    import dataclasses
-
     from lamina.kernels import triton as tri
     from lamina.kernels.triton.attention import default_launch
 
@@ -294,7 +294,7 @@ def linear_sweep(args: argparse.Namespace, device: str = "cuda") -> None:
               flush=True)  # fmt: skip
 
 
-def _dequantize_then_linear(x: torch.Tensor, q) -> torch.Tensor:
+def _dequantize_then_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     return F.linear(x, q.dequantize(x.dtype))
 
 

@@ -178,11 +178,10 @@ def k_splits(rows: int, n: int, k: int, multiprocessors: int, launch: Launch) ->
     slices for ``launch.programs_per_sm`` programs per multiprocessor, each at least
     :data:`MIN_TILES_PER_SPLIT` tiles of K long."""
     tiles = triton.cdiv(rows, BLOCK_M) * triton.cdiv(n, launch.block_n)
-    target = multiprocessors * launch.programs_per_sm
-    if tiles >= multiprocessors or target <= tiles:
+    if launch.programs_per_sm == 0 or tiles >= multiprocessors:
         return 1
     by_work = triton.cdiv(k, launch.block_k) // MIN_TILES_PER_SPLIT
-    return max(1, min(by_work, triton.cdiv(target, tiles)))
+    return max(1, min(by_work, triton.cdiv(multiprocessors * launch.programs_per_sm, tiles)))
 
 
 class TritonQuantLinear:
