@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.cpu import hugepages
 from lamina.kernels.cpu.build import load_library, ptr
 from lamina.kernels.weight_quant import QuantizedWeight
 
@@ -34,7 +35,7 @@ class PackedLinear:
         self.out_features = self._outputs(weight)
         weight, bias = self._arrange(weight), self._arrange(bias)
         rows = weight.shape[0]
-        self.packed = torch.empty(-(-rows // PANEL) * PANEL * self.in_features)  # aligned
+        self.packed = hugepages.weights.empty(-(-rows // PANEL) * PANEL * self.in_features)
         library = load_library()
         library.lamina_pack_weight(
             ptr(weight.contiguous()), rows, self.in_features, ptr(self.packed)
@@ -95,7 +96,7 @@ class PackedQuantLinear(PackedLinear):
         panels = -(-rows // PANEL) * PANEL
         library = load_library()
         int4 = weight.format == "int4"
-        self.packed = torch.empty(panels * k // (2 if int4 else 1), dtype=torch.uint8)
+        self.packed = hugepages.weights.empty(panels * k // (2 if int4 else 1), torch.uint8)
         pack = library.lamina_pack_weight_int4 if int4 else library.lamina_pack_weight_bytes
         pack(ptr(codes.contiguous()), rows, k, ptr(self.packed))
         self.group = weight.group_size or k
