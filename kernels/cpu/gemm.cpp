@@ -121,6 +121,23 @@ inline void load16(const Int4* b, __m256& lo, __m256& hi) {
   lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, nibble)));
   hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)));
 }
+#if defined(__AVX512F__)
+// The same 16 elements as one register of 16 floats, for the formats whose one-row
+// product is bound by widening (int8, fp8: see micro).
+template <typename W>
+constexpr bool kWide = std::is_same_v<W, int8_t> || std::is_same_v<W, Fp8>;
+inline __m128i bytes16(const void* b) {
+  return _mm_loadu_si128(static_cast<const __m128i*>(b));
+}
+inline __m512 load16(const int8_t* b) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(b)));
+}
+inline __m512 load16(const Fp8* b) {  // as the two-register load16 widens e4m3
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes16(b)), 7),
+                                     _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  return _mm512_cvtph_ps(h);
+}
+#endif
 #endif
 
 // What the column's scale is multiplied by for the sums load16 makes: 2^8 for fp8 (see
@@ -142,6 +159,26 @@ inline void micro(const float* a, const W* b, int64_t kc, float* out, int64_t ld
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   int64_t k = 0;
+#if defined(__AVX512F__)
+  if constexpr (M == 1 && kWide<W>) {
+    // One row: a panel's 16 columns at one k are one AVX-512 register, so each k is one
+    // widening load, one conversion and one FMA instead of two of each (a byte format's
+    // row is bound by these instructions, not by its bytes). Four chains keep the FMAs
+    // in flight.
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    for (; k + 4 <= kc; k += 4) {
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
+        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(a[k + c]), load16(b + (k + c) * kNR), acc[c]);
+    }
+    for (; k < kc; ++k) acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(a[k]), load16(b + k * kNR), acc[0]);
+    const __m512 total =
+        _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    lo[0] = _mm512_castps512_ps256(total);
+    hi[0] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(total), 1));
+  } else
+#endif
   if constexpr (M == 1) {  // one row: two more chains, so that the FMAs do not wait on each
     __m256 lo2 = _mm256_setzero_ps(), hi2 = _mm256_setzero_ps();  // other (hot weights)
     for (; k + 2 <= kc; k += 2) {

@@ -301,14 +301,17 @@ def test_a_failed_build_falls_back_to_reference_unless_asked_for(monkeypatch, tm
         build.load_library.cache_clear()
 
 
-def test_kernels_without_avx2(tmp_path):
-    """The portable (non-SIMD) code of every kernel: this file's kernel tests again, in a
-    process where torch reports no AVX2, so the library is compiled without it."""
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_kernels_at_a_lower_instruction_set(tmp_path, capability):
+    """This file's kernel tests again, in a process where torch reports a lower CPU
+    capability, so the library is compiled for it: the portable (non-SIMD) code of every
+    kernel ("default"), and the AVX2 code that an AVX-512 machine otherwise skips where a
+    kernel has an AVX-512 path (the quantized one-row matmul)."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", LAMINA_HOME=str(tmp_path))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, LAMINA_HOME=str(tmp_path))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          "-k", "match or long_context or refused"],
