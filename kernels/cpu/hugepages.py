@@ -37,12 +37,11 @@ class Arena:
 
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements of ``dtype``, uninitialised."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        if size > self._chunk_size:
+            return _mapping(size)[:nbytes].view(dtype)
         with self._lock:
-            if size > self._chunk_size:
-                chunk = _mapping(size)
-                return chunk[:nbytes].view(dtype)
             if self._chunk is None or self._used + size > self._chunk_size:
                 self._chunk, self._used = _mapping(self._chunk_size), 0
             start, self._used = self._used, self._used + size
