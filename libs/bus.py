@@ -152,6 +152,9 @@ class Bus:
         """Called after each reconnect: what was published meanwhile was not received."""
         self.errors = self.disconnects = self.reconnects = 0
         """What happened to the connection since it was made (``BusHealth``)."""
+        self.refused = 0
+        """Messages this process's handlers refused as not from whom they claim to be
+        (``BusHealth.refused``): a forged stream event, a worker posing as another."""
         self._health: asyncio.Task | None = None
 
     @classmethod
@@ -222,6 +225,7 @@ class Bus:
             errors=self.errors,
             disconnects=self.disconnects,
             reconnects=self.reconnects,
+            refused=self.refused,
         )
 
     def report_health(
@@ -240,7 +244,7 @@ class Bus:
         async def report() -> None:
             sent = None
             while True:
-                now = (self.errors, self.disconnects, self.reconnects)
+                now = (self.errors, self.disconnects, self.reconnects, self.refused)
                 if now != sent and self.nc.is_connected:
                     with contextlib.suppress(Exception):  # the next round tries again
                         await (send or publish)(self.health(service, instance))

@@ -45,7 +45,7 @@ class KeyPolicy:
     limits: Limits = field(default_factory=Limits)
 
 
-KEY_LINE = "key [best_priority] [rpm=N] [tpm=N] [concurrent=N]"
+POLICY_LINE = "{what} [best_priority] [rpm=N] [tpm=N] [concurrent=N]"
 _LIMIT_FIELDS = {"rpm": "requests_per_minute", "tpm": "tokens_per_minute"}
 _LIMIT_FIELDS["concurrent"] = "concurrent"
 
@@ -56,18 +56,26 @@ def load_keys(keys: str, keys_file: str = "") -> dict[str, KeyPolicy]:
     comments and blank lines ignored). Raises ``ValueError`` for an unreadable file or a
     bad line."""
     found = {k.strip(): KeyPolicy() for k in keys.split(",") if k.strip()}
-    if keys_file:
-        try:
-            lines = Path(keys_file).read_text().splitlines()
-        except OSError as exc:
-            raise ValueError(f"cannot read the API keys file {keys_file}: {exc}") from exc
-        for number, line in enumerate(lines, 1):
-            fields = line.split()
-            if fields and not fields[0].startswith("#"):
-                try:
-                    found[fields[0]] = _policy(fields[1:])
-                except ValueError as exc:
-                    raise ValueError(f"{keys_file}:{number}: expected '{KEY_LINE}'") from exc
+    return found | (load_policies(keys_file, "key") if keys_file else {})
+
+
+def load_policies(path: str, what: str) -> dict[str, KeyPolicy]:
+    """A file of one ``<what> [best_priority] [rpm=N] [tpm=N] [concurrent=N]`` per line
+    (``#`` comments and blank lines ignored): each name's policy. Raises ``ValueError``
+    for an unreadable file or a bad line."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    found = {}
+    for number, line in enumerate(lines, 1):
+        fields = line.split()
+        if fields and not fields[0].startswith("#"):
+            try:
+                found[fields[0]] = _policy(fields[1:])
+            except ValueError as exc:
+                line_form = POLICY_LINE.format(what=what)
+                raise ValueError(f"{path}:{number}: expected '{line_form}'") from exc
     return found
 
 

@@ -9,7 +9,10 @@ its role (:func:`permissions`). A client reads its replies on ``_INBOX.<identity
 and may subscribe to nothing else of anyone's.
 
 Streams (tokens to a gateway, answers to an API client) go to inboxes by an explicit
-publish grant, not by ``allow_responses``: the server forgets the responses it allowed
+publish grant, not by ``allow_responses``. A worker's grant covers only the stream subjects
+that end in its own id (``<gateway inbox>.<attempt>.<worker id>``, the scheduler's
+``subjects.worker_stream``), so the gateway knows which worker sent an event from its
+subject alone. ``allow_responses`` would not do: the server forgets the responses it allowed
 whenever it reloads its configuration, which adding a credential requires, and every
 stream in flight would lose its next token. ``allow_responses`` covers only the one-shot
 answers (a ``ControlAck``, a ``ClusterStatus``, a ``KvSnapshot``), which a requester
@@ -164,7 +167,9 @@ def permissions(identity: str) -> Permissions:
                 subjects.worker_kv(wid),
                 subjects.worker_control(wid),  # "is my id free?" at start-up
                 subjects.EVENTS_SERVICE,
-                gateway_inboxes,  # the request's stream
+                # Its own stream subjects only (subjects.worker_stream): no worker can
+                # publish into a stream another worker holds.
+                f"{inbox_prefix('gateway')}.*.*.{wid}",
             ),
             subscribe=(f"{P}.worker.{wid}.>", subjects.GATEWAY_ALIVE_ALL, own_inbox),
             responses=True,

@@ -1,13 +1,20 @@
-"""Per-key rate limits for the HTTP API: requests and tokens per minute, concurrent
-requests, answered as OpenAI does (429 ``rate_limit_exceeded`` with ``Retry-After``, and
-``x-ratelimit-*`` headers on every response of a limited key).
+"""Per-principal rate limits: sequences and tokens per minute, concurrent sequences, for
+an HTTP API key and a NATS API identity alike, answered as OpenAI does (429
+``rate_limit_exceeded`` with ``Retry-After``; ``x-ratelimit-*`` headers on every HTTP
+response of a limited key).
 
-Each limit per minute is a token bucket that holds a minute's allowance and refills
-continuously, so a key may burst up to its allowance and then goes at its rate. A request
-takes one from its requests bucket when it is admitted. Tokens (prompt and completion)
-are charged when the request ends, from its usage, through ``scope["lamina.charge"]``; a
-request is admitted while its key's token bucket is not empty, so one long request can
-overdraw it, and the key then waits until its rate has paid the debt back.
+A request is charged as the sequences it runs (each prompt of a batch, times ``n``), not
+as one call: each counts against ``concurrent`` while it runs and against ``rpm`` when it
+is admitted. Tokens are reserved at admission, each sequence's prompt plus the most it
+may generate, and settled from its usage when it ends (what it did not use goes back).
+A request is admitted only when every limit holds all of it; one larger than a whole
+limit can never be, and is refused as too large, without a time to retry.
+
+Each per-minute limit is a token bucket that holds a minute's allowance and refills
+continuously, so a principal may burst up to its allowance and then goes at its rate.
+:class:`Quota` is pure (a clock is passed in); the gateway's ``Admission`` calls it where
+it admits work, and :class:`RateLimitHeaders` puts a key's quota in the ASGI scope and
+its figures on the responses.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lamina.libs.http_auth import ASGIApp, Limits, Scope, send_error
+from lamina.libs.http_auth import ASGIApp, Limits, Scope
 
 
 class Bucket:
@@ -35,18 +42,14 @@ class Bucket:
         self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
         self.at = now
 
-    def take(self, amount: float) -> bool:
-        """Take ``amount`` if the bucket holds it."""
+    def holds(self, amount: float) -> bool:
         self._refill()
-        if self.level < amount:
-            return False
-        self.level -= amount
-        return True
+        return self.level >= amount
 
-    def charge(self, amount: float) -> None:
-        """Take ``amount`` regardless (it was spent): the bucket may go below empty."""
+    def take(self, amount: float) -> None:
+        """Take ``amount`` (negative: give it back), the level capped at a full bucket."""
         self._refill()
-        self.level -= amount
+        self.level = min(self.capacity, self.level - amount)
 
     def wait_s(self, amount: float) -> float:
         """Seconds until the bucket holds ``amount``."""
@@ -72,28 +75,57 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f}".rstrip("0").rstrip(".") + "s"
 
 
-class _KeyState:
-    def __init__(self, limits: Limits, clock: Callable[[], float]) -> None:
+class RateLimited(Exception):
+    """A request its principal's limits refuse: ``kind`` is OpenAI's error type
+    (``requests`` or ``tokens``); ``wait_s`` is when it would be admitted (None: never,
+    it is larger than the limit itself)."""
+
+    def __init__(self, kind: str, message: str, wait_s: float | None) -> None:
+        super().__init__(message)
+        self.kind, self.message, self.wait_s = kind, message, wait_s
+
+
+class Quota:
+    """One principal's limits and what it holds of them."""
+
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
         self.requests = Bucket(rpm, clock) if rpm is not None else None
         self.tokens = Bucket(tpm, clock) if tpm is not None else None
         self.open = 0
+        """Sequences admitted and not yet released."""
 
-    def refusal(self) -> tuple[str, str, float] | None:
-        """Which limit a new request hits (OpenAI's error type), why, and for how long it
-        must wait; None: admitted (and counted)."""
-        concurrent = self.limits.concurrent
-        if concurrent is not None and self.open >= concurrent:
-            return "requests", f"{concurrent} concurrent requests, this key's limit, are open", 1.0
-        if self.tokens is not None and (wait := self.tokens.wait_s(1)) > 0:
-            limit = self.limits.tokens_per_minute
-            return "tokens", f"this key's {limit} tokens per minute are used", wait
-        if self.requests is not None and not self.requests.take(1):
-            limit = self.limits.requests_per_minute
-            why = f"this key's {limit} requests per minute are used"
-            return "requests", why, self.requests.wait_s(1)
-        return None
+    def admit(self, sequences: int, tokens: int) -> None:
+        """Admit ``sequences`` reserving ``tokens`` between them, or raise
+        :class:`RateLimited` (then nothing is taken). Each is released by
+        :meth:`release`."""
+        concurrent, rpm, tpm = (
+            self.limits.concurrent,
+            self.limits.requests_per_minute,
+            self.limits.tokens_per_minute,
+        )
+        if concurrent is not None and self.open + sequences > concurrent:
+            why = f"{sequences} sequences with {self.open} running exceed {concurrent} concurrent"
+            raise RateLimited("requests", why, None if sequences > concurrent else 1.0)
+        if self.tokens is not None and not self.tokens.holds(tokens):
+            why = f"{tokens} tokens reserved (prompts and max_tokens) exceed {tpm} per minute"
+            raise RateLimited("tokens", why, None if tokens > tpm else self.tokens.wait_s(tokens))
+        if self.requests is not None and not self.requests.holds(sequences):
+            why = f"{sequences} sequences exceed {rpm} requests per minute"
+            wait = None if sequences > rpm else self.requests.wait_s(sequences)
+            raise RateLimited("requests", why, wait)
+        if self.requests is not None:
+            self.requests.take(sequences)
+        if self.tokens is not None:
+            self.tokens.take(tokens)
+        self.open += sequences
+
+    def release(self, reserved: int, used: int) -> None:
+        """One sequence ended, having reserved ``reserved`` tokens and used ``used``."""
+        self.open -= 1
+        if self.tokens is not None:
+            self.tokens.take(used - reserved)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         found = []
@@ -104,49 +136,31 @@ class _KeyState:
         return found
 
 
-class RateLimits:
-    """``app`` behind each API key's :class:`Limits` (the key is the one :class:`ApiKeys`
+def quotas(limits: Mapping[str, Limits], clock: Callable[[], float] = time.monotonic) -> dict:
+    """A :class:`Quota` per principal that has any limit."""
+    return {name: Quota(lim, clock) for name, lim in limits.items() if lim.any}
+
+
+class RateLimitHeaders:
+    """``app`` with each API key's :class:`Quota` in the scope (``lamina.quota``, for the
+    app to admit by) and its figures on every response (the key is the one ``ApiKeys``
     matched, ``scope["lamina.api_key"]``); requests of other keys pass untouched."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        limits: Mapping[str, Limits],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, app: ASGIApp, by_key: Mapping[str, Quota]) -> None:
         self.app = app
-        self.keys = {key: _KeyState(lim, clock) for key, lim in limits.items() if lim.any}
+        self.by_key = by_key
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        state = self.keys.get(scope.get("lamina.api_key", "")) if scope["type"] == "http" else None
-        if state is None:
+        quota = (
+            self.by_key.get(scope.get("lamina.api_key", "")) if scope["type"] == "http" else None
+        )
+        if quota is None:
             await self.app(scope, receive, send)
-            return
-        refused = state.refusal()
-        if refused is not None:
-            kind, why, wait = refused
-            headers = [(b"retry-after", b"%d" % max(1, math.ceil(wait))), *state.headers()]
-            await send_error(
-                send,
-                429,
-                f"rate limit reached: {why}; retry after {wait:.1f}s",
-                "rate_limit_exceeded",
-                headers,
-                error_type=kind,
-            )
             return
 
         async def send_with_headers(message: dict) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *state.headers()]}
+                message = {**message, "headers": [*message.get("headers", []), *quota.headers()]}
             await send(message)
 
-        def charge(tokens: int) -> None:
-            if state.tokens is not None:
-                state.tokens.charge(tokens)
-
-        state.open += 1
-        try:
-            await self.app({**scope, "lamina.charge": charge}, receive, send_with_headers)
-        finally:
-            state.open -= 1
+        await self.app({**scope, "lamina.quota": quota}, receive, send_with_headers)

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+MAX_ID_CHARS = 256
+"""Longest name on the wire: an id, a model, a dtype, a subject, an error's type."""
+MAX_TEXT_CHARS = 1 << 16
+"""Longest human-readable message on the wire (a refusal's reason, an error)."""
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+"""A name: bounded, so that a hostile peer's value is refused where it is decoded rather
+than repeated in every event of a stream."""
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+"""A message for people. Prompts, stop strings and generated text are bounded by the
+bus's ``max_payload`` (and the gateway's context check), not here."""
 
 
 class _KeywordOnly(msgspec.StructMeta):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from lamina.schemas.v1.base import Message
+from lamina.schemas.v1.base import Id, Message, Text
 from lamina.schemas.v1.stats import WorkerState
 
 
 class Cancel(Message):
     """gateway → ``worker.<id>.cancel``: the client went away; free everything."""
 
-    request_id: str
+    request_id: Id
 
 
 class Drain(Message):
@@ -41,10 +41,10 @@ class Ping(Message):
 class ControlAck(Message):
     """Reply to a control command."""
 
-    worker_id: str
+    worker_id: Id
     ok: bool
     state: WorkerState
-    message: str = ""
+    message: Text = ""
 
 
 ControlCommand = Drain | Resume | ResetPrefixCache | Ping | Cordon | Uncordon

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from lamina.schemas.v1.base import Message
+from lamina.schemas.v1.base import Id, Message, Text
 
 
 class BadMessage(Message):
     """Sent to a message's reply subject when its payload does not decode."""
 
-    subject: str
-    error: str
+    subject: Id
+    error: Text

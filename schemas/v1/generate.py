@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from lamina.schemas.v1.base import Message, OpenEnum
+from lamina.schemas.v1.base import Id, Message, OpenEnum, Text
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -179,18 +179,18 @@ class GenerateRequest(Message):
     there. ``attempt`` counts resubmissions.
     """
 
-    request_id: str
-    model: str
+    request_id: Id
+    model: Id
     prompt_token_ids: list[int]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     sla: Sla = msgspec.field(default_factory=Sla)
     attempt: int = 0
-    worker_id: str | None = None
+    worker_id: Id | None = None
     """Set by the scheduler when it forwards the request."""
-    affinity: str | None = None
+    affinity: Id | None = None
     """Requests with the same key go to the same worker while it can take them (the
     sequences of one ``n > 1`` request: their prompt is computed once, then shared)."""
-    numerics: str | None = None
+    numerics: Id | None = None
     """A moved stream's: the numerics (``WorkerStats.numerics``) of the worker that
     began it. Placement prefers workers with the same, where the continuation is what
     that worker would have produced (a quantized and an unquantized worker of one model
@@ -220,10 +220,10 @@ class TokenLogprob(msgspec.Struct, array_like=True):
 class Accepted(Message):
     """The worker queued the request; cancel it at ``worker.<worker_id>.cancel``."""
 
-    request_id: str
-    worker_id: str
+    request_id: Id
+    worker_id: Id
     seq: int = 0
-    numerics: str = ""
+    numerics: Id = ""
     """The worker's ``WorkerStats.numerics`` (empty from a worker that predates it)."""
 
 
@@ -231,7 +231,7 @@ class Tokens(Message, gc=False):
     """Every token the request produced in one engine step (``seq``: see
     ``StreamEvent``)."""
 
-    request_id: str
+    request_id: Id
     seq: int
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
@@ -243,7 +243,7 @@ class PromptLogprobs(Message):
     messages for a long prompt (``seq``: see ``StreamEvent``). ``ranks``: each prompt
     token's rank in its distribution (1: the most likely)."""
 
-    request_id: str
+    request_id: Id
     seq: int
     start: Annotated[int, msgspec.Meta(ge=1)]
     logprobs: list[TokenLogprob]
@@ -282,7 +282,7 @@ class EngineTimings(msgspec.Struct, kw_only=True):
 class Finished(Message):
     """The last event of a successful stream; may carry the step's final tokens."""
 
-    request_id: str
+    request_id: Id
     seq: int
     finish_reason: FinishReason
     usage: Usage
@@ -323,11 +323,11 @@ class RejectReason(OpenEnum):
 class Rejected(Message):
     """The request was not run. ``retryable``: another worker or a later try may run it."""
 
-    request_id: str
+    request_id: Id
     reason: RejectReason
-    message: str
+    message: Text
     retryable: bool = False
-    param: str | None = None
+    param: Id | None = None
     """For ``invalid_request``: the offending field."""
     retry_after_s: float | None = None
     """For ``overloaded`` and ``deadline_unmeetable``: when trying again is likely to
@@ -339,7 +339,7 @@ class Queued(Message):
     scheduler's queue (``position`` 0 is next) until ``Accepted`` or ``Rejected`` follows.
     Cancel it there with ``Cancel`` on ``sched.cancel``."""
 
-    request_id: str
+    request_id: Id
     position: int
 
 
@@ -347,9 +347,9 @@ class Failed(Message):
     """The request broke after it was accepted. ``tokens_sent`` says whether the client may
     already have seen output (a retry then has to resume, not restart)."""
 
-    request_id: str
+    request_id: Id
     seq: int
-    message: str
+    message: Text
     retryable: bool
     tokens_sent: bool
     reason: RejectReason | None = None

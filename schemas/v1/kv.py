@@ -8,7 +8,7 @@ as ``KvSnapshot`` parts, the events after ``next_event_id`` applying on top.
 
 from __future__ import annotations
 
-from lamina.schemas.v1.base import Message
+from lamina.schemas.v1.base import Id, Message
 
 
 class BlockStored(Message, frozen=True):
@@ -40,10 +40,10 @@ KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class KvEventBatch(Message):
     """Published on ``worker.<id>.kv``: the events since the last batch, in order."""
 
-    worker_id: str
+    worker_id: Id
     block_size: int
     events: list[KvEvent]
-    incarnation: str = ""
+    incarnation: Id = ""
     """Unique to one run of the worker process: a new one means a restarted worker, whose
     cache and event numbering start again from nothing."""
 
@@ -58,8 +58,8 @@ class KvSnapshot(Message):
     cover). Large caches come in several parts, ``last`` on the final one; all parts are
     taken from one consistent state."""
 
-    worker_id: str
-    incarnation: str
+    worker_id: Id
+    incarnation: Id
     block_size: int
     next_event_id: int
     block_hashes: list[int]

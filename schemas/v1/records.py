@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lamina.schemas.v1.base import Message, OpenEnum
+from lamina.schemas.v1.base import Id, Message, OpenEnum
 from lamina.schemas.v1.generate import Count, Duration, EngineTimings, FinishReason
 
 
@@ -26,9 +26,9 @@ class Outcome(OpenEnum):
 class RequestRecord(Message):
     """gateway → ``events.request`` when a request ends, one way or another."""
 
-    request_id: str
-    model: str
-    worker_id: str | None
+    request_id: Id
+    model: Id
+    worker_id: Id | None
     outcome: Outcome
     finish_reason: FinishReason | None
     prompt_tokens: int
@@ -68,7 +68,7 @@ follows when it leaves it)."""
 class ScoredWorker(msgspec.Struct, kw_only=True):
     """One candidate worker as placement weighed it."""
 
-    worker_id: str
+    worker_id: Id
     overlap_blocks: int
     """Leading blocks of the prompt in its prefix cache."""
     predicted_ttft_s: float
@@ -82,10 +82,10 @@ class ScoredWorker(msgspec.Struct, kw_only=True):
 class PlacementRecord(Message):
     """scheduler → ``events.placement`` for every placement decision."""
 
-    request_id: str
-    worker_id: str | None
+    request_id: Id
+    worker_id: Id | None
     """None when the request was rejected."""
-    reason: str
+    reason: Id
     """:data:`PLACED`, :data:`QUEUED` or the ``RejectReason``."""
     candidates: int
     score: float | None = None
@@ -94,9 +94,9 @@ class PlacementRecord(Message):
     prefix_hit_blocks: int = 0
     """Leading prompt blocks the chosen worker has cached, by the cluster prefix index."""
     attempt: int = 0
-    scheduler_id: str = ""
+    scheduler_id: Id = ""
     """The replica that decided (replicas count each other's placements as pending)."""
-    policy: str = ""
+    policy: Id = ""
     """``kv``, ``load`` or ``round-robin``."""
     prompt_tokens: int = 0
     predicted_ttft_s: float | None = None
@@ -118,9 +118,9 @@ class ServiceStarted(Message):
     starts (and so restarts) per service, whatever restarted it (and its own itself: it
     may only listen)."""
 
-    service: str
+    service: Id
     """``gateway``, ``scheduler``, ``worker`` or ``telemetry``."""
-    instance: str
+    instance: Id
     """Its id (a worker's id, a replica's)."""
     restarts: Count = 0
     """How many times its supervisor (``lamina up``) had restarted it before this start;
@@ -132,9 +132,12 @@ class BusHealth(Message):
     changed (checked every few seconds): telemetry shows each process's bus errors and
     reconnects (and its own without the bus: it may only listen)."""
 
-    service: str
-    instance: str
+    service: Id
+    instance: Id
     errors: Count = 0
     """Errors the client reported (refused publishes, slow consumer, a broken socket)."""
     disconnects: Count = 0
     reconnects: Count = 0
+    refused: Count = 0
+    """Messages refused as not from whom they claim to be (a stream event from a worker
+    that does not hold the attempt, a heartbeat on another worker's subject)."""

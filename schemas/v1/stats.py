@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from lamina.schemas.v1.base import Message, OpenEnum
+from lamina.schemas.v1.base import Id, Message, OpenEnum, Text
 from lamina.schemas.v1.generate import INT64_MAX, Count
 
 # A heartbeat is believed only within these bounds (a forged one with a negative load or
@@ -44,9 +44,9 @@ class WorkerState(OpenEnum):
 class WorkerStats(Message, gc=False):
     """Published on ``worker.<id>.stats`` every 0.5 s and on state changes."""
 
-    worker_id: str
-    model: str
-    device: str
+    worker_id: Id
+    model: Id
+    device: Id
     state: WorkerState
     block_size: Size
     total_kv_blocks: Count
@@ -68,10 +68,10 @@ class WorkerStats(Message, gc=False):
     generation_tokens_total: Count
     timestamp_ms: Count
     heartbeat_interval_s: Interval = 0.5
-    state_reason: str = ""
+    state_reason: Text = ""
     """Why the worker is in its state when that is not obvious (``degraded``, ``failed``,
     a shutdown drain); empty otherwise."""
-    incarnation: str = ""
+    incarnation: Id = ""
     """Unique to one run of the worker process (as on its ``KvEventBatch``es): a new one
     under the same id is a restart, so what was known of its cache is dropped."""
     cordoned: bool = False
@@ -85,12 +85,12 @@ class WorkerStats(Message, gc=False):
     own), then those above the last bound."""
     iteration_tokens_sum: Count = 0
     """Tokens computed over all those steps."""
-    kv_cache_dtype: str = ""
+    kv_cache_dtype: Id = ""
     """The KV cache's element type as configured (``auto``: the model's dtype)."""
     enable_prefix_caching: bool = True
-    dtype: str = ""
+    dtype: Id = ""
     """The activations' dtype (``float32``, ``bfloat16``, ``float16``)."""
-    weight_dtype: str = ""
+    weight_dtype: Id = ""
     """What the linears' weights are stored as: ``dtype``, or a quantized format
     (``int8``, ``fp8``)."""
 
@@ -109,8 +109,8 @@ class GatewayAlive(Message):
     those requests once the heartbeats stop (three intervals), instead of generating
     into a dead inbox until ``max_tokens``."""
 
-    gateway_id: str
-    inbox_prefix: str
+    gateway_id: Id
+    inbox_prefix: Id
     interval_s: Interval = 1.0
 
 
@@ -130,7 +130,7 @@ class WorkerView(Message):
 
 
 class ClusterStatus(Message):
-    scheduler_id: str
+    scheduler_id: Id
     workers: list[WorkerView]
     queued: int = 0
     """Requests waiting in this scheduler replica's queue."""

@@ -52,6 +52,20 @@ def worker_kv_sync(worker_id: str) -> str:
     return f"{PREFIX}.worker.{worker_id}.kv.sync"
 
 
+def worker_stream(attempt: str, worker_id: str) -> str:
+    """Where worker ``worker_id`` streams the events of a submission whose reply subject is
+    ``attempt``: a subject under it that the bus's permissions let only that worker
+    publish on (``lamina.libs.nats_auth``), so the gateway knows which worker sent each
+    event. The scheduler forwards a request with this as its reply subject."""
+    return f"{attempt}.{worker_id}"
+
+
+def stream_inbox(stream: str) -> str:
+    """The gateway inbox (``GatewayAlive.inbox_prefix``) a :func:`worker_stream` subject
+    belongs to: ``<inbox>.<attempt>.<worker id>`` -> ``<inbox>``."""
+    return stream.rsplit(".", 2)[0]
+
+
 def check_token(what: str, name: str) -> str:
     """``name`` if it can be one subject token, else a ``ValueError`` that says why."""
     if not _TOKEN.fullmatch(name):

@@ -307,7 +307,7 @@ class WorkerService:
 
     def _gone(self, reply: str, now: float) -> bool:
         """Whether the gateway that reads ``reply`` has stopped heartbeating."""
-        seen = self._gateways.get(reply.rsplit(".", 1)[0])
+        seen = self._gateways.get(subjects.stream_inbox(reply))
         return seen is not None and now - seen[0] > MISSED_HEARTBEATS * seen[1]
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:

@@ -14,6 +14,7 @@ import msgspec
 from lamina.libs import grammar
 from lamina.libs.bounded import BoundedDict
 from lamina.libs.bus import Bus
+from lamina.libs.rate_limit import Quota, RateLimited
 from lamina.schemas.v1.generate import (
     Finished,
     FinishReason,
@@ -159,17 +160,54 @@ class TextStream:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
 
     async def close(self) -> None:
+        """End the request wherever it is; what it held is given back at once (before the
+        cancel and the record are sent), so the caller's next request finds it free."""
         on_close, self._on_close = self._on_close, lambda: None  # once, however often closed
-        try:
-            await self.remote.__aexit__(None, None, None)
-        finally:
-            on_close()
+        on_close()
+        await self.remote.__aexit__(None, None, None)
 
     async def __aenter__(self) -> TextStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Sequence:
+    """One sequence a request asks for: a prompt, sampled one way."""
+
+    prompt: str | list[int] | list[dict[str, Any]]
+    sampling: Sampling
+    request_id: str | None = None
+    """The id it runs under on the bus (default: a fresh one); always the gateway's."""
+    affinity: str | None = None
+    """Sequences with the same key are placed together (a prompt's ``n``)."""
+    n: int = 1
+    """The client's ``n``, for telemetry, on a group's first sequence (0 on the others,
+    so that a group's ``n`` is counted once)."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks: an HTTP API key or a NATS API identity, with what it may do."""
+
+    best_priority: int | None = None
+    """The lowest (best) ``priority`` it may ask for (None: any)."""
+    quota: Quota | None = None
+    """Its rate limits (None: unlimited)."""
+
+    def check_priority(self, priority: int, param: str) -> None:
+        """A priority better than the caller may ask for is a 403 naming ``param``."""
+        if self.best_priority is not None and priority < self.best_priority:
+            raise GenerationError(
+                403,
+                "permission_error",
+                f"priority {priority} is better than this caller may ask for "
+                f"({self.best_priority})",
+                param,
+                "priority_not_allowed",
+            )
 
 
 @dataclass(frozen=True)
@@ -180,6 +218,8 @@ class AdmissionLimits:
     """Requests admitted and not yet finished."""
     max_open_prompt_tokens: int = 1 << 24
     """Their prompt tokens together."""
+    max_sequences_per_request: int = 256
+    """Sequences one request may ask for (its prompts times ``n``)."""
 
 
 class Admission:
@@ -219,53 +259,124 @@ class Admission:
     async def admit(
         self,
         model: str | None,
-        prompt: str | list[int] | list[dict[str, Any]],
-        sampling: Sampling,
+        sequences: list[Sequence],
         sla: Sla,
         stop: list[str],
-        request_id: str | None = None,
+        *,
+        caller: Caller = Caller(),
         include_stop: bool = False,
         skip_special_tokens: bool = True,
         structured_param: str = "structured_outputs",
+        priority_param: str = "priority",
         tools: list[dict[str, Any]] | None = None,
-        affinity: str | None = None,
-        n: int = 1,
-    ) -> TextStream:
-        """Admit a request and wait until a worker accepts it: the one path both client
-        APIs take, so they refuse the same request with the same error. ``prompt`` is text,
+    ) -> list[TextStream]:
+        """Admit a request's sequences together and wait until a worker accepts each: the
+        one path both client APIs take, so they refuse the same request with the same
+        error, and one refused sequence refuses them all. A sequence's prompt is text,
         token ids, or chat messages (``[{"role": ..., "content": ...}]``). Every refusal
-        is a :class:`GenerationError`. ``include_stop`` and ``skip_special_tokens``: how the
-        output becomes text (``IncrementalDetokenizer``). ``structured_param``: the field a
-        refused constraint is named by. ``tools``: a chat's tool definitions, for its
-        template. ``affinity``: requests with the same key are placed together (``n``);
-        ``n``: the client's ``n``, for telemetry, on its first sequence only (0 on the
-        others, so that a group's ``n`` is counted once)."""
+        is a :class:`GenerationError`. ``caller``: whose request it is (its best
+        priority and its rate limits, charged by sequences and tokens).
+        ``include_stop`` and ``skip_special_tokens``: how the output becomes text
+        (``IncrementalDetokenizer``). ``structured_param`` and ``priority_param``: the
+        fields a refused constraint or priority is named by. ``tools``: a chat's tool
+        definitions, for its template."""
         self.check_model(model)
-        if sampling.structured is not None:
-            await self._check_constraint(sampling.structured, structured_param)
-        ids = await self._prompt_ids(prompt, tools)
-        self._hold(len(ids))
+        caller.check_priority(sla.priority, priority_param)
+        for structured in {
+            msgspec.json.encode(s.sampling.structured): s.sampling.structured
+            for s in sequences
+            if s.sampling.structured is not None
+        }.values():
+            await self._check_constraint(structured, structured_param)
+        prompts = await self._prompts_ids([s.prompt for s in sequences], tools)
+        reserved = [
+            len(ids) + self._most_generated(s.sampling, len(ids))
+            for s, ids in zip(sequences, prompts, strict=True)
+        ]
+        self._hold(len(sequences), sum(map(len, prompts)))
+        try:
+            if caller.quota is not None:
+                caller.quota.admit(len(sequences), sum(reserved))
+        except RateLimited as exc:
+            self._release(len(sequences), sum(map(len, prompts)))
+            raise GenerationError(
+                429,
+                exc.kind,
+                f"rate limit reached: {exc.message}",
+                code="rate_limit_exceeded",
+                retry_after_s=exc.wait_s,
+            ) from exc
+        streams = [
+            self._stream(spec, ids, tokens, sla, stop, include_stop, skip_special_tokens, caller)
+            for spec, ids, tokens in zip(sequences, prompts, reserved, strict=True)
+        ]
+        for stream in streams:
+            await stream.remote.__aenter__()
+        started = await asyncio.gather(
+            *(stream.remote.start() for stream in streams), return_exceptions=True
+        )
+        failure = next((e for e in started if isinstance(e, BaseException)), None)
+        if failure is not None:
+            for stream in streams:
+                self.close_later(stream)
+            raise failure
+        return streams
+
+    def _stream(
+        self,
+        spec: Sequence,
+        ids: list[int],
+        reserved: int,
+        sla: Sla,
+        stop: list[str],
+        include_stop: bool,
+        skip_special_tokens: bool,
+        caller: Caller,
+    ) -> TextStream:
+        """One sequence's stream, not yet submitted; closing it gives back what it holds of
+        the gateway's capacity and of its caller's quota (the tokens it did not use)."""
         request = GenerateRequest(
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=spec.request_id or uuid.uuid4().hex,
             model=self.model_name,
             prompt_token_ids=ids,
-            sampling=sampling,
+            sampling=spec.sampling,
             sla=sla,
-            affinity=affinity,
+            affinity=spec.affinity,
         )
-        remote = RemoteRequest(self.bus, self.inbox, request, self.settings, n=n)
-        stream = TextStream(
-            remote,
-            IncrementalDetokenizer(self.tokenizer, stop, include_stop, skip_special_tokens),
-            lambda: self._release(len(ids)),
+        remote = RemoteRequest(self.bus, self.inbox, request, self.settings, n=spec.n)
+
+        def release() -> None:
+            self._release(1, len(ids))
+            if caller.quota is not None:
+                used = len(ids) + stream.completion_tokens if remote.worker_id else 0
+                caller.quota.release(reserved, used)
+
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, stop, include_stop, skip_special_tokens
         )
-        await remote.__aenter__()
-        try:
-            await remote.start()
-        except BaseException:
-            await stream.close()
-            raise
+        stream = TextStream(remote, detokenizer, release)
         return stream
+
+    def _most_generated(self, sampling: Sampling, prompt_tokens: int) -> int:
+        """The most tokens a sequence may generate: ``max_tokens``, bounded by the longest
+        context served (what a rate limit reserves for it)."""
+        room = max(self.max_context - prompt_tokens, 0) if self.max_context else None
+        if sampling.max_tokens is None:
+            return room or 0
+        return sampling.max_tokens if room is None else min(sampling.max_tokens, room)
+
+    def check_sequences(self, prompts: int, n: int) -> None:
+        """A request of ``prompts`` prompts with ``n`` sequences each asks for at most
+        ``max_sequences_per_request`` (a 400 naming ``prompt`` or ``n``): a batch is
+        admitted as the sequences it is, and one refused sequence throws away the work of
+        all the others."""
+        most = self.limits.max_sequences_per_request
+        if prompts * n > most:
+            raise invalid_request(
+                f"the request asks for {prompts} prompt(s) x n={n}, {prompts * n} sequences; "
+                f"at most {most} are allowed per request",
+                "n" if n > 1 and prompts <= most else "prompt",
+            )
 
     def check_model(self, model: str | None) -> None:
         """A request naming a model this gateway does not serve is a 404 (none: ours)."""
@@ -291,11 +402,12 @@ class Admission:
             raise invalid_request(f"invalid structured output: {exc}", param) from exc
         self._checked[key] = None
 
-    def _hold(self, prompt_tokens: int) -> None:
-        """Count a request in, or shed it (429) when this gateway already holds its most."""
+    def _hold(self, sequences: int, prompt_tokens: int) -> None:
+        """Count a request's sequences in, or shed it (429) when this gateway already
+        holds its most."""
         limits = self.limits
         if (
-            self.open_requests >= limits.max_open_requests
+            self.open_requests + sequences > limits.max_open_requests
             or self.open_prompt_tokens + prompt_tokens > limits.max_open_prompt_tokens
         ):
             raise GenerationError(
@@ -306,11 +418,11 @@ class Admission:
                 code="overloaded",
                 retry_after_s=1.0,
             )
-        self.open_requests += 1
+        self.open_requests += sequences
         self.open_prompt_tokens += prompt_tokens
 
-    def _release(self, prompt_tokens: int) -> None:
-        self.open_requests -= 1
+    def _release(self, sequences: int, prompt_tokens: int) -> None:
+        self.open_requests -= sequences
         self.open_prompt_tokens -= prompt_tokens
 
     def _refuse_hopeless_length(self, chars: int, param: str) -> None:
@@ -324,6 +436,18 @@ class Admission:
                 f"({self.max_context} tokens)",
                 param,
             )
+
+    async def _prompts_ids(
+        self,
+        prompts: list[str | list[int] | list[dict[str, Any]]],
+        tools: list[dict[str, Any]] | None,
+    ) -> list[list[int]]:
+        """Each prompt's token ids; a prompt given several times (a prompt's ``n``
+        sequences) is tokenized once."""
+        once = {id(p): p for p in prompts}
+        ids = await asyncio.gather(*(self._prompt_ids(p, tools) for p in once.values()))
+        by_prompt = dict(zip(once, ids, strict=True))
+        return [by_prompt[id(p)] for p in prompts]
 
     async def _prompt_ids(
         self, prompt: str | list[int] | list[dict[str, Any]], tools: list[dict[str, Any]] | None

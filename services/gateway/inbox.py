@@ -1,9 +1,23 @@
-"""Where a gateway's stream events and worker heartbeats arrive."""
+"""Where a gateway's stream events and worker heartbeats arrive, and who may send them.
+
+Each submission (each attempt of a request) gets a reply subject of its own,
+``<inbox>.<attempt>``, with ``attempt`` drawn at random: a worker that served one of this
+gateway's requests knows the inbox, not the subjects of the others. The scheduler answers
+on that subject (``Queued``, ``Rejected``) and forwards the request with
+``<inbox>.<attempt>.<worker id>`` (``subjects.worker_stream``) as its reply subject, which
+the bus lets only that worker publish on. An event is believed only when it is for the
+attempt's request, from the scheduler before any worker accepted, or from the worker
+whose ``Accepted`` (naming itself, on its own subject) opened the stream; everything else
+is refused and counted (``Bus.refused``, in ``BusHealth``). The ``seq`` order within the
+believed stream is the request's to check (``RemoteRequest``).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import logging
+import secrets
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
@@ -13,8 +27,10 @@ from lamina.libs.cluster import ClusterView
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel
 from lamina.schemas.v1.errors import BadMessage
-from lamina.schemas.v1.generate import Accepted, StreamEvent
+from lamina.schemas.v1.generate import Accepted, Queued, Rejected, StreamEvent
 from lamina.schemas.v1.stats import WorkerStats
+
+log = logging.getLogger("lamina.gateway")
 
 
 class Undeliverable:
@@ -22,15 +38,26 @@ class Undeliverable:
     worker it was forwarded to is gone): NATS's "no responders" status."""
 
 
-ABANDONED_TRACKED = 4096
-"""Closed attempts remembered, to stop a worker that still streams to one."""
+CLOSED_TRACKED = 4096
+"""Closed attempts remembered, to tell a late event (stop its worker) from a forged one."""
+
+ATTEMPT_KEY_BYTES = 16
+"""Randomness in an attempt's subject: 128 bits, never guessed."""
+
+
+@dataclass(slots=True)
+class _Attempt:
+    queue: asyncio.Queue
+    request_id: str
+    worker_id: str | None = None
+    """The worker that accepted it (None until one did)."""
+    refused: int = 0
 
 
 class Inbox:
-    """This gateway's reply subjects, ``<inbox>.<n>`` with a fresh ``n`` per submission
-    (late events of an abandoned attempt land nowhere), one subscription for all; and the
-    workers' heartbeats, so a request on a dead worker fails (or moves) in seconds
-    rather than after ``stall_timeout``.
+    """This gateway's reply subjects, one subscription for all; and the workers'
+    heartbeats, so a request on a dead worker fails (or moves) in seconds rather than
+    after ``stall_timeout``.
 
     A worker that streams to a closed attempt is told to stop: the cancel sent when the
     request moved away from it may never have reached it (it was cut off, and is back),
@@ -39,18 +66,16 @@ class Inbox:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.prefix = bus.inbox()
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._accepted: dict[str, tuple[str, str]] = {}
-        """Open reply subject key -> (worker, request id) of the attempt it accepted."""
-        self._abandoned: BoundedDict[str, tuple[str, str]] = BoundedDict(ABANDONED_TRACKED)
-        """The same, for attempts closed since."""
-        self._keys = itertools.count()
+        self._attempts: dict[str, _Attempt] = {}
+        self._closed: BoundedDict[str, tuple[str, str] | None] = BoundedDict(CLOSED_TRACKED)
+        """Closed attempt key -> (worker, request id) it was accepted by, until that worker
+        was told to stop; None when it was never accepted, or has been told."""
         self.cluster = ClusterView()
 
     async def start(self) -> None:
         # Producers (workers) trace their publishes; a CONSUMER span per token is noise.
         await self.bus.subscribe(
-            f"{self.prefix}.*",
+            f"{self.prefix}.>",
             StreamEvent | BadMessage,
             self._route,
             traced=False,
@@ -63,54 +88,99 @@ class Inbox:
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if stats.worker_id == subjects.sender_worker(msg.subject):  # not one posing as another
             self.cluster.heartbeat(stats)
+        else:
+            self.bus.refused += 1
 
     def worker_serving(self, worker_id: str, since: float) -> bool:
         """Whether the worker holding a request (accepted at ``since``) still serves it:
         alive and not failed, by the cluster's one rule (``lamina.libs.cluster``)."""
         return self.cluster.serving(worker_id, since)
 
-    def open(self, queue: asyncio.Queue) -> str:
-        """A new reply subject whose events go to ``queue``."""
-        key = str(next(self._keys))
-        self._queues[key] = queue
+    def open(self, queue: asyncio.Queue, request_id: str) -> str:
+        """A new reply subject for an attempt of ``request_id``, whose believed events go to
+        ``queue``."""
+        key = secrets.token_urlsafe(ATTEMPT_KEY_BYTES)
+        self._attempts[key] = _Attempt(queue, request_id)
         return f"{self.prefix}.{key}"
 
-    def accepted(self, subject: str, worker_id: str, request_id: str) -> None:
-        """The attempt on ``subject`` was accepted by ``worker_id``."""
-        self._accepted[_key(subject)] = (worker_id, request_id)
-
     def close(self, subject: str) -> None:
-        key = _key(subject)
-        self._queues.pop(key, None)
-        if (holder := self._accepted.pop(key, None)) is not None:
-            self._abandoned[key] = holder
+        key = subject.rsplit(".", 1)[-1]
+        attempt = self._attempts.pop(key, None)
+        if attempt is not None:
+            held = attempt.worker_id
+            self._closed[key] = (held, attempt.request_id) if held is not None else None
 
-    def _queue_of(self, subject: str) -> asyncio.Queue | None:
-        return self._queues.get(_key(subject))
+    def _parse(self, subject: str) -> tuple[str, str | None]:
+        """``<inbox>.<attempt>[.<worker>]`` -> (attempt key, the worker whose stream subject
+        it is; None for the attempt's own subject, the scheduler's)."""
+        key, _, worker = subject[len(self.prefix) + 1 :].partition(".")
+        return key, worker or None
 
     async def _undeliverable(self, msg: Msg) -> None:
-        queue = self._queue_of(msg.subject)
-        if queue is not None:
-            queue.put_nowait(Undeliverable())
+        attempt = self._attempts.get(self._parse(msg.subject)[0])
+        if attempt is not None and attempt.worker_id is None:
+            attempt.queue.put_nowait(Undeliverable())
 
     async def _route(self, event: StreamEvent | BadMessage, msg: Msg) -> None:
-        queue = self._queue_of(msg.subject)
-        if queue is not None:
-            queue.put_nowait(event)
-        elif isinstance(event, Accepted):
+        key, sender = self._parse(msg.subject)
+        attempt = self._attempts.get(key)
+        if attempt is None:
+            await self._late(key, sender, event)
+        elif _believed(attempt, event, sender):
+            if isinstance(event, Accepted):
+                attempt.worker_id = sender
+            attempt.queue.put_nowait(event)
+        else:
+            self._refuse(attempt, event, sender)
+
+    def _refuse(self, attempt: _Attempt, event: object, sender: str | None) -> None:
+        self.bus.refused += 1
+        attempt.refused += 1
+        if attempt.refused == 1:  # once per attempt: a forger must not flood the log
+            log.warning(
+                "refused %s for request %s from %s (the attempt is %s's)",
+                type(event).__name__,
+                attempt.request_id,
+                f"worker {sender}" if sender else "the scheduler's subject",
+                attempt.worker_id or "not accepted yet",
+            )
+
+    async def _late(self, key: str, sender: str | None, event: object) -> None:
+        """An event for an attempt that is not open: a closed one's worker is stopped
+        (once); one this gateway never opened (or long forgot) is refused."""
+        if key not in self._closed:
+            self.bus.refused += 1
+            return
+        holder = self._closed[key]
+        if isinstance(event, Accepted) and sender is not None and event.worker_id == sender:
             # Accepted after its request was given up (the client left while it waited,
             # or an earlier attempt that timed out): nobody reads its tokens, so stop it.
-            await self._stop(event.worker_id, event.request_id)
-        elif (holder := self._abandoned.pop(_key(msg.subject), None)) is not None:
-            await self._stop(*holder)  # once: it stops, or it is gone
+            await self._stop(sender, event.request_id)
+        elif holder is not None and sender == holder[0]:
+            self._closed[key] = None  # once: it stops, or it is gone
+            await self._stop(*holder)
 
     async def _stop(self, worker_id: str, request_id: str) -> None:
         """Cancel ``request_id`` on ``worker_id``, unless a live attempt of the request is
         there again (a cancel names only the request)."""
-        if (worker_id, request_id) not in self._accepted.values():
+        live = (
+            a.worker_id == worker_id and a.request_id == request_id for a in self._attempts.values()
+        )
+        if not any(live):
             await self.bus.publish(subjects.worker_cancel(worker_id), Cancel(request_id=request_id))
 
 
-def _key(subject: str) -> str:
-    """``<inbox>.<n>`` -> ``n``."""
-    return subject.rsplit(".", 1)[-1]
+def _believed(attempt: _Attempt, event: StreamEvent | BadMessage, sender: str | None) -> bool:
+    """Whether ``event``, on the subject of ``sender`` (None: the scheduler's), may be part
+    of ``attempt``'s stream."""
+    if isinstance(event, BadMessage):  # a service could not decode our submission
+        return attempt.worker_id is None or sender == attempt.worker_id
+    if event.request_id != attempt.request_id:
+        return False
+    if attempt.worker_id is not None:  # the stream is the accepting worker's alone
+        return sender == attempt.worker_id
+    if sender is None:
+        return isinstance(event, Queued | Rejected)
+    if isinstance(event, Accepted):
+        return event.worker_id == sender
+    return isinstance(event, Rejected)

@@ -10,12 +10,16 @@ own inbox. NATS does not check a message's reply subject against its sender's
 permissions, so the gateway does: a request whose answers would go to another client's
 inbox is dropped unanswered (any answer would land in that inbox), so one client cannot
 write into another's stream.
+
+A client's ``request_id`` is only echoed on its events: the request runs under an id the
+gateway makes, so no client's id can name (or cancel, or collide with) another's work.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import msgspec
 from nats.aio.msg import Msg
@@ -25,10 +29,13 @@ from lamina.libs.errors import invalid_field
 from lamina.libs.nats_auth import inbox_prefix
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.api import ApiDelta, ApiError, ApiFinished, ApiRequest
-from lamina.services.gateway.admission import Admission
+from lamina.services.gateway.admission import Admission, Caller, Sequence
 from lamina.services.gateway.errors import GenerationError, invalid_request
 
 log = logging.getLogger("lamina.gateway.nats")
+
+ANY_CLIENT = "api.*"
+"""The policy line for every API identity that has none of its own."""
 
 
 def _prompt(request: ApiRequest) -> str | list[int] | list[dict[str, str]]:
@@ -79,10 +86,22 @@ def _undecodable(msg: Msg, exc: msgspec.DecodeError) -> ApiError:
 
 
 class NatsApi:
-    def __init__(self, bus: Bus, admission: Admission) -> None:
+    """``callers``: each API identity's best priority and rate limits (``api.<name>``;
+    ``api.*`` for identities not listed, and for requests on the unnamed subject of an
+    open bus)."""
+
+    def __init__(
+        self, bus: Bus, admission: Admission, callers: Mapping[str, Caller] | None = None
+    ) -> None:
         self.bus = bus
         self.admission = admission
+        self.callers = dict(callers or {})
         self._tasks: set[asyncio.Task] = set()
+
+    def caller(self, client: str) -> Caller:
+        """The policy of API client ``client`` (``""``: the unnamed subject)."""
+        found = self.callers.get(f"api.{client}") if client else None
+        return found or self.callers.get(ANY_CLIENT) or Caller()
 
     async def start(self) -> None:
         for subject in (subjects.API_GENERATE, f"{subjects.API_GENERATE}.*"):
@@ -99,28 +118,29 @@ class NatsApi:
             # Answer nobody: the reply subject is exactly what cannot be trusted.
             log.warning("API request from %s with another's reply subject refused", client)
             return
-        task = asyncio.create_task(self._serve(request, msg.reply))
+        task = asyncio.create_task(self._serve(request, msg.reply, self.caller(client)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, request: ApiRequest, reply: str) -> None:
+    async def _serve(self, request: ApiRequest, reply: str, caller: Caller) -> None:
         rid = request.request_id
         try:
             _refuse_logprobs(request)
-            stream = await self.admission.admit(
+            (stream,) = await self.admission.admit(  # under an id of the gateway's own
                 request.model,
-                _prompt(request),
-                request.sampling,
+                [Sequence(_prompt(request), request.sampling)],
                 request.sla,
                 request.stop,
-                request_id=rid,
+                caller=caller,
                 include_stop=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
+                structured_param="sampling.structured",
+                priority_param="sla.priority",
             )
         except GenerationError as exc:
             await self.bus.publish(reply, _api_error(rid, exc))
             return
-        rid = stream.request_id
+        rid = rid or stream.request_id
         seq = 0
         try:
             async for delta in stream.deltas():

@@ -22,7 +22,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from lamina.schemas.v1.generate import Sampling, TokenLogprob, Usage
-from lamina.services.gateway.admission import Admission, PromptScores, TextDelta, TextStream
+from lamina.services.gateway.admission import (
+    Admission,
+    Caller,
+    PromptScores,
+    Sequence,
+    TextDelta,
+    TextStream,
+)
 from lamina.services.gateway.asgi import (
     BodyTooLarge,
     ClientDisconnected,
@@ -257,10 +264,7 @@ class OpenAIApi:
         return {"content": content}
 
     async def _open(
-        self,
-        body: CompletionRequest | ChatCompletionRequest,
-        response_key: str,
-        best_priority: int | None = None,
+        self, body: CompletionRequest | ChatCompletionRequest, response_key: str, caller: Caller
     ) -> list[TextStream]:
         """Submit ``body``: a request per sequence (``n`` per prompt, for each prompt of a
         batch: each a choice of its own, prompt-major), admitted together; every way it
@@ -269,17 +273,7 @@ class OpenAIApi:
         prefill) and, with a seed, draw from ``seed + i`` (vLLM's rule). Each request's
         id is ``response_key`` (the response's id after its ``cmpl-``), with ``-<k>`` for
         the k-th sequence when there are several, so the bus's records and traces name
-        the response a client saw. ``best_priority``: the lowest ``priority`` the
-        caller's API key may ask for."""
-        if best_priority is not None and body.priority < best_priority:
-            raise GenerationError(
-                403,
-                "permission_error",
-                f"priority {body.priority} is better than this API key may ask for "
-                f"({best_priority})",
-                "priority",
-                "priority_not_allowed",
-            )
+        the response a client saw."""
         tools, parser = None, None
         try:
             body.refuse_unsupported()
@@ -292,39 +286,36 @@ class OpenAIApi:
                 sampling = body.sampling(16, body.logprobs)
         except InvalidRequest as exc:
             raise invalid_request(exc.message, exc.param) from exc
+        n = body.n
+        self.admission.check_sequences(len(prompts), n)
         if body.bad_words:
             words = self.admission.tokenizer.bad_words_token_ids(body.bad_words)
             sampling = msgspec.structs.replace(sampling, bad_words_token_ids=words)
-        sla, stop, n = body.sla(), body.stop_strings(), body.n
-        affinities = [uuid.uuid4().hex if n > 1 else None for _ in prompts]
         several = len(prompts) * n > 1
-        opened = await asyncio.gather(
-            *(
-                self.admission.admit(
-                    body.model,
+        sequences = []
+        for j, prompt in enumerate(prompts):
+            affinity = uuid.uuid4().hex if n > 1 else None
+            sequences += [
+                Sequence(
                     prompt,
                     _sequence(sampling, i),
-                    sla,
-                    stop,
-                    include_stop=body.include_stop_str_in_output,
-                    skip_special_tokens=body.skip_special_tokens,
-                    structured_param=body.structured_param,
-                    tools=tools,
+                    request_id=f"{response_key}-{j * n + i}" if several else response_key,
                     affinity=affinity,
                     n=n if i == 0 else 0,
-                    request_id=f"{response_key}-{j * n + i}" if several else response_key,
                 )
-                for j, (prompt, affinity) in enumerate(zip(prompts, affinities, strict=True))
                 for i in range(n)
-            ),
-            return_exceptions=True,
+            ]
+        streams = await self.admission.admit(
+            body.model,
+            sequences,
+            body.sla(),
+            body.stop_strings(),
+            caller=caller,
+            include_stop=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            structured_param=body.structured_param,
+            tools=tools,
         )
-        streams = [s for s in opened if isinstance(s, TextStream)]
-        failure = next((e for e in opened if isinstance(e, BaseException)), None)
-        if failure is not None:
-            for stream in streams:
-                self.admission.close_later(stream)
-            raise failure
         if parser is not None:  # one parser per stream: each holds back its own text
             for stream in streams:
                 stream.tool_parser = parser()
@@ -354,7 +345,8 @@ class OpenAIApi:
         caller's span; without one it starts a trace."""
         token = otel_context.attach(propagate.extract(_headers(scope)))
         try:
-            return await self._open(body, response_key, scope.get("lamina.best_priority"))
+            caller = Caller(scope.get("lamina.best_priority"), scope.get("lamina.quota"))
+            return await self._open(body, response_key, caller)
         finally:
             otel_context.detach(token)
 
@@ -393,16 +385,13 @@ class OpenAIApi:
                 created = int(time.time())
                 echoes = self._echoes(body)
                 if body.stream:
-                    usage = await self._stream(
+                    await self._stream(
                         streams, body, build, response_id, created, chat, send, echoes
                     )
                 else:
-                    status, payload, usage = await self._collect(
+                    status, payload = await self._collect(
                         streams, build, response_id, created, echoes, body.n
                     )
-                charge = scope.get("lamina.charge")  # the key's tokens per minute
-                if charge is not None and usage is not None:
-                    charge(usage.prompt_tokens + usage.completion_tokens)
         if client.disconnected:
             return
         if payload is None:
@@ -430,9 +419,9 @@ class OpenAIApi:
         created: int,
         echoes: list[str] | None = None,
         n: int = 1,
-    ) -> tuple[int, dict[str, Any], Usage | None]:
-        """A whole non-streaming response, a choice per stream: ``(status, body, usage)``
-        (the first error, if any stream failed); ``echoes`` start the choices' texts; each
+    ) -> tuple[int, dict[str, Any]]:
+        """A whole non-streaming response, a choice per stream: ``(status, body)`` (the
+        first error, if any stream failed); ``echoes`` start the choices' texts; each
         prompt's ``n`` streams count its tokens once."""
         tasks = [asyncio.create_task(_whole(stream)) for stream in streams]
         try:
@@ -445,7 +434,7 @@ class OpenAIApi:
         for task in tasks:
             if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
                 if isinstance(exc, GenerationError):
-                    return exc.status, _error_body(exc), None
+                    return exc.status, _error_body(exc)
                 raise exc
         deltas = [task.result() for task in tasks]
         for i, delta in enumerate(deltas):
@@ -462,7 +451,7 @@ class OpenAIApi:
         body = built[0]  # the envelope; every choice, each built once
         body["choices"] = [_indexed(b["choices"][0], i) for i, b in enumerate(built)]
         body["usage"] = _usage(usage)
-        return 200, body, usage
+        return 200, body
 
     async def _stream(
         self,
@@ -474,10 +463,9 @@ class OpenAIApi:
         chat: bool,
         send: Send,
         echoes: list[str] | None = None,
-    ) -> Usage | None:
+    ) -> None:
         """Send the events of a streaming response, up to ``data: [DONE]``: each stream's
-        chunks as they come, under its choice's ``index`` (after its echo, if any); the
-        usage of them all."""
+        chunks as they come, under its choice's ``index`` (after its echo, if any)."""
         await start_events(send)
         for index, echo in enumerate(echoes or ()):
             chunk = build(TextDelta(echo, [], None), response_id, created, streaming=True)
@@ -513,7 +501,6 @@ class OpenAIApi:
             for stream in streams:
                 self.admission.close_later(stream)
         await send_event(send, b"[DONE]")
-        return _sum_usage(usages, body.n)
 
     @staticmethod
     def _chunk_object(chat: bool) -> str:

@@ -207,7 +207,6 @@ class RemoteRequest:
             match event:
                 case Accepted(worker_id=worker_id):
                     self._note_numerics(event.numerics)
-                    self.inbox.accepted(self._subject, worker_id, self.request.request_id)
                     self.worker_id, self._accepted_at = worker_id, time.monotonic()
                     self._first_accepted_at = self._first_accepted_at or self._accepted_at
                     self.queued = False
@@ -242,7 +241,7 @@ class RemoteRequest:
         self.attempts += 1
         self.inbox.close(self._subject)
         self._queue = asyncio.Queue()
-        self._subject = self.inbox.open(self._queue)
+        self._subject = self.inbox.open(self._queue, request.request_id)
         try:
             await self.bus.publish(
                 subjects.SCHED_SUBMIT,
@@ -282,7 +281,7 @@ class RemoteRequest:
                 continue
             heard_at = time.monotonic()
             match event:
-                case PromptLogprobs() | Tokens() | Finished() if event.seq != expected:
+                case PromptLogprobs() | Tokens() | Finished() | Failed() if event.seq != expected:
                     # Events lost on the way (a bus cut drops what was in flight): what
                     # came before the gap is the client's, so the request moves on from
                     # there, exactly, rather than failing.

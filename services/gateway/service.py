@@ -16,15 +16,16 @@ from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
 from lamina.libs.default_tokenizer import ensure_default_tokenizer
 from lamina.libs.errors import BusError
-from lamina.libs.http_auth import ApiKeys, load_keys
+from lamina.libs.http_auth import ApiKeys, load_keys, load_policies
 from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
-from lamina.libs.rate_limit import RateLimits
+from lamina.libs.nats_auth import api_subject
+from lamina.libs.rate_limit import RateLimitHeaders, quotas
 from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, GatewayAlive
-from lamina.services.gateway.admission import Admission, AdmissionLimits, precisions
+from lamina.services.gateway.admission import Admission, AdmissionLimits, Caller, precisions
 from lamina.services.gateway.inbox import Inbox
-from lamina.services.gateway.nats_api import NatsApi
+from lamina.services.gateway.nats_api import ANY_CLIENT, NatsApi
 from lamina.services.gateway.openai_http import OpenAIApi
 from lamina.services.gateway.remote_request import RetryPolicy
 from lamina.services.gateway.tokenize_pool import TokenizePool
@@ -59,6 +60,14 @@ class GatewayConfig:
     api_key_file: str = option("", "file of API keys, one per line (added to --api-key)")
     max_open_requests: int = option(4096, "requests held at once before new ones get a 429")
     max_open_prompt_tokens: int = option(1 << 24, "their prompt tokens, likewise")
+    max_sequences_per_request: int = option(
+        256, "sequences one request may ask for: its prompts times n (more: a 400)"
+    )
+    api_client_file: str = option(
+        "",
+        "NATS API clients' policies, one 'api.<name> [best_priority] [rpm=N] [tpm=N] "
+        f"[concurrent=N]' per line ('{ANY_CLIENT}': every client without a line of its own)",
+    )
     tool_call_parser: str = option(
         "hermes",
         "how tool calls are read from output for tool_choice auto (vLLM's names: hermes, "
@@ -75,6 +84,15 @@ class GatewayConfig:
                 + ", ".join(PARSERS)
                 + " (or empty)"
             )
+
+
+def _callers(path: str) -> dict[str, Caller]:
+    """Each NATS API identity's policy, from ``--api-client-file``."""
+    policies = load_policies(path, "api.<name>") if path else {}
+    for name in policies.keys() - {ANY_CLIENT}:
+        api_subject(name)  # a BadIdentity (a ValueError) for a name that is not api.<name>
+    limits = quotas({name: policy.limits for name, policy in policies.items()})
+    return {name: Caller(p.best_priority, limits.get(name)) for name, p in policies.items()}
 
 
 class _Server(uvicorn.Server):
@@ -108,13 +126,15 @@ class GatewayService:
             stall_timeout=cfg.stall_timeout,
             max_attempts=cfg.max_attempts,
         )
-        limits = AdmissionLimits(cfg.max_open_requests, cfg.max_open_prompt_tokens)
+        limits = AdmissionLimits(
+            cfg.max_open_requests, cfg.max_open_prompt_tokens, cfg.max_sequences_per_request
+        )
         name = cfg.model_name or model_dir.name
         self._tokenize = pool = TokenizePool(tokenizer, model_dir, cfg.tokenizer_workers)
         await pool.start()
         admission = Admission(bus, inbox, tokenizer, name, settings, limits, pool)
         self._admission = admission
-        self._nats_api = NatsApi(bus, admission)
+        self._nats_api = NatsApi(bus, admission, _callers(cfg.api_client_file))
         await self._nats_api.start()
         await bus.flush()  # its inbox and the API's subscriptions are in place at the server
         app = OpenAIApi(
@@ -122,7 +142,7 @@ class GatewayService:
         ).app()
         keys = load_keys(cfg.api_key, cfg.api_key_file)
         if keys:  # /health and /ready stay open: orchestrators probe them without a key
-            app = RateLimits(app, {key: policy.limits for key, policy in keys.items()})
+            app = RateLimitHeaders(app, quotas({k: policy.limits for k, policy in keys.items()}))
             app = ApiKeys(app, keys, open_paths=("/health", "/ready"))
         self._server = _Server(
             server_config(

@@ -4,8 +4,9 @@ events, admission, placement, forwarding.
 Runs in the ``scheduler`` queue group on ``sched.submit`` (replicas share the load), while
 every replica hears every heartbeat, every worker's KV events and every other replica's
 placement records (counted as pending until the worker's next heartbeat). A placed
-request is forwarded to the worker with the gateway's reply inbox unchanged, so tokens
-flow worker → gateway directly; a rejected one gets a typed ``Rejected`` on that inbox.
+request is forwarded to the worker with its stream subject under the gateway's reply
+subject (``subjects.worker_stream``: only that worker may publish there), so tokens flow
+worker → gateway directly; a rejected one gets a typed ``Rejected`` on that inbox.
 A worker whose KV events have a gap, or that this replica has not synced yet (it started
 late, or the worker restarted), is asked for a snapshot on ``worker.<id>.kv.sync``.
 """
@@ -145,7 +146,8 @@ class SchedulerService:
 
     async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
         if stats.worker_id != subjects.sender_worker(msg.subject):
-            return  # one worker posing as another
+            self.bus.refused += 1  # one worker posing as another
+            return
         _remember_span(msg, stats.worker_id, self._heartbeat_spans)
         if self.registry.heartbeat(stats) and stats.state == WorkerState.READY:
             self._sync(stats.worker_id)
@@ -156,6 +158,7 @@ class SchedulerService:
 
     async def _on_kv(self, batch: KvEventBatch, msg: Msg) -> None:
         if batch.worker_id != subjects.sender_worker(msg.subject):
+            self.bus.refused += 1
             return
         if not self.registry.kv_events(batch):
             self._sync(batch.worker_id)
@@ -405,7 +408,10 @@ class SchedulerService:
             forwarded = msgspec.structs.replace(request, worker_id=decision.worker_id)
             try:
                 await self.bus.publish(  # the worker's span is this one's child
-                    subjects.worker_generate(decision.worker_id), forwarded, reply, traced=False
+                    subjects.worker_generate(decision.worker_id),
+                    forwarded,
+                    subjects.worker_stream(reply, decision.worker_id),
+                    traced=False,
                 )
             except PayloadTooLarge as exc:  # the worker id pushed it over the limit
                 message = f"the request is too large to forward: {exc}"

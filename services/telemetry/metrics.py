@@ -501,8 +501,9 @@ MAX_BUS_INSTANCES = 1_000
 
 
 class BusCollector(Collector):
-    """Each process's NATS connection: errors, disconnects and reconnects, as the process
-    last reported them (``BusHealth``; cumulative, so a restart resets them)."""
+    """Each process's NATS connection: errors, disconnects, reconnects and refused
+    messages, as the process last reported them (``BusHealth``; cumulative, so a restart
+    resets them)."""
 
     def __init__(self) -> None:
         self.latest: BoundedDict[tuple[str, str], BusHealth] = BoundedDict(MAX_BUS_INSTANCES)
@@ -515,6 +516,10 @@ class BusCollector(Collector):
             "bus_errors": ("Errors the NATS client reported.", lambda h: h.errors),
             "bus_disconnects": ("Times the process lost its NATS server.", lambda h: h.disconnects),
             "bus_reconnects": ("Times the process got a NATS server back.", lambda h: h.reconnects),
+            "bus_refused_messages": (
+                "Messages refused as not from whom they claim to be (forged stream events).",
+                lambda h: h.refused,
+            ),
         }
         for name, (help_text, value) in figures.items():
             family = CounterMetricFamily(PREFIX + name, help_text, labels=["service", "instance"])

@@ -1,5 +1,7 @@
-"""The gateway's inbox on a real nats-server: events reach their request's queue; an
-``Accepted`` for a request the gateway gave up on makes it cancel that request."""
+"""The gateway's inbox on a real nats-server: an attempt's events reach its request only
+from the worker that accepted it, for its request, and everything else is refused and
+counted; an ``Accepted`` for a request the gateway gave up on makes it cancel that
+request, and a worker still streaming to a closed attempt is told once to stop."""
 
 from __future__ import annotations
 
@@ -8,38 +10,101 @@ import asyncio
 from lamina.libs.bus import Bus
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel
-from lamina.schemas.v1.generate import Accepted, Tokens
+from lamina.schemas.v1.generate import Accepted, Failed, Queued, Rejected, RejectReason, Tokens
 from lamina.services.gateway.inbox import Inbox
 
 
-def test_late_acceptance_of_an_abandoned_request_is_cancelled(nats_url):
-    async def main() -> tuple[object, Cancel]:
-        bus = await Bus.connect(nats_url, "test-inbox")
-        inbox = Inbox(bus)
-        await inbox.start()
-        cancels: asyncio.Queue[Cancel] = asyncio.Queue()
+async def _inbox(nats_url: str, name: str) -> tuple[Bus, Inbox, list[Cancel]]:
+    bus = await Bus.connect(nats_url, name)
+    inbox = Inbox(bus)
+    await inbox.start()
+    cancels: list[Cancel] = []
 
-        async def on_cancel(cancel: Cancel, _msg) -> None:
-            cancels.put_nowait(cancel)
+    async def on_cancel(cancel: Cancel, msg) -> None:
+        cancels.append((msg.subject.split(".")[-2], cancel))
 
-        await bus.subscribe(subjects.worker_cancel("w-late"), Cancel, on_cancel)
-        live: asyncio.Queue = asyncio.Queue()
-        subject = inbox.open(live)
-        await bus.publish(subject, Accepted(request_id="kept", worker_id="w-late"))
-        delivered = await asyncio.wait_for(live.get(), 5)
+    await bus.subscribe(subjects.worker_cancel("*"), Cancel, on_cancel)
+    await bus.flush()
+    return bus, inbox, cancels
 
-        abandoned = inbox.open(asyncio.Queue())
-        inbox.close(abandoned)  # e.g. the client hung up while the request was queued
-        await bus.publish(abandoned, Accepted(request_id="orphan", worker_id="w-late"))
-        # The inbox handles its messages in order: had the live request's Accepted made it
-        # cancel, that cancel would have come first.
-        cancel = await asyncio.wait_for(cancels.get(), 5)
+
+async def _settle(bus: Bus) -> None:
+    """Until the inbox has handled what was published (and its cancels came back)."""
+    await bus.flush()
+    await asyncio.sleep(0.3)
+
+
+def failed(request_id: str, seq: int = 1) -> Failed:
+    return Failed(request_id=request_id, seq=seq, message="x", retryable=False, tokens_sent=False)
+
+
+def test_only_the_accepting_worker_speaks_for_an_attempt(nats_url):
+    async def main() -> tuple[list, int, list]:
+        bus, inbox, cancels = await _inbox(nats_url, "test-inbox-forged")
+        events: asyncio.Queue = asyncio.Queue()
+        attempt = inbox.open(events, "mine")
+        by_a, by_b = (subjects.worker_stream(attempt, w) for w in ("w-a", "w-b"))
+        forged = [
+            (attempt, Tokens(request_id="mine", seq=1, token_ids=[1])),  # scheduler's subject
+            (by_b, Accepted(request_id="mine", worker_id="w-a")),  # naming another worker
+            (by_a, Tokens(request_id="mine", seq=1, token_ids=[1])),  # before its Accepted
+        ]
+        believed = [
+            (attempt, Queued(request_id="mine", position=0)),
+            (by_a, Accepted(request_id="mine", worker_id="w-a")),
+        ]
+        forged_after = [
+            (by_b, failed("mine")),  # not the accepting worker
+            (by_b, Accepted(request_id="mine", worker_id="w-b")),
+            (by_a, failed("other")),  # not this attempt's request
+            (attempt, Rejected(request_id="mine", reason=RejectReason.NO_WORKER, message="x")),
+            (subjects.worker_stream(f"{inbox.prefix}.guessed", "w-b"), failed("mine")),
+        ]
+        for subject, event in [*forged, *believed, *forged_after]:
+            await bus.publish(subject, event)
+        await bus.publish(by_a, Tokens(request_id="mine", seq=1, token_ids=[7]))
+        await _settle(bus)
+        got = [events.get_nowait() for _ in range(events.qsize())]
         await bus.drain()
-        return delivered, cancel
+        return got, bus.refused, cancels
 
-    delivered, cancel = asyncio.run(main())
-    assert delivered == Accepted(request_id="kept", worker_id="w-late")
-    assert cancel == Cancel(request_id="orphan")
+    got, refused, cancels = asyncio.run(main())
+    assert got == [
+        Queued(request_id="mine", position=0),
+        Accepted(request_id="mine", worker_id="w-a"),
+        Tokens(request_id="mine", seq=1, token_ids=[7]),
+    ]
+    assert refused == 8
+    assert cancels == []  # nothing forged made the gateway cancel anything
+
+
+def test_attempt_subjects_are_not_guessable(nats_url):
+    async def main() -> list[str]:
+        bus = await Bus.connect(nats_url, "test-inbox-random")
+        inbox = Inbox(bus)
+        opened = [inbox.open(asyncio.Queue(), f"r{i}") for i in range(3)]
+        await bus.close()
+        return opened
+
+    opened = asyncio.run(main())
+    keys = [subject.rsplit(".", 1)[-1] for subject in opened]
+    assert len(set(keys)) == 3 and all(len(key) >= 20 for key in keys)
+
+
+def test_late_acceptance_of_an_abandoned_request_is_cancelled(nats_url):
+    async def main() -> list:
+        bus, inbox, cancels = await _inbox(nats_url, "test-inbox-late-accept")
+        abandoned = inbox.open(asyncio.Queue(), "orphan")
+        inbox.close(abandoned)  # e.g. the client hung up while the request was queued
+        stream = subjects.worker_stream(abandoned, "w-late")
+        await bus.publish(stream, Accepted(request_id="orphan", worker_id="w-late"))
+        # A worker cannot have another one cancelled by naming it.
+        await bus.publish(stream, Accepted(request_id="orphan", worker_id="w-other"))
+        await _settle(bus)
+        await bus.drain()
+        return cancels
+
+    assert asyncio.run(main()) == [("w-late", Cancel(request_id="orphan"))]
 
 
 def test_a_worker_still_streaming_to_a_closed_attempt_is_told_once_to_stop(nats_url):
@@ -47,31 +112,32 @@ def test_a_worker_still_streaming_to_a_closed_attempt_is_told_once_to_stop(nats_
     back): its late tokens reach nobody, and the worker is cancelled again, once; not
     while a live attempt of the same request is on that worker."""
 
-    async def main() -> list[Cancel]:
-        bus = await Bus.connect(nats_url, "test-inbox-late")
-        inbox = Inbox(bus)
-        await inbox.start()
-        cancels: list[Cancel] = []
+    async def main() -> list:
+        bus, inbox, cancels = await _inbox(nats_url, "test-inbox-late")
 
-        async def on_cancel(cancel: Cancel, _msg) -> None:
-            cancels.append(cancel)
+        async def accepted(request_id: str, worker: str) -> str:
+            subject = inbox.open(asyncio.Queue(), request_id)
+            accept = Accepted(request_id=request_id, worker_id=worker)
+            await bus.publish(subjects.worker_stream(subject, worker), accept)
+            return subject
 
-        await bus.subscribe(subjects.worker_cancel("w-cut"), Cancel, on_cancel)
-        old, new = inbox.open(asyncio.Queue()), inbox.open(asyncio.Queue())
-        inbox.accepted(old, "w-cut", "moved")
-        inbox.close(old)  # moved elsewhere (new) while w-cut was unreachable
-        inbox.accepted(new, "w-other", "moved")
-        for seq in range(3):
-            await bus.publish(old, Tokens(request_id="moved", seq=seq, token_ids=[7]))
+        old = await accepted("moved", "w-cut")
+        await _settle(bus)
+        inbox.close(old)  # moved elsewhere while w-cut was unreachable
+        await accepted("moved", "w-other")
+        for seq in range(1, 4):
+            tokens = Tokens(request_id="moved", seq=seq, token_ids=[7])
+            await bus.publish(subjects.worker_stream(old, "w-cut"), tokens)
         # The same request back on w-cut: its old attempt's tokens must not cancel it.
-        again, back = inbox.open(asyncio.Queue()), inbox.open(asyncio.Queue())
-        inbox.accepted(again, "w-cut", "twice")
+        again = await accepted("twice", "w-cut")
+        await _settle(bus)
         inbox.close(again)
-        inbox.accepted(back, "w-cut", "twice")
-        await bus.publish(again, Tokens(request_id="twice", seq=5, token_ids=[7]))
-        await bus.flush()
-        await asyncio.sleep(0.3)  # the inbox handles its messages, its cancels come back
+        await accepted("twice", "w-cut")
+        await _settle(bus)
+        tokens = Tokens(request_id="twice", seq=5, token_ids=[7])
+        await bus.publish(subjects.worker_stream(again, "w-cut"), tokens)
+        await _settle(bus)
         await bus.drain()
         return cancels
 
-    assert asyncio.run(main()) == [Cancel(request_id="moved")]
+    assert asyncio.run(main()) == [("w-cut", Cancel(request_id="moved"))]

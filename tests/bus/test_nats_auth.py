@@ -124,6 +124,30 @@ def test_a_worker_speaks_only_for_itself_and_reads_no_inbox_but_its_own(secured)
     asyncio.run(main())
 
 
+def test_a_worker_streams_only_on_its_own_stream_subjects(secured):
+    """``<gateway inbox>.<attempt>.<worker id>``: no worker can publish into an attempt's
+    own subject (the scheduler's), nor into a stream another worker holds."""
+
+    async def main() -> None:
+        w0 = await connect_as(secured, "worker.w0")
+        gateway = await connect_as(secured, "gateway")
+        await gateway.watch("_INBOX.gateway.>")
+        inbox = "_INBOX.gateway.nuid"
+        for subject in (
+            f"{inbox}.attempt",  # the scheduler's subject of an attempt
+            f"{inbox}.7",  # what a counter-numbered attempt would be
+            subjects.worker_stream(f"{inbox}.attempt", "w1"),  # w1's stream
+            subjects.worker_stream(f"{inbox}.attempt", "w0") + ".x",
+        ):
+            await w0.nc.publish(subject, b"{}")
+        await w0.nc.publish(subjects.worker_stream(f"{inbox}.attempt", "w0"), b"{}")
+        await settle(w0, gateway)
+        assert gateway.received == [(f"{inbox}.attempt.w0", b"{}")]
+        assert sum("permissions violation for publish" in e for e in w0.errors) == 4
+
+    asyncio.run(main())
+
+
 def test_an_api_client_reads_only_its_own_inbox_and_publishes_only_its_requests(secured):
     async def main() -> None:
         alice = await connect_as(secured, "api.alice")

@@ -124,8 +124,11 @@ def run(
 
         async def on_submit(request: GenerateRequest, msg) -> None:
             result.submitted.append(request)
+            subject = msg.reply  # the scheduler's, until a worker accepts on its own
             for event in scripts[len(result.submitted) - 1](request):
-                await peer.publish(msg.reply, event)
+                if isinstance(event, Accepted):
+                    subject = subjects.worker_stream(msg.reply, event.worker_id)
+                await peer.publish(subject, event)
 
         async def on_cancel(cancel: Cancel, msg) -> None:
             result.cancelled.append(msg.subject.split(".")[-2])

@@ -101,12 +101,14 @@ class Harness:
         await self.bus.publish(subjects.SCHED_SUBMIT, submitted, self.reply, context)
 
 
-def test_a_submit_is_forwarded_to_the_worker_keeping_its_reply_subject(nats_url):
+def test_a_submit_is_forwarded_to_the_worker_with_its_stream_subject(nats_url):
+    """The worker streams on a subject of its own under the gateway's reply subject."""
+
     async def main() -> None:
         async with Harness(nats_url, "bus-sched-w", replicas=1) as h:
             await h.submit(request("r1"))
             forwarded, reply = await asyncio.wait_for(h.forwarded.get(), 5)
-            assert reply == h.reply
+            assert reply == f"{h.reply}.bus-sched-w"
             assert forwarded.request_id == "r1" and forwarded.worker_id == "bus-sched-w"
             assert forwarded.prompt_token_ids == [7] * 8
 

@@ -426,7 +426,7 @@ def test_a_worker_stops_the_requests_of_a_gateway_that_stopped_heartbeating(nats
         alive = GatewayAlive(gateway_id="gw-test", inbox_prefix=prefix, interval_s=0.1)
         orphan: list = []
         try:
-            await bus.subscribe(f"{prefix}.*", StreamEvent, lambda e, m: _append(orphan, e))
+            await bus.subscribe(f"{prefix}.>", StreamEvent, lambda e, m: _append(orphan, e))
             await bus.publish(subjects.gateway_alive("gw-test"), alive)
             await bus.flush()
             long = GenerateRequest(
@@ -435,7 +435,8 @@ def test_a_worker_stops_the_requests_of_a_gateway_that_stopped_heartbeating(nats
                 prompt_token_ids=[5, 6, 7, 8],
                 sampling=Sampling(max_tokens=2000, ignore_eos=True),  # seconds of work
             )
-            await bus.publish(subjects.worker_generate(worker_id), long, reply=f"{prefix}.1")
+            reply = subjects.worker_stream(f"{prefix}.1", worker_id)  # as a scheduler forwards
+            await bus.publish(subjects.worker_generate(worker_id), long, reply=reply)
             while not any(isinstance(e, Tokens) for e in orphan):
                 await asyncio.sleep(0.01)
             # The gateway goes silent (no more heartbeats): within three intervals plus a

@@ -161,6 +161,19 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(stack):
     assert time.monotonic() - started < 3  # tokenizing it took seconds
 
 
+def test_a_batch_is_bounded_by_the_sequences_it_asks_for(stack):
+    """``len(prompt) x n`` is at most 256 (the gateway's ``--max-sequences-per-request``):
+    beyond, a 400 naming the field, before any worker is used."""
+    for body, param in (
+        ({"prompt": ["hi"] * 5000}, "prompt"),
+        ({"prompt": ["hi"] * 3, "n": 100}, "n"),
+    ):
+        error = assert_openai_error(post(stack, "/v1/completions", body), 400, param)
+        assert "at most 256" in error["message"]
+    response = post(stack, "/v1/completions", {"prompt": ["hi"] * 4, "n": 2, "max_tokens": 1})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 8
+
+
 def test_the_worker_still_serves_after_every_bad_request(stack):
     """Run last in this module: after all of the above, a plain request is answered at
     once (a dead engine thread used to make it wait 60 s for a 504)."""

@@ -116,4 +116,5 @@ def test_the_nats_api_takes_the_same_constraint_and_refuses_the_same_way(stack):
     bad = StructuredOutput(json='{"type": "array", "contains": {"type": "integer"}}')
     (error,) = call(stack.nats_url, ApiRequest(prompt="x", sampling=Sampling(structured=bad)))
     assert isinstance(error, ApiError) and error.code == 400, error
-    assert error.param == "structured_outputs" and "contains" in error.message
+    # Named as the NATS API's own field (the HTTP API's is structured_outputs).
+    assert error.param == "sampling.structured" and "contains" in error.message

@@ -338,7 +338,12 @@ def golden_instances() -> dict[str, Message]:
         ),
         ServiceStarted(service="worker", instance=worker_id, restarts=2),
         BusHealth(
-            service="gateway", instance="gw-node-2-88", errors=1, disconnects=2, reconnects=2
+            service="gateway",
+            instance="gw-node-2-88",
+            errors=1,
+            disconnects=2,
+            reconnects=2,
+            refused=3,
         ),
     ]
     return {type(instance).__name__: instance for instance in instances}
@@ -498,14 +503,15 @@ def _fields(schema: dict, members: str) -> list[tuple[str, Any]]:
     return list(schema.get(members, {}).items())
 
 
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "maxLength")
 
 
 def _refines(old: Any, new: Any, new_defs: dict) -> bool:
     """Whether field schema ``new`` is ``old`` or one of the two refinements the rules
-    allow (``schemas/README.md``): value bounds added to a number (validation moved into
-    the decoder), or a string made an open enum (``OpenEnum``: unknown values decode as
-    ``unknown``, so no payload an old peer sends is refused for it)."""
+    allow (``schemas/README.md``): value bounds added to a number or a string's length
+    (validation moved into the decoder), or a string made an open enum (``OpenEnum``:
+    unknown values decode as ``unknown``, so no payload an old peer sends is refused for
+    it)."""
     if old == new:
         return True
     if isinstance(old, dict) and isinstance(new, dict):
@@ -575,6 +581,9 @@ def test_the_schema_check_allows_only_the_two_refinements() -> None:
     assert not _refines(number, number | {"default": 1}, defs)
     assert not _refines(number, {"type": "number", "default": 0}, defs)
     assert not _refines(number | {"minimum": 0}, number, defs)  # a bound may not be dropped
+    text = {"type": "string"}
+    assert _refines(text, text | {"maxLength": 256}, defs)
+    assert not _refines(text | {"maxLength": 256}, text, defs)
     assert _refines({"type": "string"}, {"$ref": "#/$defs/Open"}, defs)
     assert not _refines({"type": "string"}, {"$ref": "#/$defs/Closed"}, defs)
 

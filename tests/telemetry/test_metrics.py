@@ -390,11 +390,13 @@ def test_each_processs_bus_errors_and_reconnects_as_it_last_reported_them():
     agg.observe_bus(BusHealth(service="gateway", instance="gw-1", disconnects=1, reconnects=1))
     agg.observe_bus(BusHealth(service="gateway", instance="gw-1", disconnects=2, reconnects=2))
     agg.observe_bus(BusHealth(service="worker", instance="w1", errors=3))
+    agg.observe_bus(BusHealth(service="gateway", instance="gw-2", refused=4))
     got = lines(agg)
     assert {
         'lamina:bus_reconnects_total{instance="gw-1",service="gateway"} 2.0',
         'lamina:bus_disconnects_total{instance="gw-1",service="gateway"} 2.0',
         'lamina:bus_errors_total{instance="w1",service="worker"} 3.0',
+        'lamina:bus_refused_messages_total{instance="gw-2",service="gateway"} 4.0',
     } <= got
 
 

@@ -92,7 +92,7 @@ def test_keys_come_from_the_flag_and_a_file(tmp_path):
         keys.write_text(bad + "\n")
         with pytest.raises(ValueError, match="expected 'key \\[best_priority\\] \\[rpm=N\\]"):
             load_keys("", str(keys))
-    with pytest.raises(ValueError, match="cannot read the API keys file"):
+    with pytest.raises(ValueError, match=r"cannot read .*missing"):
         load_keys("", str(tmp_path / "missing"))
     with pytest.raises(ValueError):
         ApiKeys(app, [], open_paths=[])

@@ -1,12 +1,14 @@
-"""Per-key rate limits on an ASGI app, on a clock the test moves."""
+"""A principal's rate limits, charged by sequences and tokens, on a clock the test moves;
+and the headers a limited key's responses carry."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+
+import pytest
 
 from lamina.libs.http_auth import Limits
-from lamina.libs.rate_limit import RateLimits
+from lamina.libs.rate_limit import Quota, RateLimited, RateLimitHeaders, quotas
 
 
 class Clock:
@@ -17,88 +19,101 @@ class Clock:
         return self.now
 
 
-async def app(scope, receive, send) -> None:
-    """Spends 300 tokens (what the gateway charges from a finished request's usage)."""
-    if "lamina.charge" in scope:  # a key with limits
-        scope["lamina.charge"](300)
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": b"ok"})
+def refusal(quota: Quota, sequences: int, tokens: int = 0) -> RateLimited:
+    with pytest.raises(RateLimited) as refused:
+        quota.admit(sequences, tokens)
+    return refused.value
 
 
-def call(limits: RateLimits, key: str = "k") -> tuple[int, dict[bytes, bytes], bytes]:
-    sent: list[dict] = []
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "path": "/v1/completions", "headers": [], "lamina.api_key": key}
-    asyncio.run(limits(scope, None, send))
-    return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
-
-
-def test_requests_per_minute_burst_then_refill_at_the_rate():
+def test_requests_per_minute_count_sequences_burst_then_refill_at_the_rate():
     clock = Clock()
-    limits = RateLimits(app, {"k": Limits(requests_per_minute=3)}, clock=clock)
-    statuses = [call(limits)[0] for _ in range(4)]
-    assert statuses == [200, 200, 200, 429]
-    status, headers, body = call(limits)
-    error = json.loads(body)["error"]
-    assert status == 429 and error["code"] == "rate_limit_exceeded"
-    assert error["type"] == "requests" and "3 requests per minute" in error["message"]
-    assert headers[b"retry-after"] == b"20"  # one request every 20 s
-    assert headers[b"x-ratelimit-limit-requests"] == b"3"
-    assert headers[b"x-ratelimit-remaining-requests"] == b"0"
-    assert headers[b"x-ratelimit-reset-requests"] == b"60s"  # until all 3 are back
+    quota = Quota(Limits(requests_per_minute=6), clock)
+    quota.admit(4, 0)  # a batch of four prompts is four requests' worth
+    quota.admit(2, 0)
+    refused = refusal(quota, 1)
+    assert refused.kind == "requests" and "6 requests per minute" in refused.message
+    assert refused.wait_s == pytest.approx(10.0)  # one every 10 s
     clock.now += 20
-    status, headers, _ = call(limits)
-    assert status == 200 and headers[b"x-ratelimit-remaining-requests"] == b"0"
-    assert call(limits, key="other")[0] == 200  # a key without limits is not counted
+    refused = refusal(quota, 3)  # two are back, not three
+    assert refused.wait_s == pytest.approx(10.0)
+    quota.admit(2, 0)
+    assert refusal(quota, 7).wait_s is None  # more than a minute's allowance: never
 
 
-def test_tokens_are_charged_after_the_request_and_a_debt_is_waited_out():
+def test_concurrent_counts_open_sequences_until_each_is_released():
+    quota = Quota(Limits(concurrent=4))
+    quota.admit(3, 0)
+    refused = refusal(quota, 2)
+    assert (refused.kind, refused.wait_s) == ("requests", 1.0)
+    assert "2 sequences with 3 running exceed 4 concurrent" in refused.message
+    quota.release(0, 0)
+    quota.admit(2, 0)
+    assert quota.open == 4
+    assert refusal(quota, 5).wait_s is None  # a request wider than the limit itself
+
+
+def test_tokens_are_reserved_at_admission_and_settled_from_usage():
     clock = Clock()
-    limits = RateLimits(app, {"k": Limits(tokens_per_minute=600)}, clock=clock)
-    assert [call(limits)[0] for _ in range(3)] == [200, 200, 429]  # 600 spent by two
-    status, headers, body = call(limits)
-    error = json.loads(body)["error"]
-    assert (
-        status == 429 and error["type"] == "tokens" and "600 tokens per minute" in error["message"]
-    )
-    assert headers[b"x-ratelimit-remaining-tokens"] == b"0"
-    clock.now += 0.2  # 2 tokens back: the bucket is not empty, the request is admitted
-    assert call(limits)[0] == 200
-    status, headers, _ = call(limits)  # ...and overdrew it: ~298 tokens of debt
-    assert status == 429 and int(headers[b"retry-after"]) == 30
+    quota = Quota(Limits(tokens_per_minute=3000), clock)
+    # Four sequences of 2 prompt tokens that may generate 400 each: 1608 reserved.
+    quota.admit(4, 4 * 402)
+    refused = refusal(quota, 4, 4 * 402)  # the second such request does not fit
+    assert refused.kind == "tokens" and "3000 per minute" in refused.message
+    assert refused.wait_s == pytest.approx((1608 - 1392) / 50)
+    for _ in range(4):
+        quota.release(402, 12)  # each stopped after 10 tokens: the rest goes back
+    assert quota.tokens.level == pytest.approx(3000 - 48)
+    quota.admit(4, 4 * 402)
+    assert refusal(quota, 1, 3001).wait_s is None  # larger than the whole allowance
 
 
-def test_concurrent_requests_beyond_the_limit_are_refused_until_one_ends():
-    release = asyncio.Event()
+def test_a_sequence_that_used_more_than_it_reserved_overdraws():
+    clock = Clock()
+    quota = Quota(Limits(tokens_per_minute=600), clock)
+    quota.admit(1, 100)
+    quota.release(100, 700)  # max_tokens unknown when it was reserved
+    assert refusal(quota, 1, 1).wait_s == pytest.approx(101 / 10)
 
-    async def slow(scope, receive, send) -> None:
-        await release.wait()
-        await app(scope, receive, send)
 
-    limits = RateLimits(slow, {"k": Limits(concurrent=2)})
+def test_a_refused_request_takes_nothing():
+    quota = Quota(Limits(requests_per_minute=10, tokens_per_minute=100, concurrent=5))
+    refusal(quota, 2, 500)
+    assert (quota.open, quota.requests.level, quota.tokens.level) == (0, 10, 100)
 
-    async def main() -> list[int]:
-        statuses: list[int] = []
 
-        async def one() -> None:
-            sent: list[dict] = []
+def test_only_principals_with_limits_get_a_quota():
+    assert set(quotas({"a": Limits(concurrent=1), "b": Limits()})) == {"a"}
 
-            async def send(message: dict) -> None:
-                sent.append(message)
 
-            scope = {"type": "http", "path": "/", "headers": [], "lamina.api_key": "k"}
-            await limits(scope, None, send)
-            statuses.append(sent[0]["status"])
+def test_a_limited_keys_responses_carry_its_figures_and_its_quota_reaches_the_app():
+    quota = Quota(Limits(requests_per_minute=3, tokens_per_minute=600))
+    seen: list = []
 
-        first = [asyncio.create_task(one()) for _ in range(2)]
-        await asyncio.sleep(0)
-        await one()  # the third, while two are open
-        release.set()
-        await asyncio.gather(*first)
-        await one()  # after they ended
-        return statuses
+    async def app(scope, receive, send) -> None:
+        seen.append(scope.get("lamina.quota"))
+        if scope["lamina.quota"] is not None:
+            scope["lamina.quota"].admit(1, 300)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
 
-    assert asyncio.run(main()) == [429, 200, 200, 200]
+    wrapped = RateLimitHeaders(app, {"k": quota})
+
+    def call(key: str) -> dict[bytes, bytes]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/", "headers": [], "lamina.api_key": key}
+        if key == "other":
+            scope["lamina.quota"] = None
+        asyncio.run(wrapped(scope, None, send))
+        return dict(sent[0]["headers"])
+
+    headers = call("k")
+    assert headers[b"x-ratelimit-limit-requests"] == b"3"
+    assert headers[b"x-ratelimit-remaining-requests"] == b"2"
+    assert headers[b"x-ratelimit-remaining-tokens"] == b"300"
+    assert headers[b"x-ratelimit-reset-tokens"] == b"30s"
+    assert call("other") == {}  # a key without limits is not counted
+    assert seen == [quota, None]
