@@ -48,6 +48,7 @@ from lamina.libs.errors import (
     NotAdmitted,
     PayloadTooLarge,
     RequestTimeout,
+    Unreachable,
 )
 from lamina.libs.nats_auth import identity_of, inbox_prefix
 from lamina.libs.trace_context import extract, inject
@@ -127,6 +128,11 @@ class NatsConfig:
     nats_tls_ca: str = option(
         "", "CA certificate to verify the NATS server's with (tls:// URLs; none: system CAs)"
     )
+    nats_connect_timeout: float = option(
+        60.0,
+        "seconds to reach NATS when the process starts before it gives up and exits 1 (once "
+        "connected, a lost server is retried forever)",
+    )
 
     def connect_options(self) -> dict[str, Any]:
         """``nats.connect`` keywords for the credential and TLS settings."""
@@ -139,7 +145,8 @@ class NatsConfig:
         return options
 
     async def connect(self, name: str, **options: Any) -> Bus:
-        return await Bus.connect(self.nats_url, name, **self.connect_options(), **options)
+        options = self.connect_options() | options
+        return await Bus.connect(self.nats_url, name, self.nats_connect_timeout, **options)
 
 
 class Bus:
@@ -158,27 +165,32 @@ class Bus:
         self._health: asyncio.Task | None = None
 
     @classmethod
-    async def connect(cls, url: str, name: str, **options: Any) -> Bus:
+    async def connect(cls, url: str, name: str, timeout: float = 60.0, **options: Any) -> Bus:
         """Connect to ``url`` (comma-separated: the first that answers, in that order, and
-        the next ones when it is lost); reconnects forever.
+        the next ones when it is lost); once connected, reconnects forever.
         Raises :class:`NotAdmitted` at once when the server refuses the credential on the
-        first connection (retrying would not change its mind); later refusals, while a
-        server reloads its users, are retried like any other disconnection."""
+        first connection (retrying would not change its mind), and :class:`Unreachable`
+        when no server answered within ``timeout`` seconds (said once, not per attempt);
+        later refusals, while a server reloads its users, are retried like any other
+        disconnection."""
         bus: Bus | None = None
         refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        first_error: list[str] = []
 
         async def on_error(exc: Exception) -> None:
-            if bus is None and "authorization violation" in str(exc).lower():
-                if not refused.done():
+            if bus is None:  # still making the first connection
+                if "authorization violation" in str(exc).lower() and not refused.done():
                     refused.set_result(str(exc))
+                elif not first_error:
+                    first_error.append(str(exc) or type(exc).__name__)
+                    log.warning("cannot reach NATS at %s yet (%s); retrying", url, exc)
                 return
             log.warning("nats error: %s", exc)
-            if bus is not None:
-                bus.errors += 1
+            bus.errors += 1
 
         async def on_disconnect() -> None:
-            log.warning("disconnected from nats")
-            if bus is not None:
+            if bus is not None:  # not the first connection's attempts, said once above
+                log.warning("disconnected from nats")
                 bus.disconnects += 1
 
         async def on_reconnect() -> None:
@@ -204,12 +216,19 @@ class Bus:
                 **options,
             )
         )
-        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
-        if not connecting.done():
-            connecting.cancel()
-            with contextlib.suppress(BaseException):
-                await client.close()
+        try:
+            await asyncio.wait(
+                {connecting, refused}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:  # answered, refused, timed out, or the caller was cancelled (a SIGTERM)
+            if not connecting.done():
+                connecting.cancel()
+                with contextlib.suppress(BaseException):
+                    await client.close()
+        if refused.done():
             raise NotAdmitted(url, refused.result())
+        if connecting.cancelled():
+            raise Unreachable(url, timeout, first_error[0] if first_error else "no answer")
         connecting.result()
         bus = cls(client, name)
         return bus

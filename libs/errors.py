@@ -29,6 +29,15 @@ class NotAdmitted(BusError):
         self.url = url
 
 
+class Unreachable(BusError):
+    """No NATS server answered within the time a process gives its first connection."""
+
+    def __init__(self, url: str, timeout: float, error: str) -> None:
+        super().__init__(f"cannot reach NATS at {url} within {timeout:g}s ({error})")
+        self.url = url
+        self.timeout = timeout
+
+
 class NoResponders(BusError):
     def __init__(self, subject: str) -> None:
         super().__init__(f"no service is subscribed to {subject!r}")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from lamina.libs.lifetime import die_with_parent
+
 
 def find_binary() -> str:
     """The ``nats-server`` beside this Python (a venv's ``bin/``), else on ``PATH``."""
@@ -146,7 +148,11 @@ class NatsServer:
         # a full one (64 KiB of warnings) would block the server and the whole bus with it.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            start_new_session=True,
+            preexec_fn=die_with_parent,  # not left holding its port by a killed parent
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

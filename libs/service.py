@@ -2,7 +2,9 @@
 
 A service is an object with ``async start()`` (connect, subscribe, begin serving),
 ``async drain()`` (stop taking work, finish in-flight work) and ``async close()``.
-:func:`run` starts it, waits for SIGTERM or SIGINT, drains, closes and returns 0.
+:func:`run` starts it, waits for SIGTERM or SIGINT, drains, closes and returns 0. A
+signal while it starts (waiting for NATS, loading a model) stops it there; a start that
+cannot reach NATS within ``--nats-connect-timeout``, or is refused, is one line and exit 1.
 
 Once a service has started, everything built so far (modules, the model, the tokenizer,
 the HTTP app: a few hundred thousand objects) is moved out of the garbage collector's
@@ -22,7 +24,8 @@ import signal
 from typing import Protocol
 
 from lamina.libs.bus import Bus
-from lamina.libs.errors import NotAdmitted
+from lamina.libs.errors import NotAdmitted, Unreachable
+from lamina.libs.lifetime import die_with_supervisor
 from lamina.libs.telemetry_setup import setup_logging, setup_tracing, shutdown_tracing
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import ServiceStarted
@@ -52,8 +55,21 @@ class Service(Protocol):
     async def close(self) -> None: ...
 
 
+class Failure:
+    """What a service that finds, after it started, that it cannot serve (its background
+    connection to NATS gave up) sets: the lifecycle then stops it and exits 1."""
+
+    def __init__(self) -> None:
+        self.reason: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def set(self, reason: str) -> None:
+        if not self.reason.done():
+            self.reason.set_result(reason)
+
+
 def run(name: str, service: Service) -> int:
     """Run ``service`` until SIGTERM/SIGINT, then drain and exit 0."""
+    die_with_supervisor()  # a SIGKILLed `lamina up` must not leave it running
     setup_logging(name)
     setup_tracing(name)
     try:
@@ -73,18 +89,40 @@ async def _serve(name: str, service: Service) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.ensure_future(service.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # stopped while starting (waiting for NATS, loading a model)
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        log.info("%s stopped while starting", name)
+        with contextlib.suppress(Exception):
+            await service.close()
+        return 0
+    stopping.cancel()
     try:
-        await service.start()
-    except NotAdmitted as exc:  # a configuration problem: one line, not a traceback
+        starting.result()
+    except (NotAdmitted, Unreachable) as exc:  # one line, not a traceback
         log.error("%s cannot start: %s", name, exc)
+        with contextlib.suppress(Exception):
+            await service.close()
         return 1
     gc.collect()
     gc.freeze()  # see the module docstring
     log.info("%s started", name)
-    await stop.wait()
-    log.info("%s draining", name)
-    with contextlib.suppress(Exception):
-        await service.drain()
+    failure: Failure | None = getattr(service, "failure", None)
+    waits = {asyncio.ensure_future(stop.wait())}
+    if failure is not None:
+        waits.add(failure.reason)
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    failed = failure is not None and failure.reason.done()
+    if failed:
+        log.error("%s cannot serve: %s", name, failure.reason.result())
+    else:
+        log.info("%s draining", name)
+        with contextlib.suppress(Exception):
+            await service.drain()
     await service.close()
     log.info("%s stopped", name)
-    return 0
+    return 1 if failed else 0

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from lamina.libs.bus import NatsConfig
 from lamina.libs.config import lamina_home, option, parse_config, to_argv
+from lamina.libs.lifetime import PARENT_ENV
 from lamina.libs.nats_auth import DEPLOYMENT, CredentialStore
 from lamina.libs.nats_server import NatsCluster, NatsServer, free_port
 from lamina.libs.service import RESTARTS_ENV
@@ -40,6 +41,14 @@ from lamina.services.engine_worker.errors import ModelLoadError
 from lamina.services.engine_worker.model_config import ModelConfig
 
 SERVICES = frozenset({"gateway", "scheduler", "telemetry", "worker"})
+
+
+class StartStopped(Exception):
+    """A stack was told to stop while it started."""
+
+
+def _never() -> bool:
+    return False
 
 
 @dataclass
@@ -118,6 +127,7 @@ class Stack:
             "LAMINA_NATS_CREDENTIAL": bus.nats_credential,
             "LAMINA_NATS_TLS_CA": bus.nats_tls_ca,
             RESTARTS_ENV: str(self.restarts.get(name, 0)),  # telemetry counts them
+            PARENT_ENV: str(os.getpid()),  # it dies with this process, however it ends
             **self.extra_env,
         }
         out = None
@@ -185,7 +195,7 @@ class Stack:
             "scheduler",
         )
 
-    def start(self, timeout: float = 180.0) -> Stack:
+    def start(self, timeout: float = 180.0, should_stop: Callable[[], bool] = _never) -> Stack:
         """Start everything (``with Stack(...)`` already does); once only: a second start
         would orphan the first processes and run two workers under one id on one bus."""
         if self.procs:
@@ -238,15 +248,19 @@ class Stack:
                 ],
                 "gateway",
             )
-        self.wait_ready(timeout)
+        self.wait_ready(timeout, should_stop)
         return self
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, should_stop: Callable[[], bool] = _never) -> None:
         """Until the gateway says it is ready; without a gateway, until the services have
-        got past their imports (a worker's model loads afterwards)."""
+        got past their imports (a worker's model loads afterwards). ``should_stop()``
+        true (a SIGTERM meanwhile) stops everything and raises :class:`StartStopped`."""
         deadline = time.monotonic() + timeout
         settled = time.monotonic() + 2.0
         while time.monotonic() < deadline:
+            if should_stop():
+                self.stop()
+                raise StartStopped("stopped during start-up")
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     self.stop()
@@ -393,7 +407,10 @@ def serve(stack: Stack, prog: str, banner: Callable[[], list[str]]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        stack.start()
+        stack.start(should_stop=lambda: stopping)
+    except StartStopped:
+        print("stopped during start-up", file=sys.stderr)
+        return 0
     except (RuntimeError, TimeoutError) as exc:
         if not stopping:
             print(f"{prog}: {exc} (logs: each service's output above)", file=sys.stderr)

@@ -360,7 +360,8 @@ StreamEvent = Accepted | PromptLogprobs | Tokens | Finished | Rejected | Failed 
 """What a submission's reply subject receives: from the scheduler, ``Rejected`` or
 ``Queued`` (then, later, ``Rejected`` or the worker's events); from the worker,
 ``Rejected``, or ``Accepted`` (``seq`` 0) and then ``PromptLogprobs`` (if asked for),
-``Tokens`` and a last ``Finished`` or ``Failed`` numbered 1, 2, 3, ... without gaps. The
+``Tokens`` and a last ``Finished`` or ``Failed`` numbered 1, 2, 3, ... without gaps (a
+``Tokens`` without tokens is a keep-alive: the request waits in the engine). The
 ``seq`` contract: the worker publishes a reply subject's events from one task, in order;
 each submission (each retry or move of a request) has its own reply subject and
 numbering; a receiver that sees a gap has lost events, not reordered ones (the gateway

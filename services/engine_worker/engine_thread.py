@@ -49,6 +49,12 @@ tracer = spans.Tracer("lamina.worker")
 
 Outgoing = tuple[str, Any, Any]  # (subject, message, trace context or None)
 _STATS_PERIOD_S = 0.1
+STREAM_KEEPALIVE_S = 5.0
+"""Most seconds a stream goes without an event. A request waiting in the engine (behind
+``max_num_seqs`` running ones, or in a long prefill) is sent an empty ``Tokens`` this
+often, so that its gateway knows it waits and is not lost: the gateway's stall timeout
+counts silence from a worker that still heartbeats."""
+_KEEPALIVE_CHECK_S = 1.0
 HANDOFF_WAIT_S = 0.002
 """Most seconds :meth:`EngineThread.submit` blocks the event loop handing a request to an
 idle engine thread (it normally takes tens of microseconds)."""
@@ -68,6 +74,10 @@ class _Stream:
     """It has run in a step since it was (re)admitted."""
     prefilled: bool = False
     """It has produced a token since it was (re)admitted: its steps now are decodes."""
+    tokens_sent: bool = False
+    """Any output has gone to its client (what a ``Failed`` tells)."""
+    sent_at: float = field(default_factory=time.monotonic)
+    """When its last event went (``Accepted`` was sent as it was added)."""
 
     def end(self, status: str, **attributes: Any) -> None:
         """End the span (if any) with how the request ended here."""
@@ -172,6 +182,7 @@ class EngineThread(threading.Thread):
         kv_subject: str,
         emit: Callable[[list[Outgoing]], None],
         handoff_wait: float = HANDOFF_WAIT_S,
+        keepalive_s: float = STREAM_KEEPALIVE_S,
         on_step_failure: Callable[[str], None] = lambda reason: None,
         on_death: Callable[[str], None] = lambda reason: None,
         incarnation: str = "",
@@ -195,10 +206,13 @@ class EngineThread(threading.Thread):
         self._deadlines: dict[str, int] = {}  # request id -> Unix ms, for those that have one
         self._stopping = threading.Event()
         self._stats_at = 0.0
+        self._keepalive_at = 0.0
         self._lock = threading.Lock()
         self._pending_adds = 0
         self._idle = False  # the thread is (about to be) blocked on an empty queue
         self._handoff_wait = handoff_wait
+        self.keepalive_s = keepalive_s
+        """Most seconds a stream goes without an event (:data:`STREAM_KEEPALIVE_S`)."""
         self.on_step_failure = on_step_failure
         """Called (on this thread) with the reason after a step raised and every request
         in the engine was failed."""
@@ -243,6 +257,11 @@ class EngineThread(threading.Thread):
         command = _Call(fn)
         self._commands.put(command)
         return command.done
+
+    @property
+    def built(self) -> bool:
+        """Whether the thread has finished building the engine (or failed to)."""
+        return self._ready.is_set()
 
     def wait_ready(self) -> Engine:
         """Block until the thread has built the engine; re-raise what stopped it if not."""
@@ -306,6 +325,7 @@ class EngineThread(threading.Thread):
                 traced = self._trace_requests(self.engine.last_batch, started)
                 self._emit_outputs(outputs, traced)
                 self._stop_expired()
+                self._keep_alive()
             self._refresh_stats()
 
     def _die(self, reason: str) -> None:
@@ -446,10 +466,32 @@ class EngineThread(threading.Thread):
                     seq=stream.seq,
                     message="the request's deadline passed while it ran",
                     retryable=False,
-                    tokens_sent=stream.seq > 1,
+                    tokens_sent=stream.tokens_sent,
                     reason=RejectReason.DEADLINE_EXCEEDED,
                 )
                 batch.append((stream.reply, failed, stream.context))
+        if batch:
+            self.emit(batch)
+
+    def _keep_alive(self) -> None:
+        """An empty ``Tokens`` (a keep-alive) to every stream silent for ``keepalive_s``
+        (looked for at most once a second, or each keep-alive period if shorter)."""
+        now = time.monotonic()
+        if now - self._keepalive_at < min(_KEEPALIVE_CHECK_S, self.keepalive_s):
+            return
+        self._keepalive_at = now
+        batch: list[Outgoing] = []
+        for rid, stream in self._streams.items():
+            if now - stream.sent_at >= self.keepalive_s:
+                batch.append(
+                    (
+                        stream.reply,
+                        Tokens(request_id=rid, seq=stream.seq, token_ids=[]),
+                        stream.context,
+                    )
+                )
+                stream.seq += 1
+                stream.sent_at = now
         if batch:
             self.emit(batch)
 
@@ -529,6 +571,7 @@ class EngineThread(threading.Thread):
         events. A traced step's span, and its KV events' under it, are made after its
         tokens have been handed on: the first token does not wait for them."""
         batch: list[Outgoing] = []
+        now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -536,9 +579,10 @@ class EngineThread(threading.Thread):
             logprobs = None
             if out.new_logprobs is not None:
                 logprobs = [TokenLogprob(lp, top) for lp, top in out.new_logprobs]
-            if stream.seq == 1 and stream.span is not None:
+            if not stream.tokens_sent and stream.span is not None:
                 stream.span.add_event("first_token")
-            stream.prefilled = True
+            stream.prefilled = stream.tokens_sent = True
+            stream.sent_at = now
             if out.prompt_logprobs is not None:
                 for message in _prompt_logprobs(out.request_id, stream, out.prompt_logprobs):
                     batch.append((stream.reply, message, stream.context))
@@ -550,7 +594,7 @@ class EngineThread(threading.Thread):
                     seq=stream.seq,
                     message=out.error,
                     retryable=False,
-                    tokens_sent=stream.seq > 1,
+                    tokens_sent=stream.tokens_sent,
                 )
             elif out.finished:
                 del self._streams[out.request_id]
@@ -641,7 +685,7 @@ class EngineThread(threading.Thread):
                         seq=stream.seq,
                         message=reason,
                         retryable=True,
-                        tokens_sent=stream.seq > 1,
+                        tokens_sent=stream.tokens_sent,
                     ),
                     stream.context,
                 )

@@ -46,7 +46,11 @@ from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
 from lamina.schemas.v1.stats import GatewayAlive, WorkerState, WorkerStats
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.engine import Engine, EngineStats
-from lamina.services.engine_worker.engine_thread import EngineThread, Outgoing
+from lamina.services.engine_worker.engine_thread import (
+    STREAM_KEEPALIVE_S,
+    EngineThread,
+    Outgoing,
+)
 from lamina.services.engine_worker.errors import InvalidRequestError
 from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Lifecycle
 
@@ -76,6 +80,17 @@ class WorkerConfig:
         60.0, "seconds the engine thread may go without a loop iteration before it is failed"
     )
     drain_timeout: float = option(300.0, "most seconds SIGTERM waits for in-flight work")
+    max_waiting_seqs: int = option(
+        0,
+        "requests that may wait in the engine beyond max_num_seqs running ones before new "
+        "ones are refused with a 429 (overloaded); schedulers queue well before that "
+        "(0: max_num_seqs)",
+    )
+    stream_keepalive: float = option(
+        STREAM_KEEPALIVE_S,
+        "most seconds a request's stream goes without an event while it waits in the engine "
+        "(an empty Tokens): keep it under every gateway's --stall-timeout",
+    )
     health_host: str = option("0.0.0.0", "address /health and /ready are served on")
     health_port: int = option(0, "port for /health and /ready (ready: taking requests; 0: off)")
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -114,6 +129,9 @@ class WorkerService:
         self._outbox: asyncio.Queue[list[Outgoing]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self.health: HealthServer | None = None
+        seqs = config.engine.max_num_seqs
+        self.max_held = seqs + (config.max_waiting_seqs or seqs)
+        """Requests the engine may hold, running and waiting, before new ones are refused."""
 
     def ready(self) -> bool:
         """Taking requests: loaded, ``ready`` and on the bus (the readiness probe)."""
@@ -138,12 +156,17 @@ class WorkerService:
             self.worker_id,
             subjects.worker_kv(self.worker_id),
             emit=lambda batch: aio.call_soon_threadsafe(self._outbox.put_nowait, batch),
+            keepalive_s=cfg.stream_keepalive,
             on_step_failure=lambda reason: aio.call_soon_threadsafe(self._degrade, reason),
             on_death=lambda reason: aio.call_soon_threadsafe(self._fail, reason),
             incarnation=self.incarnation,
         )
         self.engine_thread.start()
-        engine = await asyncio.to_thread(self.engine_thread.wait_ready)
+        # Polled, not waited for on an executor thread: a SIGTERM while a big model loads
+        # stops the worker there, and the (daemon) engine thread does not keep it alive.
+        while not self.engine_thread.built:
+            await asyncio.sleep(0.05)
+        engine = self.engine_thread.wait_ready()
         wid = self.worker_id
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
@@ -199,6 +222,20 @@ class WorkerService:
                     reason=reason,
                     retryable=True,
                     message=f"worker {self.worker_id} is {state}",
+                ),
+            )
+            return
+        if (held := self.engine_thread.num_requests) >= self.max_held:
+            # Placed on a stale view (schedulers queue well before this): refused up front
+            # rather than left to wait behind a queue this long.
+            await self.bus.publish(
+                msg.reply,
+                Rejected(
+                    request_id=request.request_id,
+                    reason=RejectReason.OVERLOADED,
+                    retryable=True,
+                    message=f"worker {self.worker_id} holds {held} requests, its most",
+                    retry_after_s=1.0,
                 ),
             )
             return

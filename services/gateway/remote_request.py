@@ -76,7 +76,8 @@ class RetryPolicy:
     """Seconds to wait for a worker to accept before resubmitting."""
     stall_timeout: float = 60.0
     """Seconds without any event from an accepted request (whose worker still sends
-    heartbeats) before giving up on it."""
+    heartbeats) before giving up on it. A request waiting in its worker is not silent: the
+    worker sends a keep-alive every ``engine_thread.STREAM_KEEPALIVE_S`` (5 s)."""
     max_attempts: int = 3
     """Submissions per request, the first one and every retry or move included."""
     retry_backoff: float = 0.2
@@ -291,6 +292,8 @@ class RemoteRequest:
                 case PromptLogprobs():
                     expected += 1
                     yield event
+                case Tokens(token_ids=[], logprobs=None):  # a keep-alive: it waits there
+                    expected += 1
                 case Tokens():
                     expected += 1
                     self._note_tokens(event.token_ids)

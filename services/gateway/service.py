@@ -17,7 +17,12 @@ from lamina.libs.config import option
 from lamina.libs.default_tokenizer import ensure_default_tokenizer
 from lamina.libs.errors import BusError
 from lamina.libs.http_auth import ApiKeys, load_keys, load_policies
-from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
+from lamina.libs.http_server import (
+    HEADER_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MIN_BODY_RATE,
+    server_config,
+)
 from lamina.libs.nats_auth import api_subject
 from lamina.libs.rate_limit import RateLimitHeaders, quotas
 from lamina.libs.service import announce
@@ -53,6 +58,12 @@ class GatewayConfig:
     graceful_shutdown: float = option(60.0, "seconds SIGTERM waits for open HTTP requests")
     http_header_timeout: float = option(
         HEADER_TIMEOUT_S, "seconds a client may take to send a request's head (then a 408)"
+    )
+    http_min_body_rate: float = option(
+        MIN_BODY_RATE, "bytes/s a request body must keep up after the head, past that grace"
+    )
+    http_max_connections: int = option(
+        MAX_CONNECTIONS, "open HTTP connections held; beyond, a new one is answered 503"
     )
     api_key: str = option(
         "", "API keys clients must send as Authorization: Bearer (comma-separated; none: open)"
@@ -150,6 +161,8 @@ class GatewayService:
                 cfg.http_host,
                 cfg.http_port,
                 cfg.http_header_timeout,
+                cfg.http_max_connections,
+                cfg.http_min_body_rate,
                 log_level="warning",
                 timeout_graceful_shutdown=int(cfg.graceful_shutdown),
             )

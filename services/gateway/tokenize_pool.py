@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
+from lamina.libs.lifetime import die_with_parent
 from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.tokenizer import ModelTokenizer
 
@@ -29,11 +31,13 @@ INLINE_CHARS = 8192
 _tokenizer: ModelTokenizer | None = None  # one per pool process
 
 
-def _load(model_dir: str) -> None:
+def _load(model_dir: str, gateway_pid: int) -> None:
     global _tokenizer
     # A terminal's Ctrl-C reaches the whole process group: the gateway decides when its
-    # pool stops (after its drain), not the keyboard.
+    # pool stops (after its drain), not the keyboard; a gateway that is killed takes its
+    # pool with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL, gateway_pid)
     _tokenizer = ModelTokenizer(Path(model_dir))
 
 
@@ -69,7 +73,7 @@ class TokenizePool:
             self.workers,
             mp_context=multiprocessing.get_context("spawn"),  # the gateway has threads
             initializer=_load,
-            initargs=(str(self.model_dir),),
+            initargs=(str(self.model_dir), os.getpid()),
         )
 
     async def start(self) -> None:

@@ -32,8 +32,10 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
+from lamina.libs.errors import NotAdmitted, Unreachable
 from lamina.libs.http_auth import ApiKeys, load_keys
 from lamina.libs.http_server import HEADER_TIMEOUT_S, server_config
+from lamina.libs.service import Failure
 from lamina.libs.trace_context import sampled_context
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import BusHealth, PlacementRecord, RequestRecord, ServiceStarted
@@ -137,8 +139,11 @@ class TelemetryService:
         """Serve HTTP, then connect to NATS in the background.
 
         ``/health`` answers at once and ``/ready`` turns 200 once subscribed, so a NATS
-        server that is not up yet delays readiness, not startup, and SIGTERM still works.
+        server that is not up yet delays readiness, not startup, and SIGTERM still works;
+        one not reached within ``--nats-connect-timeout`` (or that refuses the credential)
+        stops the service (``failure``: exit 1).
         """
+        self.failure = Failure()
         await self._start_http()
         self._connecting = asyncio.create_task(self._connect())
         log.info("telemetry on http://%s:%d/metrics", self.config.http_host, self.http_port)
@@ -148,8 +153,12 @@ class TelemetryService:
         name = f"telemetry-{socket.gethostname()}-{os.getpid()}"
         try:
             bus = await self.config.nats.connect(name)
+        except (NotAdmitted, Unreachable) as exc:
+            self.failure.set(str(exc))
+            return
         except Exception:
             log.exception("telemetry could not connect to %s", self.config.nats.nats_url)
+            self.failure.set("it could not connect to NATS")
             return
         try:
             await self._subscribe(bus)

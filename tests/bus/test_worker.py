@@ -464,3 +464,52 @@ def test_a_worker_stops_the_requests_of_a_gateway_that_stopped_heartbeating(nats
 
 async def _append(events: list, event) -> None:
     events.append(event)
+
+
+def test_a_request_waiting_in_the_engine_gets_keep_alives_and_a_full_worker_refuses(
+    nats_url, tiny_model
+):
+    """With one sequence running and one waiting (``max_num_seqs`` 1, one more may wait),
+    the waiting one's stream hears empty ``Tokens`` until it runs, and a third request is
+    refused up front: ``overloaded``, retryable, with when to retry."""
+    worker_id = "bus-full-worker"
+
+    async def main() -> tuple[list, list, list]:
+        engine = EngineConfig(model=tiny_model, max_num_seqs=1)
+        config = worker_config(
+            nats_url, worker_id, tiny_model, engine=engine, max_waiting_seqs=1, stream_keepalive=0.2
+        )
+        worker = WorkerService(config)
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-full")
+        try:
+            long = GenerateRequest(
+                request_id="running",
+                model="lamina-tiny",
+                prompt_token_ids=[5, 6, 7, 8],
+                sampling=Sampling(max_tokens=400, ignore_eos=True),
+            )
+            running = asyncio.create_task(_stream(bus, long, worker_id))
+            while not worker.engine_thread.num_requests:
+                await asyncio.sleep(0.01)
+            waiting = asyncio.create_task(
+                _stream(bus, msgspec.structs.replace(long, request_id="waiting"), worker_id)
+            )
+            while worker.engine_thread.num_requests < 2:
+                await asyncio.sleep(0.01)
+            refused = await _stream(bus, msgspec.structs.replace(long, request_id="x"), worker_id)
+            return await running, await waiting, refused
+        finally:
+            await bus.close()
+            await worker.drain()
+            await worker.close()
+
+    running, waiting, refused = asyncio.run(main())
+    assert isinstance(running[-1], Finished) and isinstance(waiting[-1], Finished)
+    assert [e.seq for e in waiting[1:]] == list(range(1, len(waiting)))  # no gap
+    tokens = [e for e in waiting if isinstance(e, Tokens)]
+    keep_alives = [e for e in tokens if not e.token_ids]
+    assert keep_alives and tokens[: len(keep_alives)] == keep_alives  # before it ran
+    (rejected,) = refused
+    assert isinstance(rejected, Rejected) and rejected.reason == RejectReason.OVERLOADED
+    assert rejected.retryable and rejected.retry_after_s == 1.0

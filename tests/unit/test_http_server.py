@@ -16,7 +16,20 @@ PARTS = [b"data: one\n\n", b"data: two\n\n", b"data: three\n\n"]
 
 
 async def app(scope, receive, send) -> None:
-    """``/stream``: three parts without a length; anything else: a short fixed body."""
+    """``/stream``: three parts without a length; ``/echo``: the body's length; anything
+    else: a short fixed body."""
+    if scope["path"] == "/echo":
+        size, message = 0, {"more_body": True}
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+        text = b"%d" % size
+        headers = [(b"content-length", b"%d" % len(text))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": text})
+        return
     if scope["path"] == "/stream":
         await send({"type": "http.response.start", "status": 200, "headers": []})
         for part in PARTS:
@@ -30,10 +43,10 @@ async def app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def serving(header_timeout: float = 0.5):
+async def serving(header_timeout: float = 0.5, **limits):
     port = free_port()
     server = uvicorn.Server(
-        server_config(app, "127.0.0.1", port, header_timeout, log_level="error")
+        server_config(app, "127.0.0.1", port, header_timeout, log_level="error", **limits)
     )
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -104,3 +117,62 @@ def test_a_head_dribbled_a_header_at_a_time_is_cut_off_all_the_same():
 
     cut, elapsed = asyncio.run(main())
     assert cut.startswith(b"HTTP/1.1 408") and 0.4 < elapsed < 1.5
+
+
+def test_a_trickled_body_is_cut_off_and_a_steady_one_is_read():
+    """After the head, a body must keep up ``min_body_rate`` (after the header timeout's
+    grace): a byte every 0.2 s is cut off with a 408 while it still trickles; a body
+    sent at a steady rate is read whole, however long it takes beyond the grace."""
+
+    async def main() -> tuple[bytes, bool, bytes]:
+        server, task, port = await serving(header_timeout=0.5, min_body_rate=1000)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n")
+        answer = asyncio.create_task(reader.read())
+        with contextlib.suppress(ConnectionError):
+            for _ in range(150):  # 30 s of trickling, if nothing cut it off
+                if answer.done():
+                    break
+                writer.write(b"x")
+                await asyncio.sleep(0.2)
+        cut_while_trickling = answer.done()
+        cut = await asyncio.wait_for(answer, 5)
+        writer.close()
+        body = b"y" * 1500  # 1.5 s at 1000 bytes/s: past the 0.5 s grace, at the rate
+        steady_reader, steady = await asyncio.open_connection("127.0.0.1", port)
+        steady.write(b"POST /echo HTTP/1.0\r\ncontent-length: %d\r\n\r\n" % len(body))
+        for i in range(0, len(body), 300):
+            steady.write(body[i : i + 300])
+            await asyncio.sleep(0.1)
+        read = await asyncio.wait_for(steady_reader.read(), 10)
+        steady.close()
+        server.should_exit = True
+        await task
+        return cut, cut_while_trickling, read
+
+    cut, cut_while_trickling, read = asyncio.run(main())
+    assert cut.startswith(b"HTTP/1.1 408") and b"body took too long" in cut
+    assert cut_while_trickling
+    assert read.endswith(b"\r\n\r\n1500")
+
+
+def test_connections_beyond_the_bound_are_refused_at_once_and_others_served_after():
+    async def main() -> tuple[list[bytes], bytes]:
+        server, task, port = await serving(header_timeout=5.0, max_connections=10)
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(10)]
+        refused = [await exchange(port, b"GET / HTTP/1.0\r\n\r\n") for _ in range(3)]
+        for _, writer in held:
+            writer.close()
+        served = b""
+        for _ in range(100):  # until the server has seen them go
+            served = await exchange(port, b"GET / HTTP/1.0\r\n\r\n")
+            if not served.startswith(b"HTTP/1.1 503"):
+                break
+            await asyncio.sleep(0.1)
+        server.should_exit = True
+        await task
+        return refused, served
+
+    refused, served = asyncio.run(main())
+    assert all(r.startswith(b"HTTP/1.1 503") for r in refused)
+    assert served.endswith(b"ok")
