@@ -322,6 +322,17 @@ class UpConfig:
     nats_url: str = option("", "use this NATS server instead of starting one")
     nats_port: int = option(4222, "port of the embedded NATS server (0: any free port)")
     api_key: str = option("", "API keys the gateway requires (comma-separated; none: open)")
+    api_key_file: str = option(
+        "", "file of the gateway's API keys with their limits (lamina gateway's --api-key-file)"
+    )
+    api_client_file: str = option(
+        "", "NATS API clients' priorities and limits (lamina gateway's --api-client-file)"
+    )
+    metrics_api_key: str = option(
+        "",
+        "keys telemetry's /metrics and /v1/cluster require (comma-separated; default: the "
+        "gateway's keys, when it has any)",
+    )
     metrics_compat: str = option(
         "", "telemetry also serves vLLM's metric names and labels: vllm (empty: Lamina's only)"
     )
@@ -373,6 +384,25 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def _gateway_policies(config: UpConfig) -> list[str]:
+    """The gateway's flags for who may call it, and with what limits."""
+    flags = {
+        "--api-key": config.api_key,
+        "--api-key-file": config.api_key_file,
+        "--api-client-file": config.api_client_file,
+    }
+    return [item for flag, value in flags.items() if value for item in (flag, value)]
+
+
+def _telemetry_keys(config: UpConfig) -> list[str]:
+    """Telemetry's keys: its own, or else the gateway's (a stack whose API needs a key does
+    not show its cluster to anyone)."""
+    if config.metrics_api_key:
+        return ["--metrics-api-key", config.metrics_api_key]
+    flags = {"--metrics-api-key": config.api_key, "--metrics-api-key-file": config.api_key_file}
+    return [item for flag, value in flags.items() if value for item in (flag, value)]
+
+
 def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
     """The :class:`Stack` that ``config`` describes; ``placement`` sets the rest of its
     fields (``lamina node``: the services, addresses and cluster of one host)."""
@@ -390,8 +420,11 @@ def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
         if config.nats_tls_cert
         else None,
         worker_args=[*to_argv(dataclasses.replace(config.engine, model=None)), *names],
-        gateway_args=[*names, *(["--api-key", config.api_key] if config.api_key else [])],
-        telemetry_args=["--metrics-compat", config.metrics_compat] if config.metrics_compat else [],
+        gateway_args=[*names, *_gateway_policies(config)],
+        telemetry_args=[
+            *(["--metrics-compat", config.metrics_compat] if config.metrics_compat else []),
+            *_telemetry_keys(config),
+        ],
     )
     return Stack(**{**fields, **placement})
 

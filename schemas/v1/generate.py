@@ -19,10 +19,15 @@ MAX_LOGPROBS = 20
 Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 Temperature = Annotated[float, msgspec.Meta(ge=0)]
+GREEDY_BELOW = 1e-5
+"""A temperature under this is greedy (vLLM's rule): dividing logits by a subnormal one
+overflows, and such a request always yielded the same first token and stopped."""
 TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
 MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(ge=1e-6, le=1e6)]
+"""Logits are divided or multiplied by it in float32: outside these bounds they overflow
+(to infinities, then NaN), so such a penalty is refused, naming the field."""
 Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 LogitBias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
 Seed = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -82,7 +87,7 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_tokens: MaxTokens | None = 16
     """Most tokens to generate; ``None`` means up to the model's context length."""
     temperature: Temperature = 1.0
-    """Softmax temperature; 0 is greedy."""
+    """Softmax temperature; 0 (or anything under :data:`GREEDY_BELOW`) is greedy."""
     top_p: TopP = 1.0
     """Keep the smallest set of tokens whose probability reaches ``top_p``."""
     top_k: TopK = 0
@@ -126,7 +131,7 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
@@ -341,6 +346,10 @@ class Queued(Message):
 
     request_id: Id
     position: int
+    max_wait_s: Duration | None = None
+    """The longest it may wait there before it is refused (``overloaded``): the gateway
+    waits that long past its own stall timeout for what follows (None: a scheduler that
+    predates the field)."""
 
 
 class Failed(Message):

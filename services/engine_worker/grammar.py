@@ -44,7 +44,20 @@ assert sys.byteorder == "little", "the CPU bitmask unpacking reads int32 words a
 
 class InvalidGrammarError(InvalidRequestError):
     def __init__(self, message: str) -> None:
-        super().__init__("structured_outputs", f"invalid structured output: {message}")
+        super().__init__("structured_outputs", f"invalid structured output: {_plain(message)}")
+
+
+def _plain(message: str) -> str:
+    """The grammar engine's reason in the user's terms, on one line and bounded: its
+    matcher errors carry a dump of its parser state and the whole grammar, which say
+    nothing to the user and repeat what they sent."""
+    if message.startswith("NoExtensionBias"):  # its parser can take no first byte
+        return (
+            "no output can satisfy it: it matches no text (e.g. an empty character class, "
+            "or a schema whose only definition refers to itself)"
+        )
+    text = " ".join(message.split("<state>", 1)[0].split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class GrammarState:

@@ -149,7 +149,8 @@ class Sampler:
         params = [r.params for r in requests]
         dev = logits.device
         greedy_rows = upload(greedy, torch.bool, dev)
-        temperature = upload([p.temperature or 1.0 for p in params], torch.float32, dev)
+        temperature = [1.0 if p.greedy else p.temperature for p in params]  # greedy: argmax
+        temperature = upload(temperature, torch.float32, dev)
         scaled = logits / temperature[:, None]
         if any(p.has_filters for p in params):
             scaled = _filter(scaled, params)

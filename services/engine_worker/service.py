@@ -406,6 +406,12 @@ class WorkerService:
         counters = (
             self.engine_thread.stats if self.engine_thread is not None else None
         ) or EngineStats()
+        if self.engine_thread is not None:
+            # The engine's counts are as of its last stats (every 0.1 s) and leave out what
+            # was handed over since: a scheduler that trusted them would over-place here.
+            held = self.engine_thread.num_requests
+            waiting = max(held - counters.num_running, counters.num_waiting)
+            counters = dataclasses.replace(counters, num_waiting=waiting)
         model = engine.runner.model if engine is not None else None
         return WorkerStats(
             worker_id=self.worker_id,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 
 import msgspec
@@ -29,6 +30,7 @@ from lamina.libs.errors import invalid_field
 from lamina.libs.nats_auth import inbox_prefix
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.api import ApiDelta, ApiError, ApiFinished, ApiRequest
+from lamina.schemas.v1.generate import Sampling, Sla
 from lamina.services.gateway.admission import Admission, Caller, Sequence
 from lamina.services.gateway.errors import GenerationError, invalid_request
 
@@ -50,13 +52,39 @@ def _prompt(request: ApiRequest) -> str | list[int] | list[dict[str, str]]:
     return request.prompt if request.prompt is not None else list(request.prompt_token_ids or [])
 
 
+_SAMPLING_FIELDS = frozenset(f.name for f in msgspec.structs.fields(Sampling))
+_OWN_NAMES = {"structured_outputs": "sampling.structured", "bad_words": "sampling.bad_words"}
+
+
+def _field(param: str | None) -> str | None:
+    """A refused field as this API names it (``sampling.logit_bias``, not the HTTP body's
+    ``logit_bias``)."""
+    if param is None or "." in param:
+        return param
+    if param in _OWN_NAMES:
+        return _OWN_NAMES[param]
+    return f"sampling.{param}" if param.split("[", 1)[0] in _SAMPLING_FIELDS else param
+
+
+def _check_deadline(sla: Sla) -> None:
+    """An absolute deadline already past is a 400 saying so (not an estimate of how far
+    past it the first token would be)."""
+    now_ms = int(time.time() * 1000)
+    if sla.deadline_ms is not None and sla.deadline_ms <= now_ms:
+        raise invalid_request(
+            f"sla.deadline_ms ({sla.deadline_ms}) has passed: it is a Unix time in "
+            f"milliseconds (now {now_ms})",
+            "sla.deadline_ms",
+        )
+
+
 def _api_error(request_id: str | None, exc: GenerationError) -> ApiError:
     return ApiError(
         request_id=request_id,
         code=exc.status,
         error_type=exc.error_type,
         message=exc.message,
-        param=exc.param,
+        param=_field(exc.param),
         error_code=exc.code,
         retry_after_s=exc.retry_after_s,
     )
@@ -126,6 +154,7 @@ class NatsApi:
         rid = request.request_id
         try:
             _refuse_logprobs(request)
+            _check_deadline(request.sla)
             (stream,) = await self.admission.admit(  # under an id of the gateway's own
                 request.model,
                 [Sequence(_prompt(request), request.sampling)],

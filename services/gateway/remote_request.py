@@ -202,7 +202,7 @@ class RemoteRequest:
             event = await self._submit(request)
             while isinstance(event, Queued):  # the scheduler answers within its queue wait
                 self.queued = True
-                event = await self._next_event(s.stall_timeout)
+                event = await self._next_event(s.stall_timeout + (event.max_wait_s or 0.0))
             if event is None and self.queued:  # the scheduler itself went quiet
                 await self._cancel()
             match event:
@@ -252,11 +252,14 @@ class RemoteRequest:
                 traced=False,  # the scheduler's span is the request span's child
             )
         except PayloadTooLarge as exc:
+            param, size = _largest_part(request)
             raise GenerationError(
                 400,
                 "invalid_request_error",
-                f"the request is too large to send to a worker: {exc}",
-                "prompt",
+                f"the request is too large: {exc.size} bytes as the bus carries it, over its "
+                f"{exc.max_payload}-byte limit for one message; its largest part is {param} "
+                f"({size} bytes)",
+                param,
                 "request_too_large",
             ) from exc
         return await self._next_event(self.settings.accept_timeout)
@@ -459,6 +462,19 @@ class RemoteRequest:
         if record.outcome in (Outcome.FAILED, Outcome.REJECTED):
             span.set_status(trace.StatusCode.ERROR)
         span.end()
+
+
+_LARGE_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words_token_ids", "stop_token_ids")
+
+
+def _largest_part(request: GenerateRequest) -> tuple[str, int]:
+    """The field of ``request`` that takes the most bytes on the wire, as the client named
+    it (the prompt, or a sampling field), and its size."""
+    parts = {"prompt": request.prompt_token_ids}
+    parts |= {name: getattr(request.sampling, name) for name in _LARGE_FIELDS}
+    sizes = {name: len(msgspec.json.encode(value)) for name, value in parts.items()}
+    name = max(sizes, key=sizes.__getitem__)
+    return name, sizes[name]
 
 
 def _unexpected(event: object) -> GenerationError:

@@ -343,7 +343,12 @@ class SchedulerService:
             )
         else:
             position = self.queue.position(request.request_id)
-            await self.bus.publish(reply, Queued(request_id=request.request_id, position=position))
+            queued = Queued(
+                request_id=request.request_id,
+                position=position,
+                max_wait_s=self.config.max_queue_wait,
+            )
+            await self.bus.publish(reply, queued)
             await self._record(request, Decision(None, None, "", 0), QUEUED)
             return
         await self._send(request, reply, decision)

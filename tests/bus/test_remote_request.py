@@ -333,7 +333,7 @@ def test_with_no_scheduler_the_answer_is_a_fast_503_with_retry_after(nats_url):
 
     error, elapsed, attempts = asyncio.run(main())
     assert (error.status, error.retry_after_s, attempts) == (503, 1.0, 3)
-    assert elapsed < 5  # far under one 30 s accept timeout
+    assert elapsed < 15  # far under one 30 s accept timeout
 
 
 def test_a_keep_alive_counts_in_the_sequence_and_is_not_streamed(nats_url):

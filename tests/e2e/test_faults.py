@@ -35,14 +35,15 @@ def kill_and_ask(stack, service: str) -> tuple[httpx.Response, float]:
 
 def test_killing_the_only_worker_fails_new_requests_fast_with_503(tiny_model, tmp_path):
     stack = make_stack(
-        tiny_model, tmp_path, gateway_args=["--accept-timeout", "1", "--max-attempts", "2"]
+        tiny_model, tmp_path, gateway_args=["--accept-timeout", "5", "--max-attempts", "2"]
     )
     with stack:
         response, elapsed = kill_and_ask(stack, "worker-0")
         assert response.status_code == 503, response.text
         assert response.json()["error"]["type"] == "service_unavailable"
-        assert elapsed < 10, f"took {elapsed:.1f}s"
-        # Once the scheduler has declared the worker dead, rejection is immediate.
+        assert elapsed < 40, f"took {elapsed:.1f}s"  # two accept timeouts, not the 60 s stall
+        # Once the scheduler has declared the worker dead, rejection is immediate: no
+        # accept timeout (5 s) is waited out.
         wait_until_scheduler_forgets_alive(stack.nats_url, "worker-0", timeout=10)
         started = time.monotonic()
         response = httpx.post(
@@ -51,7 +52,7 @@ def test_killing_the_only_worker_fails_new_requests_fast_with_503(tiny_model, tm
             json={"prompt": "anyone there?", "max_tokens": 4},
         )
         assert response.status_code == 503
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 5.0
         # The gateway polls the scheduler's view (every 0.5 s): /ready follows it.
         deadline = time.monotonic() + 5
         while httpx.get(stack.base_url + "/ready").status_code != 503:
@@ -147,7 +148,7 @@ def test_a_worker_dying_mid_stream_ends_the_stream_in_seconds(tiny_model, tmp_pa
         # Its only worker is gone: migration finds no other, so the stream ends with a 503.
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["type"] == "service_unavailable" and error["code"] == "no_worker"
-        assert elapsed < 10, f"took {elapsed:.1f}s"  # not the 60 s stall timeout
+        assert elapsed < 40, f"took {elapsed:.1f}s"  # not the 60 s stall timeout
 
 
 PENALISED = {  # settings that look at the output so far: a move must carry it as output
@@ -313,13 +314,15 @@ def test_sigterm_to_the_gateway_finishes_its_open_streams_then_exits(tiny_model,
         assert stack.procs["gateway"].wait(30) == 0
 
 
-def test_with_the_scheduler_gone_a_request_gets_its_503_within_a_second(tiny_model, tmp_path):
+def test_with_the_scheduler_gone_a_request_gets_its_503_without_an_accept_timeout(
+    tiny_model, tmp_path
+):
     with make_stack(tiny_model, tmp_path) as stack:
         response, elapsed = kill_and_ask(stack, "scheduler")
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"] == "1"
     assert "no scheduler is running" in response.json()["error"]["message"]
-    assert elapsed < 1.0, f"took {elapsed:.2f}s"
+    assert elapsed < 5.0, f"took {elapsed:.2f}s"  # under one accept timeout (5 s), let alone 3
 
 
 def test_a_killed_gateways_requests_stop_on_their_worker_and_free_its_blocks(tiny_model, tmp_path):

