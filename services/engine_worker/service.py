@@ -212,31 +212,19 @@ class WorkerService:
         if self._gone(msg.reply, time.monotonic()):  # e.g. it waited in a scheduler's queue
             log.warning("request %s dropped: its gateway is gone", request.request_id)
             return
+        rid = request.request_id
         state = self.lifecycle.state
         if state != WorkerState.READY:
             reason = RejectReason(state) if state in _REFUSING else RejectReason.NO_WORKER
-            await self.bus.publish(
-                msg.reply,
-                Rejected(
-                    request_id=request.request_id,
-                    reason=reason,
-                    retryable=True,
-                    message=f"worker {self.worker_id} is {state}",
-                ),
-            )
+            message = f"worker {self.worker_id} is {state}"
+            await self._refuse(msg.reply, rid, reason, message, retryable=True)
             return
         if (held := self.engine_thread.num_requests) >= self.max_held:
             # Placed on a stale view (schedulers queue well before this): refused up front
             # rather than left to wait behind a queue this long.
-            await self.bus.publish(
-                msg.reply,
-                Rejected(
-                    request_id=request.request_id,
-                    reason=RejectReason.OVERLOADED,
-                    retryable=True,
-                    message=f"worker {self.worker_id} holds {held} requests, its most",
-                    retry_after_s=1.0,
-                ),
+            message = f"worker {self.worker_id} holds {held} requests, its most"
+            await self._refuse(
+                msg.reply, rid, RejectReason.OVERLOADED, message, retryable=True, retry_after_s=1.0
             )
             return
         engine = self.engine_thread.engine
@@ -250,15 +238,8 @@ class WorkerService:
                     engine.grammars.compile, request.sampling.structured
                 )
         except InvalidRequestError as exc:
-            await self.bus.publish(
-                msg.reply,
-                Rejected(
-                    request_id=request.request_id,
-                    reason=RejectReason.INVALID_REQUEST,
-                    message=exc.message,
-                    param=exc.field,
-                ),
-            )
+            reason = RejectReason.INVALID_REQUEST
+            await self._refuse(msg.reply, rid, reason, exc.message, param=exc.field)
             return
         # Accept at once, through the outbox (so it precedes the request's tokens, which
         # the engine thread queues there too) and after the engine has the request (so its
@@ -270,6 +251,12 @@ class WorkerService:
         )
         self._outbox.put_nowait([(msg.reply, accepted, context)])
         self.engine_thread.submit(request, msg.reply, context, grammar)
+
+    async def _refuse(
+        self, reply: str, request_id: str, reason: RejectReason, message: str, **fields: object
+    ) -> None:
+        rejected = Rejected(request_id=request_id, reason=reason, message=message, **fields)
+        await self.bus.publish(reply, rejected)
 
     @property
     def state(self) -> WorkerState:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import Counter
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -68,8 +69,11 @@ class Inbox:
         self.prefix = bus.inbox()
         self._attempts: dict[str, _Attempt] = {}
         self._closed: BoundedDict[str, tuple[str, str] | None] = BoundedDict(CLOSED_TRACKED)
-        """Closed attempt key -> (worker, request id) it was accepted by, until that worker
-        was told to stop; None when it was never accepted, or has been told."""
+        """Closed attempt key -> (the worker that accepted it, or "" if none had, its
+        request id), until a worker was told to stop for it (then None: once per attempt,
+        however many late events come)."""
+        self._held: Counter[tuple[str, str]] = Counter()
+        """(worker, request id) of every open attempt a worker accepted."""
         self.cluster = ClusterView()
 
     async def start(self) -> None:
@@ -107,8 +111,12 @@ class Inbox:
         key = subject.rsplit(".", 1)[-1]
         attempt = self._attempts.pop(key, None)
         if attempt is not None:
-            held = attempt.worker_id
-            self._closed[key] = (held, attempt.request_id) if held is not None else None
+            held = (attempt.worker_id, attempt.request_id)
+            if attempt.worker_id is not None:
+                self._held[held] -= 1
+                if not self._held[held]:
+                    del self._held[held]
+            self._closed[key] = (attempt.worker_id or "", attempt.request_id)
 
     def _parse(self, subject: str) -> tuple[str, str | None]:
         """``<inbox>.<attempt>[.<worker>]`` -> (attempt key, the worker whose stream subject
@@ -129,6 +137,7 @@ class Inbox:
         elif _believed(attempt, event, sender):
             if isinstance(event, Accepted):
                 attempt.worker_id = sender
+                self._held[(sender, attempt.request_id)] += 1
             attempt.queue.put_nowait(event)
         else:
             self._refuse(attempt, event, sender)
@@ -152,21 +161,21 @@ class Inbox:
             self.bus.refused += 1
             return
         holder = self._closed[key]
-        if isinstance(event, Accepted) and sender is not None and event.worker_id == sender:
+        if holder is None or sender is None:
+            return
+        worker, request_id = holder
+        if not worker and isinstance(event, Accepted) and event.worker_id == sender:
             # Accepted after its request was given up (the client left while it waited,
             # or an earlier attempt that timed out): nobody reads its tokens, so stop it.
-            await self._stop(sender, event.request_id)
-        elif holder is not None and sender == holder[0]:
+            worker = sender
+        if sender == worker:
             self._closed[key] = None  # once: it stops, or it is gone
-            await self._stop(*holder)
+            await self._stop(worker, request_id)
 
     async def _stop(self, worker_id: str, request_id: str) -> None:
         """Cancel ``request_id`` on ``worker_id``, unless a live attempt of the request is
         there again (a cancel names only the request)."""
-        live = (
-            a.worker_id == worker_id and a.request_id == request_id for a in self._attempts.values()
-        )
-        if not any(live):
+        if (worker_id, request_id) not in self._held:
             await self.bus.publish(subjects.worker_cancel(worker_id), Cancel(request_id=request_id))
 
 
