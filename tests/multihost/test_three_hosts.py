@@ -68,6 +68,15 @@ class Heard:
     placements: list[PlacementRecord] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
 
+    async def recorded(self, count: int, timeout: float = 30) -> None:
+        """Wait until ``count`` request records have arrived. A gateway publishes its record
+        as its response ends, through its own host's NATS node: another host's listener
+        hears it a route later, possibly after the client has its answer."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.records) < count and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
     def placed_on(self, worker: str, request_ids: set[str]) -> set[str]:
         """Those of ``request_ids`` whose first placement was on ``worker``."""
         return {
@@ -179,6 +188,7 @@ def test_requests_through_either_gateway_equal_the_single_host_stacks(cluster):
             await asyncio.gather(
                 *(complete(cluster.gateway(g), PROMPTS, SHORT) for g in ("a", "b"))
             )
+            await heard.recorded(4 * len(PROMPTS))
         return heard
 
     heard = asyncio.run(main())
@@ -219,6 +229,7 @@ def test_a_partitioned_host_loses_its_streams_without_duplicates_and_serves_agai
             before = len(heard.placements)
             fresh = [f"{i} is a request after the heal" for i in range(3)]
             await complete(cluster.gateway("a"), fresh, SHORT)
+            await heard.recorded(len(streams) + len(fresh))
             after_heal = {p.worker_id for p in heard.placements[before:] if p.worker_id}
             await nodes.cordon(operator, WORKERS, WORKERS)
         assert after_heal == {"c-worker-0"}
@@ -257,6 +268,7 @@ def test_a_lost_host_s_streams_move_and_its_gateway_s_clients_get_an_error(clust
             b_host.kill()
             await asyncio.wait_for(asyncio.gather(*tasks), 90)
             await converge(cluster, ("a",), WORKERS - {"b-worker-0"}, timeout=30)
+            await heard.recorded(len(via_a))  # gateway b's clients got errors, and no record
         return via_a, via_b, heard
 
     via_a, via_b, heard = asyncio.run(main())
