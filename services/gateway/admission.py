@@ -111,8 +111,16 @@ class TextStream:
         return self.remote.request.request_id
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.remote.request.prompt_token_ids
+
+    @property
     def prompt_tokens(self) -> int:
         return len(self.remote.request.prompt_token_ids)
+
+    def usage_so_far(self) -> Usage:
+        """The prompt's tokens and those generated up to the last delta."""
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         parser = self.tool_parser
@@ -142,7 +150,7 @@ class TextStream:
                     event.token_ids,
                     event.logprobs,
                     FinishReason.STOP,
-                    self._usage(),
+                    self.usage_so_far(),
                     prompt=prompt,
                 )
                 return
@@ -155,9 +163,6 @@ class TextStream:
                 return
             yield TextDelta(text, event.token_ids, event.logprobs, prompt=prompt)
             prompt = None  # on the first delta only
-
-    def _usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
 
     async def close(self) -> None:
         """End the request wherever it is; what it held is given back at once (before the

@@ -11,11 +11,13 @@ the work when the client goes away.
 from __future__ import annotations
 
 import asyncio
+import re
+import uuid
 from types import TracebackType
 from typing import Any
 
 import msgspec
-from litestar.types import Message, Receive, Send
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 MAX_BODY_BYTES = 16 << 20
 """Largest request body accepted (a 128K-token prompt as token ids is ~1 MiB of JSON)."""
@@ -70,9 +72,11 @@ async def send_json(
     await send({"type": "http.response.body", "body": body})
 
 
-async def start_events(send: Send) -> None:
-    """Open a ``text/event-stream`` response; then :func:`send_event` each event."""
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+async def start_events(send: Send, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Open a ``text/event-stream`` response (``headers``: any besides its own); then
+    :func:`send_event` each event."""
+    headers = _SSE_HEADERS + headers if headers else _SSE_HEADERS
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
 
 
 async def send_event(send: Send, payload: Any) -> None:
@@ -127,3 +131,36 @@ class ClientWatch:
             self._task.uncancel()
             return True
         return False
+
+
+REQUEST_ID = "lamina.request_id"
+"""The scope key of the id an HTTP response's ``x-request-id`` header carries: the
+client's, where its request had a valid one; a route may set it (None: a fresh one)."""
+
+VISIBLE_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+"""What a request id may be: up to 256 visible ASCII characters (safe in a header)."""
+
+
+def with_request_ids(app: ASGIApp) -> ASGIApp:
+    """``app``, with every HTTP response carrying ``x-request-id``: the request's own
+    header echoed where it is valid (:data:`VISIBLE_ID`), else what the route put under
+    :data:`REQUEST_ID`, else a fresh id (vLLM's ``--enable-request-id-headers``)."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        text = given.decode("latin-1")
+        scope[REQUEST_ID] = text if VISIBLE_ID.match(text) else None  # type: ignore[index]
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                rid = scope.get(REQUEST_ID) or uuid.uuid4().hex
+                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                message = {**message, "headers": headers}  # type: ignore[assignment]
+            await send(message)
+
+        await app(scope, receive, send_with_id)
+
+    return wrapped

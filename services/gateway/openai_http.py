@@ -8,10 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
+import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from typing import Any
 
@@ -21,6 +25,7 @@ from litestar.types import Receive, Scope, Send
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
+from lamina.libs.bounded import BoundedDict
 from lamina.schemas.v1.generate import Sampling, TokenLogprob, Usage
 from lamina.services.gateway.admission import (
     Admission,
@@ -31,6 +36,7 @@ from lamina.services.gateway.admission import (
     TextStream,
 )
 from lamina.services.gateway.asgi import (
+    REQUEST_ID,
     BodyTooLarge,
     ClientDisconnected,
     ClientWatch,
@@ -39,6 +45,7 @@ from lamina.services.gateway.asgi import (
     send_event,
     send_json,
     start_events,
+    with_request_ids,
 )
 from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.openapi import openapi_document
@@ -46,12 +53,28 @@ from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
-    decode_body,
+    decode_request,
 )
 from lamina.services.gateway.tokenize_api import TokenizeApi
 from lamina.services.gateway.tool_calls import PARSERS, ConstrainedParser, ToolParser
 
 LAMINA_VERSION = package_version("lamina")
+log = logging.getLogger("lamina.gateway.http")
+
+IGNORED_HEADER = b"x-lamina-ignored-fields"
+"""The response header that lists a body's fields that neither Lamina nor vLLM knows."""
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_MAX_NAMED = 32
+
+
+def _ignored_header(names: list[str]) -> tuple[bytes, bytes]:
+    """``names`` as a header value: those safe in a header (at most 32), then how many
+    others there were."""
+    safe = [n for n in names if _SAFE_NAME.match(n)][:_MAX_NAMED]
+    value = ", ".join(safe)
+    if len(safe) < len(names):
+        value += f"{', ' if safe else ''}({len(names) - len(safe)} more)"
+    return IGNORED_HEADER, value.encode()
 
 
 def error_body(
@@ -127,6 +150,14 @@ def _sequence(sampling: Sampling, index: int) -> Sampling:
     return msgspec.structs.replace(sampling, seed=seed, prompt_logprobs=None)
 
 
+def _session_affinity(session_id: str | None) -> str | None:
+    """The placement key of a vLLM ``session_id``: its requests go to one worker while it
+    can take them (a digest: any string a client sends becomes a bounded wire id)."""
+    if session_id is None:
+        return None
+    return "session-" + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
+
+
 def _indexed(choice: dict[str, Any], index: int) -> dict[str, Any]:
     choice["index"] = index
     return choice
@@ -184,6 +215,22 @@ def _error_headers(exc: GenerationError) -> list[tuple[bytes, bytes]]:
     return [(b"retry-after", b"%d" % max(1, math.ceil(exc.retry_after_s)))]
 
 
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """How one completion response is written, once its request is admitted."""
+
+    id: str
+    """``cmpl-<key>`` or ``chatcmpl-<key>``: the key is the requests' id on the bus."""
+    created: int
+    chat: bool
+    build: Callable[..., dict[str, Any]]
+    """Builds a body (or a chunk) from a delta (``OpenAIApi.build_completion``, ``build_chat``)."""
+    token_ids: bool
+    """vLLM's ``return_token_ids``."""
+    echoes: list[str] | None
+    """With ``echo``: each choice's prompt text, which its text starts with."""
+
+
 class OpenAIApi:
     """Route handlers bound to one :class:`Admission`."""
 
@@ -195,6 +242,8 @@ class OpenAIApi:
         self.tool_call_parser = tool_call_parser
         """vLLM's name of the parser that finds tool calls (``tool_choice: auto``); ""
         for none, which refuses ``auto``."""
+        self._logged_ignored: BoundedDict[tuple[str, ...], None] = BoundedDict(256)
+        """The sets of ignored fields already logged (each is logged once)."""
 
     # ----------------------------------------------------------------------------- helpers
     def _token_text(self, token_id: int) -> str:
@@ -209,14 +258,18 @@ class OpenAIApi:
         self, ids: list[int], lps: list[TokenLogprob | None] | None, as_ids: bool = False
     ) -> dict[str, Any] | None:
         """OpenAI's legacy logprobs (a ``None`` entry: a token without one, the first of
-        an echoed prompt)."""
+        an echoed prompt). Each position's ``top_logprobs`` has the sampled token first,
+        then the most likely (OpenAI's: up to ``logprobs + 1`` entries)."""
         if lps is None:
             return None
         name = self._namer(as_ids)
         return {
             "tokens": [name(t) for t in ids],
             "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-            "top_logprobs": [None if lp is None else {name(t): v for t, v in lp.top} for lp in lps],
+            "top_logprobs": [
+                None if lp is None else {name(t): lp.logprob} | {name(a): v for a, v in lp.top}
+                for t, lp in zip(ids, lps, strict=True)
+            ],
         }
 
     def _prompt_logprobs(self, prompt: PromptScores | None) -> list[dict | None] | None:
@@ -275,15 +328,16 @@ class OpenAIApi:
         the k-th sequence when there are several, so the bus's records and traces name
         the response a client saw."""
         tools, parser = None, None
+        vocab = self.admission.tokenizer.vocab_size
         try:
             body.refuse_unsupported()
             if isinstance(body, ChatCompletionRequest):
                 prompts: list[str | list[int] | list[dict[str, Any]]] = [body.chat()]
-                sampling = body.sampling(None, body.logprobs_count())
+                sampling = body.sampling(None, body.logprobs_count(vocab), vocab)
                 tools, parser = body.template_tools(), self._tool_parser(body)
             else:
                 prompts = list(body.prompt_inputs())
-                sampling = body.sampling(16, body.logprobs)
+                sampling = body.sampling(16, body.logprobs_count(vocab), vocab)
         except InvalidRequest as exc:
             raise invalid_request(exc.message, exc.param) from exc
         n = body.n
@@ -292,9 +346,10 @@ class OpenAIApi:
             words = self.admission.tokenizer.bad_words_token_ids(body.bad_words)
             sampling = msgspec.structs.replace(sampling, bad_words_token_ids=words)
         several = len(prompts) * n > 1
+        session = _session_affinity(body.session_id)
         sequences = []
         for j, prompt in enumerate(prompts):
-            affinity = uuid.uuid4().hex if n > 1 else None
+            affinity = session or (uuid.uuid4().hex if n > 1 else None)
             sequences += [
                 Sequence(
                     prompt,
@@ -360,7 +415,7 @@ class OpenAIApi:
             await send_json(send, 405, error, [(b"allow", b"POST")])
             return
         try:
-            body = decode_body(await read_body(receive), kind)
+            body, ignored = decode_request(await read_body(receive), kind)
         except ClientDisconnected:
             return
         except BodyTooLarge as exc:
@@ -370,34 +425,49 @@ class OpenAIApi:
             error = error_body(400, "invalid_request_error", exc.message, exc.param)
             await send_json(send, 400, error)
             return
-        status, payload, headers = 200, None, []
+        headers = self._note_ignored(ignored)
         response_key = uuid.uuid4().hex
+        if scope.get(REQUEST_ID) is None:  # no x-request-id of the client's: its body's, or ours
+            scope[REQUEST_ID] = body.request_id or response_key
+        status, payload = 200, None
         with ClientWatch(receive) as client:
             try:
                 streams = await self._open_in_callers_trace(body, scope, response_key)
             except GenerationError as exc:
-                status, payload, headers = exc.status, _error_body(exc), _error_headers(exc)
+                status, payload = exc.status, _error_body(exc)
+                headers += _error_headers(exc)
             else:
                 chat = kind is ChatCompletionRequest
                 if body.return_tokens_as_token_ids:
                     build = functools.partial(build, as_ids=True)
-                response_id = ("chatcmpl-" if chat else "cmpl-") + response_key
-                created = int(time.time())
-                echoes = self._echoes(body)
+                response = Reply(
+                    ("chatcmpl-" if chat else "cmpl-") + response_key,
+                    int(time.time()),
+                    chat,
+                    build,
+                    bool(body.return_token_ids),
+                    self._echoes(body),
+                )
                 if body.stream:
-                    await self._stream(
-                        streams, body, build, response_id, created, chat, send, echoes
-                    )
+                    await self._stream(streams, body, response, send, headers)
                 else:
-                    status, payload = await self._collect(
-                        streams, build, response_id, created, echoes, body.n
-                    )
+                    status, payload = await self._collect(streams, body, response)
         if client.disconnected:
             return
         if payload is None:
             await end_body(send)
         else:
             await send_json(send, status, payload, headers)
+
+    def _note_ignored(self, ignored: list[str]) -> list[tuple[bytes, bytes]]:
+        """The response headers that say which fields were ignored; logged once per set."""
+        if not ignored:
+            return []
+        key = tuple(ignored)
+        if key not in self._logged_ignored:
+            self._logged_ignored[key] = None
+            log.warning("the following fields were present in the request but ignored: %s", key)
+        return [_ignored_header(ignored)]
 
     def _echoes(self, body: Any) -> list[str] | None:
         """With ``echo``: each choice's prompt text, which its text starts with (a text
@@ -412,16 +482,10 @@ class OpenAIApi:
         ]
 
     async def _collect(
-        self,
-        streams: list[TextStream],
-        build: Callable,
-        response_id: str,
-        created: int,
-        echoes: list[str] | None = None,
-        n: int = 1,
+        self, streams: list[TextStream], body: Any, response: Reply
     ) -> tuple[int, dict[str, Any]]:
         """A whole non-streaming response, a choice per stream: ``(status, body)`` (the
-        first error, if any stream failed); ``echoes`` start the choices' texts; each
+        first error, if any stream failed); echoes start the choices' texts; each
         prompt's ``n`` streams count its tokens once."""
         tasks = [asyncio.create_task(_whole(stream)) for stream in streams]
         try:
@@ -436,10 +500,12 @@ class OpenAIApi:
                 if isinstance(exc, GenerationError):
                     return exc.status, _error_body(exc)
                 raise exc
+        n = body.n
         deltas = [task.result() for task in tasks]
+        outputs = [d.token_ids for d in deltas]
         for i, delta in enumerate(deltas):
             delta.prompt = deltas[i - i % n].prompt  # a prompt's first sequence scored it
-        for delta, echo in zip(deltas, echoes or (), strict=False):
+        for delta, echo in zip(deltas, response.echoes or (), strict=False):
             delta.text = echo + delta.text
             if delta.prompt is not None and delta.logprobs is not None:
                 # echo with logprobs: the prompt's tokens lead the logprobs (the first
@@ -447,49 +513,79 @@ class OpenAIApi:
                 delta.token_ids = delta.prompt.token_ids + delta.token_ids
                 delta.logprobs = [None, *delta.prompt.logprobs, *delta.logprobs]
         usage = _sum_usage([d.usage for d in deltas], n)
-        built = [build(d, response_id, created, streaming=False) for d in deltas]
-        body = built[0]  # the envelope; every choice, each built once
-        body["choices"] = [_indexed(b["choices"][0], i) for i, b in enumerate(built)]
-        body["usage"] = _usage(usage)
-        return 200, body
+        built = [response.build(d, response.id, response.created, streaming=False) for d in deltas]
+        payload = built[0]  # the envelope; every choice, each built once
+        payload["choices"] = [_indexed(b["choices"][0], i) for i, b in enumerate(built)]
+        payload["usage"] = _usage(usage)
+        if response.token_ids:
+            for choice, stream, ids in zip(payload["choices"], streams, outputs, strict=True):
+                if not response.chat:  # a completion's prompts differ by choice
+                    choice["prompt_token_ids"] = stream.prompt_token_ids
+                choice["token_ids"] = ids
+            if response.chat:
+                payload["prompt_token_ids"] = streams[0].prompt_token_ids
+        return 200, payload
 
     async def _stream(
         self,
         streams: list[TextStream],
         body: Any,
-        build: Callable,
-        response_id: str,
-        created: int,
-        chat: bool,
+        response: Reply,
         send: Send,
-        echoes: list[str] | None = None,
+        headers: list[tuple[bytes, bytes]],
     ) -> None:
         """Send the events of a streaming response, up to ``data: [DONE]``: each stream's
-        chunks as they come, under its choice's ``index`` (after its echo, if any)."""
-        await start_events(send)
-        for index, echo in enumerate(echoes or ()):
-            chunk = build(TextDelta(echo, [], None), response_id, created, streaming=True)
-            chunk["choices"] = [_indexed(chunk["choices"][0], index)]
-            await send_event(send, chunk)
+        chunks as they come, under its choice's ``index`` (after its echo, if any). With
+        ``return_token_ids``, each chunk's tokens, and a completion choice's first chunk
+        its prompt's; with ``continuous_usage_stats``, each chunk its choice's usage."""
+        await start_events(send, headers)
+        options = body.stream_options
+        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+        opened = [False] * len(streams)
+
+        def chunk_of(delta: TextDelta, index: int) -> dict[str, Any]:
+            chunk = response.build(delta, response.id, response.created, streaming=True)
+            choice = _indexed(chunk["choices"][0], index)
+            chunk["choices"] = [choice]
+            if response.token_ids:
+                if not response.chat and not opened[index]:
+                    choice["prompt_token_ids"] = streams[index].prompt_token_ids
+                choice["token_ids"] = delta.token_ids
+            if continuous:
+                chunk["usage"] = _usage(streams[index].usage_so_far())
+            opened[index] = True
+            return chunk
+
+        for index, echo in enumerate(response.echoes or ()):
+            await send_event(send, chunk_of(TextDelta(echo, [], None), index))
         usages: list[Usage | None] = [None] * len(streams)
         try:
-            if chat:  # OpenAI opens a chat stream with the role
+            if response.chat:  # OpenAI opens a chat stream with the role
                 role = {"role": "assistant", "content": ""}
-                await send_event(send, self._chat_chunk(response_id, created, role, None))
+                chunk = self._chat_chunk(response.id, response.created, role, None)
+                if response.token_ids:
+                    chunk["prompt_token_ids"] = streams[0].prompt_token_ids
+                if continuous:
+                    chunk["usage"] = _usage(streams[0].usage_so_far())
+                await send_event(send, chunk)
             async with contextlib.aclosing(_merged(streams)) as deltas:
                 async for index, delta in deltas:
                     usages[index] = delta.usage or usages[index]
-                    if delta.text or delta.finish_reason or delta.logprobs or delta.tool_calls:
-                        chunk = build(delta, response_id, created, streaming=True)
-                        chunk["choices"] = [_indexed(chunk["choices"][0], index)]
-                        await send_event(send, chunk)
+                    if (
+                        delta.text
+                        or delta.finish_reason
+                        or delta.logprobs
+                        or delta.tool_calls
+                        or (response.token_ids and delta.token_ids)
+                    ):
+                        await send_event(send, chunk_of(delta, index))
             if body.include_usage:
                 await send_event(
                     send,
                     {
-                        "id": response_id,
-                        "object": self._chunk_object(chat),
-                        "created": created,
+                        "id": response.id,
+                        "object": self._chunk_object(response.chat),
+                        "created": response.created,
                         "model": self.admission.model_name,
                         "choices": [],
                         "usage": _usage(_sum_usage(usages, body.n)),
@@ -537,9 +633,8 @@ class OpenAIApi:
                 }
             ],
         }
-        if d.prompt is not None:
+        if not streaming:  # vLLM's: null where the prompt was not scored
             body["choices"][0]["prompt_logprobs"] = self._prompt_logprobs(d.prompt)
-        if not streaming:
             body["usage"] = _usage(d.usage)
         return body
 
@@ -574,7 +669,11 @@ class OpenAIApi:
         }
 
     # ------------------------------------------------------------------------------ the app
-    def app(self) -> Litestar:
+    def app(self) -> Any:
+        """The ASGI app: every route, each response with its ``x-request-id``."""
+        return with_request_ids(self._routes())
+
+    def _routes(self) -> Litestar:
         api = self
 
         @asgi("/v1/completions")

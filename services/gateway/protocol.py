@@ -11,9 +11,9 @@ from lamina.libs.errors import invalid_field
 from lamina.schemas.v1.generate import (
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGPROBS,
     Count,
     LogitBias,
-    LogprobCount,
     MaxTokens,
     MinP,
     Penalty,
@@ -32,6 +32,24 @@ from lamina.services.gateway.tool_calls import tool_constraint
 MAX_N = 128
 """Most sequences one request may ask for (OpenAI's limit)."""
 
+LogprobRequest = Annotated[int, msgspec.Meta(ge=-1, le=MAX_LOGPROBS)]
+"""A count of logprobs to return; -1 asks for the whole vocabulary (vLLM's), which
+:func:`logprob_count` allows only where it is within :data:`MAX_LOGPROBS`."""
+
+
+def logprob_count(asked: int | None, vocab_size: int, param: str) -> int | None:
+    """The count of logprobs ``asked`` for, -1 read as the whole vocabulary; over
+    :data:`MAX_LOGPROBS` is refused as vLLM refuses it at its default ``--max-logprobs``."""
+    if asked != -1:
+        return asked
+    if vocab_size > MAX_LOGPROBS:
+        raise InvalidRequest(
+            f"Requested logprobs of the whole vocabulary ({vocab_size}), which is greater "
+            f"than max allowed: {MAX_LOGPROBS}",
+            param,
+        )
+    return vocab_size
+
 
 class InvalidRequest(ValueError):
     """A well-formed body asking for something invalid; ``param`` names the field."""
@@ -43,28 +61,98 @@ class InvalidRequest(ValueError):
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    """A last chunk (``choices: []``) with the whole response's usage."""
+    continuous_usage_stats: bool = False
+    """With ``include_usage``, every chunk also carries its choice's usage so far (vLLM's)."""
 
 
-# Fields of OpenAI's and vLLM's APIs that Lamina does not implement yet, with the values
-# that ask for nothing (what clients send when they mean "off"). Any other value is
-# refused with a 400 naming the field, as vLLM does, rather than ignored: a client that
-# asked for JSON output or a tool call must not get plain text and a 200.
-_NOT_SUPPORTED: dict[str, tuple[Any, ...]] = {
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "suffix": (None, ""),
-    "best_of": (None, 1),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
+# Fields of OpenAI's and vLLM's request bodies that Lamina does not implement, with the
+# values that ask for nothing (what clients send when they mean "off") and why it refuses
+# anything else: a 400 naming the field, as vLLM refuses what it cannot do, never a 200
+# that quietly did something else. ``tests/unit/test_vllm_fields.py`` checks that every
+# field of vLLM's two request schemas is either declared on a body here or listed here.
+_NO_BEAM = "beam search is not supported yet"
+_NO_MEDIA = "Lamina serves text-only models"
+_NOT_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "functions": ((None, []), "use tools"),
+    "function_call": ((None, "none"), "use tool_choice"),
+    "suffix": ((None, ""), "no served model is trained to fill in the middle"),
+    "best_of": ((None, 1), "use n"),
+    "guided_json": ((None,), "use structured_outputs"),
+    "guided_regex": ((None,), "use structured_outputs"),
+    "guided_choice": ((None,), "use structured_outputs"),
+    "guided_grammar": ((None,), "use structured_outputs"),
+    "guided_decoding_backend": ((None,), "use structured_outputs"),
+    "guided_whitespace_pattern": ((None,), "use structured_outputs.disable_any_whitespace"),
+    "use_beam_search": ((None, False), _NO_BEAM),
+    "length_penalty": ((None, 1), f"it ranks beams, and {_NO_BEAM}"),
+    "early_stopping": ((None, False), f"it ends beams, and {_NO_BEAM}"),
+    "watermarking": ((None, False), "no watermark is implemented"),
+    "logprob_token_ids": ((None, []), "use logprobs or top_logprobs"),
+    "prompt_embeds": ((None, [], ""), "prompts are text or token ids"),
+    "mm_payload": ((None, "tensors"), _NO_MEDIA),
+    "return_mm_kwargs": ((None, False), _NO_MEDIA),
+    "media_io_kwargs": ((None, {}), _NO_MEDIA),
+    "mm_processor_kwargs": ((None, {}), _NO_MEDIA),
+    "include_reasoning": ((None, True), "no reasoning parser separates reasoning from content"),
+    "thinking_token_budget": ((None, -1), "no reasoning parser bounds the thinking"),
+    "repetition_detection": ((None,), "use stop strings or repetition_penalty"),
+    "stream_interval": ((None, 1), "every token is streamed as it comes"),
+    "cache_salt": ((None,), "the prefix cache has no per-tenant salt yet"),
+    "kv_transfer_params": ((None,), "KV is not transferred between workers yet"),
+    "ec_transfer_params": ((None,), "encoder caches are not transferred"),
+    "vllm_xargs": ((None, {}), "there are no engine extension arguments"),
+    "return_weight_versions": ((None, False), "weights are not versioned"),
+    "return_token_offsets": ((None, False), "use return_token_ids"),
+    "return_prompt_text": ((None, False), "use echo"),
+    "routed_experts_prompt_start": ((None, 0), "no served model routes experts"),
+    # Built next (issue 39); refused until then rather than ignored.
+    "truncate_prompt_tokens": ((None,), "prompts are not truncated yet"),
+    "truncation_side": ((None,), "prompts are not truncated yet"),
+    "add_special_tokens": ((None,), "the tokenizer's special tokens are not optional yet"),
+    "add_generation_prompt": ((None, True), "chat templates take no options yet"),
+    "continue_final_message": ((None, False), "chat templates take no options yet"),
+    "chat_template": ((None,), "chat templates take no options yet"),
+    "chat_template_kwargs": ((None, {}), "chat templates take no options yet"),
+    "documents": ((None, []), "chat templates take no options yet"),
+    "reasoning_effort": ((None,), "chat templates take no options yet"),
 }
-_REPLACED_BY = {
-    **{f"guided_{kind}": "structured_outputs" for kind in ("json", "regex", "choice", "grammar")},
-    "functions": "tools",
-    "function_call": "tool_choice",
-}
-"""Fields OpenAI or vLLM replaced, with what replaced them (named in the refusal)."""
+"""Field -> (the values that ask for nothing, why any other value is refused)."""
+
+
+def _field_names(kind: type) -> frozenset[str]:
+    return frozenset(f.encode_name for f in msgspec.structs.fields(kind))
+
+
+def decode_request(body: bytes, kind: type) -> tuple[Any, list[str]]:
+    """A completion or chat body decoded as ``kind``, and the fields it had that neither
+    Lamina nor vLLM knows (ignored, and the response says so: vLLM's rule for unknown
+    fields). A field Lamina knows of but does not implement, asking for anything,
+    is refused (:class:`InvalidRequest` naming it)."""
+    try:
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid request body: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("request body is nested too deeply") from exc
+    known = _field_names(kind)
+    ignored = []
+    for name, raw in fields.items():
+        if name in known:
+            continue
+        if name not in _NOT_SUPPORTED:
+            ignored.append(name)
+            continue
+        neutral, why = _NOT_SUPPORTED[name]
+        try:
+            value = msgspec.json.decode(raw)
+        except RecursionError as exc:
+            raise InvalidRequest(f"{name} is nested too deeply", name) from exc
+        if value not in neutral:
+            raise InvalidRequest(f"{name} is not supported: {why}", name)
+    return decode_body(body, kind), sorted(ignored)
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -168,7 +256,8 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     """What completions and chat completions bodies share: the sampling knobs (typed with
     the wire ``Sampling``'s own ranges, so a bad value is a 400 naming the field when the
     body is decoded), streaming, stop strings, the SLA. Unknown fields are ignored; fields
-    Lamina does not implement are refused (:meth:`refuse_unsupported`)."""
+    Lamina does not implement are refused (:func:`decode_request`), and combinations it
+    cannot serve (:meth:`refuse_unsupported`)."""
 
     model: str | None = None
     max_tokens: MaxTokens | None = None
@@ -196,37 +285,33 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     """Accepted as vLLM accepts it; like vLLM's with a fast tokenizer (every Lamina
     model's ``tokenizer.json``), it changes nothing."""
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
     """Logprobs name each token ``token_id:<id>`` instead of by its text."""
+    return_token_ids: bool | None = None
+    """vLLM's: each choice's ``token_ids`` (and the prompt's, ``prompt_token_ids``)."""
+    request_id: Annotated[str, msgspec.Meta(pattern=r"^[\x21-\x7e]{1,256}$")] | None = None
+    """vLLM's: the client's name for the request, sent back as the ``x-request-id``
+    header when that header did not give one. The response's ``id`` stays the gateway's:
+    a client's id never names work on the bus. Up to 256 visible ASCII characters."""
+    session_id: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    """vLLM's: requests of one session go to the same worker while it can take them, so a
+    conversation's growing prefix stays where it is cached."""
     logit_bias: dict[TokenId, LogitBias] | None = None
     allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
     bad_words: list[str] | None = None
     """Words never to generate; the gateway tokenizes them (``Sampling.bad_words_token_ids``)."""
-    prompt_logprobs: LogprobCount | None = None
-    """vLLM's: each prompt token's logprob and this many alternatives (not streamed)."""
+    prompt_logprobs: LogprobRequest | None = None
+    """vLLM's: each prompt token's logprob and this many alternatives (not streamed; -1:
+    the whole vocabulary, where it is within the limit)."""
     priority: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
     # Lamina's SLA, both relative to the request's arrival (the wire's deadline is Unix ms)
     ttft_target_ms: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)] | None = None
     timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=10**12)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    # Not implemented yet: decoded only to be refused (see _NOT_SUPPORTED).
-    functions: Any = None
-    function_call: Any = None
-    suffix: Any = None
-    best_of: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
     def refuse_unsupported(self) -> None:
-        """Raise :class:`InvalidRequest` for the first field that asks for something Lamina
-        does not do."""
-        for name, neutral in _NOT_SUPPORTED.items():
-            if getattr(self, name) not in neutral:
-                instead = f"; use {_REPLACED_BY[name]}" if name in _REPLACED_BY else ""
-                raise InvalidRequest(f"{name} is not supported{instead}", name)
+        """Raise :class:`InvalidRequest` for fields that cannot be served together."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream", "stream_options")
         if self.stream and self.prompt_logprobs is not None:
@@ -248,13 +333,20 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling(self, default_max_tokens: int | None, logprobs: int | None) -> Sampling:
+    def sampling(
+        self, default_max_tokens: int | None, logprobs: int | None, vocab_size: int = 0
+    ) -> Sampling:
         """The wire ``Sampling`` this body asks for (fields it leaves out keep
-        ``Sampling``'s defaults); raises :class:`InvalidRequest` if the fields conflict."""
+        ``Sampling``'s defaults), ``logprobs`` alternatives per output token (-1 read
+        already); raises :class:`InvalidRequest` if the fields conflict."""
         values = {n: v for n in _SAMPLING_FIELDS if (v := getattr(self, n)) is not None}
         max_tokens = self.max_completion_tokens or self.max_tokens
         values["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
         values["logprobs"] = logprobs
+        if self.prompt_logprobs is not None:
+            values["prompt_logprobs"] = logprob_count(
+                self.prompt_logprobs, vocab_size, "prompt_logprobs"
+            )
         values["structured"] = structured_output(self.response_format, self.structured_outputs)
         try:
             return msgspec.convert(values, Sampling)
@@ -271,7 +363,7 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(OpenAIBody, kw_only=True):
     prompt: str | list[Any]
-    logprobs: LogprobCount | None = None
+    logprobs: LogprobRequest | None = None
     echo: bool = False
 
     def prompt_inputs(self) -> list[str | list[int]]:
@@ -299,13 +391,19 @@ class CompletionRequest(OpenAIBody, kw_only=True):
                 "echo",
             )
 
-    def sampling(self, default_max_tokens: int | None, logprobs: int | None) -> Sampling:
+    def sampling(
+        self, default_max_tokens: int | None, logprobs: int | None, vocab_size: int = 0
+    ) -> Sampling:
         """As for any body; ``echo`` with ``logprobs`` asks for the prompt's logprobs
         too, as many alternatives as for the output (vLLM's rule)."""
-        sampling = super().sampling(default_max_tokens, logprobs)
-        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
-            sampling = msgspec.structs.replace(sampling, prompt_logprobs=self.logprobs)
+        sampling = super().sampling(default_max_tokens, logprobs, vocab_size)
+        if self.echo and logprobs is not None and self.prompt_logprobs is None:
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=logprobs)
         return sampling
+
+    def logprobs_count(self, vocab_size: int) -> int | None:
+        """Alternatives per output token (``logprobs``; -1: the whole vocabulary)."""
+        return logprob_count(self.logprobs, vocab_size, "logprobs")
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -433,13 +531,18 @@ def _json_or_text(text: str) -> Any:
 class ChatCompletionRequest(OpenAIBody, kw_only=True):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: LogprobCount | None = None
+    top_logprobs: LogprobRequest | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    echo: bool = False
+    """vLLM's: each choice's content starts with the last message's, where that is the
+    assistant's (refused until chat templates take options)."""
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported for chat completions yet", "echo")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -473,8 +576,10 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
         """``tools`` as the chat template gets them (``transformers``' ``tools``)."""
         return _template_tools(self.tools)
 
-    def sampling(self, default_max_tokens: int | None, logprobs: int | None) -> Sampling:
-        sampling = super().sampling(default_max_tokens, logprobs)
+    def sampling(
+        self, default_max_tokens: int | None, logprobs: int | None, vocab_size: int = 0
+    ) -> Sampling:
+        sampling = super().sampling(default_max_tokens, logprobs, vocab_size)
         if self.tool_mode in ("required", "named"):
             tools = self.template_tools() or []
             constraint = tool_constraint(
@@ -486,8 +591,12 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
     def chat(self) -> list[dict[str, Any]]:
         return _template_messages(self.messages)
 
-    def logprobs_count(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+    def logprobs_count(self, vocab_size: int) -> int | None:
+        """Alternatives per output token (``top_logprobs``, with ``logprobs``; -1: the
+        whole vocabulary)."""
+        if not self.logprobs:
+            return None
+        return logprob_count(self.top_logprobs or 0, vocab_size, "top_logprobs")
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -51,7 +51,7 @@ def test_sampling_mapping_and_defaults():
         ChatCompletionRequest,
     )
     assert body.chat() == [{"role": "user", "content": "ab"}]
-    sampling = body.sampling(None, body.logprobs_count())
+    sampling = body.sampling(None, body.logprobs_count(1000))
     assert (sampling.max_tokens, sampling.top_k, sampling.logprobs) == (5, 3, 2)
     assert sampling.temperature == 1.0 and body.stop_strings() == ["x"]
     assert CompletionRequest(prompt="x").sampling(16, None).max_tokens == 16

@@ -15,6 +15,7 @@ from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
     InvalidRequest,
     decode_body,
+    decode_request,
 )
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -70,7 +71,7 @@ def test_response_format_and_structured_outputs_map_onto_one_constraint():
 )  # fmt: skip
 def test_conflicting_or_empty_constraints_are_refused_naming_the_field(body, param, words):
     with pytest.raises(InvalidRequest) as refused:
-        request = decode_body(
+        request, _ = decode_request(
             msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}], **body}),
             ChatCompletionRequest,
         )

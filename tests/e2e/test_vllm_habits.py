@@ -1,0 +1,159 @@
+"""A vLLM user's request fields through the ``openai`` client: each honoured as vLLM
+honours it, or refused with a 400 naming it; a field nobody knows is ignored, and the
+response says so."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+GREEDY = {"temperature": 0, "max_tokens": 6}
+PROMPT = "Once upon a time there was"
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+
+def test_a_field_nobody_knows_is_ignored_and_named_in_a_header(client):
+    raw = client.completions.with_raw_response.create(
+        model=None, prompt=PROMPT, extra_body={"bogus_field": 1, "ignore_eos": True}, **GREEDY
+    )
+    assert raw.headers["x-lamina-ignored-fields"] == "bogus_field"
+    assert raw.parse().choices[0].text
+    plain = client.completions.with_raw_response.create(model=None, prompt=PROMPT, **GREEDY)
+    assert "x-lamina-ignored-fields" not in plain.headers
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("use_beam_search", True), ("length_penalty", 0.5), ("cache_salt", "tenant-a"),
+     ("logprob_token_ids", [1, 2]), ("stream_interval", 4)],
+)  # fmt: skip
+def test_a_field_lamina_does_not_implement_is_a_400_naming_it(client, field, value):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=None, prompt=PROMPT, extra_body={field: value}, **GREEDY)
+    assert refused.value.body["param"] == field
+    assert field in refused.value.body["message"]
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids(client, tokenizer):
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    whole = client.completions.create(model=None, prompt=PROMPT, extra_body=extra, **GREEDY)
+    choice = whole.model_dump()["choices"][0]
+    assert choice["prompt_token_ids"] == tokenizer.encode(PROMPT, add_special_tokens=True).ids
+    assert len(choice["token_ids"]) == whole.usage.completion_tokens == 6
+    assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    assert choice["prompt_logprobs"] is None  # present, as vLLM's, when not asked for
+
+    chunks = list(
+        client.completions.create(
+            model=None, prompt=PROMPT, stream=True, extra_body=extra, **GREEDY
+        )
+    )
+    dumped = [c.model_dump()["choices"][0] for c in chunks if c.choices]
+    assert dumped[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in dumped[1:])
+    assert [t for c in dumped for t in c["token_ids"]] == choice["token_ids"]
+
+    chat = client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": PROMPT}], extra_body=extra, **GREEDY
+    ).model_dump()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 6
+    without = client.completions.create(model=None, prompt=PROMPT, **GREEDY).model_dump()
+    assert "token_ids" not in without["choices"][0]
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.completions.create(
+            model=None,
+            prompt=PROMPT,
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+    )
+    *content, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    counts = [c.usage.completion_tokens for c in content]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert {c.usage.prompt_tokens for c in chunks} == {last.usage.prompt_tokens}
+    chat = list(
+        client.chat.completions.create(
+            model=None,
+            messages=[{"role": "user", "content": PROMPT}],
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+    )
+    assert chat[0].usage.completion_tokens == 0  # the role chunk
+    assert all(c.usage is not None for c in chat)
+    plain = list(
+        client.completions.create(
+            model=None, prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_logprobs_zero_gives_the_sampled_tokens_and_minus_one_the_vocabulary(client):
+    body = client.completions.create(model=None, prompt=PROMPT, logprobs=0, **GREEDY)
+    logprobs = body.choices[0].logprobs
+    assert len(logprobs.tokens) == 6
+    for token, value, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert top == {token: value}
+    two = client.completions.create(model=None, prompt=PROMPT, logprobs=2, **GREEDY)
+    scored = two.choices[0].logprobs
+    for token, top in zip(scored.tokens, scored.top_logprobs, strict=True):
+        assert token in top and 2 <= len(top) <= 3  # the sampled token, then the top two
+    for field, extra in (
+        ("logprobs", {"logprobs": -1}),
+        ("prompt_logprobs", {"prompt_logprobs": -1}),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=None, prompt=PROMPT, extra_body=extra, **GREEDY)
+        assert refused.value.body["param"] == field
+        assert "whole vocabulary" in refused.value.body["message"]
+
+
+def test_x_request_id_is_the_clients_or_the_bodys_or_the_responses(stack):
+    body = {"prompt": PROMPT, **GREEDY}
+    url = stack.base_url + "/v1/completions"
+    given = httpx.post(url, json=body, headers={"x-request-id": "client-7"}, timeout=30)
+    assert given.headers["x-request-id"] == "client-7"
+    in_body = httpx.post(url, json=body | {"request_id": "body-8"}, timeout=30)
+    assert in_body.headers["x-request-id"] == "body-8"
+    assert in_body.json()["id"] != "cmpl-body-8"  # the response's id stays the gateway's
+    plain = httpx.post(url, json=body, timeout=30)
+    assert "cmpl-" + plain.headers["x-request-id"] == plain.json()["id"]
+    refused = httpx.post(url, json={"prompt": PROMPT, "max_tokens": -1}, timeout=30)
+    assert refused.status_code == 400 and refused.headers["x-request-id"]
+    assert httpx.get(stack.base_url + "/v1/models", timeout=30).headers["x-request-id"]
+    with_space = httpx.post(url, json=body | {"request_id": "a b"}, timeout=30)
+    assert with_space.status_code == 400 and with_space.json()["error"]["param"] == "request_id"
+
+
+def test_a_session_id_is_accepted_and_streamed_requests_carry_it(stack):
+    body = {"prompt": PROMPT, "session_id": "conversation-1", "stream": True, **GREEDY}
+    with httpx.stream("POST", stack.base_url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert "x-lamina-ignored-fields" not in r.headers
+        events = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert json.loads(events[-1][6:])["choices"][0]["finish_reason"] == "length"
