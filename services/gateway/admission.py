@@ -35,6 +35,7 @@ from lamina.services.gateway.remote_request import RemoteRequest, RetryPolicy
 from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ModelTokenizer, TemplateError
 from lamina.services.gateway.tool_calls import ToolCall, ToolParser
+from lamina.services.gateway.truncation import Truncation
 
 _CHECKED_CONSTRAINTS = 256
 """Structured output constraints a gateway remembers as checked (an agent sends the same
@@ -191,6 +192,8 @@ class Sequence:
     n: int = 1
     """The client's ``n``, for telemetry, on a group's first sequence (0 on the others,
     so that a group's ``n`` is counted once)."""
+    truncation: Truncation | None = None
+    """Keep only this many of the prompt's tokens (vLLM's ``truncate_prompt_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,12 @@ class Admission:
         }.values():
             await self._check_constraint(structured, structured_param)
         prompts = await self._prompts_ids([s.prompt for s in sequences], tools)
+        prompts = [
+            ids if s.truncation is None else s.truncation.apply(ids, self.max_context)
+            for s, ids in zip(sequences, prompts, strict=True)
+        ]
+        if not all(prompts):  # truncated to nothing
+            raise invalid_request("the prompt is empty", "truncate_prompt_tokens")
         reserved = [
             len(ids) + self._most_generated(s.sampling, len(ids))
             for s, ids in zip(sequences, prompts, strict=True)

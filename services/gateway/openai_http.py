@@ -347,6 +347,7 @@ class OpenAIApi:
             sampling = msgspec.structs.replace(sampling, bad_words_token_ids=words)
         several = len(prompts) * n > 1
         session = _session_affinity(body.session_id)
+        truncation = body.truncation()
         sequences = []
         for j, prompt in enumerate(prompts):
             affinity = session or (uuid.uuid4().hex if n > 1 else None)
@@ -357,6 +358,7 @@ class OpenAIApi:
                     request_id=f"{response_key}-{j * n + i}" if several else response_key,
                     affinity=affinity,
                     n=n if i == 0 else 0,
+                    truncation=truncation,
                 )
                 for i in range(n)
             ]

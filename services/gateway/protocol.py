@@ -28,6 +28,7 @@ from lamina.schemas.v1.generate import (
     TopP,
 )
 from lamina.services.gateway.tool_calls import tool_constraint
+from lamina.services.gateway.truncation import Truncation
 
 MAX_N = 128
 """Most sequences one request may ask for (OpenAI's limit)."""
@@ -107,8 +108,6 @@ _NOT_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_prompt_text": ((None, False), "use echo"),
     "routed_experts_prompt_start": ((None, 0), "no served model routes experts"),
     # Built next (issue 39); refused until then rather than ignored.
-    "truncate_prompt_tokens": ((None,), "prompts are not truncated yet"),
-    "truncation_side": ((None,), "prompts are not truncated yet"),
     "add_special_tokens": ((None,), "the tokenizer's special tokens are not optional yet"),
     "add_generation_prompt": ((None, True), "chat templates take no options yet"),
     "continue_final_message": ((None, False), "chat templates take no options yet"),
@@ -293,6 +292,12 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     """vLLM's: the client's name for the request, sent back as the ``x-request-id``
     header when that header did not give one. The response's ``id`` stays the gateway's:
     a client's id never names work on the bus. Up to 256 visible ASCII characters."""
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] | None = None
+    """vLLM's: keep only this many of each prompt's tokens (-1: as many as the longest
+    context served leaves room for one generated token)."""
+    truncation_side: Literal["left", "right"] | None = None
+    """Which end truncation cuts: ``left`` (the default, vLLM's for generation) keeps the
+    last tokens, ``right`` the first."""
     session_id: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     """vLLM's: requests of one session go to the same worker while it can take them, so a
     conversation's growing prefix stays where it is cached."""
@@ -318,6 +323,12 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
             raise InvalidRequest(
                 "prompt_logprobs are not available when stream is true", "prompt_logprobs"
             )
+
+    def truncation(self) -> Truncation | None:
+        """How each prompt is truncated, if it is."""
+        if self.truncate_prompt_tokens is None:
+            return None
+        return Truncation(self.truncate_prompt_tokens, self.truncation_side or "left")
 
     @property
     def structured_param(self) -> str:

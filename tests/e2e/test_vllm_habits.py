@@ -157,3 +157,34 @@ def test_a_session_id_is_accepted_and_streamed_requests_carry_it(stack):
         assert "x-lamina-ignored-fields" not in r.headers
         events = [line for line in r.iter_lines() if line.startswith("data: {")]
     assert json.loads(events[-1][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end_or_its_start(client, tokenizer):
+    long = " ".join(["the little dog ran far away"] * 8)
+    ids = tokenizer.encode(long, add_special_tokens=True).ids
+    extra = {"return_token_ids": True, "truncate_prompt_tokens": 10}
+    left = client.completions.create(model=None, prompt=long, extra_body=extra, **GREEDY)
+    assert left.usage.prompt_tokens == 10
+    assert left.model_dump()["choices"][0]["prompt_token_ids"] == ids[-10:]
+    right = client.completions.create(
+        model=None, prompt=long, extra_body=extra | {"truncation_side": "right"}, **GREEDY
+    )
+    assert right.model_dump()["choices"][0]["prompt_token_ids"] == ids[:10]
+    whole = client.completions.create(
+        model=None, prompt=long, extra_body=extra | {"truncate_prompt_tokens": -1}, **GREEDY
+    )
+    assert whole.usage.prompt_tokens == len(ids)  # shorter than the context: untouched
+    for value, words in ((5000, "cannot be greater than max_model_len"), (-2, "-1")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(
+                model=None, prompt=long, extra_body={"truncate_prompt_tokens": value}, **GREEDY
+            )
+        assert refused.value.body["param"] == "truncate_prompt_tokens"
+        assert words in refused.value.body["message"]
+    # -1 on a prompt longer than the context keeps max_model_len - 1 tokens (1024 here),
+    # room for one generated token (vLLM's rule: more is refused as over the context).
+    longer = [ids[1]] * 1500
+    cut = client.completions.create(
+        model=None, prompt=longer, max_tokens=1, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert cut.usage.prompt_tokens == 1023

@@ -100,3 +100,19 @@ def test_every_sampling_field_reaches_the_engine():
     # A new sampling field must be added above (bad words come as words: the gateway
     # tokenizes them, test_openai_api.py; constraints: test_structured_output.py).
     assert fields == set(sent) | {"logprobs", "bad_words_token_ids", "structured"}
+
+
+def test_truncation_keeps_either_end_and_refuses_more_than_the_context():
+    from lamina.services.gateway.errors import GenerationError
+    from lamina.services.gateway.truncation import Truncation
+
+    ids = list(range(10))
+    assert Truncation(3).apply(ids, 100) == [7, 8, 9]
+    assert Truncation(3, "right").apply(ids, 100) == [0, 1, 2]
+    assert Truncation(30).apply(ids, 100) == ids
+    assert Truncation(-1).apply(ids, 5) == [6, 7, 8, 9]
+    assert Truncation(-1).apply(ids, 0) == ids  # no context known: the worker decides
+    assert Truncation(0).apply(ids, 100) == []
+    with pytest.raises(GenerationError) as refused:
+        Truncation(101).apply(ids, 100)
+    assert refused.value.param == "truncate_prompt_tokens"
