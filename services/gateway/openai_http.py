@@ -242,7 +242,7 @@ class OpenAIApi:
         self.tool_call_parser = tool_call_parser
         """vLLM's name of the parser that finds tool calls (``tool_choice: auto``); ""
         for none, which refuses ``auto``."""
-        self._logged_ignored: BoundedDict[tuple[str, ...], None] = BoundedDict(256)
+        self._logged_ignored: BoundedDict[bytes, None] = BoundedDict(256)
         """The sets of ignored fields already logged (each is logged once)."""
 
     # ----------------------------------------------------------------------------- helpers
@@ -465,11 +465,11 @@ class OpenAIApi:
         """The response headers that say which fields were ignored; logged once per set."""
         if not ignored:
             return []
-        key = tuple(ignored)
-        if key not in self._logged_ignored:
-            self._logged_ignored[key] = None
-            log.warning("the following fields were present in the request but ignored: %s", key)
-        return [_ignored_header(ignored)]
+        header = _ignored_header(ignored)
+        if header[1] not in self._logged_ignored:  # as the header names them: bounded
+            self._logged_ignored[header[1]] = None
+            log.warning("fields present in a request but ignored: %s", header[1].decode())
+        return [header]
 
     def _echoes(self, body: Any) -> list[str] | None:
         """With ``echo``: each choice's prompt text, which its text starts with (a text

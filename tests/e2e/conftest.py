@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import openai
 import pytest
+from tokenizers import Tokenizer
 
 from lamina.libs.nats_server import free_port
 from lamina.services.launcher import Stack
@@ -39,6 +41,18 @@ def stack(tiny_model, tmp_path_factory, trace_file):
     )
     with s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """The official OpenAI client on the shared stack."""
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    """The default model's tokenizer, as ``tokenizers`` loads it."""
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
 
 
 def read_spans(path: Path) -> list[dict]:

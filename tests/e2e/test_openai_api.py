@@ -17,7 +17,6 @@ import nats
 import openai
 import pytest
 import torch
-from tokenizers import Tokenizer
 
 from lamina.schemas.v1.api import ApiRequest
 from lamina.schemas.v1.generate import Sampling
@@ -27,16 +26,6 @@ from lamina.services.engine_worker.engine import Engine
 from tests.e2e.conftest import read_spans
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
 
 
 def test_models_and_health(stack, client):

@@ -29,11 +29,6 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schem
 MESSAGES = [{"role": "user", "content": "Describe a city as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_chat_response_format_json_schema_streamed_and_not(client, seed):
     reply = client.chat.completions.create(

@@ -46,11 +46,6 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
-
-
 def assert_valid_calls(calls, names=None) -> None:
     assert calls, "no tool calls"
     for call in calls:

@@ -9,20 +9,9 @@ import json
 import httpx
 import openai
 import pytest
-from tokenizers import Tokenizer
 
 GREEDY = {"temperature": 0, "max_tokens": 6}
 PROMPT = "Once upon a time there was"
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
 
 
 def test_a_field_nobody_knows_is_ignored_and_named_in_a_header(client):
