@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +34,7 @@ from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.remote_request import RemoteRequest, RetryPolicy
 from lamina.services.gateway.tokenize_pool import TokenizePool
-from lamina.services.gateway.tokenizer import ModelTokenizer, TemplateError
+from lamina.services.gateway.tokenizer import ChatPrompt, ModelTokenizer, Prompt, TemplateError
 from lamina.services.gateway.tool_calls import ToolCall, ToolParser
 from lamina.services.gateway.truncation import Truncation
 
@@ -41,8 +42,9 @@ _CHECKED_CONSTRAINTS = 256
 """Structured output constraints a gateway remembers as checked (an agent sends the same
 schema with every request)."""
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-"""The roles a chat's messages may have."""
+ROLE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+"""What a chat message's role may be: a name (vLLM passes any role to the template, which
+decides; a name cannot smuggle a template's own markup into the prompt)."""
 
 
 def _text_tokens(event: Tokens | Finished, include_stop: bool) -> list[int]:
@@ -56,11 +58,13 @@ def _text_tokens(event: Tokens | Finished, include_stop: bool) -> list[int]:
 
 
 def check_roles(messages: list[dict[str, Any]]) -> None:
-    """Every message's role is one of :data:`CHAT_ROLES` (a 400 naming the one that is not)."""
+    """Every message's role is a name (:data:`ROLE`; a 400 naming the one that is not);
+    whether the template takes it is the template's to say."""
     for i, message in enumerate(messages):
-        if message["role"] not in CHAT_ROLES:
+        if not ROLE.match(message["role"]):
             raise invalid_request(
-                f"role {message['role']!r} is not supported; use one of " + ", ".join(CHAT_ROLES),
+                f"role {message['role'][:80]!r} is not a role name (letters, digits, _ and -, "
+                "at most 64)",
                 f"messages[{i}].role",
             )
 
@@ -183,7 +187,8 @@ class TextStream:
 class Sequence:
     """One sequence a request asks for: a prompt, sampled one way."""
 
-    prompt: str | list[int] | list[dict[str, Any]]
+    prompt: Prompt | list[int]
+    """Text, a chat, or token ids."""
     sampling: Sampling
     request_id: str | None = None
     """The id it runs under on the bus (default: a fresh one); always the gateway's."""
@@ -276,7 +281,6 @@ class Admission:
         skip_special_tokens: bool = True,
         structured_param: str = "structured_outputs",
         priority_param: str = "priority",
-        tools: list[dict[str, Any]] | None = None,
     ) -> list[TextStream]:
         """Admit a request's sequences together and wait until a worker accepts each: the
         one path both client APIs take, so they refuse the same request with the same
@@ -286,8 +290,7 @@ class Admission:
         priority and its rate limits, charged by sequences and tokens).
         ``include_stop`` and ``skip_special_tokens``: how the output becomes text
         (``IncrementalDetokenizer``). ``structured_param`` and ``priority_param``: the
-        fields a refused constraint or priority is named by. ``tools``: a chat's tool
-        definitions, for its template."""
+        fields a refused constraint or priority is named by."""
         self.check_model(model)
         caller.check_priority(sla.priority, priority_param)
         for structured in {
@@ -296,7 +299,7 @@ class Admission:
             if s.sampling.structured is not None
         }.values():
             await self._check_constraint(structured, structured_param)
-        prompts = await self._prompts_ids([s.prompt for s in sequences], tools)
+        prompts = await self._prompts_ids([s.prompt for s in sequences])
         prompts = [
             ids if s.truncation is None else s.truncation.apply(ids, self.max_context)
             for s, ids in zip(sequences, prompts, strict=True)
@@ -451,32 +454,25 @@ class Admission:
                 param,
             )
 
-    async def _prompts_ids(
-        self,
-        prompts: list[str | list[int] | list[dict[str, Any]]],
-        tools: list[dict[str, Any]] | None,
-    ) -> list[list[int]]:
+    async def _prompts_ids(self, prompts: list[Prompt | list[int]]) -> list[list[int]]:
         """Each prompt's token ids; a prompt given several times (a prompt's ``n``
         sequences) is tokenized once."""
         once = {id(p): p for p in prompts}
-        ids = await asyncio.gather(*(self._prompt_ids(p, tools) for p in once.values()))
+        ids = await asyncio.gather(*(self._prompt_ids(p) for p in once.values()))
         by_prompt = dict(zip(once, ids, strict=True))
         return [by_prompt[id(p)] for p in prompts]
 
-    async def _prompt_ids(
-        self, prompt: str | list[int] | list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> list[int]:
+    async def _prompt_ids(self, prompt: Prompt | list[int]) -> list[int]:
         try:
-            if isinstance(prompt, str):
-                self._refuse_hopeless_length(len(prompt), "prompt")
-                ids = await self.pool.encode(prompt)
-            elif prompt and isinstance(prompt[0], dict):
-                check_roles(prompt)
-                chars = sum(len(message.get("content") or "") for message in prompt)
-                self._refuse_hopeless_length(chars, "messages")
-                ids = await self.pool.encode(prompt, tools)
-            else:
+            if isinstance(prompt, list):
                 ids = list(prompt)
+            else:
+                if isinstance(prompt, ChatPrompt):
+                    check_roles(prompt.messages)
+                self._refuse_hopeless_length(
+                    prompt.chars, "messages" if isinstance(prompt, ChatPrompt) else "prompt"
+                )
+                ids = await self.pool.encode(prompt)
         except TemplateError as exc:
             raise invalid_request(str(exc), "messages") from exc
         if not ids:

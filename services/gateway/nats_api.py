@@ -33,6 +33,7 @@ from lamina.schemas.v1.api import ApiDelta, ApiError, ApiFinished, ApiRequest
 from lamina.schemas.v1.generate import Sampling, Sla
 from lamina.services.gateway.admission import Admission, Caller, Sequence
 from lamina.services.gateway.errors import GenerationError, invalid_request
+from lamina.services.gateway.tokenizer import ChatPrompt, Prompt, TextPrompt
 
 log = logging.getLogger("lamina.gateway.nats")
 
@@ -40,16 +41,18 @@ ANY_CLIENT = "api.*"
 """The policy line for every API identity that has none of its own."""
 
 
-def _prompt(request: ApiRequest) -> str | list[int] | list[dict[str, str]]:
-    """The request's one prompt, in the form ``Admission.open`` takes."""
+def _prompt(request: ApiRequest) -> Prompt | list[int]:
+    """The request's one prompt, in the form ``Admission.admit`` takes."""
     given = [x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)]
     if sum(given) != 1:
         raise invalid_request(
             "exactly one of prompt, prompt_token_ids or messages is required", "prompt"
         )
     if request.messages is not None:
-        return [{"role": m.role, "content": m.content} for m in request.messages]
-    return request.prompt if request.prompt is not None else list(request.prompt_token_ids or [])
+        return ChatPrompt([{"role": m.role, "content": m.content} for m in request.messages])
+    if request.prompt is not None:
+        return TextPrompt(request.prompt)
+    return list(request.prompt_token_ids or [])
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in msgspec.structs.fields(Sampling))

@@ -56,6 +56,7 @@ from lamina.services.gateway.protocol import (
     decode_request,
 )
 from lamina.services.gateway.tokenize_api import TokenizeApi
+from lamina.services.gateway.tokenizer import Prompt, TextPrompt
 from lamina.services.gateway.tool_calls import PARSERS, ConstrainedParser, ToolParser
 
 LAMINA_VERSION = package_version("lamina")
@@ -235,10 +236,16 @@ class OpenAIApi:
     """Route handlers bound to one :class:`Admission`."""
 
     def __init__(
-        self, admission: Admission, ready: Callable[[], bool], tool_call_parser: str = "hermes"
+        self,
+        admission: Admission,
+        ready: Callable[[], bool],
+        tool_call_parser: str = "hermes",
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.admission = admission
         self.ready = ready
+        self.trust_request_chat_template = trust_request_chat_template
+        """Whether a request may bring its own chat template (vLLM's flag)."""
         self.tool_call_parser = tool_call_parser
         """vLLM's name of the parser that finds tool calls (``tool_choice: auto``); ""
         for none, which refuses ``auto``."""
@@ -327,16 +334,26 @@ class OpenAIApi:
         id is ``response_key`` (the response's id after its ``cmpl-``), with ``-<k>`` for
         the k-th sequence when there are several, so the bus's records and traces name
         the response a client saw."""
-        tools, parser = None, None
+        parser = None
         vocab = self.admission.tokenizer.vocab_size
         try:
             body.refuse_unsupported()
             if isinstance(body, ChatCompletionRequest):
-                prompts: list[str | list[int] | list[dict[str, Any]]] = [body.chat()]
+                if body.chat_template is not None and not self.trust_request_chat_template:
+                    raise InvalidRequest(
+                        "a chat_template was passed with the request, but the gateway does "
+                        "not run with --trust-request-chat-template",
+                        "chat_template",
+                    )
+                prompts: list[Prompt | list[int]] = [body.chat_prompt()]
                 sampling = body.sampling(None, body.logprobs_count(vocab), vocab)
-                tools, parser = body.template_tools(), self._tool_parser(body)
+                parser = self._tool_parser(body)
             else:
-                prompts = list(body.prompt_inputs())
+                special = body.add_special_tokens is not False
+                prompts = [
+                    TextPrompt(p, special) if isinstance(p, str) else p
+                    for p in body.prompt_inputs()
+                ]
                 sampling = body.sampling(16, body.logprobs_count(vocab), vocab)
         except InvalidRequest as exc:
             raise invalid_request(exc.message, exc.param) from exc
@@ -371,7 +388,6 @@ class OpenAIApi:
             include_stop=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             structured_param=body.structured_param,
-            tools=tools,
         )
         if parser is not None:  # one parser per stream: each holds back its own text
             for stream in streams:
@@ -473,8 +489,12 @@ class OpenAIApi:
 
     def _echoes(self, body: Any) -> list[str] | None:
         """With ``echo``: each choice's prompt text, which its text starts with (a text
-        prompt as it was sent, token ids decoded; ``n`` choices per prompt)."""
-        if not getattr(body, "echo", False):
+        prompt as it was sent, token ids decoded; ``n`` choices per prompt; a chat's last
+        message where it is the assistant's)."""
+        if isinstance(body, ChatCompletionRequest):
+            text = body.echo_text()
+            return None if text is None else [text] * body.n
+        if not body.echo:
             return None
         tokenizer, skip = self.admission.tokenizer, body.skip_special_tokens
         return [
@@ -558,8 +578,6 @@ class OpenAIApi:
             opened[index] = True
             return chunk
 
-        for index, echo in enumerate(response.echoes or ()):
-            await send_event(send, chunk_of(TextDelta(echo, [], None), index))
         usages: list[Usage | None] = [None] * len(streams)
         try:
             if response.chat:  # OpenAI opens a chat stream with the role
@@ -570,6 +588,8 @@ class OpenAIApi:
                 if continuous:
                     chunk["usage"] = _usage(streams[0].usage_so_far())
                 await send_event(send, chunk)
+            for index, echo in enumerate(response.echoes or ()):
+                await send_event(send, chunk_of(TextDelta(echo, [], None), index))
             async with contextlib.aclosing(_merged(streams)) as deltas:
                 async for index, delta in deltas:
                     usages[index] = delta.usage or usages[index]

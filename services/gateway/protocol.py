@@ -27,6 +27,7 @@ from lamina.schemas.v1.generate import (
     TopK,
     TopP,
 )
+from lamina.services.gateway.tokenizer import TEMPLATE_VARIABLES, ChatPrompt, TextPrompt
 from lamina.services.gateway.tool_calls import tool_constraint
 from lamina.services.gateway.truncation import Truncation
 
@@ -107,14 +108,6 @@ _NOT_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_token_offsets": ((None, False), "use return_token_ids"),
     "return_prompt_text": ((None, False), "use echo"),
     "routed_experts_prompt_start": ((None, 0), "no served model routes experts"),
-    # Built next (issue 39); refused until then rather than ignored.
-    "add_special_tokens": ((None,), "the tokenizer's special tokens are not optional yet"),
-    "add_generation_prompt": ((None, True), "chat templates take no options yet"),
-    "continue_final_message": ((None, False), "chat templates take no options yet"),
-    "chat_template": ((None,), "chat templates take no options yet"),
-    "chat_template_kwargs": ((None, {}), "chat templates take no options yet"),
-    "documents": ((None, []), "chat templates take no options yet"),
-    "reasoning_effort": ((None,), "chat templates take no options yet"),
 }
 """Field -> (the values that ask for nothing, why any other value is refused)."""
 
@@ -298,6 +291,9 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     truncation_side: Literal["left", "right"] | None = None
     """Which end truncation cuts: ``left`` (the default, vLLM's for generation) keeps the
     last tokens, ``right`` the first."""
+    add_special_tokens: bool | None = None
+    """vLLM's: add the tokenizer's special tokens (its BOS) to the prompt; default yes for
+    a completion's text, no for a chat (its template writes them)."""
     session_id: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     """vLLM's: requests of one session go to the same worker while it can take them, so a
     conversation's growing prefix stays where it is cached."""
@@ -547,13 +543,35 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     echo: bool = False
-    """vLLM's: each choice's content starts with the last message's, where that is the
-    assistant's (refused until chat templates take options)."""
+    """vLLM's: where the last message is the assistant's, each choice's content starts
+    with it (a continued message comes back whole)."""
+    add_generation_prompt: bool = True
+    """The template ends with the opening of the assistant's turn."""
+    continue_final_message: bool = False
+    """The template ends inside the last message, which the model continues."""
+    chat_template: Annotated[str, msgspec.Meta(max_length=1 << 16)] | None = None
+    """A Jinja chat template for this request (only where the gateway runs with
+    ``--trust-request-chat-template``, as vLLM)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the template (e.g. ``enable_thinking``)."""
+    documents: list[dict[str, Any]] | None = None
+    """Passed to the template as ``documents`` (for RAG templates)."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    """Passed to the template as ``reasoning_effort``."""
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise InvalidRequest("echo is not supported for chat completions yet", "echo")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest(
+                "Cannot set both continue_final_message and add_generation_prompt to true",
+                "continue_final_message",
+            )
+        reserved = sorted(TEMPLATE_VARIABLES.intersection(self.chat_template_kwargs or ()))
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {reserved}: the gateway sets them",
+                "chat_template_kwargs",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -602,6 +620,31 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
     def chat(self) -> list[dict[str, Any]]:
         return _template_messages(self.messages)
 
+    def chat_prompt(self) -> ChatPrompt:
+        """The chat, its tools and how its template is to render it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return ChatPrompt(
+            self.chat(),
+            self.template_tools(),
+            self.add_generation_prompt,
+            self.continue_final_message,
+            bool(self.add_special_tokens),
+            self.chat_template,
+            kwargs,
+        )
+
+    def echo_text(self) -> str | None:
+        """With ``echo``, what each choice's content starts with: the last message's,
+        where it is the assistant's (vLLM's rule)."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or last is None or last.role != "assistant":
+            return None
+        return last.text()
+
     def logprobs_count(self, vocab_size: int) -> int | None:
         """Alternatives per output token (``top_logprobs``, with ``logprobs``; -1: the
         whole vocabulary)."""
@@ -630,18 +673,25 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     def template_tools(self) -> list[dict[str, Any]] | None:
         return _template_tools(self.tools)
 
-    def chat(self) -> list[dict[str, Any]] | None:
-        """The messages as the template takes them; checks the request's shape."""
+    def to_prompt(self) -> TextPrompt | ChatPrompt:
+        """The text or chat to tokenize, as a completion would; checks the request's shape."""
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of prompt and messages", "prompt")
         if self.messages is None:
-            return None
+            assert self.prompt is not None
+            return TextPrompt(self.prompt, self.add_special_tokens is not False)
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequest(
-                "continue_final_message and add_generation_prompt cannot both be true",
+                "Cannot set both continue_final_message and add_generation_prompt to true",
                 "continue_final_message",
             )
-        return _template_messages(self.messages)
+        return ChatPrompt(
+            _template_messages(self.messages),
+            self.template_tools(),
+            self.add_generation_prompt,
+            self.continue_final_message,
+            bool(self.add_special_tokens),
+        )
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -87,6 +87,9 @@ class GatewayConfig:
     tokenizer_workers: int = option(
         1, "processes that tokenize long prompts off the event loop (0: all on it)"
     )
+    trust_request_chat_template: bool = option(
+        False, "let a chat request bring its own chat_template (rendered in the sandbox)"
+    )
 
     def __post_init__(self) -> None:
         if self.tool_call_parser and self.tool_call_parser not in PARSERS:
@@ -149,7 +152,10 @@ class GatewayService:
         await self._nats_api.start()
         await bus.flush()  # its inbox and the API's subscriptions are in place at the server
         app = OpenAIApi(
-            admission, ready=lambda: self.cluster_ready, tool_call_parser=cfg.tool_call_parser
+            admission,
+            ready=lambda: self.cluster_ready,
+            tool_call_parser=cfg.tool_call_parser,
+            trust_request_chat_template=cfg.trust_request_chat_template,
         ).app()
         keys = load_keys(cfg.api_key, cfg.api_key_file)
         if keys:  # /health and /ready stay open: orchestrators probe them without a key

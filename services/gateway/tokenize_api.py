@@ -18,7 +18,7 @@ from lamina.services.gateway.protocol import (
     TokenizeRequest,
     decode_body,
 )
-from lamina.services.gateway.tokenizer import TemplateError
+from lamina.services.gateway.tokenizer import ChatPrompt, TemplateError
 
 
 class TokenizeApi:
@@ -34,22 +34,13 @@ class TokenizeApi:
         or, for another model, the 404 ``GenerationError``."""
         request = decode_body(body, TokenizeRequest)
         self.admission.check_model(request.model)
-        chat = request.chat()
-        if chat is None:
-            text, special = request.prompt, request.add_special_tokens is not False
-        else:
-            check_roles(chat)
-            try:
-                text = self.tokenizer.render_chat(
-                    chat,
-                    request.add_generation_prompt,
-                    request.continue_final_message,
-                    request.template_tools(),
-                )
-            except TemplateError as exc:
-                raise InvalidRequest(str(exc), "messages") from exc
-            special = bool(request.add_special_tokens)
-        ids = await asyncio.to_thread(self.tokenizer.encode, text, special)
+        prompt = request.to_prompt()
+        if isinstance(prompt, ChatPrompt):
+            check_roles(prompt.messages)
+        try:
+            ids = await asyncio.to_thread(self.tokenizer.encode_prompt, prompt)
+        except TemplateError as exc:
+            raise InvalidRequest(str(exc), "messages") from exc
         return {
             "count": len(ids),
             "max_model_len": self.admission.max_context,

@@ -17,11 +17,10 @@ import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any
 
 from lamina.libs.lifetime import die_with_parent
 from lamina.services.gateway.errors import GenerationError
-from lamina.services.gateway.tokenizer import ModelTokenizer
+from lamina.services.gateway.tokenizer import ModelTokenizer, Prompt, TextPrompt
 
 log = logging.getLogger("lamina.gateway.tokenize")
 
@@ -41,11 +40,9 @@ def _load(model_dir: str, gateway_pid: int) -> None:
     _tokenizer = ModelTokenizer(Path(model_dir))
 
 
-def _encode(
-    prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-) -> list[int]:
+def _encode(prompt: Prompt) -> list[int]:
     assert _tokenizer is not None
-    return _tokenizer.encode_prompt(prompt, tools)
+    return _tokenizer.encode_prompt(prompt)
 
 
 class TokenizePool:
@@ -80,20 +77,16 @@ class TokenizePool:
         """Start the processes and load their tokenizers now, not on the first long prompt."""
         if self._pool is not None:
             loop = asyncio.get_running_loop()
-            warm = [loop.run_in_executor(self._pool, _encode, "warm") for _ in range(self.workers)]
+            warm = [
+                loop.run_in_executor(self._pool, _encode, TextPrompt("warm"))
+                for _ in range(self.workers)
+            ]
             await asyncio.gather(*warm)
 
-    async def encode(
-        self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        """The prompt's token ids (a chat's with its ``tools``); raises ``TemplateError``
-        as the tokenizer does."""
-        if isinstance(prompt, str):
-            chars = len(prompt)
-        else:
-            chars = sum(len(m.get("content") or "") for m in prompt)
-        if self._pool is None or chars <= INLINE_CHARS:
-            return self.tokenizer.encode_prompt(prompt, tools)
+    async def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids; raises ``TemplateError`` as the tokenizer does."""
+        if self._pool is None or prompt.chars <= INLINE_CHARS:
+            return self.tokenizer.encode_prompt(prompt)
         if self.pending >= self.max_pending:
             raise GenerationError(
                 429,
@@ -104,9 +97,7 @@ class TokenizePool:
             )
         self.pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pool, _encode, prompt, tools
-            )
+            return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, prompt)
         except BrokenProcessPool:  # a pool process died (killed, out of memory): start over
             log.error("a tokenizer process died; restarting the pool")
             self._pool.shutdown(wait=False, cancel_futures=True)

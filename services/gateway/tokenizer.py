@@ -3,17 +3,71 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from lamina.libs.bounded import BoundedDict
+
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token",
+     "eos_token", "chat_template", "tokenize"}
+)  # fmt: skip
+"""What the gateway itself gives a chat template (a request's kwargs may not set them)."""
+
 
 class TemplateError(ValueError):
     """The chat template could not render these messages."""
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrompt:
+    """A completion's prompt text."""
+
+    text: str
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (its BOS, where its config adds one)."""
+
+    @property
+    def chars(self) -> int:
+        return len(self.text)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat and how its template renders it (``transformers``' ``apply_chat_template``
+    options, as vLLM takes them per request)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI's tool definitions, for the template."""
+    add_generation_prompt: bool = True
+    """End with the opening of the assistant's turn."""
+    continue_final_message: bool = False
+    """End inside the last message, which the model then continues."""
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens on top of the template's (vLLM's default: no)."""
+    template: str | None = None
+    """A request's own Jinja template (None: the model's)."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """More variables for the template (``documents``, ``reasoning_effort``, ...)."""
+
+    @property
+    def chars(self) -> int:
+        return sum(len(m.get("content") or "") for m in self.messages)
+
+
+Prompt = TextPrompt | ChatPrompt
+"""A prompt the tokenizer encodes (token ids need no tokenizer)."""
+
+_REQUEST_TEMPLATES = 16
+"""Requests' own chat templates kept compiled."""
 
 
 def _token_text(value: Any) -> str | None:
@@ -41,13 +95,14 @@ class ModelTokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         # The environment ``transformers`` renders chat templates in: the same filters and
         # globals, so a prompt is the one ``apply_chat_template`` would make.
-        env = ImmutableSandboxedEnvironment(
+        self._env = env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
         self.chat_template = env.from_string(template) if template else None
+        self._request_templates: BoundedDict[str, Template] = BoundedDict(_REQUEST_TEMPLATES)
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.max_token_chars = max(len(token) for token in self.tokenizer.get_vocab())
         """The longest token's text: no token covers more characters of a prompt (a
@@ -91,15 +146,18 @@ class ModelTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The chat as the model's template writes it, ``tools`` (OpenAI's tool
-        definitions) passed to it as ``transformers`` passes them; with
-        ``continue_final_message``, cut just after the last message's content (as
-        ``transformers`` does), so that the model continues that message."""
-        if self.chat_template is None:
-            raise TemplateError("this model has no chat template; use /v1/completions")
+        """The chat as the model's template (or ``template``, a request's own) writes it,
+        ``tools`` (OpenAI's tool definitions) and ``template_kwargs`` passed to it as
+        ``transformers`` passes them; with ``continue_final_message``, cut just after
+        the last message's content (as ``transformers`` does), so that the model
+        continues that message."""
+        compiled = self._compiled(template)
         try:
-            text = self.chat_template.render(
+            text = compiled.render(
+                **(template_kwargs or {}),
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
@@ -118,20 +176,44 @@ class ModelTokenizer:
             text = text[: end + len(final)]
         return text
 
-    def encode_prompt(
-        self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        """Text, or chat messages (and their tools) through the chat template."""
-        if isinstance(prompt, str):
-            return self.encode(prompt)
-        return self.encode_chat(prompt, tools)
+    def _compiled(self, template: str | None) -> Template:
+        """The model's template, or a request's own (compiled once while it is in use)."""
+        if template is None:
+            if self.chat_template is None:
+                raise TemplateError("this model has no chat template; use /v1/completions")
+            return self.chat_template
+        compiled = self._request_templates.get(template)
+        if compiled is None:
+            try:
+                compiled = self._env.from_string(template)
+            except Exception as exc:
+                raise TemplateError(f"chat_template does not compile: {exc}") from exc
+            self._request_templates[template] = compiled
+        else:
+            self._request_templates.move_to_end(template)
+        return compiled
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A completion's text, or a chat through its template."""
+        if isinstance(prompt, TextPrompt):
+            return self.encode(prompt.text, prompt.add_special_tokens)
+        text = self.render_chat(
+            prompt.messages,
+            prompt.add_generation_prompt,
+            prompt.continue_final_message,
+            prompt.tools,
+            prompt.template,
+            prompt.template_kwargs,
+        )
+        # The rendered template already carries its special tokens (e.g. a BOS); more
+        # only where asked (vLLM's add_special_tokens for a chat).
+        return self.encode(text, prompt.add_special_tokens)
 
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        # The rendered template already carries its special tokens (e.g. a BOS).
-        text = self.render_chat(messages, tools=tools)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """A chat's tokens with the template's defaults."""
+        return self.encode_prompt(ChatPrompt(messages, tools))
 
 
 def _raise(message: str) -> None:

@@ -78,7 +78,12 @@ def test_detokenize_round_trips_and_keeps_special_tokens(post, reference):
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"prompt": 7}, 400, "prompt"),
         ("/tokenize", {"messages": []}, 400, "messages"),
-        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "<|im_end|>wizard", "content": "x"}]},
+            400,
+            "messages[0].role",
+        ),
         (
             "/tokenize",
             {"messages": MESSAGES, "continue_final_message": True},

@@ -9,6 +9,9 @@ import json
 import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer
+
+from tests.e2e.conftest import make_stack
 
 GREEDY = {"temperature": 0, "max_tokens": 6}
 PROMPT = "Once upon a time there was"
@@ -177,3 +180,101 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_or_its_start(client, token
         model=None, prompt=longer, max_tokens=1, extra_body={"truncate_prompt_tokens": -1}
     )
     assert cut.usage.prompt_tokens == 1023
+
+
+CONTINUED = [
+    {"role": "user", "content": "Tell me a story."},
+    {"role": "assistant", "content": "Once upon a time there"},
+]
+
+
+def test_a_continued_assistant_message_is_echoed_and_tokenized_as_tokenize_says(client, stack):
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    extra = options | {"echo": True, "return_token_ids": True, "ignore_eos": True}
+    reply = client.chat.completions.create(
+        model=None, messages=CONTINUED, extra_body=extra, **GREEDY
+    ).model_dump()
+    content = reply["choices"][0]["message"]["content"]
+    assert content.startswith("Once upon a time there") and len(content) > 22
+    tokenized = httpx.post(
+        stack.base_url + "/tokenize", json={"messages": CONTINUED} | options, timeout=30
+    ).json()
+    assert reply["prompt_token_ids"] == tokenized["tokens"]
+    streamed = list(
+        client.chat.completions.create(
+            model=None, messages=CONTINUED, stream=True, extra_body=extra, **GREEDY
+        )
+    )
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert streamed[1].choices[0].delta.content == "Once upon a time there"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == content
+    with pytest.raises(openai.BadRequestError) as refused:  # both at once: vLLM's 400
+        client.chat.completions.create(
+            model=None,
+            messages=CONTINUED,
+            extra_body={"continue_final_message": True},
+            **GREEDY,
+        )
+    assert refused.value.body["param"] == "continue_final_message"
+
+
+def test_a_custom_role_the_template_takes_and_template_kwargs(client, stack):
+    custom = [{"role": "narrator", "content": "It was dark."}, {"role": "user", "content": "Go"}]
+    reply = client.chat.completions.create(model=None, messages=custom, **GREEDY)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    for kwargs, param in (({"messages": []}, "chat_template_kwargs"), ({}, "chat_template")):
+        extra = {"chat_template_kwargs": kwargs} if kwargs else {"chat_template": "{{ 1 }}"}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=None, messages=custom, extra_body=extra, **GREEDY)
+        assert refused.value.body["param"] == param
+    without = client.completions.create(
+        model=None, prompt=PROMPT, extra_body={"return_token_ids": True}, **GREEDY
+    ).model_dump()["choices"][0]["prompt_token_ids"]
+    plain = client.completions.create(
+        model=None,
+        prompt=PROMPT,
+        extra_body={"return_token_ids": True, "add_special_tokens": False},
+        **GREEDY,
+    ).model_dump()["choices"][0]["prompt_token_ids"]
+    tokenized = httpx.post(
+        stack.base_url + "/tokenize",
+        json={"prompt": PROMPT, "add_special_tokens": False},
+        timeout=30,
+    ).json()["tokens"]
+    assert plain == tokenized and len(without) >= len(plain)
+
+
+@pytest.fixture(scope="module")
+def trusting(tiny_model, tmp_path_factory):
+    """A stack whose gateway takes a request's own chat template."""
+
+    s = make_stack(
+        tiny_model,
+        tmp_path_factory.mktemp("trusting"),
+        worker_args=["--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "512"],
+        gateway_args=["--trust-request-chat-template"],
+        services=frozenset({"scheduler", "worker", "gateway"}),
+    )
+    with s:
+        yield s
+
+
+def test_a_trusted_requests_own_template_and_its_kwargs_are_rendered(trusting):
+    template = "{% for m in messages %}[{{ m.role }}|{{ m.content }}|{{ flavour }}]{% endfor %}"
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template": template,
+        "chat_template_kwargs": {"flavour": "mint"},
+        "max_tokens": 1,
+        "return_token_ids": True,
+    }
+    reply = httpx.post(trusting.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    tokenizer = Tokenizer.from_file(str(trusting.model / "tokenizer.json"))
+    assert tokenizer.decode(reply.json()["prompt_token_ids"]) == "[user|hi|mint]"
+    broken = httpx.post(
+        trusting.base_url + "/v1/chat/completions",
+        json=body | {"chat_template": "{% for %}"},
+        timeout=60,
+    )
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"

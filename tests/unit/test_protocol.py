@@ -116,3 +116,27 @@ def test_truncation_keeps_either_end_and_refuses_more_than_the_context():
     with pytest.raises(GenerationError) as refused:
         Truncation(101).apply(ids, 100)
     assert refused.value.param == "truncate_prompt_tokens"
+
+
+def test_a_chats_template_options_become_its_prompt():
+    body = decode_body(
+        b'{"messages": [{"role": "user", "content": "a"}], "documents": [{"title": "t"}], '
+        b'"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": false}, '
+        b'"add_generation_prompt": false, "add_special_tokens": true}',
+        ChatCompletionRequest,
+    )
+    body.refuse_unsupported()
+    prompt = body.chat_prompt()
+    assert prompt.template_kwargs == {
+        "enable_thinking": False,
+        "documents": [{"title": "t"}],
+        "reasoning_effort": "low",
+    }
+    assert (prompt.add_generation_prompt, prompt.add_special_tokens) == (False, True)
+    reserved = decode_body(
+        b'{"messages": [], "chat_template_kwargs": {"tools": [], "tokenize": true}}',
+        ChatCompletionRequest,
+    )
+    with pytest.raises(InvalidRequest, match=r"\['tokenize', 'tools'\]") as refused:
+        reserved.refuse_unsupported()
+    assert refused.value.param == "chat_template_kwargs"

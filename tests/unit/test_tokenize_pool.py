@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lamina.services.gateway.tokenize_pool import INLINE_CHARS, TokenizePool
-from lamina.services.gateway.tokenizer import ModelTokenizer, TemplateError
+from lamina.services.gateway.tokenizer import ChatPrompt, ModelTokenizer, TemplateError, TextPrompt
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,9 @@ def test_long_prompts_are_tokenized_off_the_loop_exactly_as_inline(tokenizer, ti
         pool = TokenizePool(tokenizer, tiny_model, workers=1)
         await pool.start()
         try:
-            ids, stall = await longest_stall(pool.encode(text))
-            chat = await pool.encode(messages)
-            short = await pool.encode("hello")  # inline
+            ids, stall = await longest_stall(pool.encode(TextPrompt(text)))
+            chat = await pool.encode(ChatPrompt(messages))
+            short = await pool.encode(TextPrompt("hello"))  # inline
             return ids, stall, chat, short
         finally:
             pool.close()
@@ -71,7 +71,9 @@ def test_a_template_error_comes_back_from_the_pool(tiny_model, tmp_path):
         pool = TokenizePool(untemplated, tmp_path, workers=1)
         try:
             with pytest.raises(TemplateError, match="no chat template"):
-                await pool.encode([{"role": "user", "content": "x" * (INLINE_CHARS + 1)}])
+                await pool.encode(
+                    ChatPrompt([{"role": "user", "content": "x" * (INLINE_CHARS + 1)}])
+                )
         finally:
             pool.close()
 
@@ -85,10 +87,10 @@ def test_beyond_its_bound_the_pool_sheds_with_a_429(tokenizer, tiny_model):
         pool = TokenizePool(tokenizer, tiny_model, workers=1, max_pending=1)
         try:
             text = "x " * INLINE_CHARS
-            first = asyncio.create_task(pool.encode(text))
+            first = asyncio.create_task(pool.encode(TextPrompt(text)))
             await asyncio.sleep(0)
             with pytest.raises(GenerationError) as refused:
-                await pool.encode(text)
+                await pool.encode(TextPrompt(text))
             await first
             return refused.value
         finally:
