@@ -20,7 +20,7 @@ from importlib.metadata import version as package_version
 from typing import Any
 
 import msgspec
-from litestar import Litestar, Request, Response, asgi, get, post
+from litestar import Litestar, Request, Response, asgi, get, post, route
 from litestar.types import Receive, Scope, Send
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
@@ -50,10 +50,12 @@ from lamina.services.gateway.asgi import (
 from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.openapi import openapi_document
 from lamina.services.gateway.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
     decode_request,
+    invocation_kind,
 )
 from lamina.services.gateway.tokenize_api import TokenizeApi
 from lamina.services.gateway.tokenizer import Prompt, TextPrompt
@@ -230,6 +232,13 @@ class Reply:
     """vLLM's ``return_token_ids``."""
     echoes: list[str] | None
     """With ``echo``: each choice's prompt text, which its text starts with."""
+    batch: bool = False
+    """A batch of chats: each choice has a prompt of its own (as a completion's have)."""
+
+    @property
+    def prompt_per_choice(self) -> bool:
+        """Whether a choice names its own prompt (``prompt_token_ids``)."""
+        return self.batch or not self.chat
 
 
 class OpenAIApi:
@@ -345,7 +354,7 @@ class OpenAIApi:
                         "not run with --trust-request-chat-template",
                         "chat_template",
                     )
-                prompts: list[Prompt | list[int]] = [body.chat_prompt()]
+                prompts: list[Prompt | list[int]] = list(body.chat_prompts())
                 sampling = body.sampling(None, body.logprobs_count(vocab), vocab)
                 parser = self._tool_parser(body)
             else:
@@ -424,16 +433,18 @@ class OpenAIApi:
             otel_context.detach(token)
 
     async def _serve(
-        self, scope: Scope, receive: Receive, send: Send, kind: type, build: Callable
+        self, scope: Scope, receive: Receive, send: Send, kind: Callable[[bytes], type]
     ) -> None:
-        """One completion request, body to last byte (see ``asgi.py``). A client that
+        """One completion request, body to last byte (see ``asgi.py``), its body decoded
+        as ``kind(body)`` says (a chat, a completion, a batch of chats). A client that
         disconnects cancels it, wherever it is: queued, generating or streaming."""
         if scope["method"] != "POST":  # Litestar does not check an ASGI route's method
             error = error_body(405, "invalid_request_error", "only POST is allowed here")
             await send_json(send, 405, error, [(b"allow", b"POST")])
             return
         try:
-            body, ignored = decode_request(await read_body(receive), kind)
+            raw = await read_body(receive)
+            body, ignored = decode_request(raw, kind(raw))
         except ClientDisconnected:
             return
         except BodyTooLarge as exc:
@@ -455,7 +466,8 @@ class OpenAIApi:
                 status, payload = exc.status, _error_body(exc)
                 headers += _error_headers(exc)
             else:
-                chat = kind is ChatCompletionRequest
+                chat = isinstance(body, ChatCompletionRequest)
+                build = self.build_chat if chat else self.build_completion
                 if body.return_tokens_as_token_ids:
                     build = functools.partial(build, as_ids=True)
                 response = Reply(
@@ -465,6 +477,7 @@ class OpenAIApi:
                     build,
                     bool(body.return_token_ids),
                     self._echoes(body),
+                    isinstance(body, BatchChatCompletionRequest),
                 )
                 if body.stream:
                     await self._stream(streams, body, response, send, headers)
@@ -492,8 +505,8 @@ class OpenAIApi:
         prompt as it was sent, token ids decoded; ``n`` choices per prompt; a chat's last
         message where it is the assistant's)."""
         if isinstance(body, ChatCompletionRequest):
-            text = body.echo_text()
-            return None if text is None else [text] * body.n
+            texts = body.echo_texts()
+            return None if texts is None else [t for t in texts for _ in range(body.n)]
         if not body.echo:
             return None
         tokenizer, skip = self.admission.tokenizer, body.skip_special_tokens
@@ -541,10 +554,10 @@ class OpenAIApi:
         payload["usage"] = _usage(usage)
         if response.token_ids:
             for choice, stream, ids in zip(payload["choices"], streams, outputs, strict=True):
-                if not response.chat:  # a completion's prompts differ by choice
+                if response.prompt_per_choice:
                     choice["prompt_token_ids"] = stream.prompt_token_ids
                 choice["token_ids"] = ids
-            if response.chat:
+            if not response.prompt_per_choice:  # a chat's choices share its prompt
                 payload["prompt_token_ids"] = streams[0].prompt_token_ids
         return 200, payload
 
@@ -700,11 +713,19 @@ class OpenAIApi:
 
         @asgi("/v1/completions")
         async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await api._serve(scope, receive, send, CompletionRequest, api.build_completion)
+            await api._serve(scope, receive, send, lambda _: CompletionRequest)
 
         @asgi("/v1/chat/completions")
         async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await api._serve(scope, receive, send, ChatCompletionRequest, api.build_chat)
+            await api._serve(scope, receive, send, lambda _: ChatCompletionRequest)
+
+        @asgi("/v1/chat/completions/batch")
+        async def chat_completions_batch(scope: Scope, receive: Receive, send: Send) -> None:
+            await api._serve(scope, receive, send, lambda _: BatchChatCompletionRequest)
+
+        @asgi("/invocations")
+        async def invocations(scope: Scope, receive: Receive, send: Send) -> None:
+            await api._serve(scope, receive, send, invocation_kind)
 
         started = int(time.time())
 
@@ -764,6 +785,11 @@ class OpenAIApi:
                 return Response({"status": "ready"}, status_code=200)
             return error_response(503, "service_unavailable", "no engine worker is ready")
 
+        @route("/ping", http_method=["GET", "POST"])
+        async def ping() -> Response:
+            """SageMaker's health check (vLLM serves it): empty, 200 once a worker is ready."""
+            return Response(b"", status_code=200 if api.ready() else 503)
+
         def on_error(_: Request, exc: Exception) -> Response:
             status = getattr(exc, "status_code", 500)
             kind = "invalid_request_error" if status < 500 else "api_error"
@@ -773,6 +799,9 @@ class OpenAIApi:
             route_handlers=[
                 completions,
                 chat_completions,
+                chat_completions_batch,
+                invocations,
+                ping,
                 models,
                 model,
                 tokenize,

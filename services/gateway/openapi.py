@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from lamina.services.gateway.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -103,10 +104,17 @@ def _probe(operation: str, summary: str) -> dict[str, Any]:
 
 
 def openapi_document() -> dict[str, Any]:
-    (completion, chat, tokenize, detokenize), schemas = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
-        ref_template="#/components/schemas/{name}",
+    kinds = [
+        CompletionRequest,
+        ChatCompletionRequest,
+        BatchChatCompletionRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+    ]
+    (completion, chat, batch, tokenize, detokenize), schemas = msgspec.json.schema_components(
+        kinds, ref_template="#/components/schemas/{name}"
     )
+    either = {"oneOf": [chat, completion]}
     models = {"description": "the served model", "content": {"application/json": {}}}
     return {
         "openapi": "3.1.0",
@@ -114,6 +122,12 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/completions": _generation("createCompletion", "complete a prompt", completion),
             "/v1/chat/completions": _generation("createChatCompletion", "chat", chat),
+            "/v1/chat/completions/batch": _generation(
+                "createChatCompletionBatch", "several chats, a choice each (vLLM's)", batch
+            ),
+            "/invocations": _generation(
+                "invocations", "SageMaker's: a chat (messages) or a completion (prompt)", either
+            ),
             "/v1/models": {"get": {"operationId": "listModels", "responses": {"200": models}}},
             "/v1/models/{model}": {
                 "get": {
@@ -154,6 +168,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "/health": _probe("health", "the process is alive"),
             "/ready": _probe("ready", "a worker is ready to serve"),
+            "/ping": _probe("ping", "SageMaker's: a worker is ready to serve (empty body)"),
         },
         "components": {
             "schemas": {**schemas, "Error": _ERROR},

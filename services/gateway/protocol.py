@@ -617,18 +617,19 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
             sampling = msgspec.structs.replace(sampling, structured=constraint)
         return sampling
 
-    def chat(self) -> list[dict[str, Any]]:
-        return _template_messages(self.messages)
+    def chat_prompts(self) -> list[ChatPrompt]:
+        """The chat (one; a batch's: each of its conversations), its tools and how its
+        template is to render it."""
+        return [self._prompt_of(self.messages)]
 
-    def chat_prompt(self) -> ChatPrompt:
-        """The chat, its tools and how its template is to render it."""
+    def _prompt_of(self, messages: list[ChatMessage]) -> ChatPrompt:
         kwargs = dict(self.chat_template_kwargs or {})
         if self.documents is not None:
             kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
         return ChatPrompt(
-            self.chat(),
+            _template_messages(messages),
             self.template_tools(),
             self.add_generation_prompt,
             self.continue_final_message,
@@ -637,20 +638,72 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
             kwargs,
         )
 
-    def echo_text(self) -> str | None:
-        """With ``echo``, what each choice's content starts with: the last message's,
-        where it is the assistant's (vLLM's rule)."""
-        last = self.messages[-1] if self.messages else None
-        if not self.echo or last is None or last.role != "assistant":
-            return None
-        return last.text()
-
     def logprobs_count(self, vocab_size: int) -> int | None:
         """Alternatives per output token (``top_logprobs``, with ``logprobs``; -1: the
         whole vocabulary)."""
         if not self.logprobs:
             return None
         return logprob_count(self.top_logprobs or 0, vocab_size, "top_logprobs")
+
+    def echo_texts(self) -> list[str] | None:
+        """With ``echo``, what each chat's choices' content starts with: its last
+        message's, where that is the assistant's (vLLM's rule); None: no echo at all."""
+        if not self.echo:
+            return None
+        return [_echo_of(self.messages)]
+
+
+def _echo_of(messages: list[ChatMessage]) -> str:
+    last = messages[-1] if messages else None
+    return last.text() if last is not None and last.role == "assistant" else ""
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest, kw_only=True):
+    """vLLM's ``POST /v1/chat/completions/batch``: several conversations sampled alike,
+    answered as one chat completion with a choice per conversation (``index``: its
+    place). Not streamed, one choice per conversation, no tools (vLLM's limits)."""
+
+    messages: Annotated[list[list[ChatMessage]], msgspec.Meta(min_length=1)]  # type: ignore[assignment]
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        for name, asks in (
+            ("stream", self.stream),
+            ("n", self.n != 1),
+            ("tools", bool(self.tools)),
+            ("tool_choice", self.tool_choice not in (None, "none")),
+        ):
+            if asks:
+                raise InvalidRequest(
+                    f"batch chat completions do not support {name}: send one request per "
+                    "conversation to /v1/chat/completions instead",
+                    name,
+                )
+
+    def chat_prompts(self) -> list[ChatPrompt]:
+        return [self._prompt_of(conversation) for conversation in self.messages]
+
+    def echo_texts(self) -> list[str] | None:
+        if not self.echo:
+            return None
+        return [_echo_of(conversation) for conversation in self.messages]
+
+
+def invocation_kind(body: bytes) -> type:
+    """What SageMaker's ``POST /invocations`` body is, as vLLM routes it: a chat (it has
+    ``messages``), else a completion (``prompt``); anything else is refused."""
+    try:
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, RecursionError):
+        return CompletionRequest  # decoding it again says what is wrong
+    if "messages" in fields:
+        return ChatCompletionRequest
+    if "prompt" in fields:
+        return CompletionRequest
+    raise InvalidRequest(
+        "cannot find a handler for this request: expected a chat completion (messages) or "
+        "a completion (prompt)"
+    )
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -160,7 +160,7 @@ class GatewayService:
         keys = load_keys(cfg.api_key, cfg.api_key_file)
         if keys:  # /health and /ready stay open: orchestrators probe them without a key
             app = RateLimitHeaders(app, quotas({k: policy.limits for k, policy in keys.items()}))
-            app = ApiKeys(app, keys, open_paths=("/health", "/ready"))
+            app = ApiKeys(app, keys, open_paths=("/health", "/ready", "/ping"))
         self._server = _Server(
             server_config(
                 app,

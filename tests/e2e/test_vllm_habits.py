@@ -278,3 +278,51 @@ def test_a_trusted_requests_own_template_and_its_kwargs_are_rendered(trusting):
         timeout=60,
     )
     assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
+
+
+def test_a_batch_of_chats_is_one_response_with_a_choice_each(stack, client):
+    chats = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(3)]
+    url = stack.base_url + "/v1/chat/completions/batch"
+    body = {"messages": chats, "temperature": 0, "max_tokens": 5, "return_token_ids": True}
+    reply = httpx.post(url, json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    batch = reply.json()
+    assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    for chat, choice in zip(chats, batch["choices"], strict=True):
+        alone = client.chat.completions.create(
+            model=None,
+            messages=chat,
+            extra_body={"return_token_ids": True},
+            **GREEDY | {"max_tokens": 5},
+        ).model_dump()
+        assert choice["prompt_token_ids"] == alone["prompt_token_ids"]
+        assert choice["message"]["content"] == alone["choices"][0]["message"]["content"]
+    assert batch["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in batch["choices"])
+    for extra, param in (({"n": 2}, "n"), ({"stream": True}, "stream"),
+                         ({"use_beam_search": True}, "use_beam_search")):  # fmt: skip
+        refused = httpx.post(url, json=body | extra, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+
+
+def test_sagemakers_ping_and_invocations_route_as_vllm_does(stack, client):
+    ping = httpx.get(stack.base_url + "/ping", timeout=30)
+    assert ping.status_code == 200 and ping.content == b""
+    assert httpx.post(stack.base_url + "/ping", timeout=30).status_code == 200
+    url = stack.base_url + "/invocations"
+    chat = {"messages": [{"role": "user", "content": PROMPT}], **GREEDY}
+    as_chat = httpx.post(url, json=chat, timeout=60).json()
+    assert as_chat["object"] == "chat.completion"
+    assert as_chat["choices"][0]["message"]["content"] == (
+        client.chat.completions.create(model=None, messages=chat["messages"], **GREEDY)
+        .choices[0]
+        .message.content
+    )
+    as_completion = httpx.post(url, json={"prompt": PROMPT, **GREEDY}, timeout=60).json()
+    assert as_completion["object"] == "text_completion"
+    streamed = httpx.post(url, json=chat | {"stream": True}, timeout=60)
+    assert streamed.headers["content-type"] == "text/event-stream"
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    neither = httpx.post(url, json={"input": "embed me"}, timeout=30)
+    assert neither.status_code == 400 and "handler" in neither.json()["error"]["message"]
+    assert httpx.post(url, content=b"{oops", timeout=30).status_code == 400

@@ -50,7 +50,7 @@ def test_sampling_mapping_and_defaults():
         b'": 5, "top_k": 3, "stop": "x", "logprobs": true, "top_logprobs": 2}',
         ChatCompletionRequest,
     )
-    assert body.chat() == [{"role": "user", "content": "ab"}]
+    assert body.chat_prompts()[0].messages == [{"role": "user", "content": "ab"}]
     sampling = body.sampling(None, body.logprobs_count(1000))
     assert (sampling.max_tokens, sampling.top_k, sampling.logprobs) == (5, 3, 2)
     assert sampling.temperature == 1.0 and body.stop_strings() == ["x"]
@@ -126,7 +126,7 @@ def test_a_chats_template_options_become_its_prompt():
         ChatCompletionRequest,
     )
     body.refuse_unsupported()
-    prompt = body.chat_prompt()
+    (prompt,) = body.chat_prompts()
     assert prompt.template_kwargs == {
         "enable_thinking": False,
         "documents": [{"title": "t"}],

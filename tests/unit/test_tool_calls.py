@@ -156,7 +156,7 @@ def test_the_default_template_renders_tools_and_calls_as_transformers_does(tmp_p
         "tools": [WEATHER, TIME],
     }  # fmt: skip
     request = decode_body(json.dumps(body).encode(), ChatCompletionRequest)
-    messages, tools = request.chat(), request.template_tools()
+    messages, tools = request.chat_prompts()[0].messages, request.template_tools()
     rendered = ours.render_chat(messages, tools=tools)
     assert rendered == theirs.apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=True

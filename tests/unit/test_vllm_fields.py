@@ -9,14 +9,16 @@ import pytest
 from lamina.services.gateway.openai_http import _ignored_header
 from lamina.services.gateway.protocol import (
     _NOT_SUPPORTED,
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
     decode_request,
 )
 
-# The fields of vLLM 0.34.0's ``CompletionRequest`` and ``ChatCompletionRequest``
-# (vllm/entrypoints/openai/{completion,chat_completion}/protocol.py), as facts.
+# The fields of vLLM 0.34.0's ``CompletionRequest``, ``ChatCompletionRequest`` and
+# ``BatchChatCompletionRequest`` (vllm/entrypoints/openai/{completion,chat_completion}/
+# protocol.py), as facts.
 VLLM_COMPLETION_FIELDS = [
     "model",
     "prompt",
@@ -146,6 +148,50 @@ VLLM_CHAT_FIELDS = [
     "repetition_detection",
     "stream_interval",
 ]
+VLLM_BATCH_CHAT_FIELDS = [
+    "messages",
+    "model",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "logprob_token_ids",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "presence_penalty",
+    "response_format",
+    "seed",
+    "stop",
+    "temperature",
+    "top_p",
+    "user",
+    "tool_choice",
+    "include_reasoning",
+    "best_of",
+    "use_beam_search",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "watermarking",
+    "length_penalty",
+    "early_stopping",
+    "structured_outputs",
+    "request_id",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "media_io_kwargs",
+    "mm_processor_kwargs",
+    "priority",
+    "cache_salt",
+    "include_stop_str_in_output",
+    "guided_decoding_backend",
+    "echo",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+]
 # Fields OpenAI or vLLM had and replaced (vLLM still names them when it refuses them).
 RETIRED = ["functions", "function_call", "best_of", "guided_json", "guided_regex", "guided_choice",
            "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern"]  # fmt: skip
@@ -157,7 +203,11 @@ def declared(kind: type) -> set[str]:
 
 @pytest.mark.parametrize(
     ("kind", "fields"),
-    [(CompletionRequest, VLLM_COMPLETION_FIELDS), (ChatCompletionRequest, VLLM_CHAT_FIELDS)],
+    [
+        (CompletionRequest, VLLM_COMPLETION_FIELDS),
+        (ChatCompletionRequest, VLLM_CHAT_FIELDS),
+        (BatchChatCompletionRequest, VLLM_BATCH_CHAT_FIELDS),
+    ],
 )
 def test_every_vllm_field_is_declared_or_refused(kind, fields):
     unaccounted = set(fields) - declared(kind) - set(_NOT_SUPPORTED)
