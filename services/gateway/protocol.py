@@ -144,7 +144,35 @@ def decode_request(body: bytes, kind: type) -> tuple[Any, list[str]]:
             raise InvalidRequest(f"{name} is nested too deeply", name) from exc
         if value not in neutral:
             raise InvalidRequest(f"{name} is not supported: {why}", name)
-    return decode_body(body, kind), sorted(ignored)
+    try:
+        return decode_body(body, kind), sorted(ignored)
+    except InvalidRequest as exc:
+        if exc.param is not None and exc.param.startswith("logit_bias"):
+            raise _logit_bias_error(fields["logit_bias"]) or exc from exc
+        raise
+
+
+def _logit_bias_error(raw: msgspec.Raw) -> InvalidRequest | None:
+    """What is wrong with a ``logit_bias``, naming the keys at fault (msgspec's error says
+    only where); None if it is not an object of numbers."""
+    try:
+        bias = msgspec.json.decode(raw, type=dict[str, float])
+    except msgspec.DecodeError:
+        return None
+    not_ids = [k for k in bias if not (k.isascii() and k.isdigit())]
+    if not_ids:
+        return InvalidRequest(
+            "logit_bias contains key(s) that cannot be converted to integer token IDs: "
+            f"{not_ids[:8]}",
+            "logit_bias",
+        )
+    out = {k: v for k, v in bias.items() if not -100 <= v <= 100}
+    if out:
+        return InvalidRequest(
+            f"logit_bias values must be within [-100, 100]; got {dict(list(out.items())[:8])}",
+            "logit_bias",
+        )
+    return None
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):

@@ -326,3 +326,19 @@ def test_sagemakers_ping_and_invocations_route_as_vllm_does(stack, client):
     neither = httpx.post(url, json={"input": "embed me"}, timeout=30)
     assert neither.status_code == 400 and "handler" in neither.json()["error"]["message"]
     assert httpx.post(url, content=b"{oops", timeout=30).status_code == 400
+
+
+def test_errors_a_client_can_act_on(stack):
+    url = stack.base_url + "/v1/completions"
+    cases = [
+        ({"logit_bias": {"abc": 1, "7": 2}}, "logit_bias", "cannot be converted to integer"),
+        ({"logit_bias": {"7": 500}}, "logit_bias", "within [-100, 100]"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"seed": 2**64}, "seed", "9223372036854775807"),
+    ]
+    for extra, param, words in cases:
+        reply = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2} | extra, timeout=30)
+        error = reply.json()["error"]
+        assert (reply.status_code, error["param"]) == (400, param), (extra, error)
+        assert words in error["message"], (extra, error)
+    assert "abc" in httpx.post(url, json={"prompt": PROMPT} | cases[0][0], timeout=30).text
