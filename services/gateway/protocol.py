@@ -607,10 +607,13 @@ class ChatCompletionRequest(OpenAIBody, kw_only=True):
         named = self.named_function
         if named is not None and named not in {t.function.name for t in self.tools or ()}:
             raise InvalidRequest(f"tool_choice names {named!r}, which is not a tool", "tool_choice")
+        # A forced call is constrained to be the call: a response_format (which agent
+        # frameworks send with every turn, for the final answer) governs only replies
+        # that are not calls, as vLLM takes it; structured_outputs says the reply itself.
         forced = named is not None or self.tool_choice == "required"
-        if forced and (self.response_format or self.structured_outputs):
+        if forced and self.structured_outputs:
             raise InvalidRequest(
-                "a structured output constraint and a required tool call cannot both be asked",
+                "structured_outputs and a required tool call cannot both constrain the reply",
                 "tool_choice",
             )
 

@@ -201,19 +201,50 @@ def tool_constraint(
     params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
     if function is not None:
         return StructuredOutput(json=json.dumps(params[function] or {"type": "object"}))
+    # Each tool's parameters become a definition of the array's schema, their own local
+    # references rebased onto it: a "#/$defs/X" inside them means the tool's own $defs,
+    # not the array's.
+    defs = {
+        f"tool{i}": _rebased(schema, f"#/$defs/tool{i}") for i, schema in enumerate(params.values())
+    }
     one_of = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, "parameters": schema or {"type": "object"}},
+            "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for name, schema in params.items()
+        for i, name in enumerate(params)
     ]
-    array: dict[str, Any] = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1}
+    array: dict[str, Any] = {
+        "type": "array",
+        "items": {"anyOf": one_of},
+        "minItems": 1,
+        "$defs": defs,
+    }
     if not parallel:
         array["maxItems"] = 1
     return StructuredOutput(json=json.dumps(array))
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` (``{}``: any object) with every local ``$ref`` (``#...``) made relative
+    to ``root``, where the schema now lives inside a larger one."""
+    if schema == {}:
+        return {"type": "object"}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: walk(value) for key, value in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = root + ref[1:]
+        return out
+
+    return walk(schema)
 
 
 def _loads(text: str) -> Any:

@@ -174,7 +174,7 @@ def test_a_conversation_with_calls_and_results_reaches_the_template(client, stac
         ({"tool_choice": "required"}, "needs tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "not a tool"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"json_object": True}},
          "cannot both"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
         ({"functions": [{"name": "f"}]}, "use tools"),
@@ -185,3 +185,40 @@ def test_inconsistent_tool_requests_are_400s(client, body, words):
         client.chat.completions.create(model="lamina-tiny", messages=ASK, extra_body=body)
     error = refused.value.body
     assert words in error["message"] or words == error["param"].split("[")[0], error
+
+
+FORECAST = {  # parameters that refer to their own $defs, as pydantic writes them
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12},
+                           "options": {"$ref": "#/$defs/Options"}},
+            "required": ["city", "options"],
+            "$defs": {"Options": {"type": "object", "properties": {"days": {"enum": [1, 2, 3]}},
+                                  "required": ["days"]}},
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_required_calls_with_defs_and_a_response_format_validate(client, seed):
+    reply = client.chat.completions.create(
+        model="lamina-tiny",
+        messages=ASK,
+        tools=[WEATHER, FORECAST],
+        tool_choice="required",
+        response_format={"type": "json_object"},  # for a reply that is not a call
+        seed=seed,
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert calls and reply.choices[0].finish_reason == "tool_calls"
+    schemas = {"get_weather": WEATHER, "get_forecast": FORECAST}
+    for call in calls:
+        parameters = schemas[call.function.name]["function"]["parameters"]
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, parameters)
+        if call.function.name == "get_forecast":  # closed objects: only the listed keys
+            assert set(arguments) <= {"city", "options"} and set(arguments["options"]) == {"days"}

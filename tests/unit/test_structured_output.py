@@ -132,3 +132,49 @@ def test_the_wire_constraint_holds_exactly_one_kind():
     too_long = "a" * ((1 << 18) + 1)
     with pytest.raises(msgspec.ValidationError, match="length"):
         msgspec.convert({"structured": {"regex": too_long}}, Sampling)
+
+
+def test_object_schemas_are_closed_unless_they_say_otherwise():
+    schema = {
+        "type": "object",
+        "properties": {
+            "inner": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "fixed": {"const": {"properties": {"kept": 1}}},
+            "either": {"anyOf": [{"properties": {"y": {}}}, {"type": "string"}]},
+        },
+        "$defs": {"D": {"properties": {"z": {}}}},
+    }
+    closed = grammar._closed(schema)
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert props["inner"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["fixed"] == {"const": {"properties": {"kept": 1}}}  # data, not a schema
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["D"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]  # a mapping, not a schema
+    assert grammar._closed(True) is True
+
+
+def test_json_whitespace_is_bounded_unless_none_is_asked(tiny_model):
+    import llguidance
+    from tokenizers import Tokenizer
+
+    path = tiny_model / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    vocab = llguidance.LLTokenizer(
+        path.read_text(), n_vocab=tokenizer.get_vocab_size(), eos_token=[0]
+    )
+
+    def accepts(text: str, **options) -> bool:
+        spec = StructuredOutput(json=json.dumps(SCHEMA), **options)
+        matcher = llguidance.LLMatcher(vocab, grammar.check(spec), log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        return matcher.consume_tokens(ids) and not matcher.is_error()
+
+    assert accepts('{\n  "a": 1\n}') and accepts('{"a": 1}')
+    assert not accepts("{" + " " * 17 + '"a": 1}')
+    assert not accepts('{"a": 1, "b": 2}')  # closed: no invented key
+    assert accepts('{"a":1}', disable_any_whitespace=True)
+    assert not accepts('{"a": 1}', disable_any_whitespace=True)
