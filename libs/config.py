@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import itertools
 import os
+import re
 import textwrap
 import types
 import typing
@@ -52,6 +53,8 @@ class Setting:
     kind: Any
     """The field's type without ``| None``."""
     help: str
+    default: Any = None
+    """The field's default (None: none worth showing)."""
 
     @property
     def name(self) -> str:
@@ -85,7 +88,10 @@ def _settings(cls: type, prefix: tuple[str, ...]) -> Iterator[Setting]:
             yield from _settings(kind, (*prefix, field.name))
         else:
             help_text = field.metadata.get("help") or docs.get(field.name, "")
-            yield Setting((*prefix, field.name), kind, help_text)
+            default = field.default
+            if field.default_factory is not dataclasses.MISSING:
+                default = field.default_factory()
+            yield Setting((*prefix, field.name), kind, plain(help_text), default)
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
@@ -104,8 +110,29 @@ def _attribute_docs(cls: type) -> dict[str, str]:
             and isinstance(after.value, ast.Constant)
             and isinstance(after.value.value, str)
         ):
-            docs[node.target.id] = " ".join(after.value.value.replace("``", "").split())
+            docs[node.target.id] = " ".join(after.value.value.split())
     return docs
+
+
+_MARKUP = re.compile(r":[a-z]+:`~?([^`]+)`|``([^`]+)``")
+
+
+def plain(text: str) -> str:
+    """``text`` without Sphinx markup (``:mod:`x```, double backticks), for ``--help``."""
+    return _MARKUP.sub(lambda m: m.group(1) or m.group(2), text)
+
+
+def _help(setting: Setting) -> str:
+    """A flag's ``--help`` line: what it does, its default where it has one worth showing,
+    and its environment variable (``%`` escaped for argparse)."""
+    shown = setting.default
+    if shown in (None, "", dataclasses.MISSING) or isinstance(shown, list | dict | set):
+        extra = f"env {setting.env}"
+    else:
+        if isinstance(shown, bool):
+            shown = "yes" if shown else "no"
+        extra = f"default: {shown}; env {setting.env}"
+    return f"{setting.help} ({extra})".lstrip().replace("%", "%%")
 
 
 def _base_type(annotation: Any) -> Any:
@@ -138,10 +165,11 @@ def parse_config(
 ) -> C:
     """Build ``cls`` (a dataclass) from ``argv`` and the environment."""
     env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    description = plain(" ".join((cls.__doc__ or "").split()))
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     all_settings = settings(cls)
     for setting in all_settings:
-        help_text = f"{setting.help} (env {setting.env})".lstrip().replace("%", "%%")
+        help_text = _help(setting)
         if setting.kind is bool:
             action: Any = argparse.BooleanOptionalAction
             parser.add_argument(setting.flag, dest=setting.name, action=action, help=help_text)

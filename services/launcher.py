@@ -39,6 +39,7 @@ from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.errors import ModelLoadError
 from lamina.services.engine_worker.model_config import ModelConfig
+from lamina.services.gateway.config import GatewayOptions
 
 SERVICES = frozenset({"gateway", "scheduler", "telemetry", "worker"})
 
@@ -312,7 +313,8 @@ class Stack:
 class UpConfig:
     """Run the whole stack locally: an embedded NATS server (unless --nats-url), one
     scheduler, one telemetry, N engine workers and one gateway. Every engine setting of
-    `lamina worker` is also a flag here and goes to each worker."""
+    `lamina worker` is also a flag here and goes to each worker, and every setting of how
+    `lamina gateway` serves goes to the gateway."""
 
     workers: int = option(1, "engine workers to start")
     model_name: str = option("", "served model name (default: the model directory's name)")
@@ -343,6 +345,7 @@ class UpConfig:
     nats_tls_key: str = option("", "its private key (PEM)")
     nats_tls_ca: str = option("", "the CA the services verify NATS's certificate with")
     engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayOptions = field(default_factory=GatewayOptions)
 
 
 def preflight(config: UpConfig, model: Path, ports: list[tuple[str, str, int]]) -> str | None:
@@ -420,7 +423,7 @@ def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
         if config.nats_tls_cert
         else None,
         worker_args=[*to_argv(dataclasses.replace(config.engine, model=None)), *names],
-        gateway_args=[*names, *_gateway_policies(config)],
+        gateway_args=[*names, *_gateway_policies(config), *to_argv(config.gateway)],
         telemetry_args=[
             *(["--metrics-compat", config.metrics_compat] if config.metrics_compat else []),
             *_telemetry_keys(config),

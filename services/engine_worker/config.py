@@ -19,7 +19,8 @@ class EngineConfig:
 
     model: Path | None = None
     """Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``). ``None``:
-    Lamina's default model, created locally on first use (``lamina model init``)."""
+    Lamina's default model, made on first use (or by ``lamina model init``) in
+    ``$LAMINA_HOME/models/lamina-tiny`` (``LAMINA_HOME``: ``~/.cache/lamina``)."""
     dtype: str = "auto"
     """Weight/activation dtype: ``auto`` (the checkpoint's own), ``float32``, ``bfloat16``
     or ``float16``."""

@@ -18,9 +18,6 @@ from lamina.libs.default_tokenizer import ensure_default_tokenizer
 from lamina.libs.errors import BusError
 from lamina.libs.http_auth import ApiKeys, load_keys, load_policies
 from lamina.libs.http_server import (
-    HEADER_TIMEOUT_S,
-    MAX_CONNECTIONS,
-    MIN_BODY_RATE,
     server_config,
 )
 from lamina.libs.nats_auth import api_subject
@@ -29,13 +26,13 @@ from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, GatewayAlive
 from lamina.services.gateway.admission import Admission, AdmissionLimits, Caller, precisions
+from lamina.services.gateway.config import GatewayOptions
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.nats_api import ANY_CLIENT, NatsApi
 from lamina.services.gateway.openai_http import OpenAIApi
 from lamina.services.gateway.remote_request import RetryPolicy
 from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ModelTokenizer
-from lamina.services.gateway.tool_calls import PARSERS
 
 log = logging.getLogger("lamina.gateway")
 
@@ -52,52 +49,16 @@ class GatewayConfig:
     model_name: str = option("", "served model name (default: the directory name)")
     http_host: str = option("127.0.0.1", "HTTP listen address")
     http_port: int = option(8000, "HTTP port")
-    accept_timeout: float = option(5.0, "seconds to wait for a worker to accept a request")
-    stall_timeout: float = option(60.0, "seconds without events before a request fails")
-    max_attempts: int = option(3, "submissions per request before giving up")
-    graceful_shutdown: float = option(60.0, "seconds SIGTERM waits for open HTTP requests")
-    http_header_timeout: float = option(
-        HEADER_TIMEOUT_S, "seconds a client may take to send a request's head (then a 408)"
-    )
-    http_min_body_rate: float = option(
-        MIN_BODY_RATE, "bytes/s a request body must keep up after the head, past that grace"
-    )
-    http_max_connections: int = option(
-        MAX_CONNECTIONS, "open HTTP connections held; beyond, a new one is answered 503"
-    )
     api_key: str = option(
         "", "API keys clients must send as Authorization: Bearer (comma-separated; none: open)"
     )
     api_key_file: str = option("", "file of API keys, one per line (added to --api-key)")
-    max_open_requests: int = option(4096, "requests held at once before new ones get a 429")
-    max_open_prompt_tokens: int = option(1 << 24, "their prompt tokens, likewise")
-    max_sequences_per_request: int = option(
-        256, "sequences one request may ask for: its prompts times n (more: a 400)"
-    )
     api_client_file: str = option(
         "",
         "NATS API clients' policies, one 'api.<name> [best_priority] [rpm=N] [tpm=N] "
         f"[concurrent=N]' per line ('{ANY_CLIENT}': every client without a line of its own)",
     )
-    tool_call_parser: str = option(
-        "hermes",
-        "how tool calls are read from output for tool_choice auto (vLLM's names: hermes, "
-        "llama3_json; empty: refuse auto)",
-    )
-    tokenizer_workers: int = option(
-        1, "processes that tokenize long prompts off the event loop (0: all on it)"
-    )
-    trust_request_chat_template: bool = option(
-        False, "let a chat request bring its own chat_template (rendered in the sandbox)"
-    )
-
-    def __post_init__(self) -> None:
-        if self.tool_call_parser and self.tool_call_parser not in PARSERS:
-            raise ValueError(
-                f"--tool-call-parser {self.tool_call_parser!r}: use one of "
-                + ", ".join(PARSERS)
-                + " (or empty)"
-            )
+    options: GatewayOptions = field(default_factory=GatewayOptions)
 
 
 def _callers(path: str) -> dict[str, Caller]:
@@ -136,15 +97,17 @@ class GatewayService:
         inbox = Inbox(bus)
         await inbox.start()
         settings = RetryPolicy(
-            accept_timeout=cfg.accept_timeout,
-            stall_timeout=cfg.stall_timeout,
-            max_attempts=cfg.max_attempts,
+            accept_timeout=cfg.options.accept_timeout,
+            stall_timeout=cfg.options.stall_timeout,
+            max_attempts=cfg.options.max_attempts,
         )
         limits = AdmissionLimits(
-            cfg.max_open_requests, cfg.max_open_prompt_tokens, cfg.max_sequences_per_request
+            cfg.options.max_open_requests,
+            cfg.options.max_open_prompt_tokens,
+            cfg.options.max_sequences_per_request,
         )
         name = cfg.model_name or model_dir.name
-        self._tokenize = pool = TokenizePool(tokenizer, model_dir, cfg.tokenizer_workers)
+        self._tokenize = pool = TokenizePool(tokenizer, model_dir, cfg.options.tokenizer_workers)
         await pool.start()
         admission = Admission(bus, inbox, tokenizer, name, settings, limits, pool)
         self._admission = admission
@@ -154,8 +117,8 @@ class GatewayService:
         app = OpenAIApi(
             admission,
             ready=lambda: self.cluster_ready,
-            tool_call_parser=cfg.tool_call_parser,
-            trust_request_chat_template=cfg.trust_request_chat_template,
+            tool_call_parser=cfg.options.tool_call_parser,
+            trust_request_chat_template=cfg.options.trust_request_chat_template,
         ).app()
         keys = load_keys(cfg.api_key, cfg.api_key_file)
         if keys:  # /health and /ready stay open: orchestrators probe them without a key
@@ -166,11 +129,11 @@ class GatewayService:
                 app,
                 cfg.http_host,
                 cfg.http_port,
-                cfg.http_header_timeout,
-                cfg.http_max_connections,
-                cfg.http_min_body_rate,
+                cfg.options.http_header_timeout,
+                cfg.options.http_max_connections,
+                cfg.options.http_min_body_rate,
                 log_level="warning",
-                timeout_graceful_shutdown=int(cfg.graceful_shutdown),
+                timeout_graceful_shutdown=int(cfg.options.graceful_shutdown),
             )
         )
         self._tasks = [

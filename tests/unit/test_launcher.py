@@ -35,3 +35,35 @@ def test_lamina_up_hands_its_keys_and_policies_to_the_gateway_and_telemetry():
     own = stack_of(UpConfig(api_key="k1", metrics_api_key="m"), Path("model"))
     assert own.telemetry_args == ["--metrics-api-key", "m"]
     assert stack_of(UpConfig(), Path("model")).telemetry_args == []
+
+
+def test_every_gateway_setting_is_a_flag_of_up_and_node_and_reaches_the_gateway():
+    from lamina.libs.config import parse_config, settings
+    from lamina.services.gateway.config import GatewayOptions
+    from lamina.services.gateway.service import GatewayConfig
+    from lamina.services.node import NodeConfig
+
+    serving = {s.name for s in settings(GatewayOptions)}
+    assert serving <= {s.name for s in settings(GatewayConfig)}
+    for kind in (UpConfig, NodeConfig):
+        assert serving <= {s.name for s in settings(kind)}, kind
+    argv = ["--tool-call-parser", "llama3_json", "--tokenizer-workers", "0",
+            "--trust-request-chat-template", "--stall-timeout", "90"]  # fmt: skip
+    config = parse_config(UpConfig, argv, env={})
+    stack = stack_of(config, Path("model"))
+    assert parse_config(GatewayConfig, stack.gateway_args, env={}).options == config.gateway
+    assert config.gateway.stall_timeout == 90 and config.gateway.trust_request_chat_template
+
+
+def test_help_shows_defaults_and_no_sphinx_markup():
+    from lamina.libs.config import plain
+
+    text = subprocess.run(
+        [sys.executable, "-m", "lamina.services.cli", "up", "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "``" not in text and ":mod:" not in text and ":class:" not in text
+    flat = " ".join(text.split())
+    assert "(default: 8000; env LAMINA_HTTP_PORT)" in flat
+    assert "$LAMINA_HOME/models/lamina-tiny" in flat
+    assert plain("see :mod:`a.b` and ``c``, :class:`~d.E`") == "see a.b and c, d.E"
