@@ -168,6 +168,11 @@ class NatsServer:
         self.stop()
         raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout}s")
 
+    @property
+    def pid(self) -> int:
+        """The server process's id (0: not running)."""
+        return self._proc.pid if self.running else 0  # type: ignore[union-attr]
+
     def reload(self) -> None:
         """Re-read the configuration file (new credentials), as ``nats-server --signal
         reload`` does; connected clients stay connected."""

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
@@ -33,8 +34,12 @@ from lamina.schemas.v1.control import (
     Uncordon,
 )
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
+from lamina.services import up_state
 
 tracer = trace.get_tracer("lamina.ctl")
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+"""Where ``lamina up`` puts its bus by default."""
 
 COMMANDS: dict[str, Callable[[], object]] = {
     "drain": Drain,
@@ -52,35 +57,66 @@ class CtlError(Exception):
     """What the operator is told, on one line."""
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lamina ctl", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
+def _connection_options(after_command: bool = False) -> argparse.ArgumentParser:
+    """How ``lamina ctl`` reaches the bus: accepted before the command or after it (where
+    they override only what they name). By default, the bus of the ``lamina up`` running
+    on this machine (``up_state``)."""
+    options = argparse.ArgumentParser(add_help=False)
+    up = up_state.running()
+    operator = Path(up.credentials if up and up.credentials else lamina_home() / "nats")
+    operator /= "operator.nk"
+    options.add_argument(
         "--nats-url",
-        default=os.environ.get("LAMINA_NATS_URL") or "nats://127.0.0.1:4222",
-        help="NATS server URL (env LAMINA_NATS_URL; default: lamina up's)",
+        default=os.environ.get("LAMINA_NATS_URL") or (up and up.nats_url) or DEFAULT_NATS_URL,
+        help="NATS server URL (env LAMINA_NATS_URL; default: the running lamina up's, else "
+        f"{DEFAULT_NATS_URL})",
     )
-    operator = lamina_home() / "nats" / "operator.nk"
-    parser.add_argument(
+    options.add_argument(
         "--nats-credential",
         default=os.environ.get("LAMINA_NATS_CREDENTIAL")
         or (str(operator) if operator.exists() else ""),
         help="NATS credential to act with (env LAMINA_NATS_CREDENTIAL; default: lamina up's "
-        "operator.nk under LAMINA_HOME/nats, where it exists)",
+        "operator.nk, where it exists)",
     )
-    parser.add_argument(
-        "--nats-tls-ca", default=os.environ.get("LAMINA_NATS_TLS_CA", ""), help="see lamina up"
+    options.add_argument(
+        "--nats-tls-ca",
+        default=os.environ.get("LAMINA_NATS_TLS_CA") or (up and up.nats_tls_ca) or "",
+        help="the CA that signed the NATS server's certificate (default: lamina up's)",
     )
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for answers")
+    options.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for answers")
+    if after_command:
+        for action in options._actions:
+            action.default = argparse.SUPPRESS
+    return options
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="lamina ctl", description=__doc__.split("\n\n")[0], parents=[_connection_options()]
+    )
+    after = _connection_options(after_command=True)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("status", help="every worker as the scheduler sees it")
+    commands.add_parser("status", help="every worker as the scheduler sees it", parents=[after])
     for name in COMMANDS:
-        sub = commands.add_parser(name, help=f"send {COMMANDS[name].__name__} to workers")
+        sub = commands.add_parser(
+            name, help=f"send {COMMANDS[name].__name__} to workers", parents=[after]
+        )
         sub.add_argument("workers", nargs="*", help="worker ids")
         sub.add_argument("--all", action="store_true", help="every worker the scheduler knows")
     args = parser.parse_args(argv)
     if args.command in COMMANDS and bool(args.workers) == args.all:
         parser.error(f"{args.command}: name the workers, or pass --all (not both)")
     return args
+
+
+def shown_state(state: str, cordoned: bool, quarantined: bool = False) -> str:
+    """A worker's state as ``lamina ctl`` shows it, in ``status`` and in a command's
+    answer alike: a ready worker that takes no new requests is ``cordoned``."""
+    if quarantined:
+        return "quarantined"
+    if cordoned and state == "ready":
+        return "cordoned"
+    return state
 
 
 async def cluster_status(bus: Bus, timeout: float) -> ClusterStatus:
@@ -96,16 +132,10 @@ def status_table(status: ClusterStatus) -> str:
     rows = [COLUMNS]
     for view in status.workers:
         s = view.stats
-        if view.quarantined:
-            state = "quarantined"
-        elif s.cordoned and s.state == "ready":
-            state = "cordoned"
-        else:
-            state = str(s.state)
         rows.append(
             (
                 s.worker_id,
-                state,
+                shown_state(str(s.state), s.cordoned, view.quarantined),
                 "yes" if view.alive else "no",
                 f"{s.kv_cache_usage:.0%}",
                 str(s.num_running),
@@ -147,7 +177,7 @@ async def control(args: argparse.Namespace, bus: Bus) -> list[str]:
             failed = True
             continue
         verdict = "ok" if ack.ok else f"refused: {ack.message}"
-        lines.append(f"{worker_id}: {verdict} (now {ack.state})")
+        lines.append(f"{worker_id}: {verdict} (now {shown_state(str(ack.state), ack.cordoned)})")
         failed |= not ack.ok
     if failed:
         raise CtlError("\n".join(lines))

@@ -35,6 +35,7 @@ from lamina.libs.lifetime import PARENT_ENV
 from lamina.libs.nats_auth import DEPLOYMENT, CredentialStore
 from lamina.libs.nats_server import NatsCluster, NatsServer, free_port
 from lamina.libs.service import RESTARTS_ENV
+from lamina.services import up_state
 from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.errors import ModelLoadError
@@ -455,14 +456,31 @@ def serve(stack: Stack, prog: str, banner: Callable[[], list[str]]) -> int:
         print("stopped during start-up", file=sys.stderr)
         return 0
     print("\n".join([*banner(), "Ctrl-C stops everything."]), flush=True)
+    recorded = None
     try:
         while not stopping:
+            state = _state_of(stack)
+            if state != recorded:  # at start, and when supervision restarted nats-server
+                up_state.record(state)
+                recorded = state
             for line in stack.supervise():
                 print(line, file=sys.stderr, flush=True)
             time.sleep(0.5)
     finally:
+        up_state.forget(os.getpid())
         stack.stop()
     return 0
+
+
+def _state_of(stack: Stack) -> up_state.UpState:
+    """What the machine's other commands are told of ``stack`` (``up_state``)."""
+    return up_state.UpState(
+        pid=os.getpid(),
+        nats_url=",".join([stack.nats_url or "", *stack.peer_urls]),
+        nats_tls_ca=stack.nats_tls[2] if stack.nats_tls else "",
+        nats_pid=stack.nats.pid if stack.nats is not None else 0,
+        credentials=str(stack.credentials or ""),
+    )
 
 
 def nats_banner(stack: Stack) -> list[str]:

@@ -45,6 +45,8 @@ class ControlAck(Message):
     ok: bool
     state: WorkerState
     message: Text = ""
+    cordoned: bool = False
+    """Whether the worker takes no new requests (its state stays what it was)."""
 
 
 ControlCommand = Drain | Resume | ResetPrefixCache | Ping | Cordon | Uncordon

@@ -359,7 +359,13 @@ class WorkerService:
             ok, message = False, str(exc)
         if not isinstance(command, Ping):  # a ping is only answered
             await self._publish_stats()
-        ack = ControlAck(worker_id=self.worker_id, ok=ok, state=self.state, message=message)
+        ack = ControlAck(
+            worker_id=self.worker_id,
+            ok=ok,
+            state=self.state,
+            message=message,
+            cordoned=self.cordoned,
+        )
         await self.bus.reply(msg, ack)
 
     # ------------------------------------------------------------------------- publishing

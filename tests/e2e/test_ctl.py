@@ -68,12 +68,12 @@ def test_ctl_changes_where_the_scheduler_places(tiny_model, tmp_path, capsys):
         assert "worker-1" in out and "kv used" in out and "queued" in out
 
         code, out = lamina_ctl(capsys, url, "cordon", "worker-0")
-        assert code == 0 and "worker-0: ok" in out
+        assert code == 0 and "worker-0: ok (now cordoned)" in out  # as status says it
         wait_for_status(capsys, url, "worker-0", "cordoned")
         assert set(placements(stack.base_url, url, 4)) == {"worker-1"}
 
-        code, out = lamina_ctl(capsys, url, "uncordon", "worker-0")
-        assert code == 0
+        code = ctl.main(["uncordon", "worker-0", "--nats-url", url])  # options after it too
+        assert code == 0 and "worker-0: ok (now ready)" in capsys.readouterr().out
         code, out = lamina_ctl(capsys, url, "drain", "worker-1")
         assert code == 0 and "now draining" in out
         wait_for_status(capsys, url, "worker-0", "ready")

@@ -4,6 +4,7 @@ must still drain over the bus and exit cleanly."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -16,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from lamina.libs.bus import NatsConfig
 from lamina.libs.nats_server import free_port
 
 
@@ -62,6 +64,7 @@ def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
         (worker,) = workers
         assert (worker["model"], worker["max_model_len"]) == ("story", 200)
         assert worker["total_kv_blocks"] == 40
+        the_machines_other_commands_find_the_stack(tmp_path, nats_port)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
         rest, _ = proc.communicate(timeout=60)
     finally:
@@ -76,6 +79,35 @@ def test_ctrl_c_stops_the_whole_stack_cleanly(tiny_model, tmp_path):
     assert f"OpenAI API   http://127.0.0.1:{port}/v1" in text, text
     assert f"metrics      http://127.0.0.1:{metrics_port}/metrics" in text, text
     assert f"NATS         nats://127.0.0.1:{nats_port}" in text, text
+    assert not (tmp_path / "up.json").exists()  # a stopped stack is not found
+
+
+def the_machines_other_commands_find_the_stack(home: Path, nats_port: int) -> None:
+    """``lamina ctl`` reaches the running stack's bus without being told where, and a
+    credential ``lamina creds add`` makes is admitted at once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAMINA_NATS")}
+    env["LAMINA_HOME"] = str(home)
+
+    def lamina(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", "from lamina.services.cli import main; main()", *args],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    assert "worker-0" in lamina("ctl", "status")
+    assert "worker-0: ok (now cordoned)" in lamina("ctl", "cordon", "worker-0")
+    assert "worker-0: ok (now ready)" in lamina("ctl", "uncordon", "--all", "--timeout", "10")
+    added = lamina("creds", "add", "api.newcomer")
+    assert "reloaded" in added, added
+
+    async def connect() -> None:
+        config = NatsConfig(f"nats://127.0.0.1:{nats_port}", str(home / "nats" / "api.newcomer.nk"))
+        bus = await config.connect("newcomer")
+        await bus.close()
+
+    asyncio.run(asyncio.wait_for(connect(), 20))
 
 
 def up(*args: str, home: Path) -> subprocess.CompletedProcess:

@@ -251,7 +251,13 @@ def golden_instances() -> dict[str, Message]:
         Uncordon(),
         ResetPrefixCache(),
         Ping(),
-        ControlAck(worker_id=worker_id, ok=True, state="draining", message="3 requests in flight"),
+        ControlAck(
+            worker_id=worker_id,
+            ok=True,
+            state="draining",
+            message="3 requests in flight",
+            cordoned=True,
+        ),
         BadMessage(
             subject="lamina.v1.sched.submit", error="Object missing required field `request_id`"
         ),
