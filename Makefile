@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine: `make up` and `make test`.
 PYTHON ?= python3
+SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -7,9 +8,13 @@ STAMP := $(VENV)/.installed
 .PHONY: install up test lint format bench gpu-wheels clean
 
 $(STAMP): pyproject.toml setup.py
+	@echo "Installing Lamina and its dependencies into $(VENV) (the first time: a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	@# Progress, one line a package; the whole output in install.log (shown if pip fails).
+	@set -o pipefail; $(PY) -m pip install --progress-bar off -e '.[dev]' 2>&1 \
+		| tee $(VENV)/install.log | { grep --line-buffered -E '^(Collecting|Successfully)' || true; } \
+		|| { tail -n 30 $(VENV)/install.log; exit 1; }
 	touch $@
 
 install: $(STAMP)

@@ -205,6 +205,8 @@ class OtlpJsonSpanExporter(SpanExporter):
         self._timeout = timeout if timeout is not None else float(_env("TIMEOUT") or 10)
         self._connection: http.client.HTTPConnection | None = None
         self._shut_down = False
+        self._last_error = ""
+        """Why the last post got no answer (a refused connection, a timeout)."""
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._shut_down:
@@ -219,7 +221,13 @@ class OtlpJsonSpanExporter(SpanExporter):
                 log.warning("OTLP receiver refused %d spans: HTTP %s", len(spans), status)
                 return SpanExportResult.FAILURE
             if time.monotonic() + backoff > deadline:
-                log.warning("OTLP export of %d spans failed (HTTP %s); dropped", len(spans), status)
+                why = f"HTTP {status}" if status is not None else self._last_error
+                log.warning(
+                    "OTLP export of %d spans to %s failed (%s); dropped",
+                    len(spans),
+                    self._url.geturl(),
+                    why,
+                )
                 return SpanExportResult.FAILURE
             time.sleep(backoff)
             backoff *= 2
@@ -244,8 +252,9 @@ class OtlpJsonSpanExporter(SpanExporter):
                 if response.will_close:
                     self._close()
                 return response.status
-            except (OSError, http.client.HTTPException):
+            except (OSError, http.client.HTTPException) as exc:
                 self._close()
+                self._last_error = f"no answer: {type(exc).__name__}: {exc}"
                 if fresh:
                     return None
         return None

@@ -141,6 +141,7 @@ def _compile(target: Path) -> None:
     if shutil.which(compiler) is None:
         raise BuildError(f"no C++ compiler ({compiler!r} not found; set CXX)")
     target.parent.mkdir(parents=True, exist_ok=True)
+    log.warning("compiling the native CPU kernels (the first run only: about half a minute)")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         result = subprocess.run(

@@ -185,7 +185,14 @@ def test_nats_runs_jetstream_with_monitoring() -> None:
     command = nats["command"]
     assert "-js" in command
     assert command[command.index("-m") + 1] == "8222"
-    assert "8222:8222" in nats["ports"]
+    assert "${LAMINA_NATS_MONITOR_PORT:-8222}:8222" in nats["ports"]
+
+
+def test_every_published_host_port_can_be_moved_by_a_variable() -> None:
+    for name, spec in SERVICES.items():
+        for published in spec.get("ports", []):
+            host = str(published).rsplit(":", 1)[0]
+            assert re.fullmatch(r"\$\{[A-Z_]+:-\d+\}", host), (name, published)
 
 
 def test_prometheus_scrapes_telemetry() -> None:

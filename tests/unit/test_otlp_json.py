@@ -159,8 +159,10 @@ def test_a_receiver_that_closes_each_connection_costs_no_retry_wait():
     receiver.server.shutdown()
 
 
-def test_a_receiver_that_is_not_there_fails_the_batch_within_the_timeout():
+def test_a_receiver_that_is_not_there_fails_the_batch_within_the_timeout(caplog):
     exporter = OtlpJsonSpanExporter("http://127.0.0.1:9/v1/traces", timeout=1.5)
     started = time.monotonic()
     assert exporter.export(made_spans()[:1]) == SpanExportResult.FAILURE
     assert time.monotonic() - started < 3
+    # The warning says where it sent and why nothing answered.
+    assert "http://127.0.0.1:9/v1/traces" in caplog.text and "refused" in caplog.text
