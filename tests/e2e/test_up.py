@@ -108,6 +108,14 @@ def the_machines_other_commands_find_the_stack(home: Path, nats_port: int) -> No
         await bus.close()
 
     asyncio.run(asyncio.wait_for(connect(), 20))
+    # The README's NATS example, as a reader would paste it.
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    example = readme.split("```python\nimport asyncio, json, os, nats\n", 1)[1].split("```")[0]
+    done = subprocess.run(
+        [sys.executable, "-c", "import asyncio, json, os, nats\n" + example],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0 and "ApiFinished" in done.stdout, done.stdout + done.stderr
 
 
 def up(*args: str, home: Path) -> subprocess.CompletedProcess:
