@@ -10,7 +10,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import math
 import re
 import time
 import uuid
@@ -20,7 +19,7 @@ from importlib.metadata import version as package_version
 from typing import Any
 
 import msgspec
-from litestar import Litestar, Request, Response, asgi, get, post, route
+from litestar import Litestar, Request, Response, asgi, delete, get, post, route
 from litestar.types import Receive, Scope, Send
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
@@ -57,6 +56,8 @@ from lamina.services.gateway.protocol import (
     decode_request,
     invocation_kind,
 )
+from lamina.services.gateway.replies import error_body, error_of, retry_headers, whole
+from lamina.services.gateway.responses_api import ResponsesApi
 from lamina.services.gateway.tokenize_api import TokenizeApi
 from lamina.services.gateway.tokenizer import Prompt, TextPrompt
 from lamina.services.gateway.tool_calls import PARSERS, ConstrainedParser, ToolParser
@@ -78,13 +79,6 @@ def _ignored_header(names: list[str]) -> tuple[bytes, bytes]:
     if len(safe) < len(names):
         value += f"{', ' if safe else ''}({len(names) - len(safe)} more)"
     return IGNORED_HEADER, value.encode()
-
-
-def error_body(
-    status: int, error_type: str, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error shape; ``code`` is a string (a machine-readable reason) or null."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(
@@ -126,22 +120,6 @@ async def _merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, TextDel
             reader.cancel()
 
 
-async def _whole(stream: TextStream) -> TextDelta:
-    """A stream's text, tokens and logprobs in one delta, with its finish and usage."""
-    text, ids, lps, calls, last, prompt = [], [], [], [], None, None
-    async for delta in stream.deltas():
-        text.append(delta.text)
-        ids += delta.token_ids
-        if delta.logprobs is not None:
-            lps += delta.logprobs
-        calls += delta.tool_calls or ()
-        prompt = prompt or delta.prompt
-        last = delta
-    return TextDelta(
-        "".join(text), ids, lps or None, last.finish_reason, last.usage, calls or None, prompt
-    )
-
-
 def _sequence(sampling: Sampling, index: int) -> Sampling:
     """Sequence ``index``'s sampling among a prompt's ``n``: its own seed (``seed +
     index``, wrapped into 64 bits), so that each is reproducible and none repeats another.
@@ -151,6 +129,12 @@ def _sequence(sampling: Sampling, index: int) -> Sampling:
         return sampling
     seed = None if sampling.seed is None else (sampling.seed + index + 2**63) % 2**64 - 2**63
     return msgspec.structs.replace(sampling, seed=seed, prompt_logprobs=None)
+
+
+def _no_response(response_id: str) -> Response:
+    return error_response(
+        404, "not_found_error", f"no stored response {response_id[:80]!r}", "response_id"
+    )
 
 
 def _session_affinity(session_id: str | None) -> str | None:
@@ -186,7 +170,7 @@ async def _answer(work: Awaitable[dict[str, Any]]) -> Response:
     except InvalidRequest as exc:
         return error_response(400, "invalid_request_error", exc.message, exc.param)
     except GenerationError as exc:
-        return Response(_error_body(exc), status_code=exc.status)
+        return Response(error_of(exc), status_code=exc.status)
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -205,17 +189,6 @@ def _usage(usage: Usage | None) -> dict[str, Any] | None:
     if usage.cached_tokens:
         body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
     return body
-
-
-def _error_body(exc: GenerationError) -> dict[str, Any]:
-    return error_body(exc.status, exc.error_type, exc.message, exc.param, exc.code)
-
-
-def _error_headers(exc: GenerationError) -> list[tuple[bytes, bytes]]:
-    """``Retry-After`` (whole seconds, rounded up) when the refusal says when."""
-    if exc.retry_after_s is None:
-        return []
-    return [(b"retry-after", b"%d" % max(1, math.ceil(exc.retry_after_s)))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,8 +436,8 @@ class OpenAIApi:
             try:
                 streams = await self._open_in_callers_trace(body, scope, response_key)
             except GenerationError as exc:
-                status, payload = exc.status, _error_body(exc)
-                headers += _error_headers(exc)
+                status, payload = exc.status, error_of(exc)
+                headers += retry_headers(exc)
             else:
                 chat = isinstance(body, ChatCompletionRequest)
                 build = self.build_chat if chat else self.build_completion
@@ -522,7 +495,7 @@ class OpenAIApi:
         """A whole non-streaming response, a choice per stream: ``(status, body)`` (the
         first error, if any stream failed); echoes start the choices' texts; each
         prompt's ``n`` streams count its tokens once."""
-        tasks = [asyncio.create_task(_whole(stream)) for stream in streams]
+        tasks = [asyncio.create_task(whole(stream)) for stream in streams]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:  # one failed (the others are cancelled), or all finished
@@ -533,7 +506,7 @@ class OpenAIApi:
         for task in tasks:
             if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
                 if isinstance(exc, GenerationError):
-                    return exc.status, _error_body(exc)
+                    return exc.status, error_of(exc)
                 raise exc
         n = body.n
         deltas = [task.result() for task in tasks]
@@ -627,7 +600,7 @@ class OpenAIApi:
                     },
                 )
         except GenerationError as exc:
-            await send_event(send, _error_body(exc))
+            await send_event(send, error_of(exc))
         finally:
             for stream in streams:
                 self.admission.close_later(stream)
@@ -723,6 +696,26 @@ class OpenAIApi:
         async def chat_completions_batch(scope: Scope, receive: Receive, send: Send) -> None:
             await api._serve(scope, receive, send, lambda _: BatchChatCompletionRequest)
 
+        responses = ResponsesApi(api)
+
+        @asgi("/v1/responses")
+        async def create_response(scope: Scope, receive: Receive, send: Send) -> None:
+            await responses.serve(scope, receive, send)
+
+        @get("/v1/responses/{response_id:str}")
+        async def get_response(response_id: str) -> Response:
+            stored = responses.get(response_id)
+            if stored is None:
+                return _no_response(response_id)
+            return Response(stored, status_code=200)
+
+        @delete("/v1/responses/{response_id:str}", status_code=200)
+        async def delete_response(response_id: str) -> Response:
+            if not responses.delete(response_id):
+                return _no_response(response_id)
+            body = {"id": response_id, "object": "response", "deleted": True}
+            return Response(body, status_code=200)
+
         @asgi("/invocations")
         async def invocations(scope: Scope, receive: Receive, send: Send) -> None:
             await api._serve(scope, receive, send, invocation_kind)
@@ -751,7 +744,7 @@ class OpenAIApi:
             try:
                 api.admission.check_model(model.removeprefix("/"))
             except GenerationError as exc:
-                return Response(_error_body(exc), status_code=exc.status)
+                return Response(error_of(exc), status_code=exc.status)
             return Response(card(), status_code=200)
 
         tokenization = TokenizeApi(api.admission)
@@ -801,6 +794,9 @@ class OpenAIApi:
                 chat_completions,
                 chat_completions_batch,
                 invocations,
+                create_response,
+                get_response,
+                delete_response,
                 ping,
                 models,
                 model,

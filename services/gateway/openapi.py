@@ -15,6 +15,7 @@ from lamina.services.gateway.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from lamina.services.gateway.responses_api import ResponsesRequest
 
 _ERROR = {
     "type": "object",
@@ -108,11 +109,12 @@ def openapi_document() -> dict[str, Any]:
         CompletionRequest,
         ChatCompletionRequest,
         BatchChatCompletionRequest,
+        ResponsesRequest,
         TokenizeRequest,
         DetokenizeRequest,
     ]
-    (completion, chat, batch, tokenize, detokenize), schemas = msgspec.json.schema_components(
-        kinds, ref_template="#/components/schemas/{name}"
+    (completion, chat, batch, responses, tokenize, detokenize), schemas = (
+        msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
     )
     either = {"oneOf": [chat, completion]}
     models = {"description": "the served model", "content": {"application/json": {}}}
@@ -124,6 +126,9 @@ def openapi_document() -> dict[str, Any]:
             "/v1/chat/completions": _generation("createChatCompletion", "chat", chat),
             "/v1/chat/completions/batch": _generation(
                 "createChatCompletionBatch", "several chats, a choice each (vLLM's)", batch
+            ),
+            "/v1/responses": _generation(
+                "createResponse", "OpenAI's Responses API (events when stream is true)", responses
             ),
             "/invocations": _generation(
                 "invocations", "SageMaker's: a chat (messages) or a completion (prompt)", either
