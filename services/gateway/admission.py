@@ -299,7 +299,7 @@ class Admission:
             if s.sampling.structured is not None
         }.values():
             await self._check_constraint(structured, structured_param)
-        prompts = await self._prompts_ids([s.prompt for s in sequences])
+        prompts = await self.prompts_ids([s.prompt for s in sequences])
         prompts = [
             ids if s.truncation is None else s.truncation.apply(ids, self.max_context)
             for s, ids in zip(sequences, prompts, strict=True)
@@ -313,16 +313,10 @@ class Admission:
         self._hold(len(sequences), sum(map(len, prompts)))
         try:
             if caller.quota is not None:
-                caller.quota.admit(len(sequences), sum(reserved))
-        except RateLimited as exc:
+                self.charge(caller.quota, len(sequences), sum(reserved))
+        except GenerationError:
             self._release(len(sequences), sum(map(len, prompts)))
-            raise GenerationError(
-                429,
-                exc.kind,
-                f"rate limit reached: {exc.message}",
-                code="rate_limit_exceeded",
-                retry_after_s=exc.wait_s,
-            ) from exc
+            raise
         streams = [
             self._stream(spec, ids, tokens, sla, stop, include_stop, skip_special_tokens, caller)
             for spec, ids, tokens in zip(sequences, prompts, reserved, strict=True)
@@ -338,6 +332,21 @@ class Admission:
                 self.close_later(stream)
             raise failure
         return streams
+
+    @staticmethod
+    def charge(quota: Quota, sequences: int, tokens: int) -> None:
+        """Take ``sequences`` reserving ``tokens`` from a caller's ``quota``, or refuse
+        them with a 429 that says when to retry."""
+        try:
+            quota.admit(sequences, tokens)
+        except RateLimited as exc:
+            raise GenerationError(
+                429,
+                exc.kind,
+                f"rate limit reached: {exc.message}",
+                code="rate_limit_exceeded",
+                retry_after_s=exc.wait_s,
+            ) from exc
 
     def _stream(
         self,
@@ -454,7 +463,7 @@ class Admission:
                 param,
             )
 
-    async def _prompts_ids(self, prompts: list[Prompt | list[int]]) -> list[list[int]]:
+    async def prompts_ids(self, prompts: list[Prompt | list[int]]) -> list[list[int]]:
         """Each prompt's token ids; a prompt given several times (a prompt's ``n``
         sequences) is tokenized once."""
         once = {id(p): p for p in prompts}

@@ -25,7 +25,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from lamina.libs.bounded import BoundedDict
-from lamina.schemas.v1.generate import Sampling, TokenLogprob, Usage
+from lamina.schemas.v1.generate import FinishReason, Sampling, TokenLogprob, Usage
 from lamina.services.gateway.admission import (
     Admission,
     Caller,
@@ -46,6 +46,7 @@ from lamina.services.gateway.asgi import (
     start_events,
     with_request_ids,
 )
+from lamina.services.gateway.beam_search import Found, search
 from lamina.services.gateway.errors import GenerationError, invalid_request
 from lamina.services.gateway.openapi import openapi_document
 from lamina.services.gateway.protocol import (
@@ -129,6 +130,21 @@ def _sequence(sampling: Sampling, index: int) -> Sampling:
         return sampling
     seed = None if sampling.seed is None else (sampling.seed + index + 2**63) % 2**64 - 2**63
     return msgspec.structs.replace(sampling, seed=seed, prompt_logprobs=None)
+
+
+def _add_token_ids(
+    payload: dict[str, Any], response: Reply, prompts: list[list[int]], outputs: list[list[int]]
+) -> None:
+    """vLLM's ``return_token_ids`` on a whole response: each choice's ``token_ids``, and
+    its prompt's (on the choice, or once at the top where the choices share one chat)."""
+    if not response.token_ids:
+        return
+    for choice, prompt, ids in zip(payload["choices"], prompts, outputs, strict=True):
+        if response.prompt_per_choice:
+            choice["prompt_token_ids"] = prompt
+        choice["token_ids"] = ids
+    if not response.prompt_per_choice:
+        payload["prompt_token_ids"] = prompts[0]
 
 
 def _no_response(response_id: str) -> Response:
@@ -432,29 +448,28 @@ class OpenAIApi:
         if scope.get(REQUEST_ID) is None:  # no x-request-id of the client's: its body's, or ours
             scope[REQUEST_ID] = body.request_id or response_key
         status, payload = 200, None
+        chat = isinstance(body, ChatCompletionRequest)
+        build = self.build_chat if chat else self.build_completion
+        if body.return_tokens_as_token_ids:
+            build = functools.partial(build, as_ids=True)
         with ClientWatch(receive) as client:
             try:
-                streams = await self._open_in_callers_trace(body, scope, response_key)
+                if body.use_beam_search:
+                    response = self._reply(body, response_key, chat, build)
+                    payload = await self._beams(body, scope, response)
+                else:
+                    streams = await self._open_in_callers_trace(body, scope, response_key)
             except GenerationError as exc:
                 status, payload = exc.status, error_of(exc)
                 headers += retry_headers(exc)
             else:
-                chat = isinstance(body, ChatCompletionRequest)
-                build = self.build_chat if chat else self.build_completion
-                if body.return_tokens_as_token_ids:
-                    build = functools.partial(build, as_ids=True)
-                response = Reply(
-                    ("chatcmpl-" if chat else "cmpl-") + response_key,
-                    int(time.time()),
-                    chat,
-                    build,
-                    bool(body.return_token_ids),
-                    self._echoes(body),
-                    isinstance(body, BatchChatCompletionRequest),
-                )
-                if body.stream:
+                if payload is not None:  # beams, answered whole
+                    pass
+                elif body.stream:
+                    response = self._reply(body, response_key, chat, build)
                     await self._stream(streams, body, response, send, headers)
                 else:
+                    response = self._reply(body, response_key, chat, build)
                     status, payload = await self._collect(streams, body, response)
         if client.disconnected:
             return
@@ -462,6 +477,105 @@ class OpenAIApi:
             await end_body(send)
         else:
             await send_json(send, status, payload, headers)
+
+    def _reply(self, body: Any, response_key: str, chat: bool, build: Callable) -> Reply:
+        return Reply(
+            ("chatcmpl-" if chat else "cmpl-") + response_key,
+            int(time.time()),
+            chat,
+            build,
+            bool(body.return_token_ids),
+            self._echoes(body),
+            isinstance(body, BatchChatCompletionRequest),
+        )
+
+    async def _beams(self, body: Any, scope: Scope, response: Reply) -> dict[str, Any]:
+        """A beam search's whole response: for each prompt, its ``n`` best beams as
+        choices (``beam_search.py``). The caller's rate limits are charged once, for
+        ``n`` sequences a prompt, as for any request; its steps are not charged again."""
+        try:
+            body.refuse_unsupported()
+            if isinstance(body, ChatCompletionRequest):
+                prompts: list[Prompt | list[int]] = list(body.chat_prompts())
+            else:
+                special = body.add_special_tokens is not False
+                prompts = [
+                    TextPrompt(p, special) if isinstance(p, str) else p
+                    for p in body.prompt_inputs()
+                ]
+        except InvalidRequest as exc:
+            raise invalid_request(exc.message, exc.param) from exc
+        admission, n = self.admission, body.n
+        admission.check_model(body.model)
+        admission.check_sequences(len(prompts), n)
+        caller = Caller(scope.get("lamina.best_priority"), scope.get("lamina.quota"))
+        caller.check_priority(body.priority, "priority")
+        truncation = body.truncation()
+        prompt_ids = [
+            ids if truncation is None else truncation.apply(ids, admission.max_context)
+            for ids in await admission.prompts_ids(prompts)
+        ]
+        asked = body.max_completion_tokens or body.max_tokens
+        most = [
+            asked or (16 if not response.chat else max(admission.max_context - len(ids), 1))
+            for ids in prompt_ids
+        ]
+        for ids, m in zip(prompt_ids, most, strict=True):
+            if admission.max_context and len(ids) + m > admission.max_context:
+                raise invalid_request(
+                    f"this model's maximum context length is {admission.max_context} tokens, "
+                    f"but the request has {len(ids)} prompt tokens and asks for {m} more",
+                    "max_tokens",
+                )
+        sequences = len(prompts) * n
+        reserved = sum(n * (len(ids) + m) for ids, m in zip(prompt_ids, most, strict=True))
+        if caller.quota is not None:
+            admission.charge(caller.quota, sequences, reserved)
+        deltas: list[TextDelta] = []
+        token = otel_context.attach(propagate.extract(_headers(scope)))
+        try:
+            found = await asyncio.gather(
+                *(
+                    search(
+                        admission,
+                        body.model,
+                        ids,
+                        width=n,
+                        max_tokens=m,
+                        length_penalty=body.length_penalty,
+                        ignore_eos=body.ignore_eos,
+                        sla=body.sla(),
+                        caller=Caller(caller.best_priority),  # charged above, once
+                    )
+                    for ids, m in zip(prompt_ids, most, strict=True)
+                )
+            )
+            for ids, beams in zip(prompt_ids, found, strict=True):
+                deltas += [self._beam_delta(beam, len(ids), body) for beam in beams]
+        finally:
+            otel_context.detach(token)
+            if caller.quota is not None:
+                used = sum(d.usage.prompt_tokens + d.usage.completion_tokens for d in deltas)  # type: ignore[union-attr]
+                for _ in range(sequences):
+                    caller.quota.release(reserved // sequences, used // sequences)
+        for delta, echo in zip(deltas, response.echoes or (), strict=False):
+            delta.text = echo + delta.text
+        built = [response.build(d, response.id, response.created, streaming=False) for d in deltas]
+        payload = built[0]
+        payload["choices"] = [_indexed(b["choices"][0], i) for i, b in enumerate(built)]
+        payload["usage"] = _usage(_sum_usage([d.usage for d in deltas], n))
+        prompts_of = [ids for ids in prompt_ids for _ in range(n)]
+        _add_token_ids(payload, response, prompts_of, [d.token_ids for d in deltas])
+        return payload
+
+    def _beam_delta(self, beam: Found, prompt_tokens: int, body: Any) -> TextDelta:
+        """A found beam as a choice's text (its EOS left out unless asked for)."""
+        shown = beam.token_ids
+        if beam.finish_reason == FinishReason.STOP and not body.include_stop_str_in_output:
+            shown = shown[:-1]
+        text = self.admission.tokenizer.decode(shown, skip_special_tokens=body.skip_special_tokens)
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(beam.token_ids))
+        return TextDelta(text, beam.token_ids, None, beam.finish_reason, usage)
 
     def _note_ignored(self, ignored: list[str]) -> list[tuple[bytes, bytes]]:
         """The response headers that say which fields were ignored; logged once per set."""
@@ -525,13 +639,7 @@ class OpenAIApi:
         payload = built[0]  # the envelope; every choice, each built once
         payload["choices"] = [_indexed(b["choices"][0], i) for i, b in enumerate(built)]
         payload["usage"] = _usage(usage)
-        if response.token_ids:
-            for choice, stream, ids in zip(payload["choices"], streams, outputs, strict=True):
-                if response.prompt_per_choice:
-                    choice["prompt_token_ids"] = stream.prompt_token_ids
-                choice["token_ids"] = ids
-            if not response.prompt_per_choice:  # a chat's choices share its prompt
-                payload["prompt_token_ids"] = streams[0].prompt_token_ids
+        _add_token_ids(payload, response, [s.prompt_token_ids for s in streams], outputs)
         return 200, payload
 
     async def _stream(

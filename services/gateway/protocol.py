@@ -34,6 +34,9 @@ from lamina.services.gateway.truncation import Truncation
 MAX_N = 128
 """Most sequences one request may ask for (OpenAI's limit)."""
 
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+"""Widest beam search: each step scores ``2 * n`` next tokens (``beam_search.py``)."""
+
 LogprobRequest = Annotated[int, msgspec.Meta(ge=-1, le=MAX_LOGPROBS)]
 """A count of logprobs to return; -1 asks for the whole vocabulary (vLLM's), which
 :func:`logprob_count` allows only where it is within :data:`MAX_LOGPROBS`."""
@@ -73,7 +76,6 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 # anything else: a 400 naming the field, as vLLM refuses what it cannot do, never a 200
 # that quietly did something else. ``tests/unit/test_vllm_fields.py`` checks that every
 # field of vLLM's two request schemas is either declared on a body here or listed here.
-_NO_BEAM = "beam search is not supported yet"
 _NO_MEDIA = "Lamina serves text-only models"
 _NOT_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((None, []), "use tools"),
@@ -86,9 +88,7 @@ _NOT_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((None,), "use structured_outputs"),
     "guided_decoding_backend": ((None,), "use structured_outputs"),
     "guided_whitespace_pattern": ((None,), "use structured_outputs.disable_any_whitespace"),
-    "use_beam_search": ((None, False), _NO_BEAM),
-    "length_penalty": ((None, 1), f"it ranks beams, and {_NO_BEAM}"),
-    "early_stopping": ((None, False), f"it ends beams, and {_NO_BEAM}"),
+    "early_stopping": ((None, False), "beams end at EOS or max_tokens, as vLLM's do"),
     "watermarking": ((None, False), "no watermark is implemented"),
     "logprob_token_ids": ((None, []), "use logprobs or top_logprobs"),
     "prompt_embeds": ((None, [], ""), "prompts are text or token ids"),
@@ -322,6 +322,10 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     add_special_tokens: bool | None = None
     """vLLM's: add the tokenizer's special tokens (its BOS) to the prompt; default yes for
     a completion's text, no for a chat (its template writes them)."""
+    use_beam_search: bool = False
+    """vLLM's: the ``n`` best of a beam search ``n`` wide (``beam_search.py``)."""
+    length_penalty: Annotated[float, msgspec.Meta(ge=-10, le=10)] = 1.0
+    """Beam search ranks a beam by its logprob over its length to this power."""
     session_id: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     """vLLM's: requests of one session go to the same worker while it can take them, so a
     conversation's growing prefix stays where it is cached."""
@@ -341,6 +345,8 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
 
     def refuse_unsupported(self) -> None:
         """Raise :class:`InvalidRequest` for fields that cannot be served together."""
+        if self.use_beam_search:
+            self._refuse_with_beams()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream", "stream_options")
         if self.stream and self.prompt_logprobs is not None:
@@ -353,6 +359,25 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
         if self.truncate_prompt_tokens is None:
             return None
         return Truncation(self.truncate_prompt_tokens, self.truncation_side or "left")
+
+    def _refuse_with_beams(self) -> None:
+        """What beam search cannot be combined with (vLLM refuses the same)."""
+        for name, asks in (
+            ("stream", self.stream),
+            ("logprobs", getattr(self, "logprobs", None) not in (None, False)),
+            ("prompt_logprobs", self.prompt_logprobs is not None),
+            ("structured_outputs", self.structured_outputs is not None),
+            ("response_format", self.response_format is not None),
+            ("tools", bool(getattr(self, "tools", None))),
+        ):
+            if asks:
+                raise InvalidRequest(f"{name} is not supported with beam search", name)
+        if self.n > MAX_BEAM_WIDTH:
+            raise InvalidRequest(
+                f"beam search is at most {MAX_BEAM_WIDTH} wide (n={self.n}): each step scores "
+                f"2n next tokens, and a request may ask for {MAX_LOGPROBS} logprobs",
+                "n",
+            )
 
     @property
     def structured_param(self) -> str:
@@ -703,6 +728,7 @@ class BatchChatCompletionRequest(ChatCompletionRequest, kw_only=True):
             ("n", self.n != 1),
             ("tools", bool(self.tools)),
             ("tool_choice", self.tool_choice not in (None, "none")),
+            ("use_beam_search", self.use_beam_search),
         ):
             if asks:
                 raise InvalidRequest(

@@ -108,6 +108,11 @@ class ModelTokenizer:
         """The longest token's text: no token covers more characters of a prompt (a
         byte-level token's string has a character per byte it covers)."""
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of the tokenizer config's EOS token (None: it names none)."""
+        return None if self.eos_token is None else self.tokenizer.token_to_id(self.eos_token)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s tokens, with the model's BOS first when its tokenizer config adds one
         (``add_special_tokens``), as a completion prompt is encoded."""

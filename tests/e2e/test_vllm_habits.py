@@ -29,8 +29,8 @@ def test_a_field_nobody_knows_is_ignored_and_named_in_a_header(client):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("use_beam_search", True), ("length_penalty", 0.5), ("cache_salt", "tenant-a"),
-     ("logprob_token_ids", [1, 2]), ("stream_interval", 4)],
+    [("early_stopping", True), ("cache_salt", "tenant-a"), ("logprob_token_ids", [1, 2]),
+     ("stream_interval", 4)],
 )  # fmt: skip
 def test_a_field_lamina_does_not_implement_is_a_400_naming_it(client, field, value):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -342,3 +342,77 @@ def test_errors_a_client_can_act_on(stack):
         assert (reply.status_code, error["param"]) == (400, param), (extra, error)
         assert words in error["message"], (extra, error)
     assert "abc" in httpx.post(url, json={"prompt": PROMPT} | cases[0][0], timeout=30).text
+
+
+def reference_beams(tiny_model, prompt: list[int], width: int, steps: int) -> list[float]:
+    """The cumulative logprobs of the ``width`` best beams, by ``transformers`` on the same
+    weights (vLLM's algorithm, no EOS: ``ignore_eos``)."""
+    import torch
+    import transformers
+
+    from lamina.services.gateway.beam_search import Beam, extend
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    live = [Beam(tuple(prompt))]
+    with torch.no_grad():
+        for _ in range(steps):
+            options = []
+            for beam in live:
+                logits = model(torch.tensor([beam.tokens])).logits[0, -1].float()
+                top = torch.log_softmax(logits, -1).topk(2 * width)
+                options.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+            live = extend(live, options, width, None, 1.0, [])
+    return sorted((b.logprob for b in live), reverse=True)
+
+
+def test_beam_search_finds_the_beams_transformers_finds(client, tiny_model, tokenizer):
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=True).ids
+    extra = {"use_beam_search": True, "ignore_eos": True, "return_token_ids": True}
+    reply = client.completions.create(
+        model=None, prompt=PROMPT, n=3, max_tokens=4, temperature=0, extra_body=extra
+    ).model_dump()
+    beams = [c["token_ids"] for c in reply["choices"]]
+    assert len(beams) == 3 and len({tuple(b) for b in beams}) == 3
+    assert all(len(b) == 4 for b in beams)
+    assert reply["usage"]["completion_tokens"] == 12
+
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    with torch.no_grad():
+        scored = []
+        for beam in beams:  # each beam's logprob under transformers
+            ids = torch.tensor([prompt + beam])
+            logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)
+            positions = range(len(prompt) - 1, len(prompt) + len(beam) - 1)
+            scored.append(sum(float(logprobs[p, t]) for p, t in zip(positions, beam, strict=True)))
+    assert scored == sorted(scored, reverse=True)  # best first
+    want = reference_beams(tiny_model, prompt, 3, 4)
+    assert scored == pytest.approx(want, abs=2e-3)
+    # One beam wide is greedy decoding.
+    one = client.completions.create(
+        model=None, prompt=PROMPT, max_tokens=6, temperature=0, extra_body=extra | {"n": 1}
+    )
+    greedy = client.completions.create(
+        model=None, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert one.choices[0].text == greedy.choices[0].text
+
+
+def test_what_beam_search_cannot_do_is_a_400(client):
+    for extra, param in (
+        ({"stream": True}, "stream"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"n": 11}, "n"),
+        ({"max_tokens": 5000}, "max_tokens"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(
+                model=None,
+                prompt=PROMPT,
+                **({"max_tokens": 4} | {k: v for k, v in extra.items() if k != "stream"}),
+                extra_body={"use_beam_search": True}
+                | ({"stream": True} if "stream" in extra else {}),
+            )
+        assert refused.value.body["param"] == param
