@@ -268,8 +268,13 @@ class OpenAIApi:
         if lps is None:
             return None
         name = self._namer(as_ids)
+        offsets, at = [], 0
+        for token in ids:  # where each token's text starts in the choice's text
+            offsets.append(at)
+            at += len(self._token_text(token))
         return {
             "tokens": [name(t) for t in ids],
+            "text_offset": offsets,
             "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
             "top_logprobs": [
                 None if lp is None else {name(t): lp.logprob} | {name(a): v for a, v in lp.top}
@@ -658,6 +663,7 @@ class OpenAIApi:
         options = body.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
         opened = [False] * len(streams)
+        written = [0] * len(streams)  # each choice's text so far, in characters
 
         def chunk_of(delta: TextDelta, index: int) -> dict[str, Any]:
             chunk = response.build(delta, response.id, response.created, streaming=True)
@@ -669,6 +675,10 @@ class OpenAIApi:
                 choice["token_ids"] = delta.token_ids
             if continuous:
                 chunk["usage"] = _usage(streams[index].usage_so_far())
+            scored = choice.get("logprobs")
+            if scored and "text_offset" in scored:  # a completion's: on from the last chunk
+                scored["text_offset"] = [at + written[index] for at in scored["text_offset"]]
+            written[index] += len(choice.get("text", ""))
             opened[index] = True
             return chunk
 

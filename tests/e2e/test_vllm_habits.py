@@ -4,6 +4,7 @@ response says so."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
@@ -111,6 +112,15 @@ def test_logprobs_zero_gives_the_sampled_tokens_and_minus_one_the_vocabulary(cli
         logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
     ):
         assert top == {token: value}
+    # text_offset: where each token's text starts in the choice's text, streamed or not.
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    widths = [b - a for a, b in itertools.pairwise(offsets)]
+    assert widths == [len(t) for t in logprobs.tokens[:-1]]
+    chunks = client.completions.create(model=None, prompt=PROMPT, logprobs=0, stream=True, **GREEDY)
+    streamed = [o for c in chunks if c.choices and c.choices[0].logprobs
+                for o in c.choices[0].logprobs.text_offset]  # fmt: skip
+    assert streamed == offsets
     two = client.completions.create(model=None, prompt=PROMPT, logprobs=2, **GREEDY)
     scored = two.choices[0].logprobs
     for token, top in zip(scored.tokens, scored.top_logprobs, strict=True):
