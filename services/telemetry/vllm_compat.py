@@ -14,12 +14,10 @@ serves them again the way vLLM does (0.33, ``vllm/v1/metrics/loggers.py``):
 * the few families vLLM has that are a fixed function of what Lamina measures, derived:
   waiting requests by reason (Lamina defers none), prompt tokens by source (no external
   KV transfer), cached prompt tokens by tier (all on the device), the external prefix
-  cache (none), the engine's sleep state (Lamina's engines never sleep).
+  cache and the multimodal cache (none: vLLM serves these at 0 for a text model too), the
+  engine's sleep state (Lamina's engines never sleep).
 
-Not served: vLLM's multimodal cache counters (Lamina serves text models), its frontend
-``admission_rejections_total`` (Lamina's queue refusals are the schedulers', in
-``lamina:placements_total``), and everything vLLM registers only for features Lamina does
-not have (speculative decoding, LoRA, KV connectors).
+Every other family vLLM 0.34 can register is in :data:`NOT_SERVED`, with why.
 """
 
 from __future__ import annotations
@@ -32,6 +30,41 @@ from prometheus_client.samples import Sample
 from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS
 
 VLLM_PREFIX = "vllm:"
+
+NOT_SERVED: dict[str, str] = {
+    "admission_rejections": "the schedulers' queue refusals are lamina:placements_total "
+    "(reason overloaded), by policy, not by which queue bound",
+    "corrupted_requests": "the engine does not check logits for NaNs",
+    "watermark_requests": "no watermark is implemented",
+    "estimated_flops_per_gpu": "the engine does not estimate its FLOPs (vLLM's "
+    "--enable-mfu-metrics)",
+    "estimated_read_bytes_per_gpu": "the engine does not estimate its memory traffic",
+    "estimated_write_bytes_per_gpu": "the engine does not estimate its memory traffic",
+    "kv_block_": "KV block lifetimes are not measured (vLLM's --kv-cache-metrics)",
+    "lora_requests_info": "no LoRA adapters yet (issue 43)",
+    "spec_decode_": "no speculative decoding yet (issue 43)",
+    "diffusion_": "no diffusion language models",
+    "num_requests_kv_fetch_by_stage": "KV does not move between workers yet (issue 42)",
+    **dict.fromkeys(
+        (
+            "nixl_",
+            "mooncake_",
+            "hf3fs_",
+            "hisparse_",
+            "umbp_",
+            "simple_kv_offload_",
+            "kv_offload_",
+            "kvcr_",
+        ),
+        "KV connectors and offload tiers: KV does not move or leave the device yet (issue 42)",
+    ),
+    "tool_call_parser_invocations": "the gateway's tool-call parsing is not counted",
+    "request_render_duration_seconds": "the gateway's chat rendering is not timed",
+    "websocket_": "no realtime (WebSocket) API",
+    "sleep_mode_": "engines do not sleep",
+    "rl_weight_update_": "weights are not updated in place",
+}
+"""vLLM 0.34's families (by name, or a prefix ending ``_``) Lamina does not serve, and why."""
 
 
 def one_two_five_buckets(max_value: int) -> list[float]:
@@ -200,6 +233,9 @@ def _derived(by_name: dict[str, Metric]) -> Iterator[Metric]:
     )
     for name in ("external_prefix_cache_queries", "external_prefix_cache_hits"):
         help_text = "Tokens through a KV connector (Lamina has none)."
+        yield _family(name, help_text, "counter", [({}, _zeros(engines))])
+    for name in ("mm_cache_queries", "mm_cache_hits"):
+        help_text = "Multimodal cache items (Lamina serves text models: none)."
         yield _family(name, help_text, "counter", [({}, _zeros(engines))])
 
 

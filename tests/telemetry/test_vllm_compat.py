@@ -12,13 +12,10 @@ from lamina.services.telemetry import metrics, vllm_compat
 from lamina.services.telemetry.metrics import Aggregator
 from lamina.services.telemetry.vllm_compat import one_two_five_buckets
 from tests.telemetry import vllm_0_33 as vllm
+from tests.telemetry import vllm_0_34
 from tests.telemetry.helpers import make_record, make_stats
 
-NOT_SERVED = {
-    "vllm:mm_cache_queries",  # no multimodal models
-    "vllm:mm_cache_hits",
-    "vllm:admission_rejections",  # queue refusals are the schedulers': lamina:placements_total
-}
+NOT_SERVED = {"vllm:admission_rejections"}  # in vllm_compat.NOT_SERVED, with why
 MAX_MODEL_LEN = 256  # make_stats'
 
 
@@ -66,6 +63,19 @@ def test_every_vllm_metric_is_served_with_its_type_and_labels():
             else:
                 assert names == set(labels), (name, sample.labels)
             assert sample.labels.get("engine") == "w1"  # the worker's id; never empty
+
+
+def test_every_family_of_vllm_0_34_is_served_or_listed_with_why():
+    got = set(families(served()))
+    for name in vllm_0_34.FAMILIES:
+        bare = name.removeprefix("vllm:")
+        listed = [
+            k
+            for k in vllm_compat.NOT_SERVED
+            if bare == k or (k.endswith("_") and bare.startswith(k))
+        ]
+        assert (name in got) != bool(listed), name  # one or the other
+    assert got <= set(vllm_0_34.FAMILIES) | set(vllm.METRICS)
 
 
 def test_histogram_buckets_are_vllms():
