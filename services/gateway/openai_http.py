@@ -432,23 +432,10 @@ class OpenAIApi:
         """One completion request, body to last byte (see ``asgi.py``), its body decoded
         as ``kind(body)`` says (a chat, a completion, a batch of chats). A client that
         disconnects cancels it, wherever it is: queued, generating or streaming."""
-        if scope["method"] != "POST":  # Litestar does not check an ASGI route's method
-            error = error_body(405, "invalid_request_error", "only POST is allowed here")
-            await send_json(send, 405, error, [(b"allow", b"POST")])
+        read = await self.read_request(scope, receive, send, kind)
+        if read is None:
             return
-        try:
-            raw = await read_body(receive)
-            body, ignored = decode_request(raw, kind(raw))
-        except ClientDisconnected:
-            return
-        except BodyTooLarge as exc:
-            await send_json(send, 413, error_body(413, "invalid_request_error", str(exc)))
-            return
-        except InvalidRequest as exc:
-            error = error_body(400, "invalid_request_error", exc.message, exc.param)
-            await send_json(send, 400, error)
-            return
-        headers = self._note_ignored(ignored)
+        body, headers = read
         response_key = uuid.uuid4().hex
         if scope.get(REQUEST_ID) is None:  # no x-request-id of the client's: its body's, or ours
             scope[REQUEST_ID] = body.request_id or response_key
@@ -482,6 +469,30 @@ class OpenAIApi:
             await end_body(send)
         else:
             await send_json(send, status, payload, headers)
+
+    async def read_request(
+        self, scope: Scope, receive: Receive, send: Send, kind: Callable[[bytes], type]
+    ) -> tuple[Any, list[tuple[bytes, bytes]]] | None:
+        """A POST's body decoded as ``kind(body)`` says, and the response headers that name
+        the fields it ignored; None when it was answered here instead (a 405, 413 or 400)
+        or its client went away."""
+        if scope["method"] != "POST":  # Litestar does not check an ASGI route's method
+            error = error_body(405, "invalid_request_error", "only POST is allowed here")
+            await send_json(send, 405, error, [(b"allow", b"POST")])
+            return None
+        try:
+            raw = await read_body(receive)
+            body, ignored = decode_request(raw, kind(raw))
+        except ClientDisconnected:
+            return None
+        except BodyTooLarge as exc:
+            await send_json(send, 413, error_body(413, "invalid_request_error", str(exc)))
+            return None
+        except InvalidRequest as exc:
+            error = error_body(400, "invalid_request_error", exc.message, exc.param)
+            await send_json(send, 400, error)
+            return None
+        return body, self._note_ignored(ignored)
 
     def _reply(self, body: Any, response_key: str, chat: bool, build: Callable) -> Reply:
         return Reply(

@@ -28,17 +28,14 @@ from lamina.schemas.v1.generate import FinishReason, MaxTokens, Temperature, Top
 from lamina.services.gateway.admission import TextDelta, TextStream
 from lamina.services.gateway.asgi import (
     REQUEST_ID,
-    BodyTooLarge,
-    ClientDisconnected,
     ClientWatch,
     end_body,
-    read_body,
     send_json,
     start_events,
 )
 from lamina.services.gateway.errors import GenerationError, invalid_request
-from lamina.services.gateway.protocol import ChatCompletionRequest, InvalidRequest, decode_request
-from lamina.services.gateway.replies import error_body, error_of, retry_headers, whole
+from lamina.services.gateway.protocol import ChatCompletionRequest, InvalidRequest
+from lamina.services.gateway.replies import error_of, retry_headers, whole
 
 if TYPE_CHECKING:
     from lamina.services.gateway.openai_http import OpenAIApi
@@ -276,22 +273,10 @@ class ResponsesApi:
 
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/responses``, body to last byte, as the completion routes serve."""
-        if scope["method"] != "POST":
-            error = error_body(405, "invalid_request_error", "only POST is allowed here")
-            await send_json(send, 405, error, [(b"allow", b"POST")])
+        read = await self.api.read_request(scope, receive, send, lambda _: ResponsesRequest)
+        if read is None:
             return
-        try:
-            request, ignored = decode_request(await read_body(receive), ResponsesRequest)
-        except ClientDisconnected:
-            return
-        except BodyTooLarge as exc:
-            await send_json(send, 413, error_body(413, "invalid_request_error", str(exc)))
-            return
-        except InvalidRequest as exc:
-            error = error_body(400, "invalid_request_error", exc.message, exc.param)
-            await send_json(send, 400, error)
-            return
-        headers = self.api._note_ignored(ignored)
+        request, headers = read
         key = uuid.uuid4().hex
         if scope.get(REQUEST_ID) is None:
             scope[REQUEST_ID] = key
