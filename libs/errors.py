@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+
+def error_body(
+    error_type: str, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape, the one every HTTP error of Lamina's takes; ``code`` is a
+    string (a machine-readable reason) or null."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def invalid_field(exc: msgspec.ValidationError) -> str | None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lamina.libs.errors import error_body
+
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Any]
 
@@ -101,9 +103,7 @@ async def send_error(
     error_type: str = "invalid_request_error",
 ) -> None:
     """An error response in OpenAI's shape, before any app has answered."""
-    body = json.dumps(
-        {"error": {"message": message, "type": error_type, "param": None, "code": code}}
-    ).encode()
+    body = json.dumps(error_body(error_type, message, code=code)).encode()
     start_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),

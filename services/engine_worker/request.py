@@ -85,10 +85,6 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
     def generated_token_ids(self) -> list[int]:
         """Output here and, before it moved, elsewhere: what penalties count."""
         return self.token_ids[len(self.prompt_token_ids) - self.num_replayed :]

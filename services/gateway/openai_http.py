@@ -25,6 +25,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from lamina.libs.bounded import BoundedDict
+from lamina.libs.errors import error_body
 from lamina.schemas.v1.generate import FinishReason, Sampling, TokenLogprob, Usage
 from lamina.services.gateway.admission import (
     Admission,
@@ -57,7 +58,7 @@ from lamina.services.gateway.protocol import (
     decode_request,
     invocation_kind,
 )
-from lamina.services.gateway.replies import error_body, error_of, retry_headers, whole
+from lamina.services.gateway.replies import error_of, retry_headers, whole
 from lamina.services.gateway.responses_api import ResponsesApi
 from lamina.services.gateway.tokenize_api import TokenizeApi
 from lamina.services.gateway.tokenizer import Prompt, TextPrompt
@@ -85,7 +86,7 @@ def _ignored_header(names: list[str]) -> tuple[bytes, bytes]:
 def error_response(
     status: int, error_type: str, message: str, param: str | None = None, code: str | None = None
 ) -> Response:
-    return Response(error_body(status, error_type, message, param, code), status_code=status)
+    return Response(error_body(error_type, message, param, code), status_code=status)
 
 
 async def _merged(streams: list[TextStream]) -> AsyncIterator[tuple[int, TextDelta]]:
@@ -477,7 +478,7 @@ class OpenAIApi:
         the fields it ignored; None when it was answered here instead (a 405, 413 or 400)
         or its client went away."""
         if scope["method"] != "POST":  # Litestar does not check an ASGI route's method
-            error = error_body(405, "invalid_request_error", "only POST is allowed here")
+            error = error_body("invalid_request_error", "only POST is allowed here")
             await send_json(send, 405, error, [(b"allow", b"POST")])
             return None
         try:
@@ -486,10 +487,10 @@ class OpenAIApi:
         except ClientDisconnected:
             return None
         except BodyTooLarge as exc:
-            await send_json(send, 413, error_body(413, "invalid_request_error", str(exc)))
+            await send_json(send, 413, error_body("invalid_request_error", str(exc)))
             return None
         except InvalidRequest as exc:
-            error = error_body(400, "invalid_request_error", exc.message, exc.param)
+            error = error_body("invalid_request_error", exc.message, exc.param)
             await send_json(send, 400, error)
             return None
         return body, self._note_ignored(ignored)

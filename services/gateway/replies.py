@@ -1,25 +1,19 @@
-"""What the gateway's HTTP routes share to answer: OpenAI's error body, ``Retry-After``,
-and a stream read whole."""
+"""What the gateway's HTTP routes share to answer: an error in OpenAI's shape
+(``libs.errors.error_body``), ``Retry-After``, and a stream read whole."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from lamina.libs.errors import error_body
 from lamina.services.gateway.admission import TextDelta, TextStream
 from lamina.services.gateway.errors import GenerationError
 
 
-def error_body(
-    status: int, error_type: str, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error shape; ``code`` is a string (a machine-readable reason) or null."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
 def error_of(exc: GenerationError) -> dict[str, Any]:
     """``exc`` as OpenAI's error body."""
-    return error_body(exc.status, exc.error_type, exc.message, exc.param, exc.code)
+    return error_body(exc.error_type, exc.message, exc.param, exc.code)
 
 
 def retry_headers(exc: GenerationError) -> list[tuple[bytes, bytes]]:
