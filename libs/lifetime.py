@@ -39,3 +39,10 @@ def die_with_supervisor() -> None:
     parent = os.environ.get(PARENT_ENV)
     if parent:
         die_with_parent(signal.SIGTERM, int(parent))
+
+
+def orphaned() -> bool:
+    """Whether the supervisor this service was started by (:data:`PARENT_ENV`) is gone:
+    then its bus most likely went with it, and nothing is left to drain to."""
+    parent = os.environ.get(PARENT_ENV)
+    return bool(parent) and os.getppid() != int(parent)

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from lamina.libs.bus import Bus
 from lamina.libs.errors import NotAdmitted, Unreachable
-from lamina.libs.lifetime import die_with_supervisor
+from lamina.libs.lifetime import die_with_supervisor, orphaned
 from lamina.libs.telemetry_setup import setup_logging, setup_tracing, shutdown_tracing
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import ServiceStarted
@@ -119,6 +119,8 @@ async def _serve(name: str, service: Service) -> int:
     failed = failure is not None and failure.reason.done()
     if failed:
         log.error("%s cannot serve: %s", name, failure.reason.result())
+    elif orphaned():  # its supervisor was killed: stop now, not after a drain that waits
+        log.warning("%s: its supervisor is gone; stopping without draining", name)
     else:
         log.info("%s draining", name)
         with contextlib.suppress(Exception):

@@ -84,6 +84,15 @@ def _alive(pids: set[int]) -> set[int]:
     return running
 
 
+def _commands(pids: set[int]) -> dict[int, str]:
+    """Each of ``pids``' command line (to name a survivor in a failure)."""
+    found = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
+    return {pid: command.decode(errors="replace") for pid, command in found.items()}
+
+
 def _gone_within(pids: set[int], seconds: float) -> set[int]:
     deadline = time.monotonic() + seconds
     while _alive(pids) and time.monotonic() < deadline:
@@ -140,9 +149,11 @@ def test_a_killed_lamina_up_leaves_nothing_running(tiny_model, tmp_path):
         _read_until(proc, b"Ctrl-C stops everything.", 120)
         children = _descendants(proc.pid)
         assert len(children) >= 5  # nats-server and the four services (and their helpers)
+        commands = _commands(children)
         proc.kill()  # the supervisor itself: it cannot stop them
         proc.wait()
-        assert _gone_within(children, 60) == set()
+        survivors = _gone_within(children, 60)
+        assert not survivors, {pid: commands.get(pid) for pid in survivors}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -77,3 +77,16 @@ def test_a_service_that_cannot_reach_nats_says_so_once_and_exits_1(caplog):
     # reason it exits: not a line per attempt.
     assert 1 <= len(said) <= 2, said
     assert "cannot reach NATS at nats://127.0.0.1:" in said[-1] and "within 0.5s" in said[-1]
+
+
+def test_a_service_knows_its_supervisor_is_gone(monkeypatch):
+    import os
+
+    from lamina.libs.lifetime import PARENT_ENV, orphaned
+
+    monkeypatch.delenv(PARENT_ENV, raising=False)
+    assert not orphaned()  # not supervised
+    monkeypatch.setenv(PARENT_ENV, str(os.getppid()))
+    assert not orphaned()
+    monkeypatch.setenv(PARENT_ENV, str(os.getppid() + 100_000))  # another: ours is gone
+    assert orphaned()
