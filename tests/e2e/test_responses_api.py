@@ -93,6 +93,8 @@ def test_a_required_tool_call_is_a_function_call_item(client, stream):
         input="What is the weather in Paris?",
         tools=[WEATHER],
         tool_choice="required",
+        parallel_tool_calls=False,  # one call: an unbounded array could outrun the budget
+        temperature=0,
         stream=stream,
     )
     if stream:
@@ -123,7 +125,8 @@ def test_text_format_json_schema_constrains_the_output(client):
         model="lamina-tiny",
         input="A city, as JSON.",
         text={"format": {"type": "json_schema", "name": "city", "schema": schema}},
-        max_output_tokens=64,
+        max_output_tokens=256,  # room for the most whitespace the bound allows
+        temperature=0,
     )
     value = json.loads(response.output_text)
     jsonschema.validate(value, schema)
