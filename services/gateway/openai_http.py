@@ -342,22 +342,11 @@ class OpenAIApi:
         vocab = self.admission.tokenizer.vocab_size
         try:
             body.refuse_unsupported()
+            prompts = self._prompts(body)
             if isinstance(body, ChatCompletionRequest):
-                if body.chat_template is not None and not self.trust_request_chat_template:
-                    raise InvalidRequest(
-                        "a chat_template was passed with the request, but the gateway does "
-                        "not run with --trust-request-chat-template",
-                        "chat_template",
-                    )
-                prompts: list[Prompt | list[int]] = list(body.chat_prompts())
                 sampling = body.sampling(None, body.logprobs_count(vocab), vocab)
                 parser = self._tool_parser(body)
             else:
-                special = body.add_special_tokens is not False
-                prompts = [
-                    TextPrompt(p, special) if isinstance(p, str) else p
-                    for p in body.prompt_inputs()
-                ]
                 sampling = body.sampling(16, body.logprobs_count(vocab), vocab)
         except InvalidRequest as exc:
             raise invalid_request(exc.message, exc.param) from exc
@@ -397,6 +386,22 @@ class OpenAIApi:
             for stream in streams:
                 stream.tool_parser = parser()
         return streams
+
+    def _prompts(self, body: CompletionRequest | ChatCompletionRequest) -> list[Prompt | list[int]]:
+        """The body's prompts: its chats (a request's own template only where the gateway
+        trusts them), or its texts and token-id lists; raises :class:`InvalidRequest`."""
+        if not isinstance(body, ChatCompletionRequest):
+            special = body.add_special_tokens is not False
+            return [
+                TextPrompt(p, special) if isinstance(p, str) else p for p in body.prompt_inputs()
+            ]
+        if body.chat_template is not None and not self.trust_request_chat_template:
+            raise InvalidRequest(
+                "a chat_template was passed with the request, but the gateway does not run "
+                "with --trust-request-chat-template",
+                "chat_template",
+            )
+        return list(body.chat_prompts())
 
     def _tool_parser(self, body: ChatCompletionRequest) -> Callable[[], ToolParser] | None:
         """What makes the parser that reads tool calls out of this chat's output (None:
@@ -448,21 +453,19 @@ class OpenAIApi:
         with ClientWatch(receive) as client:
             try:
                 if body.use_beam_search:
-                    response = self._reply(body, response_key, chat, build)
-                    payload = await self._beams(body, scope, response)
+                    beams = await self._beams(body, scope)
                 else:
                     streams = await self._open_in_callers_trace(body, scope, response_key)
             except GenerationError as exc:
                 status, payload = exc.status, error_of(exc)
                 headers += retry_headers(exc)
             else:
-                if payload is not None:  # beams, answered whole
-                    pass
+                response = self._reply(body, response_key, chat, build)
+                if body.use_beam_search:
+                    payload = self._beam_payload(*beams, body, response)
                 elif body.stream:
-                    response = self._reply(body, response_key, chat, build)
                     await self._stream(streams, body, response, send, headers)
                 else:
-                    response = self._reply(body, response_key, chat, build)
                     status, payload = await self._collect(streams, body, response)
         if client.disconnected:
             return
@@ -506,20 +509,13 @@ class OpenAIApi:
             isinstance(body, BatchChatCompletionRequest),
         )
 
-    async def _beams(self, body: Any, scope: Scope, response: Reply) -> dict[str, Any]:
-        """A beam search's whole response: for each prompt, its ``n`` best beams as
-        choices (``beam_search.py``). The caller's rate limits are charged once, for
+    async def _beams(self, body: Any, scope: Scope) -> tuple[list[list[int]], list[TextDelta]]:
+        """A beam search: each prompt's ids, and its ``n`` best beams as choices, prompt
+        by prompt (``beam_search.py``). The caller's rate limits are charged once, for
         ``n`` sequences a prompt, as for any request; its steps are not charged again."""
         try:
             body.refuse_unsupported()
-            if isinstance(body, ChatCompletionRequest):
-                prompts: list[Prompt | list[int]] = list(body.chat_prompts())
-            else:
-                special = body.add_special_tokens is not False
-                prompts = [
-                    TextPrompt(p, special) if isinstance(p, str) else p
-                    for p in body.prompt_inputs()
-                ]
+            prompts = self._prompts(body)
         except InvalidRequest as exc:
             raise invalid_request(exc.message, exc.param) from exc
         admission, n = self.admission, body.n
@@ -527,6 +523,7 @@ class OpenAIApi:
         admission.check_sequences(len(prompts), n)
         caller = Caller(scope.get("lamina.best_priority"), scope.get("lamina.quota"))
         caller.check_priority(body.priority, "priority")
+        chat = isinstance(body, ChatCompletionRequest)
         truncation = body.truncation()
         prompt_ids = [
             ids if truncation is None else truncation.apply(ids, admission.max_context)
@@ -534,7 +531,7 @@ class OpenAIApi:
         ]
         asked = body.max_completion_tokens or body.max_tokens
         most = [
-            asked or (16 if not response.chat else max(admission.max_context - len(ids), 1))
+            asked or (16 if not chat else max(admission.max_context - len(ids), 1))
             for ids in prompt_ids
         ]
         for ids, m in zip(prompt_ids, most, strict=True):
@@ -575,6 +572,13 @@ class OpenAIApi:
                 used = sum(d.usage.prompt_tokens + d.usage.completion_tokens for d in deltas)  # type: ignore[union-attr]
                 for _ in range(sequences):
                     caller.quota.release(reserved // sequences, used // sequences)
+        return prompt_ids, deltas
+
+    def _beam_payload(
+        self, prompt_ids: list[list[int]], deltas: list[TextDelta], body: Any, response: Reply
+    ) -> dict[str, Any]:
+        """The whole response of a beam search (:meth:`_beams`)."""
+        n = body.n
         for delta, echo in zip(deltas, response.echoes or (), strict=False):
             delta.text = echo + delta.text
         built = [response.build(d, response.id, response.created, streaming=False) for d in deltas]

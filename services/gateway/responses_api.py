@@ -170,10 +170,10 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_body(request: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completion a response is, as a body."""
+def _chat_body(request: ResponsesRequest, asked: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completion a response is, as a body (``asked``: the conversation)."""
     messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
-    body: dict[str, Any] = {"messages": [*messages, *history, *_messages(request.input)]}
+    body: dict[str, Any] = {"messages": [*messages, *asked]}
     for name, value in (
         ("model", request.model),
         ("max_tokens", request.max_output_tokens),
@@ -284,7 +284,7 @@ class ResponsesApi:
         status, payload = 200, None
         with ClientWatch(receive) as client:
             try:
-                chat, history = self._chat(request)
+                chat, asked = self._chat(request)
                 (stream,) = await self.api._open_in_callers_trace(chat, scope, key)
             except GenerationError as exc:
                 status, payload = exc.status, error_of(exc)
@@ -293,7 +293,7 @@ class ResponsesApi:
                 body = self._envelope(request, response_id)
 
                 def finish(output: _Output, last: TextDelta) -> dict[str, Any]:
-                    return self._finish(body, output, last, request, history)
+                    return self._finish(body, output, last, request, asked)
 
                 try:
                     if request.stream:
@@ -322,7 +322,8 @@ class ResponsesApi:
             await end_body(send)
 
     def _chat(self, request: ResponsesRequest) -> tuple[ChatCompletionRequest, list[dict]]:
-        """The chat completion ``request`` is, and the stored conversation before it."""
+        """The chat completion ``request`` is, and the conversation it asks about (the
+        stored one before it, then its input), without the instructions."""
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
             stored = self.stored.get(request.previous_response_id)
@@ -338,12 +339,13 @@ class ResponsesApi:
             self.stored.move_to_end(request.previous_response_id)
             history = [m for m in stored.messages if m["role"] != "system"]
         try:
-            chat = msgspec.convert(_chat_body(request, history), ChatCompletionRequest)
+            asked = [*history, *_messages(request.input)]
+            chat = msgspec.convert(_chat_body(request, asked), ChatCompletionRequest)
         except InvalidRequest as exc:
             raise invalid_request(exc.message, exc.param) from exc
         except msgspec.ValidationError as exc:
             raise invalid_request(f"invalid request body: {exc}") from exc
-        return chat, history
+        return chat, asked
 
     def _envelope(self, request: ResponsesRequest, response_id: str) -> dict[str, Any]:
         """The response object as it stands before any output (``in_progress``)."""
@@ -380,7 +382,7 @@ class ResponsesApi:
         output: _Output,
         last: TextDelta,
         request: ResponsesRequest,
-        history: list[dict[str, Any]],
+        asked: list[dict[str, Any]],
     ) -> dict[str, Any]:
         """The completed response (stored, where asked)."""
         body["output"] = output.items
@@ -404,7 +406,6 @@ class ResponsesApi:
             reply: dict[str, Any] = {"role": "assistant", "content": said}
             if calls:
                 reply["tool_calls"] = calls
-            asked = [*history, *_messages(request.input)]
             self.stored[body["id"]] = Stored(body, [*asked, reply])
         return body
 

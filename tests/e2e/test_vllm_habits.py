@@ -426,3 +426,14 @@ def test_what_beam_search_cannot_do_is_a_400(client):
                 | ({"stream": True} if "stream" in extra else {}),
             )
         assert refused.value.body["param"] == param
+
+
+def test_a_beam_search_chat_takes_no_untrusted_template(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=None,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=2,
+            extra_body={"use_beam_search": True, "chat_template": "{{ messages }}"},
+        )
+    assert refused.value.body["param"] == "chat_template"
