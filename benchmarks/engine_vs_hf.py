@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from lamina.schemas.v1.generate import Sampling
-from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
-from lamina.services.engine_worker.engine import Engine
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.params import SamplingParams
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
 
@@ -54,11 +54,11 @@ def make_workload(
 def lamina_throughput(engine: Engine, work: Workload) -> float:
     for i, (prompt, out_len) in enumerate(work):
         engine.add_request(
-            f"r{i}", prompt, Sampling(max_tokens=out_len, temperature=0, ignore_eos=True)
+            f"r{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
         )
     started, produced = time.perf_counter(), 0
     while engine.has_work():
-        produced += len(engine.step())
+        produced += len(engine.step().outputs)
     elapsed = time.perf_counter() - started
     assert produced == sum(n for _, n in work)
     return produced / elapsed
@@ -92,7 +92,7 @@ def lamina_decode_rate(engine: Engine, prompt: list[int], n: int) -> float:
     def run(max_tokens: int) -> float:
         engine.reset_prefix_cache()
         engine.add_request(
-            "b1", prompt, Sampling(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            "b1", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         )
         started = time.perf_counter()
         while engine.has_work():

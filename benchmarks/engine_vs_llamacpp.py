@@ -40,10 +40,10 @@ import torch
 
 from lamina.libs.config import lamina_home
 from lamina.libs.nats_server import free_port
-from lamina.schemas.v1.generate import Sampling
-from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
-from lamina.services.engine_worker.engine import Engine
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.launcher import Stack
 
 PROMPT = list(range(5, 37))
@@ -120,10 +120,12 @@ def llamacpp_gaps(gguf: Path, threads: int) -> list[float]:
 
 
 def engine_gaps(engine: Engine) -> list[float]:
-    engine.add_request("b1", PROMPT, Sampling(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "b1", PROMPT, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    )
     stamps = []
     while engine.has_work():
-        if engine.step():
+        if engine.step().outputs:
             stamps.append(time.perf_counter())
     return _gaps(stamps)
 

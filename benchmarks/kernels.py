@@ -302,10 +302,10 @@ def engine_decode(args: argparse.Namespace) -> None:
     """Decode tokens/s of the whole engine (small preset, bf16) at each batch size: the
     reference ops, Triton eager, Triton replayed from CUDA graphs, and that with int8
     weights (W8A16)."""
-    from lamina.schemas.v1.generate import Sampling
-    from lamina.services.engine_worker.config import EngineConfig
     from lamina.services.engine_worker.default_model import ensure_default_model
-    from lamina.services.engine_worker.engine import Engine
+    from lamina.services.engine_worker.engine.config import EngineConfig
+    from lamina.services.engine_worker.engine.engine import Engine
+    from lamina.services.engine_worker.engine.params import SamplingParams
 
     model = ensure_default_model("small")
     setups = [
@@ -334,13 +334,13 @@ def engine_decode(args: argparse.Namespace) -> None:
                 engine.add_request(
                     f"r{i}",
                     list(range(3 + i, 3 + i + 128)),
-                    Sampling(max_tokens=256, temperature=0, ignore_eos=True),
+                    SamplingParams(max_tokens=256, temperature=0, ignore_eos=True),
                 )
             engine.step()  # prefill
             torch.cuda.synchronize()
             started, produced = time.perf_counter(), 0
             while engine.has_work():
-                produced += len(engine.step())
+                produced += len(engine.step().outputs)
             torch.cuda.synchronize()
             name = f"{backend}{' + graphs' if graphs else ''}"
             name += f" + {quantization} weights" if quantization else ""
@@ -374,10 +374,10 @@ def engine_mbu(args: argparse.Namespace) -> None:
     against ``--peak-gbs``."""
     import json
 
-    from lamina.schemas.v1.generate import Sampling
-    from lamina.services.engine_worker.config import EngineConfig
     from lamina.services.engine_worker.default_model import ensure_default_model
-    from lamina.services.engine_worker.engine import Engine
+    from lamina.services.engine_worker.engine.config import EngineConfig
+    from lamina.services.engine_worker.engine.engine import Engine
+    from lamina.services.engine_worker.engine.params import SamplingParams
 
     model = ensure_default_model(args.mbu_preset)
     config = json.loads((model / "config.json").read_text())
@@ -396,7 +396,9 @@ def engine_mbu(args: argparse.Namespace) -> None:
     prompt = [3 + i % 500 for i in range(args.mbu_prompt)]
     for run in range(args.runs + 1):  # the first warms up
         engine.add_request(
-            f"m{run}", prompt, Sampling(max_tokens=args.mbu_tokens, temperature=0, ignore_eos=True)
+            f"m{run}",
+            prompt,
+            SamplingParams(max_tokens=args.mbu_tokens, temperature=0, ignore_eos=True),
         )
         engine.step()  # prefill and the first token
         torch.cuda.synchronize()

@@ -53,10 +53,10 @@ import msgspec
 from lamina.libs.nats_server import free_port
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import ControlAck, ResetPrefixCache
-from lamina.schemas.v1.generate import Sampling
-from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
-from lamina.services.engine_worker.engine import Engine
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.launcher import Stack
 
 Workload = list[tuple[list[int], int]]
@@ -73,18 +73,20 @@ def workload(n: int, vocab: int, seed: int = 0) -> Workload:
 def engine_throughput(engine: Engine, work: Workload) -> float:
     started = time.perf_counter()
     for i, (prompt, n) in enumerate(work):
-        engine.add_request(f"t{i}", prompt, Sampling(max_tokens=n, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"t{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        )
     produced = 0
     while engine.has_work():
-        produced += len(engine.step())
+        produced += len(engine.step().outputs)
     return produced / (time.perf_counter() - started)
 
 
 def engine_ttft(engine: Engine, prompt: list[int]) -> float:
     started = time.perf_counter()
-    engine.add_request("ttft", prompt, Sampling(max_tokens=1, temperature=0, ignore_eos=True))
+    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     while engine.has_work():
-        if engine.step():
+        if engine.step().outputs:
             break
     return time.perf_counter() - started
 

@@ -19,6 +19,7 @@ to fill one constrained row's mask and a batch of 32 rows. Not a test: run it by
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -26,10 +27,11 @@ import time
 from pathlib import Path
 
 from lamina.schemas.v1.generate import Sampling, StructuredOutput
-from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker import wire
 from lamina.services.engine_worker.default_model import ensure_default_model
-from lamina.services.engine_worker.engine import Engine
-from lamina.services.engine_worker.grammar import GrammarCompiler
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.grammar import GrammarCompiler
 
 WORD = {"type": "string", "maxLength": 16}
 SCHEMA = {
@@ -76,16 +78,24 @@ def run(
 ) -> tuple[float, int, list[int]]:
     """Run the requests together: (seconds, engine steps, each request's output length)."""
     engine.reset_prefix_cache()
+    compiler = _compiler(engine)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"r{i}", prompt, p)
+        # As the worker does: the wire's sampling converted, its constraint compiled.
+        grammar = wire.constraint(compiler, p.structured) if p.structured else None
+        engine.add_request(f"r{i}", prompt, wire.sampling_params(p), grammar=grammar)
     lengths = [0] * len(prompts)
     steps = 0
     started = time.perf_counter()
     while engine.has_work():
         steps += 1
-        for out in engine.step():
+        for out in engine.step().outputs:
             lengths[int(out.request_id[1:])] += len(out.new_token_ids)
     return time.perf_counter() - started, steps, lengths
+
+
+@functools.cache
+def _compiler(engine: Engine) -> GrammarCompiler:
+    return engine.spec.grammar_compiler()
 
 
 def compare(engine: Engine, batch: int, runs: int, seed: int) -> None:
@@ -126,12 +136,12 @@ def compile_times(model: Path, vocab: int, eos: tuple[int, ...]) -> None:
         cold = []
         for _ in range(5):
             compiler = GrammarCompiler(model, vocab, eos)
-            compiler.compile(StructuredOutput(json="true"))  # the vocabulary, loaded once
+            wire.constraint(compiler, StructuredOutput(json="true"))  # the vocabulary
             started = time.perf_counter()
-            compiler.compile(spec)
+            wire.constraint(compiler, spec)  # what the worker does with a request's
             cold.append(time.perf_counter() - started)
         started = time.perf_counter()
-        compiler.compile(spec)
+        wire.constraint(compiler, spec)
         cached = time.perf_counter() - started
         print(
             f"  schema {i} ({len(json.dumps(schema))} chars): compile "

@@ -21,11 +21,14 @@ compensation), for tests.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-WEIGHT_FORMATS = ("int8", "fp8")
+WeightFormat = Literal["int8", "fp8"]
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = typing.get_args(WeightFormat)
 """The formats a weight can be quantized to at load (``--quantization``)."""
 
 _RANGE = {"int8": 127.0, "fp8": 448.0}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import enum
 import inspect
 import itertools
 import os
@@ -20,7 +21,7 @@ import re
 import textwrap
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -151,10 +152,37 @@ def _convert(kind: Any, raw: str, name: str) -> Any:
         if lowered in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{name}: {raw!r} is not a boolean")
+    choices = _choices(kind)
+    if choices is not None:  # a closed set: a Literal of strings or a string enum
+        if raw in choices:
+            return kind(raw) if isinstance(kind, type) else raw
+        raise ValueError(f"{name}: {raw!r} is not one of {', '.join(choices)}")
     try:
         return kind(raw)
     except ValueError as exc:
         raise ValueError(f"{name}: {raw!r} is not a valid {kind.__name__}") from exc
+
+
+def _choices(kind: Any) -> tuple[str, ...] | None:
+    """The values of a closed set (``Literal["a", "b"]``, a ``StrEnum``), or None."""
+    if typing.get_origin(kind) is typing.Literal:
+        return typing.get_args(kind)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return tuple(str(member.value) for member in kind)
+    return None
+
+
+def _argument(kind: Any, name: str) -> Callable[[str], Any]:
+    """An argparse ``type`` that says what is wrong with a value (argparse would say
+    only "invalid value")."""
+
+    def convert(raw: str) -> Any:
+        try:
+            return _convert(kind, raw, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return convert
 
 
 def parse_config(
@@ -178,7 +206,7 @@ def parse_config(
                 setting.flag,
                 dest=setting.name,
                 help=help_text,
-                type=lambda raw, s=setting: _convert(s.kind, raw, s.name),
+                type=_argument(setting.kind, setting.name),
             )
     args = parser.parse_args(argv)
     values: dict[tuple[str, ...], Any] = {}

@@ -88,19 +88,19 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
-    from lamina.schemas.v1.generate import Sampling
-    from lamina.services.engine_worker.config import EngineConfig
     from lamina.services.engine_worker.default_model import ensure_default_model
-    from lamina.services.engine_worker.engine import Engine
+    from lamina.services.engine_worker.engine import Engine, EngineConfig, SamplingParams
 
     model = args.model or ensure_default_model()
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     engine = Engine(EngineConfig(model=model))
-    params = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     engine.add_request("cli", tokenizer.encode(args.prompt).ids, params)
     started, tokens = time.perf_counter(), []
     while engine.has_work():
-        for output in engine.step():
+        for output in engine.step().outputs:
             tokens += output.new_token_ids
             if output.finished:
                 reason = output.finish_reason

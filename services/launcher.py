@@ -36,10 +36,10 @@ from lamina.libs.nats_auth import DEPLOYMENT, CredentialStore
 from lamina.libs.nats_server import NatsCluster, NatsServer, free_port
 from lamina.libs.service import RESTARTS_ENV
 from lamina.services import up_state
-from lamina.services.engine_worker.config import EngineConfig
 from lamina.services.engine_worker.default_model import ensure_default_model
-from lamina.services.engine_worker.errors import ModelLoadError
-from lamina.services.engine_worker.model_config import ModelConfig
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.errors import ModelLoadError
+from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.gateway.config import GatewayOptions
 
 SERVICES = frozenset({"gateway", "scheduler", "telemetry", "worker"})

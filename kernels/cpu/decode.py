@@ -1,7 +1,7 @@
 """A decode step's forward pass in one native call (``decode.cpp``), from the token ids
 to the logits, for fp32 on the CPU with every linear on the native matmul (fp32 or
 quantized weights) and an fp32 KV cache: what
-:meth:`lamina.services.engine_worker.model.CausalLM.decode_logits` runs for a step of
+:meth:`lamina.services.engine_worker.engine.model.CausalLM.decode_logits` runs for a step of
 decodes only, instead of a dozen Python-level kernel calls per layer and the lookups,
 attention metadata and LM head around them."""
 

@@ -17,12 +17,16 @@ so both paths store the same integers.
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import numpy as np
 import torch
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+KvCacheDtype = Literal["auto", "fp8", "int8"]
+KV_CACHE_DTYPES: tuple[KvCacheDtype, ...] = typing.get_args(KvCacheDtype)
 
 
 def cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

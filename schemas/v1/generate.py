@@ -153,19 +153,6 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
 
-def context_overflow(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str | None:
-    """Why a prompt and the tokens asked for do not fit ``max_model_len``, or None. The one
-    context-length rule: the scheduler applies it to each worker's reported length, the
-    engine to its own (``max_tokens=None`` asks for at least one token)."""
-    wanted = max(max_tokens or 1, 1)
-    if prompt_tokens + wanted <= max_model_len:
-        return None
-    return (
-        f"this model's maximum context length is {max_model_len} tokens, but the request "
-        f"has {prompt_tokens} prompt tokens and asks for {max_tokens or 1} more"
-    )
-
-
 class Sla(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What the client needs from this request: carried down to admission and batching."""
 

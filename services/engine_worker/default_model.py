@@ -8,6 +8,7 @@ produces fluent-looking nonsense), but every file is a real Hugging Face artefac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from lamina.libs.default_tokenizer import MODEL_MAX_LENGTH, default_model_dir, write_tokenizer
+from lamina.services.engine_worker.engine.config import EngineConfig
 
 SEED = 0
 
@@ -120,3 +122,10 @@ def _random_weights(config: dict) -> dict[str, torch.Tensor]:
             p + "mlp.down_proj.weight": normal(h, i),
         }
     return tensors
+
+
+def with_default_model(config: EngineConfig) -> EngineConfig:
+    """``config`` with ``model`` set: the default model (created if missing) for None."""
+    if config.model is not None:
+        return config
+    return dataclasses.replace(config, model=ensure_default_model())

@@ -44,14 +44,20 @@ from lamina.schemas.v1.control import (
 from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason
 from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
 from lamina.schemas.v1.stats import GatewayAlive, WorkerState, WorkerStats
-from lamina.services.engine_worker.config import EngineConfig
-from lamina.services.engine_worker.engine import Engine, EngineStats
+from lamina.services.engine_worker import wire
+from lamina.services.engine_worker.default_model import with_default_model
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.errors import InvalidRequestError
+from lamina.services.engine_worker.engine.grammar import GrammarCompiler
+from lamina.services.engine_worker.engine.outputs import EngineStats
+from lamina.services.engine_worker.engine.request import EngineRequest
+from lamina.services.engine_worker.engine.spec import EngineSpec
 from lamina.services.engine_worker.engine_thread import (
     STREAM_KEEPALIVE_S,
     EngineThread,
     Outgoing,
 )
-from lamina.services.engine_worker.errors import InvalidRequestError
 from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Lifecycle
 
 log = logging.getLogger("lamina.worker")
@@ -126,6 +132,10 @@ class WorkerService:
         """``WorkerStats.numerics`` once the model is loaded, as each ``Accepted`` says."""
         self.bus: Bus | None = None
         self.engine_thread: EngineThread | None = None
+        self.spec: EngineSpec | None = None
+        """What the engine is, once built (the event loop never reads the live engine)."""
+        self.grammars: GrammarCompiler | None = None
+        """Compiles requests' constraints for the model, off the loop (thread-safe)."""
         self._outbox: asyncio.Queue[list[Outgoing]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self.health: HealthServer | None = None
@@ -144,7 +154,7 @@ class WorkerService:
             self.health = await HealthServer(cfg.health_host, cfg.health_port, self.ready).start()
         self.bus = bus = await cfg.nats.connect(f"worker-{self.worker_id}")
         await self._check_id_is_free()  # before loading a model, which can take minutes
-        engine_config = cfg.engine.with_model()
+        engine_config = with_default_model(cfg.engine)
         self.model_name = cfg.model_name or engine_config.model.name
         # Heartbeat from now on: "starting" while the model loads (minutes for a big one),
         # so the scheduler and telemetry see the worker coming rather than nothing.
@@ -166,7 +176,8 @@ class WorkerService:
         # stops the worker there, and the (daemon) engine thread does not keep it alive.
         while not self.engine_thread.built:
             await asyncio.sleep(0.05)
-        engine = self.engine_thread.wait_ready()
+        self.spec = spec = self.engine_thread.wait_ready()
+        self.grammars = spec.grammar_compiler()
         wid = self.worker_id
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
@@ -180,14 +191,13 @@ class WorkerService:
         await bus.flush()  # the server has the subscriptions before a heartbeat says ready
         self.lifecycle.move(Event.LOADED)
         await self._publish_stats()
-        blocks = engine.blocks  # fixed at construction: safe to read from this thread
         log.info(
             "worker %s ready: model %s on %s; KV pool %d blocks of %d tokens (%s cache)",
             wid,
             self.model_name,
             engine_config.device,
-            blocks.num_blocks,
-            blocks.block_size,
+            spec.num_kv_blocks,
+            spec.block_size,
             engine_config.kv_cache_dtype,
         )
         await announce(bus, "worker", wid)
@@ -227,16 +237,11 @@ class WorkerService:
                 msg.reply, rid, RejectReason.OVERLOADED, message, retryable=True, retry_after_s=1.0
             )
             return
-        engine = self.engine_thread.engine
-        grammar = None
         try:
-            engine.validate(
-                request.prompt_token_ids, request.sampling, request.replayed_output_tokens
-            )
-            if request.sampling.structured is not None:  # compiled here, not on its thread
-                grammar = await asyncio.to_thread(
-                    engine.grammars.compile, request.sampling.structured
-                )
+            if request.sampling.structured is None:
+                checked = wire.engine_request(request, self.spec)
+            else:  # compiled here, not on the engine's thread, and not on this loop
+                checked = await asyncio.to_thread(self._constrained, request)
         except InvalidRequestError as exc:
             reason = RejectReason.INVALID_REQUEST
             await self._refuse(msg.reply, rid, reason, exc.message, param=exc.field)
@@ -250,7 +255,12 @@ class WorkerService:
             request_id=request.request_id, worker_id=self.worker_id, numerics=self.numerics
         )
         self._outbox.put_nowait([(msg.reply, accepted, context)])
-        self.engine_thread.submit(request, msg.reply, context, grammar)
+        self.engine_thread.submit(request, msg.reply, context, checked)
+
+    def _constrained(self, request: GenerateRequest) -> EngineRequest:
+        """A request with a structured output constraint, compiled and checked."""
+        grammar = wire.constraint(self.grammars, request.sampling.structured)
+        return wire.engine_request(request, self.spec, grammar)
 
     async def _refuse(
         self, reply: str, request_id: str, reason: RejectReason, message: str, **fields: object
@@ -281,7 +291,7 @@ class WorkerService:
     def _check_engine(self) -> None:
         """Turn a wedged engine thread into a failed worker (a dead one reports itself)."""
         thread = self.engine_thread
-        if thread is None or thread.engine is None or thread.dead:
+        if thread is None or thread.spec is None or thread.dead:
             return
         stalled = time.monotonic() - thread.beat
         if stalled > self.config.engine_stall_timeout:
@@ -305,7 +315,7 @@ class WorkerService:
             snapshot = KvSnapshot(
                 worker_id=self.worker_id,
                 incarnation=self.incarnation,
-                block_size=self.engine_thread.engine.config.block_size,
+                block_size=self.spec.block_size,
                 next_event_id=next_event_id,
                 block_hashes=part,
                 part=n,
@@ -386,7 +396,7 @@ class WorkerService:
         while True:
             await asyncio.sleep(self.config.stats_interval)
             self._check_engine()
-            if self.engine_thread is not None and self.engine_thread.engine is not None:
+            if self.spec is not None:
                 self._stop_orphans()
             with contextlib.suppress(Exception):
                 await self._publish_stats()
@@ -394,8 +404,8 @@ class WorkerService:
     def worker_stats(self) -> WorkerStats:
         """The heartbeat: identity, state and limits, plus the engine's counters once it
         exists (zeros while the model loads)."""
-        engine = self.engine_thread.engine if self.engine_thread is not None else None
-        config = engine.config if engine is not None else self.config.engine
+        spec = self.spec
+        config = spec.config if spec is not None else self.config.engine
         counters = (
             self.engine_thread.stats if self.engine_thread is not None else None
         ) or EngineStats()
@@ -405,7 +415,6 @@ class WorkerService:
             held = self.engine_thread.num_requests
             waiting = max(held - counters.num_running, counters.num_waiting)
             counters = dataclasses.replace(counters, num_waiting=waiting)
-        model = engine.runner.model if engine is not None else None
         return WorkerStats(
             worker_id=self.worker_id,
             model=self.model_name,
@@ -414,7 +423,7 @@ class WorkerService:
             block_size=config.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
-            max_model_len=engine.max_model_len if engine is not None else config.max_model_len or 0,
+            max_model_len=spec.max_model_len if spec is not None else config.max_model_len or 0,
             timestamp_ms=int(time.time() * 1000),
             heartbeat_interval_s=self.config.stats_interval,
             state_reason=self.lifecycle.reason,
@@ -422,8 +431,8 @@ class WorkerService:
             cordoned=self.cordoned,
             kv_cache_dtype=config.kv_cache_dtype,
             enable_prefix_caching=config.enable_prefix_caching,
-            dtype=str(model.dtype).removeprefix("torch.") if model is not None else "",
-            weight_dtype=model.weight_dtype if model is not None else "",
+            dtype=spec.dtype if spec is not None else "",
+            weight_dtype=spec.weight_dtype if spec is not None else "",
             prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
             **dataclasses.asdict(counters),
         )
@@ -452,14 +461,10 @@ class WorkerService:
             self.lifecycle.move(Event.SHUTDOWN, "shutting down (SIGTERM)")
         await self._publish_stats()
         thread = self.engine_thread
-        if thread is None or thread.engine is None:  # stopped while starting
+        if thread is None or self.spec is None:  # stopped while starting
             return
         deadline = time.monotonic() + self.config.drain_timeout
-        while (
-            not thread.dead
-            and (thread.num_requests or thread.engine.has_work())
-            and time.monotonic() < deadline
-        ):
+        while not thread.dead and thread.num_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self._outbox.join()
 

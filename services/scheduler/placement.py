@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from lamina.libs.bounded import BoundedDict
-from lamina.schemas.v1.generate import GenerateRequest, RejectReason, context_overflow
+from lamina.libs.context_length import context_overflow
+from lamina.schemas.v1.generate import GenerateRequest, RejectReason
 from lamina.schemas.v1.records import ScoredWorker
 from lamina.schemas.v1.stats import WorkerState
 from lamina.services.scheduler.registry import Candidate

@@ -74,7 +74,9 @@ class SchedulerConfig:
 
     nats: NatsConfig = field(default_factory=NatsConfig)
     scheduler_id: str = option("", "replica id (default: <host>-<pid>)")
-    placement: str = option("kv", "placement policy: kv (predicted TTFT), load, round-robin")
+    placement: Policy = option(
+        Policy.KV, "placement policy: kv (predicted TTFT), load, round-robin"
+    )
     prefill_rate_prior: float = option(
         CostModel.prefill_rate_prior, "prefill tokens/s assumed before a worker measured its own"
     )
@@ -95,7 +97,7 @@ class SchedulerConfig:
     health_port: int = option(0, "port for /health and /ready (ready: on the bus; 0: off)")
 
     def __post_init__(self) -> None:
-        Policy(self.placement)  # a ValueError naming the value
+        object.__setattr__(self, "placement", Policy(self.placement))  # ValueError names it
 
 
 class SchedulerService:
@@ -104,7 +106,7 @@ class SchedulerService:
         self.scheduler_id = config.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
         self.registry = Registry(prefill_rate_prior=config.prefill_rate_prior)
         cost = CostModel(config.prefill_rate_prior, config.decode_rate_prior, config.decode_weight)
-        self.placer = Placer(Policy(config.placement), cost, config.saturation_steps)
+        self.placer = Placer(config.placement, cost, config.saturation_steps)
         self.queue = AdmissionQueue(config.max_queue_requests, config.max_queue_tokens)
         self._tasks: list[asyncio.Task] = []
         self.bus: Bus | None = None

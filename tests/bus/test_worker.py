@@ -34,7 +34,7 @@ from lamina.schemas.v1.kv import (
     KvSyncRequest,
 )
 from lamina.schemas.v1.stats import GatewayAlive, WorkerState, WorkerStats
-from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.service import WorkerConfig, WorkerIdInUse, WorkerService
 
 WORKER = "bus-test-worker"

@@ -21,8 +21,9 @@ import torch
 from lamina.schemas.v1.api import ApiRequest
 from lamina.schemas.v1.generate import Sampling
 from lamina.schemas.v1.subjects import API_GENERATE
-from lamina.services.engine_worker.config import EngineConfig
-from lamina.services.engine_worker.engine import Engine
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.params import SamplingParams
 from tests.e2e.conftest import read_spans
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -50,10 +51,10 @@ def test_completion_matches_the_in_process_engine(client, tiny_model, tokenizer)
     engine = Engine(
         EngineConfig(model=tiny_model, max_model_len=1024, kv_cache_memory_bytes=64 << 20)
     )
-    engine.add_request("local", ids, Sampling(max_tokens=12, temperature=0, ignore_eos=True))
+    engine.add_request("local", ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     tokens = []
     while engine.has_work():
-        for o in engine.step():
+        for o in engine.step().outputs:
             tokens += o.new_token_ids
     assert out.choices[0].text == tokenizer.decode(tokens)
     assert out.choices[0].finish_reason == "length"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from lamina.schemas.v1.generate import Sampling
-from lamina.services.engine_worker.config import EngineConfig
-from lamina.services.engine_worker.engine import Engine
-from lamina.services.engine_worker.request import Request
-from lamina.services.engine_worker.scheduler import ScheduledBatch
+from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.params import SamplingParams
+from lamina.services.engine_worker.engine.request import Request
 
 
 def make_engine(model, **overrides) -> Engine:
@@ -17,7 +17,7 @@ def make_engine(model, **overrides) -> Engine:
 
 
 def run_to_completion(
-    engine: Engine, prompts: dict[str, list[int]], params: Sampling, max_steps: int = 10_000
+    engine: Engine, prompts: dict[str, list[int]], params: SamplingParams, max_steps: int = 10_000
 ) -> dict[str, list[int]]:
     """Add all ``prompts`` at once, step until done, return each request's output tokens."""
     for request_id, prompt in prompts.items():
@@ -30,7 +30,7 @@ def drain(engine: Engine, max_steps: int = 10_000) -> dict[str, list[int]]:
     for _ in range(max_steps):
         if not engine.has_work():
             return outputs
-        for out in engine.step():
+        for out in engine.step().outputs:
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
@@ -50,8 +50,8 @@ def greedy_by_backend(
     return outputs
 
 
-def greedy(max_tokens: int, **kw) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
 def teacher_forced_logits(
@@ -64,7 +64,7 @@ def teacher_forced_logits(
     blocks = engine.blocks
     requests = []
     for n, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
-        request = Request(f"tf{n}", seq[:p], Sampling(), max_tokens=len(seq))
+        request = Request(f"tf{n}", seq[:p], SamplingParams(), max_tokens=len(seq))
         assert blocks.allocate(request, len(seq)) is not None
         requests.append(request)
     collected: list[list[torch.Tensor]] = [[] for _ in sequences]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.services.engine_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tests.engine.helpers import greedy, make_engine, run_to_completion
 
 
@@ -54,7 +54,7 @@ def test_static_decode_path_matches_the_ordinary_one(tiny_model, monkeypatch, kv
         engine.add_request(rid, prompt, params[rid])
     got: dict[str, list[int]] = {}
     while engine.has_work():
-        for out in engine.step():
+        for out in engine.step().outputs:
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert got == {rid: want[rid][: 20 - int(rid[1:])] for rid in prompts}
     assert 7 in sizes and 1 in sizes  # full and shrinking batches took the graph path

@@ -3,19 +3,20 @@ validated; blocks all come back."""
 
 from __future__ import annotations
 
-import msgspec
+import dataclasses
+
 import pytest
 import torch
 
-from lamina.schemas.v1.generate import Sampling
-from lamina.services.engine_worker.errors import (
+from lamina.services.engine_worker.engine.errors import (
     DuplicateRequestError,
     EmptyPromptError,
     InvalidRequestError,
     PromptTooLongError,
     TokenOutOfVocabError,
 )
-from lamina.services.engine_worker.request import Status
+from lamina.services.engine_worker.engine.params import SamplingParams
+from lamina.services.engine_worker.engine.request import Status
 from tests.engine.helpers import drain, greedy, make_engine, run_to_completion
 
 
@@ -118,7 +119,7 @@ def test_priorities_order_admission(model):
     engine = make_engine(model, max_num_seqs=1)
     engine.add_request("background", [5, 6, 7], greedy(2), priority=5)
     engine.add_request("urgent", [5, 6, 8], greedy(2), priority=0)
-    first = engine.step()
+    first = engine.step().outputs
     assert [o.request_id for o in first] == ["urgent"]
 
 
@@ -141,7 +142,7 @@ def test_abort_frees_everything_at_once(model):
     assert engine.abort("a") and engine.abort("b")
     assert not engine.abort("a")
     assert_all_blocks_released(engine)
-    assert engine.step() == []
+    assert engine.step().outputs == []
 
 
 def test_stop_tokens_min_tokens_and_max_tokens(model):
@@ -168,7 +169,7 @@ def test_eos_finishes_with_stop_unless_ignored(model):
     engine.add_request(
         "e",
         [9, 10, 11],
-        Sampling(max_tokens=12, temperature=0, stop_token_ids=(free_run[0],)),
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(free_run[0],)),
     )
     out = _all_outputs(engine)
     assert out[-1].finished and out[-1].finish_reason == "stop"
@@ -187,22 +188,22 @@ def test_request_validation_errors_are_typed(model):
         engine.add_request("a", list(range(3, 70)), greedy(1))
     with pytest.raises(PromptTooLongError):
         engine.add_request("a", [5] * 10, greedy(10_000_000))
-    engine.add_request("a", [5] * 10, Sampling(max_tokens=None, temperature=0))
+    engine.add_request("a", [5] * 10, SamplingParams(max_tokens=None, temperature=0))
     with pytest.raises(DuplicateRequestError):
         engine.add_request("a", [5], greedy(1))
     assert engine.requests["a"].max_tokens == 54  # None: up to the context length
-    # A Sampling built in Python skipped the decoder's range checks: the engine makes them.
+    # SamplingParams built in Python skipped the decoder's range checks: the engine makes them.
     for bad, field in [
-        (Sampling(top_p=0), "top_p"),
-        (Sampling(temperature=float("nan")), "temperature"),
-        (Sampling(seed=2**64 + 1), "seed"),
-        (Sampling(top_k=2**63), "top_k"),
+        (SamplingParams(top_p=0), "top_p"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(seed=2**64 + 1), "seed"),
+        (SamplingParams(top_k=2**63), "top_k"),
     ]:
         with pytest.raises(InvalidRequestError) as err:
             engine.add_request("b", [5], bad)
         assert err.value.field == field
     with pytest.raises(TokenOutOfVocabError) as err:
-        engine.add_request("b", [5], Sampling(stop_token_ids=[3, 5_000_000], min_tokens=2))
+        engine.add_request("b", [5], SamplingParams(stop_token_ids=[3, 5_000_000], min_tokens=2))
     assert err.value.field == "stop_token_ids" and "5000000" in err.value.message
     assert "b" not in engine.requests
 
@@ -210,11 +211,13 @@ def test_request_validation_errors_are_typed(model):
 def test_a_request_that_breaks_the_sampler_fails_alone(model):
     """Its batch mates go on to finish; it ends with an error and frees its blocks."""
     engine = make_engine(model)
-    engine.add_request("bad", [5, 6, 7], Sampling(max_tokens=8, min_tokens=4, ignore_eos=True))
+    engine.add_request(
+        "bad", [5, 6, 7], SamplingParams(max_tokens=8, min_tokens=4, ignore_eos=True)
+    )
     engine.add_request("good", [5, 6, 8], greedy(8))
     engine.requests["bad"].params.stop_token_ids = [5_000_000]  # past every check
     free = engine.blocks.num_free_blocks
-    outputs = [out for _ in range(50) if engine.has_work() for out in engine.step()]
+    outputs = [out for _ in range(50) if engine.has_work() for out in engine.step().outputs]
     (failed,) = [o for o in outputs if o.request_id == "bad"]
     assert failed.finished and failed.error and "sampling failed" in failed.error
     assert failed.new_token_ids == [] and failed.finish_reason is None
@@ -226,23 +229,25 @@ def test_a_request_that_breaks_the_sampler_fails_alone(model):
 def test_runs_to_the_context_limit(model):
     engine = make_engine(model, max_model_len=40)
     engine.add_request(
-        "a", list(range(3, 33)), Sampling(max_tokens=None, temperature=0, ignore_eos=True)
+        "a", list(range(3, 33)), SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
     )
     outputs = _all_outputs(engine)
     assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 10
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(model):
-    params = Sampling(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True
+    )
     alone = run_to_completion(make_engine(model), {"s": [7, 8, 9]}, params)["s"]
     batch = make_engine(model, seed=123)
-    mates = Sampling(max_tokens=20, temperature=1.2, ignore_eos=True)
+    mates = SamplingParams(max_tokens=20, temperature=1.2, ignore_eos=True)
     for n in range(4):
         batch.add_request(f"mate{n}", [7, 8, 9 + n], mates)
     batch.add_request("s", [7, 8, 9], params)
     assert drain(batch)["s"] == alone
     other_seed = run_to_completion(
-        make_engine(model), {"s": [7, 8, 9]}, Sampling(max_tokens=16, seed=7, ignore_eos=True)
+        make_engine(model), {"s": [7, 8, 9]}, SamplingParams(max_tokens=16, seed=7, ignore_eos=True)
     )["s"]
     assert other_seed != alone
 
@@ -271,7 +276,9 @@ def test_stats_report_load(model):
     assert (stats.num_waiting, stats.num_running) == (1, 1)
     assert stats.num_queued_prefill_tokens == 150 - 32
     assert stats.kv_cache_usage == pytest.approx(2 / 128)  # blocks for a's first 32
-    outputs = [engine.step()] + [engine.step() for _ in range(100) if engine.has_work()]
+    outputs = [engine.step().outputs] + [
+        engine.step().outputs for _ in range(100) if engine.has_work()
+    ]
     stats = engine.stats()
     assert stats.prompt_tokens_total == 150 and stats.generation_tokens_total == 8
     assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
@@ -297,7 +304,7 @@ def test_finished_requests_report_their_phases(model):
 def _all_outputs(engine):
     outputs = []
     while engine.has_work():
-        outputs += engine.step()
+        outputs += engine.step().outputs
     return outputs
 
 
@@ -317,9 +324,9 @@ def test_a_moved_request_continues_exactly_as_if_it_had_not(model, name):
     gateway's move) produces the rest as the undisturbed run did, when the engine is told
     which prompt tokens are replayed output; told nothing, penalties and seeds drift."""
     total, done, prompt = 16, 6, list(range(30, 45))
-    params = Sampling(max_tokens=total, **({"ignore_eos": True} | MOVES[name]))
+    params = SamplingParams(max_tokens=total, **({"ignore_eos": True} | MOVES[name]))
     (whole,) = run_to_completion(make_engine(model), {"r": prompt}, params).values()
-    rest = msgspec.structs.replace(
+    rest = dataclasses.replace(
         params, max_tokens=total - done, min_tokens=max(0, params.min_tokens - done)
     )
     outputs = {}
@@ -335,7 +342,7 @@ def test_a_moved_request_continues_exactly_as_if_it_had_not(model, name):
 def test_replayed_output_must_leave_a_prompt(model):
     engine = make_engine(model)
     with pytest.raises(InvalidRequestError, match="replayed"):
-        engine.add_request("r", [1, 2, 3], Sampling(max_tokens=2), replayed=3)
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2), replayed=3)
 
 
 def test_the_same_prompt_sent_together_is_computed_once(model):
@@ -350,9 +357,10 @@ def test_the_same_prompt_sent_together_is_computed_once(model):
         engine.add_request(rid, prompt, greedy(5))
     outputs: dict[str, list[int]] = {}
     while engine.has_work():
-        for out in engine.step():
+        step = engine.step()
+        for out in step.outputs:
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        computed.append(sum(engine.last_batch.num_new_tokens))
+        computed.append(sum(step.batch.num_new_tokens))
     assert outputs == {"a": alone, "b": alone, "c": alone}
     # One prefill of 43 tokens, then two of 11 (the partial block's), then decodes.
     assert computed[:2] == [43, 2 * 11 + 1]

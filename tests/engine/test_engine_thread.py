@@ -59,7 +59,8 @@ def test_a_dead_engine_thread_fails_what_it_held_and_says_so(tiny_model):
         lambda: make_engine(tiny_model), "w", "kv", emit=seen.emit, on_death=seen.on_death
     )
     loop.start()
-    engine = loop.wait_ready()
+    loop.wait_ready()
+    engine = loop.engine
     loop.submit(long_request("r0"), reply="inbox")
     while not engine.has_work():
         time.sleep(0.001)
@@ -84,7 +85,8 @@ def test_a_wedged_engine_thread_is_declared_so(tiny_model):
         lambda: make_engine(tiny_model), "w", "kv", emit=seen.emit, on_death=seen.on_death
     )
     loop.start()
-    engine = loop.wait_ready()
+    loop.wait_ready()
+    engine = loop.engine
     release, stuck = threading.Event(), threading.Event()
     step = engine.step
 
@@ -115,8 +117,8 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_model):
     loop = EngineThread(build, "w", "kv", emit=lambda batch: None)
     loop.start()
     try:
-        engine = loop.wait_ready()
-        assert built_on == [loop] and loop.engine is engine and loop.stats is not None
+        spec = loop.wait_ready()
+        assert built_on == [loop] and loop.engine.spec is spec and loop.stats is not None
     finally:
         loop.stop()
         loop.join(timeout=5)
@@ -162,7 +164,8 @@ def test_a_request_past_its_deadline_is_stopped_and_its_blocks_freed(tiny_model)
     thread = EngineThread(lambda: make_engine(tiny_model), "w", "kv", emit=seen.emit)
     thread.start()
     try:
-        engine = thread.wait_ready()
+        thread.wait_ready()
+        engine = thread.engine
         request = msgspec.structs.replace(
             long_request("r0"), sla=Sla(deadline_ms=int(time.time() * 1000) + 20)
         )
@@ -195,7 +198,8 @@ def test_a_resubmission_of_a_request_still_running_here_replaces_it(tiny_model):
     )
     thread.start()
     try:
-        engine = thread.wait_ready()
+        thread.wait_ready()
+        engine = thread.engine
         thread.submit(long_request("r0"), reply="inbox.1")
         moved = msgspec.structs.replace(long_request("r0"), attempt=1)
         thread.submit(moved, reply="inbox.2")

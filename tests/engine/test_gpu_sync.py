@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from lamina.schemas.v1.generate import Sampling
+from lamina.services.engine_worker.engine.params import SamplingParams
 from tests.engine.helpers import make_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -45,9 +45,9 @@ def _syncs(fn) -> list[str]:
 def test_a_step_synchronises_once(tiny_model, monkeypatch, cuda_graphs, sampled):
     monkeypatch.delenv("LAMINA_KERNELS", raising=False)
     engine = make_engine(tiny_model, device="cuda", cuda_graphs=cuda_graphs)
-    params = Sampling(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     if sampled:  # every vectorised path of the sampler: penalties, filters, seeds, min_tokens
-        params = Sampling(
+        params = SamplingParams(
             max_tokens=6,
             temperature=0.8,
             top_k=20,

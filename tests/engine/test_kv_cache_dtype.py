@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lamina.services.engine_worker.errors import ModelLoadError
+from lamina.services.engine_worker.engine.errors import ModelLoadError
 from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
 
 

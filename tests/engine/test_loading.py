@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lamina.services.engine_worker.errors import ModelLoadError
-from lamina.services.engine_worker.model_config import ModelConfig
+from lamina.services.engine_worker.engine.errors import ModelLoadError
+from lamina.services.engine_worker.engine.model_config import ModelConfig
 from tests.engine.helpers import make_engine
 
 

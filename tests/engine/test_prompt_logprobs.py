@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lamina.schemas.v1.generate import Sampling
+from lamina.services.engine_worker.engine.params import SamplingParams
 from tests.engine.helpers import make_engine
 from tests.engine.test_hf_parity import hf_model, sequences
 
@@ -26,10 +26,12 @@ def reference(hf, prompt: list[int]) -> torch.Tensor:
 
 def first_outputs(engine, prompts: dict[str, list[int]], top: int) -> dict:
     for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, Sampling(max_tokens=2, temperature=0, prompt_logprobs=top))
+        engine.add_request(
+            rid, prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=top)
+        )
     got = {}
     while engine.has_work():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.prompt_logprobs is not None:
                 assert out.request_id not in got  # sent once, with the first token
                 got[out.request_id] = out.prompt_logprobs
@@ -62,25 +64,25 @@ def test_prompt_logprobs_match_transformers(model, chunk):
 def test_a_cached_prompt_is_computed_again_for_its_logprobs(model):
     engine = make_engine(model)
     prompt = sequences(256, [40])[0]
-    engine.add_request("warm", prompt, Sampling(max_tokens=1))
+    engine.add_request("warm", prompt, SamplingParams(max_tokens=1))
     while engine.has_work():
         engine.step()
-    engine.add_request("again", prompt, Sampling(max_tokens=1, prompt_logprobs=0))
+    engine.add_request("again", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
     outputs = []
     while engine.has_work():
-        outputs += engine.step()
+        outputs += engine.step().outputs
     (out,) = outputs
     assert out.num_cached_tokens == 0  # not read from the cache its blocks are in
     assert_matches(out.prompt_logprobs, reference(hf_model(model), prompt), prompt, 0)
     # Without prompt logprobs, the same prompt is served from the cache, and sends none.
-    engine.add_request("cached", prompt, Sampling(max_tokens=1))
-    (plain,) = [o for _ in range(3) for o in engine.step()][:1]
+    engine.add_request("cached", prompt, SamplingParams(max_tokens=1))
+    (plain,) = [o for _ in range(3) for o in engine.step().outputs][:1]
     assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
 
 
 def test_a_moved_request_does_not_send_them_again(model):
     engine = make_engine(model)
     prompt = sequences(256, [12])[0]
-    engine.add_request("moved", prompt, Sampling(max_tokens=3, prompt_logprobs=2), replayed=4)
+    engine.add_request("moved", prompt, SamplingParams(max_tokens=3, prompt_logprobs=2), replayed=4)
     while engine.has_work():
-        assert all(out.prompt_logprobs is None for out in engine.step())
+        assert all(out.prompt_logprobs is None for out in engine.step().outputs)

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lamina.kernels.weight_quant import WEIGHT_FORMATS, QuantizedWeight, quantize, quantize_int4
-from lamina.services.engine_worker.errors import ModelLoadError
-from lamina.services.engine_worker.loader import AWQ_ORDER
+from lamina.services.engine_worker.engine.errors import ModelLoadError
+from lamina.services.engine_worker.engine.loader import AWQ_ORDER
 from tests.engine.helpers import (
     greedy,
     hf_greedy,
@@ -355,7 +355,7 @@ def test_a_g_idx_whose_groups_are_the_wrong_size_fails_at_load(make_checkpoint, 
 
 
 def test_an_unknown_quantization_is_refused():
-    from lamina.services.engine_worker.config import EngineConfig
+    from lamina.services.engine_worker.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")
@@ -365,7 +365,7 @@ def test_the_int4_layouts_unpack_as_published():
     """One int32 0x76543210 holds codes 0-7, lowest nibble first: GPTQ's qweight as eight
     consecutive inputs of one column, GPTQ's qzeros as eight consecutive columns, AWQ's
     as columns 0, 2, 4, 6, 1, 3, 5, 7."""
-    from lamina.services.engine_worker.loader import unpack_awq, unpack_gptq
+    from lamina.services.engine_worker.engine.loader import unpack_awq, unpack_gptq
 
     word = torch.tensor([[0x76543210]], dtype=torch.int32)
     codes, zeros = unpack_gptq(word, word)

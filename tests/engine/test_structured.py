@@ -5,6 +5,7 @@ the batch are untouched."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -12,11 +13,13 @@ import jsonschema
 import pytest
 import torch
 
+from lamina.libs.grammar import check
 from lamina.schemas.v1.generate import Sampling, StructuredOutput
-from lamina.services.engine_worker.config import EngineConfig
-from lamina.services.engine_worker.engine import Engine
-from lamina.services.engine_worker.errors import InvalidRequestError
-from lamina.services.engine_worker.grammar import apply_bitmasks
+from lamina.services.engine_worker import wire
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.errors import InvalidRequestError
+from lamina.services.engine_worker.engine.grammar import GrammarCompiler, apply_bitmasks
 
 PROMPT = [5, 6, 7, 8]
 
@@ -149,14 +152,28 @@ def tokenizer(tiny_model):
     return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
 
 
+@functools.cache
+def compiler(engine: Engine) -> GrammarCompiler:
+    return engine.spec.grammar_compiler()
+
+
+def add(engine: Engine, request_id: str, prompt: list[int], sampling: Sampling, replayed=0):
+    """Through the worker's door: the wire's sampling converted, its constraint compiled."""
+    grammar = None
+    if sampling.structured is not None:
+        grammar = wire.constraint(compiler(engine), sampling.structured)
+    params = wire.sampling_params(sampling)
+    engine.add_request(request_id, prompt, params, replayed=replayed, grammar=grammar)
+
+
 def run(engine: Engine, requests: dict[str, Sampling]) -> dict[str, tuple[list[int], str | None]]:
     """Run ``requests`` together; each one's output tokens and finish reason."""
     for rid, params in requests.items():
-        engine.add_request(rid, PROMPT, params)
+        add(engine, rid, PROMPT, params)
     reasons: dict[str, str | None] = {}
     tokens: dict[str, list[int]] = {}
     while engine.has_work():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 assert out.error is None, out.error
@@ -242,27 +259,26 @@ def test_unconstrained_neighbours_are_untouched_and_seeds_reproduce(engine):
 def test_a_moved_request_continues_its_grammar_from_the_replayed_output(engine, tokenizer):
     schema = SCHEMAS[19]
     spec = StructuredOutput(json=json.dumps(schema))
-    engine.add_request("m", PROMPT, constrained(spec, 3))
+    add(engine, "m", PROMPT, constrained(spec, 3))
     produced: list[int] = []
     while len(produced) < 8:  # part way into the object, as a move finds it
-        for out in engine.step():
+        for out in engine.step().outputs:
             produced += out.new_token_ids
     engine.abort("m")
     # The new worker gets prompt + output so far, the output marked as replayed.
-    engine.add_request(
-        "m2", PROMPT + produced, constrained(spec, 3, 600 - len(produced)), replayed=len(produced)
-    )
+    rest_params = constrained(spec, 3, 600 - len(produced))
+    add(engine, "m2", PROMPT + produced, rest_params, replayed=len(produced))
     rest: list[int] = []
     reason = None
     while engine.has_work():
-        for out in engine.step():
+        for out in engine.step().outputs:
             rest += out.new_token_ids
             reason = out.finish_reason and out.finish_reason.value
     jsonschema.validate(json.loads(text_of(tokenizer, produced + rest, reason)), schema)
     # Replayed output the grammar does not allow is refused, naming the field.
     bad = tokenizer.encode("[1, 2]").ids
     with pytest.raises(InvalidRequestError) as refused:
-        engine.add_request("m3", PROMPT + bad, constrained(spec, 3), replayed=len(bad))
+        add(engine, "m3", PROMPT + bad, constrained(spec, 3), replayed=len(bad))
     assert refused.value.field == "structured_outputs"
 
 
@@ -287,7 +303,7 @@ def test_a_completed_output_ends_even_with_ignore_eos(engine, tokenizer):
 )
 def test_a_constraint_the_engine_cannot_enforce_is_refused_naming_it(engine, spec, words):
     with pytest.raises(InvalidRequestError) as refused:
-        engine.add_request("bad", PROMPT, constrained(spec, 0))
+        add(engine, "bad", PROMPT, constrained(spec, 0))
     assert refused.value.field == "structured_outputs"
     assert words.lower() in refused.value.message.lower(), refused.value.message
     assert "bad" not in engine.requests
@@ -297,17 +313,18 @@ def test_a_grammar_too_slow_to_start_is_refused_when_compiled(engine, monkeypatc
     """A hostile grammar whose first mask takes seconds (``(a{1000}){1000}`` here) would
     stall every step of its batch: it is refused where it is compiled, off the engine
     thread. (The limit is lowered here so that the test does not depend on the machine.)"""
-    monkeypatch.setattr("lamina.services.engine_worker.grammar._FIRST_MASK_LIMIT_S", 0.0)
+    monkeypatch.setattr("lamina.services.engine_worker.engine.grammar._FIRST_MASK_LIMIT_S", 0.0)
     with pytest.raises(InvalidRequestError, match="too complex: its first token mask took"):
-        engine.add_request("slow", PROMPT, constrained(StructuredOutput(regex="x[0-9]{2,7}"), 0))
+        add(engine, "slow", PROMPT, constrained(StructuredOutput(regex="x[0-9]{2,7}"), 0))
     assert "slow" not in engine.requests
 
 
 def test_the_compiled_grammar_is_cached_and_each_request_starts_fresh(engine):
     spec = StructuredOutput(json=json.dumps(SCHEMAS[5]))
-    first = engine.grammars.compile(spec)
-    assert engine.grammars.compile(StructuredOutput(json=json.dumps(SCHEMAS[5]))) is first
-    a, b = engine.grammars.state(first), engine.grammars.state(first)
+    grammars = engine.spec.grammar_compiler()
+    first = grammars.compile(check(spec))
+    assert grammars.compile(check(StructuredOutput(json=json.dumps(SCHEMAS[5])))) is first
+    a, b = grammars.state(first), grammars.state(first)
     assert a.matcher is not b.matcher
     assert a.accept(an_allowed_token(a))
     assert not b.matcher.is_stopped() and b.matcher.validate_tokens([2]) == 0  # not advanced
@@ -320,7 +337,7 @@ def an_allowed_token(state) -> int:
 
 
 def test_the_cpu_and_device_bitmask_unpackings_agree():
-    from lamina.services.engine_worker.grammar import unpack_numpy, unpack_tensor
+    from lamina.services.engine_worker.engine.grammar import unpack_numpy, unpack_tensor
 
     words = torch.randint(-(2**31), 2**31 - 1, (5, 33), dtype=torch.int32)
     vocab = 33 * 32 - 7  # a vocabulary that ends inside a word

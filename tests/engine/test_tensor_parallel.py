@@ -8,10 +8,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lamina.libs.nats_server import free_port
-from lamina.services.engine_worker.loader import CheckpointTensors
-from lamina.services.engine_worker.model import CausalLM
-from lamina.services.engine_worker.model_runner import ModelRunner
-from lamina.services.engine_worker.parallel import TensorParallel
+from lamina.services.engine_worker.engine.loader import CheckpointTensors
+from lamina.services.engine_worker.engine.model import CausalLM
+from lamina.services.engine_worker.engine.parallel import TensorParallel
+from lamina.services.engine_worker.engine.runner import ModelRunner
 from tests.engine.helpers import make_engine, teacher_forced_logits
 
 SEQS, PROMPTS = [list(range(5, 30)), list(range(40, 52))], [20, 7]

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from lamina.libs.block_hash import ROOT_HASH
-from lamina.schemas.v1.generate import Sampling
-from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored
-from lamina.services.engine_worker.block_manager import BlockManager
-from lamina.services.engine_worker.request import Request
+from lamina.services.engine_worker.engine.block_manager import BlockManager
+from lamina.services.engine_worker.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+)
+from lamina.services.engine_worker.engine.params import SamplingParams
+from lamina.services.engine_worker.engine.request import Request
 
 BS = 4
 
 
 def req(request_id: str, tokens: list[int]) -> Request:
-    r = Request(request_id, tokens, Sampling(), max_tokens=16)
+    r = Request(request_id, tokens, SamplingParams(), max_tokens=16)
     r.update_block_hashes(BS)
     return r
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lamina.libs.config import parse_config, settings, to_argv
-from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.service import WorkerConfig
 from lamina.services.launcher import UpConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lamina.services.engine_worker.config import EngineConfig
+from lamina.services.engine_worker.engine.config import EngineConfig
 
 
 def test_kv_budget_defaults_and_overrides():

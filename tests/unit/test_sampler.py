@@ -6,15 +6,15 @@ import math
 
 import torch
 
-from lamina.schemas.v1.generate import Sampling
-from lamina.services.engine_worker.request import Request
-from lamina.services.engine_worker.sampler import Sampler, _filter
+from lamina.services.engine_worker.engine.params import SamplingParams
+from lamina.services.engine_worker.engine.request import Request
+from lamina.services.engine_worker.engine.sampler import Sampler, _filter
 
 NEG = float("-inf")
 
 
 def req(prompt=(1,), output=(), **params) -> Request:
-    r = Request("r", list(prompt), Sampling(**params), max_tokens=100)
+    r = Request("r", list(prompt), SamplingParams(**params), max_tokens=100)
     r.token_ids += list(output)
     return r
 
@@ -26,10 +26,10 @@ def sampler() -> Sampler:
 def test_filters_top_k_top_p_min_p():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 4))
     params = [
-        Sampling(top_k=2),
-        Sampling(top_p=0.6),
-        Sampling(min_p=0.45),
-        Sampling(top_p=0.8, top_k=3),
+        SamplingParams(top_k=2),
+        SamplingParams(top_p=0.6),
+        SamplingParams(min_p=0.45),
+        SamplingParams(top_p=0.8, top_k=3),
     ]
     kept = _filter(logits, params) > NEG
     assert kept.tolist() == [

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from lamina.kernels.transfer import upload
-from lamina.services.engine_worker.grammar import BatchMasks, apply_bitmasks
-from lamina.services.engine_worker.request import Request
+from lamina.services.engine_worker.engine.grammar import BatchMasks, apply_bitmasks
+from lamina.services.engine_worker.engine.request import Request
 
 Logprobs = tuple[float, list[tuple[int, float]]]
 """The sampled token's logprob and the top-N ``(token id, logprob)`` alternatives."""

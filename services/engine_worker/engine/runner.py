@@ -7,9 +7,9 @@ import torch
 
 from lamina.kernels.reference import AttentionMetadata, kv_quant
 from lamina.kernels.transfer import upload
-from lamina.services.engine_worker.cuda_graphs import DecodeGraphs
-from lamina.services.engine_worker.model import CausalLM
-from lamina.services.engine_worker.scheduler import ScheduledBatch
+from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
+from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
+from lamina.services.engine_worker.engine.model import CausalLM
 
 
 def kv_block_bytes(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:

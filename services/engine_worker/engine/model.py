@@ -31,10 +31,10 @@ from lamina.kernels.linear import (
 )
 from lamina.kernels.reference import AttentionMetadata, rotary_cos_sin, rotary_for_positions
 from lamina.kernels.weight_quant import QuantizedWeight, concat
-from lamina.services.engine_worker.errors import ModelLoadError
-from lamina.services.engine_worker.loader import CheckpointTensors
-from lamina.services.engine_worker.model_config import ModelConfig
-from lamina.services.engine_worker.parallel import SINGLE, TensorParallel
+from lamina.services.engine_worker.engine.errors import ModelLoadError
+from lamina.services.engine_worker.engine.loader import CheckpointTensors
+from lamina.services.engine_worker.engine.model_config import ModelConfig
+from lamina.services.engine_worker.engine.parallel import SINGLE, TensorParallel
 
 
 def _placed(

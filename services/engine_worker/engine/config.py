@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from lamina.kernels.reference.kv_quant import KV_CACHE_DTYPES
-from lamina.kernels.weight_quant import WEIGHT_FORMATS
-from lamina.services.engine_worker.default_model import ensure_default_model
+from lamina.kernels.reference.kv_quant import KvCacheDtype
+from lamina.kernels.weight_quant import WeightFormat
+from lamina.services.engine_worker.engine.model_config import ModelConfig
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True)
@@ -20,11 +23,12 @@ class EngineConfig:
     model: Path | None = None
     """Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``). ``None``:
     Lamina's default model, made on first use (or by ``lamina model init``) in
-    ``$LAMINA_HOME/models/lamina-tiny`` (``LAMINA_HOME``: ``~/.cache/lamina``)."""
-    dtype: str = "auto"
+    ``$LAMINA_HOME/models/lamina-tiny`` (``LAMINA_HOME``: ``~/.cache/lamina``); the worker
+    resolves it before it builds the engine, which needs a directory."""
+    dtype: Dtype = "auto"
     """Weight/activation dtype: ``auto`` (the checkpoint's own), ``float32``, ``bfloat16``
     or ``float16``."""
-    quantization: str | None = None
+    quantization: WeightFormat | None = None
     """Quantize every linear's weight at load (weight-only: activations keep ``dtype``):
     ``int8`` or ``fp8`` (e4m3), each with a scale per output channel
     (:mod:`lamina.kernels.weight_quant`). ``None``: the checkpoint's weights as they are."""
@@ -36,7 +40,7 @@ class EngineConfig:
     """Memory budget for the KV pool; the number of blocks is derived from it. ``None``:
     256 MiB on CPU; on CUDA, what is free after loading the weights, less the headroom
     that ``gpu_memory_utilization`` leaves for activations."""
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KvCacheDtype = "auto"
     """KV cache storage: ``auto`` (the model's dtype), ``fp8`` (e4m3 with the checkpoint's
     per-tensor or per-head ``k_scale``/``v_scale``, else 1.0) or ``int8`` (a scale per
     block and KV head). Quantized caches hold 2-4x the tokens in the same memory."""
@@ -62,11 +66,24 @@ class EngineConfig:
     seed: int = 0
     """Seed of the generator used by requests that carry no seed of their own."""
 
-    def with_model(self) -> EngineConfig:
-        """This config with ``model`` set: the default model (created if missing) for None."""
-        if self.model is not None:
-            return self
-        return dataclasses.replace(self, model=ensure_default_model())
+    def max_len_for(self, model: ModelConfig) -> int:
+        """The longest sequence this engine runs: the least of the model's positions,
+        ``max_model_len`` and the model's sliding window. Raises if a prompt that long
+        could not be prefilled at all."""
+        limits = (model.max_position_embeddings, self.max_model_len, model.sliding_window)
+        longest = min(n for n in limits if n)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < longest:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({longest}) and chunked prefill is off"
+            )
+        return longest
+
+    def graphs_for(self, device: torch.device, kernels: str) -> bool:
+        """Whether decode steps replay CUDA graphs (see ``cuda_graphs``)."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return device.type == "cuda" and kernels == "triton" and self.kv_cache_dtype != "int8"
 
     def kv_budget_bytes(self, device: torch.device) -> int:
         """The KV pool's memory budget on ``device`` (call after the weights are loaded)."""
@@ -80,17 +97,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is not None:
             object.__setattr__(self, "model", Path(self.model))
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype ({self.kv_cache_dtype!r}) must be one of "
-                + ", ".join(KV_CACHE_DTYPES)
-            )
-        if self.quantization is not None and self.quantization not in WEIGHT_FORMATS:
-            raise ValueError(
-                f"quantization ({self.quantization!r}) must be one of " + ", ".join(WEIGHT_FORMATS)
-            )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype ({self.dtype!r}) must be auto, float32, bfloat16 or float16")
+        for name, kind in (
+            ("dtype", Dtype),
+            ("kv_cache_dtype", KvCacheDtype),
+            ("quantization", WeightFormat),  # or None
+        ):
+            if (value := getattr(self, name)) is not None and value not in typing.get_args(kind):
+                choices = ", ".join(typing.get_args(kind))
+                raise ValueError(f"{name} ({value!r}) must be one of {choices}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")

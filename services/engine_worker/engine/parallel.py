@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from lamina.services.engine_worker.errors import ModelLoadError
-from lamina.services.engine_worker.model_config import ModelConfig
+from lamina.services.engine_worker.engine.errors import ModelLoadError
+from lamina.services.engine_worker.engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from lamina.kernels.reference import AttentionMetadata
-from lamina.services.engine_worker.model import CausalLM
+from lamina.services.engine_worker.engine.model import CausalLM
 
 log = logging.getLogger("lamina.worker.engine")
 

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 from lamina.kernels.weight_quant import QuantizedWeight
-from lamina.services.engine_worker.errors import ModelLoadError
-from lamina.services.engine_worker.model_config import CheckpointQuantization
+from lamina.services.engine_worker.engine.errors import ModelLoadError
+from lamina.services.engine_worker.engine.model_config import CheckpointQuantization
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 """Bit offsets of the eight 4-bit codes packed in an int32, lowest first."""

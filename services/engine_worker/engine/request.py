@@ -1,4 +1,5 @@
-"""The engine's per-request state."""
+"""A request as the engine takes it (:class:`EngineRequest`) and as it holds it
+(:class:`Request`)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,32 @@ from dataclasses import dataclass, field
 import torch
 
 from lamina.libs.block_hash import ROOT_HASH, hash_blocks
-from lamina.schemas.v1.generate import Sampling
-from lamina.services.engine_worker.grammar import GrammarState
+from lamina.services.engine_worker.engine.grammar import GrammarState
+from lamina.services.engine_worker.engine.params import SamplingParams
 
 PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 """A prompt token's logprob, its rank (1: the most likely) and the top alternatives."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRequest:
+    """A request checked against one engine: what :meth:`Engine.add` takes. Made by
+    :meth:`EngineSpec.request` (the one place a request is checked), never by hand."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    """``params.max_tokens``, or what the context leaves when that is None."""
+    priority: int = 0
+    """Lower values are served first and preempted last."""
+    deadline_ms: int | None = None
+    """Unix ms; within a priority, earlier deadlines are served first (None: last)."""
+    replayed: int = 0
+    """The last this-many prompt tokens are output the request produced elsewhere before
+    it moved: penalties count them as output, a seeded generator skips their draws."""
+    grammar: GrammarState | None = None
+    """Its structured output constraint, advanced past the output it replays."""
 
 
 class Status(enum.Enum):
@@ -29,7 +51,7 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: Sampling
+    params: SamplingParams
     max_tokens: int
     """Resolved from ``params.max_tokens`` and the context length."""
     priority: int = 0

@@ -14,8 +14,13 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from lamina.libs.block_hash import ROOT_HASH
-from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from lamina.services.engine_worker.request import Request
+from lamina.services.engine_worker.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+)
+from lamina.services.engine_worker.engine.request import Request
 
 
 class BlockManager:

@@ -15,8 +15,8 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from lamina.services.engine_worker.block_manager import BlockManager
-from lamina.services.engine_worker.request import Request, Status
+from lamina.services.engine_worker.engine.block_manager import BlockManager
+from lamina.services.engine_worker.engine.request import Request, Status
 
 
 @dataclass(slots=True)
@@ -34,7 +34,7 @@ class ScheduledBatch:
         return len(self.requests)
 
 
-class Scheduler:
+class BatchScheduler:
     """Waiting heap and running list over one :class:`BlockManager`."""
 
     def __init__(

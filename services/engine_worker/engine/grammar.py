@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
-import msgspec
 import numpy as np
 import torch
 from llguidance.torch import (
@@ -28,15 +27,16 @@ from llguidance.torch import (
 )
 
 from lamina.libs.bounded import BoundedDict
-from lamina.libs.grammar import GrammarError, check
-from lamina.schemas.v1.generate import StructuredOutput
-from lamina.services.engine_worker.errors import InvalidRequestError
+from lamina.services.engine_worker.engine.errors import InvalidRequestError
 
 _FIRST_MASK_LIMIT_S = 0.25
 """Longest a new grammar's first mask may take to compute (tens of µs for usual ones)."""
 
 _CACHED_GRAMMARS = 512
 """Compiled grammars kept per worker (an agent sends the same schema with every request)."""
+
+Compiled = llguidance.LLMatcher
+"""A grammar compiled for one vocabulary, at its start: copied for each request."""
 
 _BITS = torch.arange(32, dtype=torch.int32)
 assert sys.byteorder == "little", "the CPU bitmask unpacking reads int32 words as bytes"
@@ -183,28 +183,23 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: BoundedDict[bytes, llguidance.LLMatcher] = BoundedDict(_CACHED_GRAMMARS)
+        self._compiled: BoundedDict[str, Compiled] = BoundedDict(_CACHED_GRAMMARS)
         self._lock = threading.Lock()
 
-    def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        """``spec`` compiled: a matcher at the start, to copy for each request (never
-        advanced itself); raises :class:`InvalidGrammarError`."""
-        key = msgspec.json.encode(spec)
+    def compile(self, grammar: str) -> Compiled:
+        """``grammar`` (llguidance's text: ``lamina.libs.grammar.check`` makes it from a
+        request's constraint) compiled; raises :class:`InvalidGrammarError`."""
         with self._lock:
-            if key in self._compiled:
-                self._compiled.move_to_end(key)
-                return self._compiled[key]
-        try:
-            grammar = check(spec)
-        except GrammarError as exc:
-            raise InvalidGrammarError(str(exc)) from exc
+            if grammar in self._compiled:
+                self._compiled.move_to_end(grammar)
+                return self._compiled[grammar]
         matcher = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0)
         _probe(matcher, self.vocab_size)
         with self._lock:
-            self._compiled[key] = matcher
+            self._compiled[grammar] = matcher
         return matcher
 
-    def state(self, compiled: llguidance.LLMatcher) -> GrammarState:
+    def state(self, compiled: Compiled) -> GrammarState:
         """A fresh state for a request constrained by ``compiled``."""
         return GrammarState(compiled.deep_copy(), self.eos_token_ids)
 

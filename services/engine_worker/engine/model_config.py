@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lamina.services.engine_worker.errors import ModelLoadError
+from lamina.services.engine_worker.engine.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

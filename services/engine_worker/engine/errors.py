@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lamina.schemas.v1.generate import context_overflow
+from lamina.libs.context_length import context_overflow
 
 
 class EngineError(Exception):

@@ -1,0 +1,96 @@
+"""The one place the worker translates between the wire and the engine core.
+
+In: a ``GenerateRequest`` becomes an ``EngineRequest``, converted and checked once
+(:func:`engine_request`). Out: the core's outputs, timings and KV events become the wire's
+messages. The core imports no schema; every other shell module speaks the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lamina.libs.grammar import GrammarError, check
+from lamina.schemas.v1.generate import (
+    EngineTimings,
+    GenerateRequest,
+    Sampling,
+    StructuredOutput,
+    TokenLogprob,
+)
+from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS
+from lamina.services.engine_worker.engine import kv_events
+from lamina.services.engine_worker.engine.grammar import (
+    GrammarCompiler,
+    GrammarState,
+    InvalidGrammarError,
+)
+from lamina.services.engine_worker.engine.outputs import STEP_TOKEN_BUCKETS, Timings
+from lamina.services.engine_worker.engine.params import SamplingParams
+from lamina.services.engine_worker.engine.request import EngineRequest
+from lamina.services.engine_worker.engine.sampler import Logprobs
+from lamina.services.engine_worker.engine.spec import EngineSpec
+
+# ``WorkerStats.iteration_tokens`` carries the engine's histogram as it is.
+assert STEP_TOKEN_BUCKETS == ITERATION_TOKEN_BUCKETS
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def sampling_params(sampling: Sampling) -> SamplingParams:
+    """The wire's sampling knobs as the engine's (the same names; ``structured`` goes
+    to the engine compiled, see :func:`compile_constraint`)."""
+    return SamplingParams(**{name: getattr(sampling, name) for name in _SAMPLING_FIELDS})
+
+
+def engine_request(
+    request: GenerateRequest, spec: EngineSpec, grammar: GrammarState | None = None
+) -> EngineRequest:
+    """``request`` checked against the engine ``spec`` describes (``grammar``: its
+    constraint's fresh state, :func:`constraint`); raises the engine's
+    ``InvalidRequestError``. Reads only immutable values: any thread may call it."""
+    return spec.request(
+        request.request_id,
+        request.prompt_token_ids,
+        sampling_params(request.sampling),
+        priority=request.sla.priority,
+        deadline_ms=request.sla.deadline_ms,
+        replayed=request.replayed_output_tokens,
+        grammar=grammar,
+    )
+
+
+def constraint(compiler: GrammarCompiler, structured: StructuredOutput) -> GrammarState:
+    """A request's structured output constraint, compiled for the engine's vocabulary, at
+    its start (slow for a new grammar: call it off the event loop)."""
+    try:
+        grammar = check(structured)
+    except GrammarError as exc:
+        raise InvalidGrammarError(str(exc)) from exc
+    return compiler.state(compiler.compile(grammar))
+
+
+def timings(timings: Timings) -> EngineTimings:
+    return EngineTimings(
+        queued_s=timings.queued_s,
+        prefill_s=timings.prefill_s,
+        decode_s=timings.decode_s,
+        num_preemptions=timings.num_preemptions,
+    )
+
+
+def token_logprobs(logprobs: list[Logprobs] | None) -> list[TokenLogprob] | None:
+    if logprobs is None:
+        return None
+    return [TokenLogprob(logprob, top) for logprob, top in logprobs]
+
+
+def kv_event(event: kv_events.KvEvent) -> KvEvent:
+    match event:
+        case kv_events.BlockStored(event_id=n, parent_hash=parent, block_hashes=hashes):
+            return BlockStored(event_id=n, parent_hash=parent, block_hashes=hashes)
+        case kv_events.BlockRemoved(event_id=n, block_hashes=hashes):
+            return BlockRemoved(event_id=n, block_hashes=hashes)
+        case kv_events.AllBlocksCleared(event_id=n):
+            return AllBlocksCleared(event_id=n)
+    raise TypeError(f"not a KV event: {event!r}")
