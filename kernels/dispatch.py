@@ -13,11 +13,12 @@ process.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from lamina.libs.config import process_env
 
 log = logging.getLogger("lamina.kernels")
 _logged: set[str] = set()
@@ -36,7 +37,7 @@ def _cpu_kernels_build() -> str | None:
 
 
 def choose_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    requested = os.environ.get("LAMINA_KERNELS", "").strip().lower()
+    requested = process_env().kernels.lower()
     if requested and requested not in BACKENDS:
         raise ValueError(f"LAMINA_KERNELS={requested!r}: choose one of {', '.join(BACKENDS)}")
     if requested:

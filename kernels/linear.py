@@ -29,7 +29,6 @@ intermediate; elsewhere the linear followed by the backend's ``silu_and_mul``.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
@@ -43,6 +42,7 @@ from lamina.kernels.cpu.linear import (
     PackedSiluMul,
 )
 from lamina.kernels.weight_quant import QuantizedWeight, quantize
+from lamina.libs.config import process_env
 
 log = logging.getLogger("lamina.kernels")
 
@@ -162,7 +162,7 @@ def _quantized_linear(device: torch.device, dtype: torch.dtype, backend: str) ->
 def _native_quantized(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
     """Whether quantized weights run on the native matmul: fp32 on an AVX2 CPU with the
     ``cpu`` kernels, unless ``LAMINA_CPU_LINEAR`` asks for another fp32 linear."""
-    requested = os.environ.get("LAMINA_CPU_LINEAR", "").strip().lower()
+    requested = process_env().cpu_linear.lower()
     return (
         device.type == "cpu"
         and dtype == torch.float32
@@ -176,7 +176,7 @@ def _plain_linear(
     device: torch.device, dtype: torch.dtype, backend: str
 ) -> Callable[[torch.Tensor, torch.Tensor | None], Linear]:
     """What runs an unquantized weight (see the module's docstring)."""
-    requested = os.environ.get("LAMINA_CPU_LINEAR", "").strip().lower()
+    requested = process_env().cpu_linear.lower()
     if requested and requested not in CHOICES:
         raise ValueError(f"LAMINA_CPU_LINEAR={requested!r}: choose one of {', '.join(CHOICES)}")
     cpu_fp32 = device.type == "cpu" and dtype == torch.float32

@@ -30,10 +30,45 @@ C = TypeVar("C")
 ENV_PREFIX = "LAMINA_"
 
 
+@dataclasses.dataclass(frozen=True)
+class ProcessEnv:
+    """Settings every Lamina process reads from its environment (``LAMINA_<FIELD>``), not
+    from flags: they reach code below any service's config (the kernels' dispatch) or are
+    needed before a config is parsed (logging). Declared here and read only here, by
+    :func:`process_env`; a service's own settings are its config's fields."""
+
+    home: str = ""
+    """Lamina's cache root (default models, compiled kernels); empty: ``~/.cache/lamina``."""
+    log_format: typing.Literal["text", "json"] = "text"
+    """Log lines as text, or as JSON objects."""
+    log_level: str = "INFO"
+    trace_file: str = ""
+    """Also write every span to this file, one JSON object a line (the tests' trace store)."""
+    kernels: str = ""
+    """The kernel backend (``lamina.kernels.dispatch.BACKENDS``); empty: by device and dtype."""
+    cpu_linear: str = ""
+    """What runs an fp32 linear on the CPU (``lamina.kernels.linear.CHOICES``); empty: the
+    fastest available."""
+
+
+def process_env(env: typing.Mapping[str, str] | None = None) -> ProcessEnv:
+    """The process's :class:`ProcessEnv` (read at each call: it is a few lookups, and a
+    test may change the environment)."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(ProcessEnv)
+    values = {}
+    for field in dataclasses.fields(ProcessEnv):
+        name = ENV_PREFIX + field.name.upper()
+        raw = env.get(name, "").strip()
+        if raw:
+            values[field.name] = _convert(hints[field.name], raw, name)
+    return ProcessEnv(**values)
+
+
 def lamina_home() -> Path:
     """Lamina's cache root (default models, compiled kernels): ``$LAMINA_HOME``, by default
     ``~/.cache/lamina``."""
-    return Path(os.environ.get("LAMINA_HOME", Path.home() / ".cache" / "lamina"))
+    return Path(process_env().home or Path.home() / ".cache" / "lamina")
 
 
 def option(default: Any, help: str) -> Any:
@@ -192,11 +227,16 @@ def parse_config(
     env: dict[str, str] | None = None,
 ) -> C:
     """Build ``cls`` (a dataclass) from ``argv`` and the environment."""
-    env = os.environ if env is None else env
     description = plain(" ".join((cls.__doc__ or "").split()))
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    all_settings = settings(cls)
-    for setting in all_settings:
+    add_arguments(parser, cls)
+    return from_arguments(cls, parser.parse_args(argv), env)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """A flag on ``parser`` for every setting of config class ``cls`` (left unset when not
+    given, for :func:`from_arguments` to fill)."""
+    for setting in settings(cls):
         help_text = _help(setting)
         if setting.kind is bool:
             action: Any = argparse.BooleanOptionalAction
@@ -208,13 +248,27 @@ def parse_config(
                 help=help_text,
                 type=_argument(setting.kind, setting.name),
             )
-    args = parser.parse_args(argv)
+
+
+def from_arguments(
+    cls: type[C],
+    args: argparse.Namespace,
+    env: typing.Mapping[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> C:
+    """``cls`` from parsed flags (:func:`add_arguments`): a flag over its ``LAMINA_*``
+    variable over ``defaults`` (by field name: a command's own, such as ``lamina ctl``'s
+    bus of the running ``lamina up``) over the field's default."""
+    env = os.environ if env is None else env
+    defaults = defaults or {}
     values: dict[tuple[str, ...], Any] = {}
-    for setting in all_settings:
-        value = getattr(args, setting.name)
+    for setting in settings(cls):
+        value = getattr(args, setting.name, None)
         raw = env.get(setting.env)
         if value is None and raw not in (None, ""):
             value = _convert(setting.kind, raw, setting.env)
+        if value is None:
+            value = defaults.get(setting.name)
         if value is not None:
             values[setting.path] = value
     return _build(cls, values, ())

@@ -5,7 +5,7 @@ gateway calls :func:`check` before any worker is used (no vocabulary needed), th
 :func:`grammar_text` to build a matcher for its model's vocabulary.
 
 llguidance was chosen over xgrammar by measurement (``benchmarks/structured.py
---engines``, ``docs/architecture.md``): it refuses a JSON Schema keyword it cannot
+--engines``, ``docs/architecture.md``, "Decisions"): it refuses a JSON Schema keyword it cannot
 enforce (xgrammar accepts ``multipleOf`` or ``uniqueItems`` and ignores them, so output
 could break the schema), it fills the masks of a whole batch in one call that releases the
 GIL, and it installs without dependencies (xgrammar needs ``transformers`` and

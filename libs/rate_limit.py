@@ -5,15 +5,15 @@ response of a limited key).
 
 A request is charged as the sequences it runs (each prompt of a batch, times ``n``), not
 as one call: each counts against ``concurrent`` while it runs and against ``rpm`` when it
-is admitted. Tokens are reserved at admission, each sequence's prompt plus the most it
+is taken. Tokens are reserved when it is taken, each sequence's prompt plus the most it
 may generate, and settled from its usage when it ends (what it did not use goes back).
-A request is admitted only when every limit holds all of it; one larger than a whole
+A request is taken only when every limit holds all of it; one larger than a whole
 limit can never be, and is refused as too large, without a time to retry.
 
 Each per-minute limit is a token bucket that holds a minute's allowance and refills
 continuously, so a principal may burst up to its allowance and then goes at its rate.
-:class:`Quota` is pure (a clock is passed in); the gateway's ``Admission`` calls it where
-it admits work, and :class:`RateLimitHeaders` puts a key's quota in the ASGI scope and
+:class:`Quota` is pure (a clock is passed in); the gateway's ``Intake`` calls it where
+it starts work, and :class:`RateLimitHeaders` puts a key's quota in the ASGI scope and
 its figures on the responses.
 """
 
@@ -94,10 +94,10 @@ class Quota:
         self.requests = Bucket(rpm, clock) if rpm is not None else None
         self.tokens = Bucket(tpm, clock) if tpm is not None else None
         self.open = 0
-        """Sequences admitted and not yet released."""
+        """Sequences taken and not yet released."""
 
-    def admit(self, sequences: int, tokens: int) -> None:
-        """Admit ``sequences`` reserving ``tokens`` between them, or raise
+    def take(self, sequences: int, tokens: int) -> None:
+        """Take ``sequences`` reserving ``tokens`` between them, or raise
         :class:`RateLimited` (then nothing is taken). Each is released by
         :meth:`release`."""
         concurrent, rpm, tpm = (

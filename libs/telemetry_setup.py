@@ -21,6 +21,8 @@ from typing import Any
 
 from opentelemetry import trace
 
+from lamina.libs.config import process_env
+
 
 class TraceFormatter(logging.Formatter):
     """One line per record, ``time level service [trace_id] logger: message``."""
@@ -64,14 +66,15 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(service: str, level: str | None = None, fmt: str | None = None) -> None:
     """Log to stderr at ``level`` (default ``LAMINA_LOG_LEVEL`` or INFO), as text lines or,
     with ``fmt="json"`` (default ``LAMINA_LOG_FORMAT``), JSON objects."""
-    fmt = (fmt or os.environ.get("LAMINA_LOG_FORMAT", "text")).lower()
+    settings = process_env()
+    fmt = (fmt or settings.log_format).lower()
     if fmt not in ("text", "json"):
-        raise ValueError(f"LAMINA_LOG_FORMAT must be text or json, not {fmt!r}")
+        raise ValueError(f"the log format must be text or json, not {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service) if fmt == "json" else TraceFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel((level or os.environ.get("LAMINA_LOG_LEVEL", "INFO")).upper())
+    root.setLevel((level or settings.log_level).upper())
 
 
 def setup_tracing(service: str) -> Any:
@@ -80,7 +83,7 @@ def setup_tracing(service: str) -> Any:
     otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
     )
-    trace_file = os.environ.get("LAMINA_TRACE_FILE")
+    trace_file = process_env().trace_file
     if not otlp and not trace_file:
         return None
     from opentelemetry.sdk.resources import Resource

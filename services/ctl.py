@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from lamina.libs.bus import Bus, NatsConfig
-from lamina.libs.config import lamina_home
+from lamina.libs.config import add_arguments, from_arguments, lamina_home
 from lamina.libs.errors import BadReply, NoResponders, NotAdmitted, RequestTimeout
 from lamina.libs.telemetry_setup import setup_tracing, shutdown_tracing
 from lamina.schemas.v1 import subjects
@@ -58,31 +57,10 @@ class CtlError(Exception):
 
 
 def _connection_options(after_command: bool = False) -> argparse.ArgumentParser:
-    """How ``lamina ctl`` reaches the bus: accepted before the command or after it (where
-    they override only what they name). By default, the bus of the ``lamina up`` running
-    on this machine (``up_state``)."""
+    """How ``lamina ctl`` reaches the bus (``NatsConfig``'s flags): accepted before the
+    command or after it (where they override only what they name)."""
     options = argparse.ArgumentParser(add_help=False)
-    up = up_state.running()
-    operator = Path(up.credentials if up and up.credentials else lamina_home() / "nats")
-    operator /= "operator.nk"
-    options.add_argument(
-        "--nats-url",
-        default=os.environ.get("LAMINA_NATS_URL") or (up and up.nats_url) or DEFAULT_NATS_URL,
-        help="NATS server URL (env LAMINA_NATS_URL; default: the running lamina up's, else "
-        f"{DEFAULT_NATS_URL})",
-    )
-    options.add_argument(
-        "--nats-credential",
-        default=os.environ.get("LAMINA_NATS_CREDENTIAL")
-        or (str(operator) if operator.exists() else ""),
-        help="NATS credential to act with (env LAMINA_NATS_CREDENTIAL; default: lamina up's "
-        "operator.nk, where it exists)",
-    )
-    options.add_argument(
-        "--nats-tls-ca",
-        default=os.environ.get("LAMINA_NATS_TLS_CA") or (up and up.nats_tls_ca) or "",
-        help="the CA that signed the NATS server's certificate (default: lamina up's)",
-    )
+    add_arguments(options, NatsConfig)
     options.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for answers")
     if after_command:
         for action in options._actions:
@@ -90,9 +68,27 @@ def _connection_options(after_command: bool = False) -> argparse.ArgumentParser:
     return options
 
 
+def _nats(args: argparse.Namespace) -> NatsConfig:
+    """The bus to act on: as the flags and ``LAMINA_NATS_*`` say, else that of the
+    ``lamina up`` running on this machine (``up_state``: its URL, CA and operator
+    credential), else the local default."""
+    up = up_state.running()
+    operator = Path(up.credentials if up and up.credentials else lamina_home() / "nats")
+    operator /= "operator.nk"
+    defaults = {
+        "nats_url": (up and up.nats_url) or DEFAULT_NATS_URL,
+        "nats_credential": str(operator) if operator.exists() else None,
+        "nats_tls_ca": (up and up.nats_tls_ca) or None,
+    }
+    return from_arguments(NatsConfig, args, defaults=defaults)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="lamina ctl", description=__doc__.split("\n\n")[0], parents=[_connection_options()]
+        prog="lamina ctl",
+        description=__doc__.split("\n\n")[0],
+        epilog="The NATS options default to the bus of the lamina up running here.",
+        parents=[_connection_options()],
     )
     after = _connection_options(after_command=True)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -187,12 +183,12 @@ async def control(args: argparse.Namespace, bus: Bus) -> list[str]:
 async def run(args: argparse.Namespace) -> str:
     logging.getLogger("lamina.bus").setLevel(logging.ERROR)  # its retries are not news here
     try:
-        nats = NatsConfig(args.nats_url, args.nats_credential, args.nats_tls_ca)
+        nats = _nats(args)
         bus = await asyncio.wait_for(nats.connect("lamina-ctl"), args.timeout)
     except NotAdmitted as exc:
         raise CtlError(str(exc)) from exc
     except TimeoutError as exc:  # the client retries an unreachable server forever
-        raise CtlError(f"cannot reach NATS at {args.nats_url} within {args.timeout:g}s") from exc
+        raise CtlError(f"cannot reach NATS at {nats.nats_url} within {args.timeout:g}s") from exc
     try:
         # One trace per invocation, from the operator to each worker and back, exported
         # as the services export theirs (OTEL_EXPORTER_OTLP_ENDPOINT, LAMINA_TRACE_FILE).

@@ -244,7 +244,7 @@ class WorkerService:
                 checked = await asyncio.to_thread(self._constrained, request)
         except InvalidRequestError as exc:
             reason = RejectReason.INVALID_REQUEST
-            await self._refuse(msg.reply, rid, reason, exc.message, param=exc.field)
+            await self._refuse(msg.reply, rid, reason, exc.message, param=exc.param)
             return
         # Accept at once, through the outbox (so it precedes the request's tokens, which
         # the engine thread queues there too) and after the engine has the request (so its

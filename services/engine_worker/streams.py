@@ -26,7 +26,7 @@ from lamina.schemas.v1.generate import (
 )
 from lamina.services.engine_worker import wire
 from lamina.services.engine_worker.engine.outputs import RequestOutput
-from lamina.services.engine_worker.engine.request import PromptLogprob
+from lamina.services.engine_worker.engine.request import RankedLogprob
 
 Outgoing = tuple[str, Any, Any]  # (subject, message, trace context or None)
 
@@ -175,7 +175,7 @@ class Streams(dict[str, Stream]):
 
 
 def _prompt_logprobs(
-    request_id: str, stream: Stream, logprobs: list[PromptLogprob]
+    request_id: str, stream: Stream, logprobs: list[RankedLogprob]
 ) -> list[PromptLogprobs]:
     """A request's prompt logprobs as messages, numbered from ``stream.seq`` on."""
     width = 1 + max((len(top) for _, _, top in logprobs), default=0)

@@ -28,7 +28,7 @@ from lamina.services.engine_worker.engine.grammar import (
 from lamina.services.engine_worker.engine.outputs import STEP_TOKEN_BUCKETS, Timings
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.request import EngineRequest
-from lamina.services.engine_worker.engine.sampler import Logprobs
+from lamina.services.engine_worker.engine.sampler import SampledLogprob
 from lamina.services.engine_worker.engine.spec import EngineSpec
 
 # ``WorkerStats.iteration_tokens`` carries the engine's histogram as it is.
@@ -79,7 +79,7 @@ def timings(timings: Timings) -> EngineTimings:
     )
 
 
-def token_logprobs(logprobs: list[Logprobs] | None) -> list[TokenLogprob] | None:
+def token_logprobs(logprobs: list[SampledLogprob] | None) -> list[TokenLogprob] | None:
     if logprobs is None:
         return None
     return [TokenLogprob(logprob, top) for logprob, top in logprobs]

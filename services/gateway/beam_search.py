@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from lamina.schemas.v1.generate import FinishReason, Sampling, Sla
-from lamina.services.gateway.admission import Admission, Caller, Sequence
+from lamina.services.gateway.intake import Caller, Intake, Sequence
 from lamina.services.gateway.replies import whole
 
 
@@ -62,7 +62,7 @@ class Found:
 
 
 async def search(
-    admission: Admission,
+    intake: Intake,
     model: str | None,
     prompt: list[int],
     *,
@@ -74,9 +74,9 @@ async def search(
     caller: Caller,
 ) -> list[Found]:
     """The ``width`` best beams after ``prompt``, best first. Each step is an ordinary
-    admission of the live beams (one token each, greedy, ``2 * width`` logprobs), so
+    intake of the live beams (one token each, greedy, ``2 * width`` logprobs), so
     every refusal is the ``GenerationError`` a request would get."""
-    eos = None if ignore_eos else admission.tokenizer.eos_token_id
+    eos = None if ignore_eos else intake.tokenizer.eos_token_id
     step = Sampling(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
     live, completed = [Beam(tuple(prompt))], []
     affinity = uuid.uuid4().hex
@@ -84,12 +84,12 @@ async def search(
         if not live:
             break
         sequences = [Sequence(list(beam.tokens), step, affinity=affinity) for beam in live]
-        streams = await admission.admit(model, sequences, sla, [], caller=caller)
+        streams = await intake.start(model, sequences, sla, [], caller=caller)
         try:
             deltas = await asyncio.gather(*(whole(stream) for stream in streams))
         finally:
             for stream in streams:
-                admission.close_later(stream)
+                intake.close_later(stream)
         options = []
         for delta in deltas:
             (scored,) = delta.logprobs or ()

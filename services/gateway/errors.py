@@ -56,6 +56,8 @@ class GenerationError(Exception):
         return cls(500, "api_error", message)
 
 
-def invalid_request(message: str, param: str | None = None) -> GenerationError:
-    """A 400 for a request that can never run as it is."""
-    return GenerationError(400, "invalid_request_error", message, param)
+class InvalidRequest(GenerationError):
+    """A 400: a well-formed request that can never run as it is; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(400, "invalid_request_error", message, param)

@@ -31,8 +31,8 @@ from lamina.libs.nats_auth import inbox_prefix
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.api import ApiDelta, ApiError, ApiFinished, ApiRequest
 from lamina.schemas.v1.generate import Sampling, Sla
-from lamina.services.gateway.admission import Admission, Caller, Sequence
-from lamina.services.gateway.errors import GenerationError, invalid_request
+from lamina.services.gateway.errors import GenerationError, InvalidRequest
+from lamina.services.gateway.intake import Caller, Intake, Sequence
 from lamina.services.gateway.tokenizer import ChatPrompt, Prompt, TextPrompt
 
 log = logging.getLogger("lamina.gateway.nats")
@@ -42,10 +42,10 @@ ANY_CLIENT = "api.*"
 
 
 def _prompt(request: ApiRequest) -> Prompt | list[int]:
-    """The request's one prompt, in the form ``Admission.admit`` takes."""
+    """The request's one prompt, in the form ``Intake.admit`` takes."""
     given = [x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)]
     if sum(given) != 1:
-        raise invalid_request(
+        raise InvalidRequest(
             "exactly one of prompt, prompt_token_ids or messages is required", "prompt"
         )
     if request.messages is not None:
@@ -74,7 +74,7 @@ def _check_deadline(sla: Sla) -> None:
     past it the first token would be)."""
     now_ms = int(time.time() * 1000)
     if sla.deadline_ms is not None and sla.deadline_ms <= now_ms:
-        raise invalid_request(
+        raise InvalidRequest(
             f"sla.deadline_ms ({sla.deadline_ms}) has passed: it is a Unix time in "
             f"milliseconds (now {now_ms})",
             "sla.deadline_ms",
@@ -98,7 +98,7 @@ def _refuse_logprobs(request: ApiRequest) -> None:
     not ignored (the HTTP API returns them)."""
     for name in ("logprobs", "prompt_logprobs"):
         if getattr(request.sampling, name) is not None:
-            raise invalid_request(
+            raise InvalidRequest(
                 f"{name} are not returned by the NATS request API; use the HTTP API",
                 f"sampling.{name}",
             )
@@ -122,10 +122,10 @@ class NatsApi:
     open bus)."""
 
     def __init__(
-        self, bus: Bus, admission: Admission, callers: Mapping[str, Caller] | None = None
+        self, bus: Bus, intake: Intake, callers: Mapping[str, Caller] | None = None
     ) -> None:
         self.bus = bus
-        self.admission = admission
+        self.intake = intake
         self.callers = dict(callers or {})
         self._tasks: set[asyncio.Task] = set()
 
@@ -158,7 +158,7 @@ class NatsApi:
         try:
             _refuse_logprobs(request)
             _check_deadline(request.sla)
-            (stream,) = await self.admission.admit(  # under an id of the gateway's own
+            (stream,) = await self.intake.start(  # under an id of the gateway's own
                 request.model,
                 [Sequence(_prompt(request), request.sampling)],
                 request.sla,

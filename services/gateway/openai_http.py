@@ -27,14 +27,6 @@ from opentelemetry import propagate
 from lamina.libs.bounded import BoundedDict
 from lamina.libs.errors import error_body
 from lamina.schemas.v1.generate import FinishReason, Sampling, TokenLogprob, Usage
-from lamina.services.gateway.admission import (
-    Admission,
-    Caller,
-    PromptScores,
-    Sequence,
-    TextDelta,
-    TextStream,
-)
 from lamina.services.gateway.asgi import (
     REQUEST_ID,
     BodyTooLarge,
@@ -48,18 +40,19 @@ from lamina.services.gateway.asgi import (
     with_request_ids,
 )
 from lamina.services.gateway.beam_search import Found, search
-from lamina.services.gateway.errors import GenerationError, invalid_request
+from lamina.services.gateway.errors import GenerationError, InvalidRequest
+from lamina.services.gateway.intake import Caller, Intake, Sequence
 from lamina.services.gateway.openapi import openapi_document
 from lamina.services.gateway.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    InvalidRequest,
     decode_request,
     invocation_kind,
 )
 from lamina.services.gateway.replies import error_of, retry_headers, whole
 from lamina.services.gateway.responses_api import ResponsesApi
+from lamina.services.gateway.text_stream import ScoredPrompt, TextDelta, TextStream
 from lamina.services.gateway.tokenize_api import TokenizeApi
 from lamina.services.gateway.tokenizer import Prompt, TextPrompt
 from lamina.services.gateway.tool_calls import PARSERS, ConstrainedParser, ToolParser
@@ -184,8 +177,6 @@ async def _answer(work: Awaitable[dict[str, Any]]) -> Response:
     """A JSON route's answer: its result, or its error in OpenAI's shape."""
     try:
         return Response(await work, status_code=200)
-    except InvalidRequest as exc:
-        return error_response(400, "invalid_request_error", exc.message, exc.param)
     except GenerationError as exc:
         return Response(error_of(exc), status_code=exc.status)
 
@@ -232,16 +223,16 @@ class Reply:
 
 
 class OpenAIApi:
-    """Route handlers bound to one :class:`Admission`."""
+    """Route handlers bound to one :class:`Intake`."""
 
     def __init__(
         self,
-        admission: Admission,
+        intake: Intake,
         ready: Callable[[], bool],
         tool_call_parser: str = "hermes",
         trust_request_chat_template: bool = False,
     ) -> None:
-        self.admission = admission
+        self.intake = intake
         self.ready = ready
         self.trust_request_chat_template = trust_request_chat_template
         """Whether a request may bring its own chat template (vLLM's flag)."""
@@ -253,7 +244,7 @@ class OpenAIApi:
 
     # ----------------------------------------------------------------------------- helpers
     def _token_text(self, token_id: int) -> str:
-        return self.admission.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.intake.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _namer(self, as_ids: bool) -> Callable[[int], str]:
         """How logprobs name a token: its text, or vLLM's ``token_id:<id>``
@@ -283,7 +274,7 @@ class OpenAIApi:
             ],
         }
 
-    def _prompt_logprobs(self, prompt: PromptScores | None) -> list[dict | None] | None:
+    def _prompt_logprobs(self, prompt: ScoredPrompt | None) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs``: per prompt token (none for the first), by token id,
         its logprob, rank and text, and its top alternatives'."""
         if prompt is None:
@@ -339,21 +330,18 @@ class OpenAIApi:
         the k-th sequence when there are several, so the bus's records and traces name
         the response a client saw."""
         parser = None
-        vocab = self.admission.tokenizer.vocab_size
-        try:
-            body.refuse_unsupported()
-            prompts = self._prompts(body)
-            if isinstance(body, ChatCompletionRequest):
-                sampling = body.sampling(None, body.logprobs_count(vocab), vocab)
-                parser = self._tool_parser(body)
-            else:
-                sampling = body.sampling(16, body.logprobs_count(vocab), vocab)
-        except InvalidRequest as exc:
-            raise invalid_request(exc.message, exc.param) from exc
+        vocab = self.intake.tokenizer.vocab_size
+        body.refuse_unsupported()
+        prompts = self._prompts(body)
+        if isinstance(body, ChatCompletionRequest):
+            sampling = body.sampling(None, body.logprobs_count(vocab), vocab)
+            parser = self._tool_parser(body)
+        else:
+            sampling = body.sampling(16, body.logprobs_count(vocab), vocab)
         n = body.n
-        self.admission.check_sequences(len(prompts), n)
+        self.intake.check_sequences(len(prompts), n)
         if body.bad_words:
-            words = self.admission.tokenizer.bad_words_token_ids(body.bad_words)
+            words = self.intake.tokenizer.bad_words_token_ids(body.bad_words)
             sampling = msgspec.structs.replace(sampling, bad_words_token_ids=words)
         several = len(prompts) * n > 1
         session = _session_affinity(body.session_id)
@@ -372,7 +360,7 @@ class OpenAIApi:
                 )
                 for i in range(n)
             ]
-        streams = await self.admission.admit(
+        streams = await self.intake.start(
             body.model,
             sequences,
             body.sla(),
@@ -513,45 +501,42 @@ class OpenAIApi:
         """A beam search: each prompt's ids, and its ``n`` best beams as choices, prompt
         by prompt (``beam_search.py``). The caller's rate limits are charged once, for
         ``n`` sequences a prompt, as for any request; its steps are not charged again."""
-        try:
-            body.refuse_unsupported()
-            prompts = self._prompts(body)
-        except InvalidRequest as exc:
-            raise invalid_request(exc.message, exc.param) from exc
-        admission, n = self.admission, body.n
-        admission.check_model(body.model)
-        admission.check_sequences(len(prompts), n)
+        body.refuse_unsupported()
+        prompts = self._prompts(body)
+        intake, n = self.intake, body.n
+        intake.check_model(body.model)
+        intake.check_sequences(len(prompts), n)
         caller = Caller(scope.get("lamina.best_priority"), scope.get("lamina.quota"))
         caller.check_priority(body.priority, "priority")
         chat = isinstance(body, ChatCompletionRequest)
         truncation = body.truncation()
         prompt_ids = [
-            ids if truncation is None else truncation.apply(ids, admission.max_context)
-            for ids in await admission.prompts_ids(prompts)
+            ids if truncation is None else truncation.apply(ids, intake.max_context)
+            for ids in await intake.prompts_ids(prompts)
         ]
         asked = body.max_completion_tokens or body.max_tokens
         most = [
-            asked or (16 if not chat else max(admission.max_context - len(ids), 1))
+            asked or (16 if not chat else max(intake.max_context - len(ids), 1))
             for ids in prompt_ids
         ]
         for ids, m in zip(prompt_ids, most, strict=True):
-            if admission.max_context and len(ids) + m > admission.max_context:
-                raise invalid_request(
-                    f"this model's maximum context length is {admission.max_context} tokens, "
+            if intake.max_context and len(ids) + m > intake.max_context:
+                raise InvalidRequest(
+                    f"this model's maximum context length is {intake.max_context} tokens, "
                     f"but the request has {len(ids)} prompt tokens and asks for {m} more",
                     "max_tokens",
                 )
         sequences = len(prompts) * n
         reserved = sum(n * (len(ids) + m) for ids, m in zip(prompt_ids, most, strict=True))
         if caller.quota is not None:
-            admission.charge(caller.quota, sequences, reserved)
+            intake.charge(caller.quota, sequences, reserved)
         deltas: list[TextDelta] = []
         token = otel_context.attach(propagate.extract(_headers(scope)))
         try:
             found = await asyncio.gather(
                 *(
                     search(
-                        admission,
+                        intake,
                         body.model,
                         ids,
                         width=n,
@@ -594,7 +579,7 @@ class OpenAIApi:
         shown = beam.token_ids
         if beam.finish_reason == FinishReason.STOP and not body.include_stop_str_in_output:
             shown = shown[:-1]
-        text = self.admission.tokenizer.decode(shown, skip_special_tokens=body.skip_special_tokens)
+        text = self.intake.tokenizer.decode(shown, skip_special_tokens=body.skip_special_tokens)
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(beam.token_ids))
         return TextDelta(text, beam.token_ids, None, beam.finish_reason, usage)
 
@@ -617,7 +602,7 @@ class OpenAIApi:
             return None if texts is None else [t for t in texts for _ in range(body.n)]
         if not body.echo:
             return None
-        tokenizer, skip = self.admission.tokenizer, body.skip_special_tokens
+        tokenizer, skip = self.intake.tokenizer, body.skip_special_tokens
         return [
             p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=skip)
             for p in body.prompt_inputs()
@@ -637,7 +622,7 @@ class OpenAIApi:
             for task in tasks:
                 task.cancel()
             for stream in streams:
-                self.admission.close_later(stream)
+                self.intake.close_later(stream)
         for task in tasks:
             if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
                 if isinstance(exc, GenerationError):
@@ -728,7 +713,7 @@ class OpenAIApi:
                         "id": response.id,
                         "object": self._chunk_object(response.chat),
                         "created": response.created,
-                        "model": self.admission.model_name,
+                        "model": self.intake.model_name,
                         "choices": [],
                         "usage": _usage(_sum_usage(usages, body.n)),
                     },
@@ -737,7 +722,7 @@ class OpenAIApi:
             await send_event(send, error_of(exc))
         finally:
             for stream in streams:
-                self.admission.close_later(stream)
+                self.intake.close_later(stream)
         await send_event(send, b"[DONE]")
 
     @staticmethod
@@ -751,7 +736,7 @@ class OpenAIApi:
             "id": response_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": self.admission.model_name,
+            "model": self.intake.model_name,
             "choices": [
                 {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             ],
@@ -765,7 +750,7 @@ class OpenAIApi:
             "id": response_id,
             "object": "text_completion",
             "created": created,
-            "model": self.admission.model_name,
+            "model": self.intake.model_name,
             "choices": [
                 {
                     "index": 0,
@@ -797,7 +782,7 @@ class OpenAIApi:
             "id": response_id,
             "object": "chat.completion",
             "created": created,
-            "model": self.admission.model_name,
+            "model": self.intake.model_name,
             "choices": [
                 {
                     "index": 0,
@@ -859,14 +844,14 @@ class OpenAIApi:
         def card() -> dict[str, Any]:
             """The served model as OpenAI lists it, with vLLM's extra fields."""
             return {
-                "id": api.admission.model_name,
+                "id": api.intake.model_name,
                 "object": "model",
                 "created": started,
                 "owned_by": "lamina",
-                "root": api.admission.model_name,
+                "root": api.intake.model_name,
                 "parent": None,
-                "max_model_len": api.admission.max_context or None,  # None: no worker yet
-                "precisions": api.admission.precisions,
+                "max_model_len": api.intake.max_context or None,  # None: no worker yet
+                "precisions": api.intake.precisions,
             }
 
         @get("/v1/models")
@@ -876,12 +861,12 @@ class OpenAIApi:
         @get("/v1/models/{model:path}")
         async def model(model: str) -> Response:
             try:
-                api.admission.check_model(model.removeprefix("/"))
+                api.intake.check_model(model.removeprefix("/"))
             except GenerationError as exc:
                 return Response(error_of(exc), status_code=exc.status)
             return Response(card(), status_code=200)
 
-        tokenization = TokenizeApi(api.admission)
+        tokenization = TokenizeApi(api.intake)
 
         @post("/tokenize", status_code=200)
         async def tokenize(request: Request) -> Response:

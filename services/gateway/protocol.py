@@ -27,6 +27,7 @@ from lamina.schemas.v1.generate import (
     TopK,
     TopP,
 )
+from lamina.services.gateway.errors import InvalidRequest
 from lamina.services.gateway.tokenizer import TEMPLATE_VARIABLES, ChatPrompt, TextPrompt
 from lamina.services.gateway.tool_calls import tool_constraint
 from lamina.services.gateway.truncation import Truncation
@@ -54,14 +55,6 @@ def logprob_count(asked: int | None, vocab_size: int, param: str) -> int | None:
             param,
         )
     return vocab_size
-
-
-class InvalidRequest(ValueError):
-    """A well-formed body asking for something invalid; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -518,7 +511,7 @@ class AssistantToolCall(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
-    """Checked where both client APIs admit a chat (``Admission``)."""
+    """Checked where both client APIs start a chat (``Intake``)."""
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None

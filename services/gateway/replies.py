@@ -7,8 +7,8 @@ import math
 from typing import Any
 
 from lamina.libs.errors import error_body
-from lamina.services.gateway.admission import TextDelta, TextStream
 from lamina.services.gateway.errors import GenerationError
+from lamina.services.gateway.text_stream import TextDelta, TextStream
 
 
 def error_of(exc: GenerationError) -> dict[str, Any]:

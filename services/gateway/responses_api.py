@@ -25,7 +25,6 @@ from litestar.types import Receive, Scope, Send
 
 from lamina.libs.bounded import BoundedDict
 from lamina.schemas.v1.generate import FinishReason, MaxTokens, Temperature, TopP, Usage
-from lamina.services.gateway.admission import TextDelta, TextStream
 from lamina.services.gateway.asgi import (
     REQUEST_ID,
     ClientWatch,
@@ -33,9 +32,10 @@ from lamina.services.gateway.asgi import (
     send_json,
     start_events,
 )
-from lamina.services.gateway.errors import GenerationError, invalid_request
-from lamina.services.gateway.protocol import ChatCompletionRequest, InvalidRequest
+from lamina.services.gateway.errors import GenerationError, InvalidRequest
+from lamina.services.gateway.protocol import ChatCompletionRequest
 from lamina.services.gateway.replies import error_of, retry_headers, whole
+from lamina.services.gateway.text_stream import TextDelta, TextStream
 
 if TYPE_CHECKING:
     from lamina.services.gateway.openai_http import OpenAIApi
@@ -264,7 +264,7 @@ def _usage(usage: Usage | None) -> dict[str, Any] | None:
 
 
 class ResponsesApi:
-    """The Responses API's routes over one :class:`OpenAIApi` (its admission, its
+    """The Responses API's routes over one :class:`OpenAIApi` (its intake, its
     tool-call parser) and a bounded store of responses."""
 
     def __init__(self, api: OpenAIApi) -> None:
@@ -313,7 +313,7 @@ class ResponsesApi:
                                 output.call(call)
                             payload = finish(output, delta)
                 finally:
-                    self.api.admission.close_later(stream)
+                    self.api.intake.close_later(stream)
         if client.disconnected:
             return
         if payload is not None:
@@ -341,10 +341,8 @@ class ResponsesApi:
         try:
             asked = [*history, *_messages(request.input)]
             chat = msgspec.convert(_chat_body(request, asked), ChatCompletionRequest)
-        except InvalidRequest as exc:
-            raise invalid_request(exc.message, exc.param) from exc
         except msgspec.ValidationError as exc:
-            raise invalid_request(f"invalid request body: {exc}") from exc
+            raise InvalidRequest(f"invalid request body: {exc}") from exc
         return chat, asked
 
     def _envelope(self, request: ResponsesRequest, response_id: str) -> dict[str, Any]:
@@ -354,7 +352,7 @@ class ResponsesApi:
             "object": "response",
             "created_at": int(time.time()),
             "status": "in_progress",
-            "model": self.api.admission.model_name,
+            "model": self.api.intake.model_name,
             "output": [],
             "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens,

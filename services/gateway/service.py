@@ -25,9 +25,9 @@ from lamina.libs.rate_limit import RateLimitHeaders, quotas
 from lamina.libs.service import announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, GatewayAlive
-from lamina.services.gateway.admission import Admission, AdmissionLimits, Caller, precisions
 from lamina.services.gateway.config import GatewayOptions
 from lamina.services.gateway.inbox import Inbox
+from lamina.services.gateway.intake import Caller, Intake, IntakeLimits, precisions
 from lamina.services.gateway.nats_api import ANY_CLIENT, NatsApi
 from lamina.services.gateway.openai_http import OpenAIApi
 from lamina.services.gateway.remote_request import RetryPolicy
@@ -85,7 +85,7 @@ class GatewayService:
         self._tasks: list[asyncio.Task] = []
         self._server: _Server | None = None
         self._nats_api: NatsApi | None = None
-        self._admission: Admission | None = None
+        self._intake: Intake | None = None
         self._tokenize: TokenizePool | None = None
         self.gateway_id = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -96,12 +96,12 @@ class GatewayService:
         self.bus = bus = await cfg.nats.connect("gateway")
         inbox = Inbox(bus)
         await inbox.start()
-        settings = RetryPolicy(
+        retry = RetryPolicy(
             accept_timeout=cfg.options.accept_timeout,
             stall_timeout=cfg.options.stall_timeout,
             max_attempts=cfg.options.max_attempts,
         )
-        limits = AdmissionLimits(
+        limits = IntakeLimits(
             cfg.options.max_open_requests,
             cfg.options.max_open_prompt_tokens,
             cfg.options.max_sequences_per_request,
@@ -109,13 +109,13 @@ class GatewayService:
         name = cfg.model_name or model_dir.name
         self._tokenize = pool = TokenizePool(tokenizer, model_dir, cfg.options.tokenizer_workers)
         await pool.start()
-        admission = Admission(bus, inbox, tokenizer, name, settings, limits, pool)
-        self._admission = admission
-        self._nats_api = NatsApi(bus, admission, _callers(cfg.api_client_file))
+        intake = Intake(bus, inbox, tokenizer, name, retry, limits, pool)
+        self._intake = intake
+        self._nats_api = NatsApi(bus, intake, _callers(cfg.api_client_file))
         await self._nats_api.start()
         await bus.flush()  # its inbox and the API's subscriptions are in place at the server
         app = OpenAIApi(
-            admission,
+            intake,
             ready=lambda: self.cluster_ready,
             tool_call_parser=cfg.options.tool_call_parser,
             trust_request_chat_template=cfg.options.trust_request_chat_template,
@@ -149,7 +149,7 @@ class GatewayService:
         await announce(bus, "gateway", self.gateway_id)
         log.info(
             "gateway serving model %s on http://%s:%d",
-            admission.model_name,
+            intake.model_name,
             cfg.http_host,
             cfg.http_port,
         )
@@ -167,10 +167,10 @@ class GatewayService:
                 ours = [
                     w.stats
                     for w in status.workers
-                    if w.alive and w.stats.model == self._admission.model_name
+                    if w.alive and w.stats.model == self._intake.model_name
                 ]
-                self._admission.max_context = max((s.max_model_len for s in ours), default=0)
-                self._admission.precisions = precisions(ours)
+                self._intake.max_context = max((s.max_model_len for s in ours), default=0)
+                self._intake.precisions = precisions(ours)
             except BusError:
                 self.cluster_ready = False
             await asyncio.sleep(0.5)

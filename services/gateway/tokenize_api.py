@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from lamina.services.gateway.admission import Admission, check_roles
+from lamina.services.gateway.errors import InvalidRequest
+from lamina.services.gateway.intake import Intake, check_roles
 from lamina.services.gateway.protocol import (
     DetokenizeRequest,
-    InvalidRequest,
     TokenizeRequest,
     decode_body,
 )
@@ -22,18 +22,18 @@ from lamina.services.gateway.tokenizer import ChatPrompt, TemplateError
 
 
 class TokenizeApi:
-    """The two routes' work, over one gateway's :class:`Admission` (its model, its
+    """The two routes' work, over one gateway's :class:`Intake` (its model, its
     tokenizer, and the longest context its workers serve)."""
 
-    def __init__(self, admission: Admission) -> None:
-        self.admission = admission
-        self.tokenizer = admission.tokenizer
+    def __init__(self, intake: Intake) -> None:
+        self.intake = intake
+        self.tokenizer = intake.tokenizer
 
     async def tokenize(self, body: bytes) -> dict[str, Any]:
         """``{count, max_model_len, tokens, token_strs}``; raises :class:`InvalidRequest`
         or, for another model, the 404 ``GenerationError``."""
         request = decode_body(body, TokenizeRequest)
-        self.admission.check_model(request.model)
+        self.intake.check_model(request.model)
         prompt = request.to_prompt()
         if isinstance(prompt, ChatPrompt):
             check_roles(prompt.messages)
@@ -43,7 +43,7 @@ class TokenizeApi:
             raise InvalidRequest(str(exc), "messages") from exc
         return {
             "count": len(ids),
-            "max_model_len": self.admission.max_context,
+            "max_model_len": self.intake.max_context,
             "tokens": ids,
             "token_strs": self.tokenizer.token_strs(ids) if request.return_token_strs else None,
         }
@@ -51,7 +51,7 @@ class TokenizeApi:
     def detokenize(self, body: bytes) -> dict[str, Any]:
         """``{prompt}``: the tokens' text, special tokens included."""
         request = decode_body(body, DetokenizeRequest)
-        self.admission.check_model(request.model)
+        self.intake.check_model(request.model)
         vocab = self.tokenizer.vocab_size
         for i, token in enumerate(request.tokens):
             if token >= vocab:

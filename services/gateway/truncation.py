@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lamina.services.gateway.errors import invalid_request
+from lamina.services.gateway.errors import InvalidRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class Truncation:
                 return ids
             keep = max_context - 1
         elif max_context and keep > max_context:
-            raise invalid_request(
+            raise InvalidRequest(
                 f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
                 f"{max_context}. Please request a smaller truncation size.",
                 "truncate_prompt_tokens",

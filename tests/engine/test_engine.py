@@ -201,10 +201,10 @@ def test_request_validation_errors_are_typed(model):
     ]:
         with pytest.raises(InvalidRequestError) as err:
             engine.add_request("b", [5], bad)
-        assert err.value.field == field
+        assert err.value.param == field
     with pytest.raises(TokenOutOfVocabError) as err:
         engine.add_request("b", [5], SamplingParams(stop_token_ids=[3, 5_000_000], min_tokens=2))
-    assert err.value.field == "stop_token_ids" and "5000000" in err.value.message
+    assert err.value.param == "stop_token_ids" and "5000000" in err.value.message
     assert "b" not in engine.requests
 
 

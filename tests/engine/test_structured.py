@@ -279,7 +279,7 @@ def test_a_moved_request_continues_its_grammar_from_the_replayed_output(engine, 
     bad = tokenizer.encode("[1, 2]").ids
     with pytest.raises(InvalidRequestError) as refused:
         add(engine, "m3", PROMPT + bad, constrained(spec, 3), replayed=len(bad))
-    assert refused.value.field == "structured_outputs"
+    assert refused.value.param == "structured_outputs"
 
 
 def test_a_completed_output_ends_even_with_ignore_eos(engine, tokenizer):
@@ -304,7 +304,7 @@ def test_a_completed_output_ends_even_with_ignore_eos(engine, tokenizer):
 def test_a_constraint_the_engine_cannot_enforce_is_refused_naming_it(engine, spec, words):
     with pytest.raises(InvalidRequestError) as refused:
         add(engine, "bad", PROMPT, constrained(spec, 0))
-    assert refused.value.field == "structured_outputs"
+    assert refused.value.param == "structured_outputs"
     assert words.lower() in refused.value.message.lower(), refused.value.message
     assert "bad" not in engine.requests
 

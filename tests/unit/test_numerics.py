@@ -3,7 +3,7 @@ find again to continue exactly) and the precisions ``/v1/models`` lists."""
 
 from __future__ import annotations
 
-from lamina.services.gateway.admission import precisions
+from lamina.services.gateway.intake import precisions
 from tests.telemetry.helpers import make_stats as stats
 
 

@@ -7,10 +7,10 @@ import pytest
 
 from lamina.libs.bus import encode
 from lamina.schemas.v1.generate import GenerateRequest, Sampling, StructuredOutput
+from lamina.services.gateway.errors import InvalidRequest
 from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    InvalidRequest,
     decode_body,
 )
 

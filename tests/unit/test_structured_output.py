@@ -11,9 +11,9 @@ import pytest
 
 from lamina.libs import grammar
 from lamina.schemas.v1.generate import Sampling, StructuredOutput
+from lamina.services.gateway.errors import InvalidRequest
 from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
-    InvalidRequest,
     decode_body,
     decode_request,
 )

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from lamina.schemas.v1.generate import FinishReason
-from lamina.services.gateway.admission import TextDelta
+from lamina.services.gateway.text_stream import TextDelta
 from lamina.services.gateway.tool_calls import (
     ConstrainedParser,
     HermesParser,

@@ -37,7 +37,7 @@ from lamina.services.engine_worker.engine.outputs import (
 from lamina.services.engine_worker.engine.params import FinishReason, SamplingParams
 from lamina.services.engine_worker.engine.request import EngineRequest, Request
 from lamina.services.engine_worker.engine.runner import ModelRunner, kv_block_bytes
-from lamina.services.engine_worker.engine.sampler import Logprobs, Sampler, SamplerOutput
+from lamina.services.engine_worker.engine.sampler import SampledLogprob, Sampler, SamplerOutput
 from lamina.services.engine_worker.engine.spec import EngineSpec
 
 log = logging.getLogger("lamina.worker.engine")
@@ -219,7 +219,12 @@ class Engine:
         return StepResult(batch, outputs, self.blocks.usage)
 
     def _postprocess(
-        self, request: Request, token: int, logprobs: Logprobs | None, error: str | None, now: float
+        self,
+        request: Request,
+        token: int,
+        logprobs: SampledLogprob | None,
+        error: str | None,
+        now: float,
     ) -> RequestOutput:
         """Advance ``request`` by its sampled ``token`` (or fail it with ``error``): its
         grammar, its tokens and block hashes, whether it ended; free it if it did."""
@@ -327,7 +332,7 @@ class Engine:
             if masks is not None:
                 masks.wait()  # before any matcher moves
         token_ids: list[int] = []
-        logprobs: list[Logprobs | None] = []
+        logprobs: list[SampledLogprob | None] = []
         errors: dict[str, str] = {}
         for row, request in enumerate(requests):
             try:

@@ -19,23 +19,24 @@ class ModelLoadError(EngineError):
 
 
 class InvalidRequestError(EngineError):
-    """A request the engine will not run. ``field`` names the offending input."""
+    """A request the engine will not run; ``param`` names the offending input (the
+    argument order and names of the gateway's ``InvalidRequest``, OpenAI's)."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
-        self.field = field
         self.message = message
+        self.param = param
 
 
 class EmptyPromptError(InvalidRequestError):
     def __init__(self) -> None:
-        super().__init__("prompt_token_ids", "the prompt is empty: at least one token is required")
+        super().__init__("the prompt is empty: at least one token is required", "prompt_token_ids")
 
 
 class PromptTooLongError(InvalidRequestError):
     def __init__(self, prompt_len: int, max_tokens: int, max_model_len: int) -> None:
         message = context_overflow(prompt_len, max_tokens, max_model_len)
-        super().__init__("prompt_token_ids", message or "the request fits the context")
+        super().__init__(message or "the request fits the context", "prompt_token_ids")
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
@@ -44,7 +45,7 @@ class PromptTooLongError(InvalidRequestError):
 class TokenOutOfVocabError(InvalidRequestError):
     def __init__(self, token_id: int, vocab_size: int, field: str = "prompt_token_ids") -> None:
         super().__init__(
-            field, f"{field}: token id {token_id} is outside the vocabulary [0, {vocab_size})"
+            f"{field}: token id {token_id} is outside the vocabulary [0, {vocab_size})", field
         )
         self.token_id = token_id
         self.vocab_size = vocab_size
@@ -52,5 +53,5 @@ class TokenOutOfVocabError(InvalidRequestError):
 
 class DuplicateRequestError(InvalidRequestError):
     def __init__(self, request_id: str) -> None:
-        super().__init__("request_id", f"request id {request_id!r} is already in the engine")
+        super().__init__(f"request id {request_id!r} is already in the engine", "request_id")
         self.request_id = request_id

@@ -44,7 +44,7 @@ assert sys.byteorder == "little", "the CPU bitmask unpacking reads int32 words a
 
 class InvalidGrammarError(InvalidRequestError):
     def __init__(self, message: str) -> None:
-        super().__init__("structured_outputs", f"invalid structured output: {_plain(message)}")
+        super().__init__(f"invalid structured output: {_plain(message)}", "structured_outputs")
 
 
 def _plain(message: str) -> str:

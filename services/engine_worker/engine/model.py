@@ -12,7 +12,7 @@ CPU backend runs its layers in one native call where it can (:meth:`CausalLM.for
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,37 +35,7 @@ from lamina.services.engine_worker.engine.errors import ModelLoadError
 from lamina.services.engine_worker.engine.loader import CheckpointTensors
 from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.parallel import SINGLE, TensorParallel
-
-
-def _placed(
-    weight: QuantizedWeight, tp: TensorParallel, dim: int | None, device: torch.device
-) -> QuantizedWeight:
-    """This rank's share of a quantized weight (its rows for ``dim`` 0, its inputs for 1,
-    with their scales and zero points), on ``device``."""
-
-    if weight.input_order is not None and dim == 1 and tp.size > 1:
-        raise ModelLoadError(
-            "quantized weight", "act-order (reordered) inputs do not split across ranks"
-        )
-
-    def share(t: torch.Tensor | None, along: int | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        if along is not None and t.dim() > along:
-            if t.shape[along] % tp.size:
-                raise ModelLoadError(
-                    "quantized weight",
-                    f"{t.shape[along]} groups do not split across {tp.size} ranks",
-                )
-            t = tp.shard(t, along)
-        return t.to(device)
-
-    return dataclasses.replace(
-        weight,
-        qweight=share(weight.qweight, dim),
-        scale=share(weight.scale, dim),
-        zero=share(weight.zero, dim),
-    )
+from lamina.services.engine_worker.engine.rank_weights import RankWeights
 
 
 def stack_rows(parts: list[Weight]) -> Weight:
@@ -100,7 +70,7 @@ class CausalLM:
         tp: TensorParallel = SINGLE,
         quantization: str | None = None,
     ) -> None:
-        self.config = config
+        self.config = c = config
         self.tp = tp
         self.local = tp.local_config(config)
         """This rank's shapes (heads and MLP width divided across tensor-parallel ranks)."""
@@ -108,29 +78,6 @@ class CausalLM:
         stored = config.quantization.weight_format if config.quantization else None
         self.weight_dtype = quantization or stored or str(dtype).removeprefix("torch.")
         """What the linears' weights are stored as: the quantized format, or ``dtype``."""
-        c = config
-        h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
-
-        def take(name: str, *shape: int, shard_dim: int | None = None) -> torch.Tensor:
-            """Load ``name`` (checked against its full shape), keep this rank's slice."""
-            tensor = weights.take(name, shape, dtype)
-            return (tensor if shard_dim is None else tp.shard(tensor, shard_dim)).to(device)
-
-        def rows(name: str, *shape: int) -> torch.Tensor:  # column-parallel output rows
-            return take(name, *shape, shard_dim=0)
-
-        def weight(prefix: str, *shape: int, shard_dim: int | None = None) -> Weight:
-            """A linear's weight, plain or as the checkpoint quantized it; with ``shard_dim``
-            this rank's output rows (0: column-parallel) or input columns (1)."""
-            loaded = weights.take_linear(prefix, (shape[0], shape[1]), dtype, config.quantization)
-            if isinstance(loaded, torch.Tensor):
-                return (loaded if shard_dim is None else tp.shard(loaded, shard_dim)).to(device)
-            return _placed(loaded, tp, shard_dim, device)
-
-        def rank0_bias(name: str, *shape: int) -> torch.Tensor | None:
-            bias = take(name, *shape)  # added once, before the all-reduce sums the ranks
-            return bias if tp.rank == 0 else None
-
         if quantization is not None and config.quantization is not None:
             raise ModelLoadError(
                 "quantization",
@@ -141,68 +88,18 @@ class CausalLM:
         backend = self.ops.backend
         linear = linear_factory(device, dtype, backend, quantization)
         gated = gated_linear_factory(device, dtype, backend, self.ops.silu_and_mul, quantization)
+        w = RankWeights(weights, config, dtype, device, tp)
+        h, d = c.hidden_size, c.head_dim
 
-        self.embed = take("model.embed_tokens.weight", c.vocab_size, h)
-        self.layers: list[Layer] = []
-        for n in range(c.num_layers):
-            p = f"model.layers.{n}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            qkv_bias = None
-            if c.qkv_bias:
-                qkv_bias = torch.cat(
-                    [
-                        rows(attn + "q_proj.bias", c.q_size),
-                        rows(attn + "k_proj.bias", c.kv_size),
-                        rows(attn + "v_proj.bias", c.kv_size),
-                    ]
-                )
-            gate_up_bias = None
-            if c.mlp_bias:
-                gate_up_bias = torch.cat(
-                    [rows(mlp + "gate_proj.bias", i), rows(mlp + "up_proj.bias", i)]
-                )
-            self.layers.append(
-                Layer(
-                    input_norm=take(p + "input_layernorm.weight", h),
-                    qkv=linear(
-                        stack_rows(
-                            [
-                                weight(attn + "q_proj.", c.q_size, h, shard_dim=0),
-                                weight(attn + "k_proj.", c.kv_size, h, shard_dim=0),
-                                weight(attn + "v_proj.", c.kv_size, h, shard_dim=0),
-                            ]
-                        ),
-                        qkv_bias,
-                    ),
-                    qk_norm=self._qk_norm(self.local, take, attn) if c.qk_norm else None,
-                    o=linear(
-                        weight(attn + "o_proj.", h, c.q_size, shard_dim=1),
-                        rank0_bias(attn + "o_proj.bias", h) if c.o_bias else None,
-                    ),
-                    post_norm=take(p + "post_attention_layernorm.weight", h),
-                    gate_up=gated(
-                        stack_rows(
-                            [
-                                weight(mlp + "gate_proj.", i, h, shard_dim=0),
-                                weight(mlp + "up_proj.", i, h, shard_dim=0),
-                            ]
-                        ),
-                        gate_up_bias,
-                    ),
-                    down=linear(
-                        weight(mlp + "down_proj.", h, i, shard_dim=1),
-                        rank0_bias(mlp + "down_proj.bias", h) if c.mlp_bias else None,
-                    ),
-                )
-            )
+        self.embed = w.take("model.embed_tokens.weight", c.vocab_size, h)
+        self.layers = [self._layer(w, n, linear, gated) for n in range(c.num_layers)]
         self.checkpoint_kv_scales = [
-            self._kv_scales(weights, f"model.layers.{n}.self_attn.", c.num_kv_heads, tp, device)
-            for n in range(c.num_layers)
+            w.kv_scales(f"model.layers.{n}.self_attn.", c.num_kv_heads) for n in range(c.num_layers)
         ]
         """Per layer, the checkpoint's fp8 KV scales ``(2, local Hkv)`` or None."""
-        self.norm = take("model.norm.weight", h)
+        self.norm = w.take("model.norm.weight", h)
         tied = c.tie_word_embeddings
-        self.lm_head = linear(self.embed if tied else weight("lm_head.", c.vocab_size, h), None)
+        self.lm_head = linear(self.embed if tied else w.weight("lm_head.", c.vocab_size, h), None)
         self.cos, self.sin = rotary_cos_sin(
             d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
         )
@@ -213,29 +110,63 @@ class CausalLM:
         self._native: tuple[int, DecodeStep | None] | None = None
         """(the KV caches it was made for, by their first's address; the native step)."""
 
-    @staticmethod
-    def _qk_norm(c: ModelConfig, take, prefix: str) -> torch.Tensor:
+    def _layer(
+        self,
+        w: RankWeights,
+        n: int,
+        linear: Callable[[Weight, torch.Tensor | None], Linear],
+        gated: Callable[[Weight, torch.Tensor | None], GatedLinear],
+    ) -> Layer:
+        """Decoder layer ``n``: its projections fused (Q/K/V, gate/up), this rank's share."""
+        c = self.config
+        h, i = c.hidden_size, c.intermediate_size
+        p = f"model.layers.{n}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv_bias = gate_up_bias = None
+        if c.qkv_bias:
+            qkv_bias = torch.cat(
+                [
+                    w.rows(attn + "q_proj.bias", c.q_size),
+                    w.rows(attn + "k_proj.bias", c.kv_size),
+                    w.rows(attn + "v_proj.bias", c.kv_size),
+                ]
+            )
+        if c.mlp_bias:
+            gate_up_bias = torch.cat(
+                [w.rows(mlp + "gate_proj.bias", i), w.rows(mlp + "up_proj.bias", i)]
+            )
+        qkv = [
+            w.weight(attn + "q_proj.", c.q_size, h, shard_dim=0),
+            w.weight(attn + "k_proj.", c.kv_size, h, shard_dim=0),
+            w.weight(attn + "v_proj.", c.kv_size, h, shard_dim=0),
+        ]
+        gate_up = [
+            w.weight(mlp + "gate_proj.", i, h, shard_dim=0),
+            w.weight(mlp + "up_proj.", i, h, shard_dim=0),
+        ]
+        return Layer(
+            input_norm=w.take(p + "input_layernorm.weight", h),
+            qkv=linear(stack_rows(qkv), qkv_bias),
+            qk_norm=self._qk_norm(w, attn) if c.qk_norm else None,
+            o=linear(
+                w.weight(attn + "o_proj.", h, c.q_size, shard_dim=1),
+                w.rank0_bias(attn + "o_proj.bias", h) if c.o_bias else None,
+            ),
+            post_norm=w.take(p + "post_attention_layernorm.weight", h),
+            gate_up=gated(stack_rows(gate_up), gate_up_bias),
+            down=linear(
+                w.weight(mlp + "down_proj.", h, i, shard_dim=1),
+                w.rank0_bias(mlp + "down_proj.bias", h) if c.mlp_bias else None,
+            ),
+        )
+
+    def _qk_norm(self, w: RankWeights, prefix: str) -> torch.Tensor:
         """Qwen3 normalises each query and key head before rotary; stacking the two weights
         per head lets one RMSNorm call cover the fused ``(T, Hq + Hkv, D)`` view."""
-        q_norm = take(prefix + "q_norm.weight", c.head_dim)
-        k_norm = take(prefix + "k_norm.weight", c.head_dim)
+        c = self.local
+        q_norm = w.take(prefix + "q_norm.weight", c.head_dim)
+        k_norm = w.take(prefix + "k_norm.weight", c.head_dim)
         return torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
-
-    @staticmethod
-    def _kv_scales(
-        weights: CheckpointTensors,
-        prefix: str,
-        num_kv_heads: int,
-        tp: TensorParallel,
-        device: torch.device,
-    ) -> torch.Tensor | None:
-        """``k_scale``/``v_scale`` (vLLM's names for fp8 KV scales), per tensor or per KV
-        head, as ``(2, this rank's KV heads)``; None when the checkpoint has none."""
-        names = (prefix + "k_scale", prefix + "v_scale")
-        if not all(name in weights for name in names):
-            return None
-        scales = torch.stack([weights.take_per_head(name, num_kv_heads) for name in names])
-        return tp.shard(scales, 1).to(device)
 
     @torch.inference_mode()
     def decode_logits(

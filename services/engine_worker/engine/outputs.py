@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
 from lamina.services.engine_worker.engine.params import FinishReason
-from lamina.services.engine_worker.engine.request import PromptLogprob
-from lamina.services.engine_worker.engine.sampler import Logprobs
+from lamina.services.engine_worker.engine.request import RankedLogprob
+from lamina.services.engine_worker.engine.sampler import SampledLogprob
 
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 """Upper bounds of the histogram of tokens per step (:attr:`EngineStats.iteration_tokens`),
@@ -37,7 +37,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[Logprobs] | None
+    new_logprobs: list[SampledLogprob] | None
     finished: bool
     finish_reason: FinishReason | None  # set once finished, unless it failed
     num_prompt_tokens: int
@@ -47,7 +47,7 @@ class RequestOutput:
     """Why this request failed on its own (its batch mates went on); it is finished."""
     timings: Timings | None = None
     """Set once it finished (not failed): where its time went here."""
-    prompt_logprobs: list[PromptLogprob] | None = None
+    prompt_logprobs: list[RankedLogprob] | None = None
     """With its first token, if asked for: the logprobs of prompt tokens 1, 2, ..."""
 
 

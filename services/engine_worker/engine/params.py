@@ -101,14 +101,14 @@ def check_params(params: SamplingParams) -> None:
     for name, low, high in _BOUNDS:
         _within(name, getattr(params, name), low, high)
     if not 0.0 < params.top_p <= 1.0:  # NaN fails this too
-        raise InvalidRequestError("top_p", f"top_p ({params.top_p}) must be in (0, 1]")
+        raise InvalidRequestError(f"top_p ({params.top_p}) must be in (0, 1]", "top_p")
     if params.max_tokens is not None:
         _within("max_tokens", params.max_tokens, 1, _INT64[1])
         if params.min_tokens > params.max_tokens:
             raise InvalidRequestError(
-                "min_tokens",
                 f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
                 f"({params.max_tokens})",
+                "min_tokens",
             )
     if params.seed is not None:
         _within("seed", params.seed, *_INT64)
@@ -118,11 +118,11 @@ def check_params(params: SamplingParams) -> None:
     for bias in params.logit_bias.values():
         _within("logit_bias", bias, -100.0, 100.0)
     if params.allowed_token_ids is not None and not params.allowed_token_ids:
-        raise InvalidRequestError("allowed_token_ids", "allowed_token_ids must not be empty")
+        raise InvalidRequestError("allowed_token_ids must not be empty", "allowed_token_ids")
     if any(not word for word in params.bad_words_token_ids):
-        raise InvalidRequestError("bad_words_token_ids", "a bad word must have a token")
+        raise InvalidRequestError("a bad word must have a token", "bad_words_token_ids")
 
 
 def _within(name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:  # NaN fails this too
-        raise InvalidRequestError(name, f"{name} ({value}) must be in [{low}, {high}]")
+        raise InvalidRequestError(f"{name} ({value}) must be in [{low}, {high}]", name)

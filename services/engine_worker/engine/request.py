@@ -13,7 +13,7 @@ from lamina.libs.block_hash import ROOT_HASH, hash_blocks
 from lamina.services.engine_worker.engine.grammar import GrammarState
 from lamina.services.engine_worker.engine.params import SamplingParams
 
-PromptLogprob = tuple[float, int, list[tuple[int, float]]]
+RankedLogprob = tuple[float, int, list[tuple[int, float]]]
 """A prompt token's logprob, its rank (1: the most likely) and the top alternatives."""
 
 
@@ -86,7 +86,7 @@ class Request:
     num_preemptions: int = 0
     grammar: GrammarState | None = None
     """Where its structured output constraint stands (None: unconstrained)."""
-    prompt_logprobs: dict[int, PromptLogprob] | None = None
+    prompt_logprobs: dict[int, RankedLogprob] | None = None
     """While its prompt logprobs are wanted and not yet sent: those computed so far, by
     prompt position. Such a request computes its prompt, never reads the prefix cache."""
 

@@ -17,14 +17,14 @@ from lamina.kernels.transfer import upload
 from lamina.services.engine_worker.engine.grammar import BatchMasks, apply_bitmasks
 from lamina.services.engine_worker.engine.request import Request
 
-Logprobs = tuple[float, list[tuple[int, float]]]
+SampledLogprob = tuple[float, list[tuple[int, float]]]
 """The sampled token's logprob and the top-N ``(token id, logprob)`` alternatives."""
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[Logprobs | None]
+    logprobs: list[SampledLogprob | None]
 
 
 class Sampler:
@@ -75,7 +75,7 @@ class Sampler:
         else:
             tokens = self._sample(logits, requests, greedy)
         token_list = tokens.tolist()
-        out_logprobs: list[Logprobs | None] = [None] * len(requests)
+        out_logprobs: list[SampledLogprob | None] = [None] * len(requests)
         if raw_logprobs is not None:
             for row, want in enumerate(want_logprobs):
                 if want:
@@ -199,7 +199,7 @@ def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
     return logits.masked_fill(mask, float("-inf"))
 
 
-def _logprobs(row: torch.Tensor, token: int, top_n: int) -> Logprobs:
+def _logprobs(row: torch.Tensor, token: int, top_n: int) -> SampledLogprob:
     alternatives: list[tuple[int, float]] = []
     if top_n:
         values, ids = row.topk(top_n)

@@ -78,9 +78,9 @@ class EngineSpec:
         prompt_len = len(prompt_token_ids)
         if not 0 <= replayed < prompt_len:
             raise InvalidRequestError(
-                "replayed_output_tokens",
                 f"{replayed} replayed output tokens in a prompt of {prompt_len}: "
                 "at least one token must be the prompt's own",
+                "replayed_output_tokens",
             )
         max_tokens = params.max_tokens or max(self.max_model_len - prompt_len, 0)
         if context_overflow(prompt_len, max_tokens, self.max_model_len):

@@ -1,4 +1,6 @@
-"""The gateway's core, shared by the HTTP and NATS APIs: token ids in, text deltas out."""
+"""A client request's way in, shared by the HTTP and NATS APIs: the model, roles,
+constraint and size checked, prompts tokenized, load shed past the gateway's limits, the
+caller's quota charged, and one :class:`TextStream` started per sequence."""
 
 from __future__ import annotations
 
@@ -6,7 +8,6 @@ import asyncio
 import re
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,25 +18,19 @@ from lamina.libs.bounded import BoundedDict
 from lamina.libs.bus import Bus
 from lamina.libs.rate_limit import Quota, RateLimited
 from lamina.schemas.v1.generate import (
-    Finished,
-    FinishReason,
     GenerateRequest,
-    PromptLogprobs,
     Sampling,
     Sla,
     StructuredOutput,
-    TokenLogprob,
-    Tokens,
-    Usage,
 )
 from lamina.schemas.v1.stats import WorkerStats
 from lamina.services.gateway.detokenizer import IncrementalDetokenizer
-from lamina.services.gateway.errors import GenerationError, invalid_request
+from lamina.services.gateway.errors import GenerationError, InvalidRequest
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.remote_request import RemoteRequest, RetryPolicy
+from lamina.services.gateway.text_stream import TextStream
 from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ChatPrompt, ModelTokenizer, Prompt, TemplateError
-from lamina.services.gateway.tool_calls import ToolCall, ToolParser
 from lamina.services.gateway.truncation import Truncation
 
 _CHECKED_CONSTRAINTS = 256
@@ -47,140 +42,16 @@ ROLE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 decides; a name cannot smuggle a template's own markup into the prompt)."""
 
 
-def _text_tokens(event: Tokens | Finished, include_stop: bool) -> list[int]:
-    """The tokens of ``event`` that become text: not the stop token (EOS or one of
-    ``stop_token_ids``) a request finished on, unless asked to (vLLM's
-    ``include_stop_str_in_output``)."""
-    finished_on_stop = isinstance(event, Finished) and event.finish_reason == FinishReason.STOP
-    if finished_on_stop and not include_stop:
-        return event.token_ids[:-1]
-    return event.token_ids
-
-
 def check_roles(messages: list[dict[str, Any]]) -> None:
     """Every message's role is a name (:data:`ROLE`; a 400 naming the one that is not);
     whether the template takes it is the template's to say."""
     for i, message in enumerate(messages):
         if not ROLE.match(message["role"]):
-            raise invalid_request(
+            raise InvalidRequest(
                 f"role {message['role'][:80]!r} is not a role name (letters, digits, _ and -, "
                 "at most 64)",
                 f"messages[{i}].role",
             )
-
-
-@dataclass(frozen=True, slots=True)
-class PromptScores:
-    """A prompt's logprobs: for each token from the second, its logprob, top alternatives
-    and rank (the first token has none)."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    ranks: list[int]
-
-
-@dataclass(slots=True)
-class TextDelta:
-    """New text and the tokens behind it; the last delta has ``finish_reason`` and usage."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: FinishReason | str | None = None
-    """Why the stream ended; ``tool_calls`` is set by a tool parser, not by the wire."""
-    usage: Usage | None = None
-    tool_calls: list[ToolCall] | None = None
-    """Calls a tool parser found in this delta's text (the text then holds the rest)."""
-    prompt: PromptScores | None = None
-    """On the first delta, if asked for (``Sampling.prompt_logprobs``)."""
-
-
-class TextStream:
-    """An accepted request, read as text. Always :meth:`close` it (or use ``async with``)."""
-
-    def __init__(
-        self,
-        remote: RemoteRequest,
-        detokenizer: IncrementalDetokenizer,
-        on_close: Callable[[], None] = lambda: None,
-    ) -> None:
-        self.remote = remote
-        self.detokenizer = detokenizer
-        self.completion_tokens = 0
-        self._on_close = on_close
-        self.tool_parser: ToolParser | None = None
-        """Where set, every delta's text is split into content and tool calls."""
-
-    @property
-    def request_id(self) -> str:
-        return self.remote.request.request_id
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.remote.request.prompt_token_ids
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.remote.request.prompt_token_ids)
-
-    def usage_so_far(self) -> Usage:
-        """The prompt's tokens and those generated up to the last delta."""
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
-
-    async def deltas(self) -> AsyncIterator[TextDelta]:
-        parser = self.tool_parser
-        async for delta in self._deltas():
-            yield delta if parser is None else parser.apply(delta)
-
-    async def _deltas(self) -> AsyncIterator[TextDelta]:
-        detok = self.detokenizer
-        logprobs: list[TokenLogprob] = []
-        ranks: list[int] = []
-        prompt: PromptScores | None = None
-        async for event in self.remote.stream():
-            if isinstance(event, PromptLogprobs):
-                if event.start == 1:  # from the start again (a move before any token)
-                    logprobs, ranks = [], []
-                logprobs += event.logprobs
-                ranks += event.ranks
-                prompt_ids = self.remote.request.prompt_token_ids
-                prompt = PromptScores(prompt_ids, logprobs, ranks)
-                continue
-            self.completion_tokens += len(event.token_ids)
-            text = detok.add(_text_tokens(event, detok.include_stop))
-            if detok.stopped:  # a stop string matched: end here, cancel the rest
-                self.remote.stop_early()
-                yield TextDelta(
-                    text,
-                    event.token_ids,
-                    event.logprobs,
-                    FinishReason.STOP,
-                    self.usage_so_far(),
-                    prompt=prompt,
-                )
-                return
-            if isinstance(event, Finished):
-                text += detok.flush()  # may still find a stop string in held-back text
-                reason = FinishReason.STOP if detok.stopped else event.finish_reason
-                yield TextDelta(
-                    text, event.token_ids, event.logprobs, reason, event.usage, prompt=prompt
-                )
-                return
-            yield TextDelta(text, event.token_ids, event.logprobs, prompt=prompt)
-            prompt = None  # on the first delta only
-
-    async def close(self) -> None:
-        """End the request wherever it is; what it held is given back at once (before the
-        cancel and the record are sent), so the caller's next request finds it free."""
-        on_close, self._on_close = self._on_close, lambda: None  # once, however often closed
-        on_close()
-        await self.remote.__aexit__(None, None, None)
-
-    async def __aenter__(self) -> TextStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +95,7 @@ class Caller:
 
 
 @dataclass(frozen=True)
-class AdmissionLimits:
+class IntakeLimits:
     """What one gateway holds at once before it sheds new requests with a 429."""
 
     max_open_requests: int = 4096
@@ -235,8 +106,8 @@ class AdmissionLimits:
     """Sequences one request may ask for (its prompts times ``n``)."""
 
 
-class Admission:
-    """Builds wire requests and opens text streams for both client APIs."""
+class Intake:
+    """Starts the sequences of client requests for both client APIs (:meth:`start`)."""
 
     def __init__(
         self,
@@ -244,8 +115,8 @@ class Admission:
         inbox: Inbox,
         tokenizer: ModelTokenizer,
         model_name: str,
-        settings: RetryPolicy,
-        limits: AdmissionLimits | None = None,
+        retry: RetryPolicy,
+        limits: IntakeLimits | None = None,
         pool: TokenizePool | None = None,
     ) -> None:
         self.bus = bus
@@ -254,10 +125,10 @@ class Admission:
         self.pool = pool or TokenizePool(tokenizer)
         """Where prompts are tokenized: long ones off the event loop."""
         self.model_name = model_name
-        self.settings = settings
-        self.limits = limits or AdmissionLimits()
+        self.retry = retry
+        self.limits = limits or IntakeLimits()
         self.open_requests = 0
-        """Requests admitted and not yet closed (waiting, queued or streaming)."""
+        """Requests started and not yet closed (waiting, queued or streaming)."""
         self.open_prompt_tokens = 0
         """Their prompt tokens."""
         self.max_context = 0
@@ -269,7 +140,7 @@ class Admission:
         self._cleanup: set[asyncio.Task] = set()
         self._checked: BoundedDict[bytes, None] = BoundedDict(_CHECKED_CONSTRAINTS)
 
-    async def admit(
+    async def start(
         self,
         model: str | None,
         sequences: list[Sequence],
@@ -282,7 +153,7 @@ class Admission:
         structured_param: str = "structured_outputs",
         priority_param: str = "priority",
     ) -> list[TextStream]:
-        """Admit a request's sequences together and wait until a worker accepts each: the
+        """Start a request's sequences together and wait until a worker accepts each: the
         one path both client APIs take, so they refuse the same request with the same
         error, and one refused sequence refuses them all. A sequence's prompt is text,
         token ids, or chat messages (``[{"role": ..., "content": ...}]``). Every refusal
@@ -305,7 +176,7 @@ class Admission:
             for s, ids in zip(sequences, prompts, strict=True)
         ]
         if not all(prompts):  # truncated to nothing
-            raise invalid_request("the prompt is empty", "truncate_prompt_tokens")
+            raise InvalidRequest("the prompt is empty", "truncate_prompt_tokens")
         reserved = [
             len(ids) + self._most_generated(s.sampling, len(ids))
             for s, ids in zip(sequences, prompts, strict=True)
@@ -338,7 +209,7 @@ class Admission:
         """Take ``sequences`` reserving ``tokens`` from a caller's ``quota``, or refuse
         them with a 429 that says when to retry."""
         try:
-            quota.admit(sequences, tokens)
+            quota.take(sequences, tokens)
         except RateLimited as exc:
             raise GenerationError(
                 429,
@@ -369,7 +240,7 @@ class Admission:
             sla=sla,
             affinity=spec.affinity,
         )
-        remote = RemoteRequest(self.bus, self.inbox, request, self.settings, n=spec.n)
+        remote = RemoteRequest(self.bus, self.inbox, request, self.retry, n=spec.n)
 
         def release() -> None:
             self._release(1, len(ids))
@@ -394,11 +265,11 @@ class Admission:
     def check_sequences(self, prompts: int, n: int) -> None:
         """A request of ``prompts`` prompts with ``n`` sequences each asks for at most
         ``max_sequences_per_request`` (a 400 naming ``prompt`` or ``n``): a batch is
-        admitted as the sequences it is, and one refused sequence throws away the work of
+        started as the sequences it is, and one refused sequence throws away the work of
         all the others."""
         most = self.limits.max_sequences_per_request
         if prompts * n > most:
-            raise invalid_request(
+            raise InvalidRequest(
                 f"the request asks for {prompts} prompt(s) x n={n}, {prompts * n} sequences; "
                 f"at most {most} are allowed per request",
                 "n" if n > 1 and prompts <= most else "prompt",
@@ -425,7 +296,7 @@ class Admission:
         try:
             await asyncio.to_thread(grammar.check, spec)
         except grammar.GrammarError as exc:
-            raise invalid_request(f"invalid structured output: {exc}", param) from exc
+            raise InvalidRequest(f"invalid structured output: {exc}", param) from exc
         self._checked[key] = None
 
     def _hold(self, sequences: int, prompt_tokens: int) -> None:
@@ -457,7 +328,7 @@ class Admission:
         drop characters."""
         limit = 4 * self.max_context * self.tokenizer.max_token_chars
         if self.max_context and chars > limit:
-            raise invalid_request(
+            raise InvalidRequest(
                 f"the prompt ({chars} characters) cannot fit the longest context served "
                 f"({self.max_context} tokens)",
                 param,
@@ -483,9 +354,9 @@ class Admission:
                 )
                 ids = await self.pool.encode(prompt)
         except TemplateError as exc:
-            raise invalid_request(str(exc), "messages") from exc
+            raise InvalidRequest(str(exc), "messages") from exc
         if not ids:
-            raise invalid_request("the prompt is empty", "prompt")
+            raise InvalidRequest("the prompt is empty", "prompt")
         return ids
 
     def close_later(self, stream: TextStream) -> None:
