@@ -49,6 +49,16 @@ class ProcessEnv:
     cpu_linear: str = ""
     """What runs an fp32 linear on the CPU (``lamina.kernels.linear.CHOICES``); empty: the
     fastest available."""
+    restarts: int = 0
+    """How many times ``lamina up`` has restarted this service (set by it; telemetry counts
+    them)."""
+    parent_pid: int = 0
+    """The supervisor this service dies with (set by ``lamina up``; 0: none)."""
+
+
+def env_name(field: str) -> str:
+    """The variable a :class:`ProcessEnv` field (or a config field) is read from."""
+    return ENV_PREFIX + field.upper()
 
 
 def process_env(env: typing.Mapping[str, str] | None = None) -> ProcessEnv:
@@ -58,7 +68,7 @@ def process_env(env: typing.Mapping[str, str] | None = None) -> ProcessEnv:
     hints = typing.get_type_hints(ProcessEnv)
     values = {}
     for field in dataclasses.fields(ProcessEnv):
-        name = ENV_PREFIX + field.name.upper()
+        name = env_name(field.name)
         raw = env.get(name, "").strip()
         if raw:
             values[field.name] = _convert(hints[field.name], raw, name)
@@ -102,7 +112,7 @@ class Setting:
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
+        return env_name(self.name)
 
     def value(self, config: Any) -> Any:
         for attr in self.path:

@@ -15,8 +15,10 @@ import os
 import signal
 import sys
 
+from lamina.libs.config import env_name, process_env
+
 PR_SET_PDEATHSIG = 1
-PARENT_ENV = "LAMINA_PARENT_PID"
+PARENT_ENV = env_name("parent_pid")
 """Set by a supervisor on the services it starts: the child dies with that process."""
 
 # Resolved in the parent: a child between fork and exec must not load a library.
@@ -36,13 +38,13 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> Non
 
 def die_with_supervisor() -> None:
     """:func:`die_with_parent` for a service whose supervisor said so (:data:`PARENT_ENV`)."""
-    parent = os.environ.get(PARENT_ENV)
+    parent = process_env().parent_pid
     if parent:
-        die_with_parent(signal.SIGTERM, int(parent))
+        die_with_parent(signal.SIGTERM, parent)
 
 
 def orphaned() -> bool:
     """Whether the supervisor this service was started by (:data:`PARENT_ENV`) is gone:
     then its bus most likely went with it, and nothing is left to drain to."""
-    parent = os.environ.get(PARENT_ENV)
-    return bool(parent) and os.getppid() != int(parent)
+    parent = process_env().parent_pid
+    return bool(parent) and os.getppid() != parent

@@ -19,11 +19,11 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import signal
 from typing import Protocol
 
 from lamina.libs.bus import Bus
+from lamina.libs.config import env_name, process_env
 from lamina.libs.errors import NotAdmitted, Unreachable
 from lamina.libs.lifetime import die_with_supervisor, orphaned
 from lamina.libs.telemetry_setup import setup_logging, setup_tracing, shutdown_tracing
@@ -33,7 +33,7 @@ from lamina.schemas.v1.records import ServiceStarted
 log = logging.getLogger("lamina.service")
 
 
-RESTARTS_ENV = "LAMINA_RESTARTS"
+RESTARTS_ENV = env_name("restarts")
 """Set by ``lamina up`` on a service it restarts: how many times it has."""
 
 
@@ -41,7 +41,7 @@ async def announce(bus: Bus, service: str, instance: str) -> None:
     """Tell the cluster (telemetry) this service has started serving, and from then on
     whenever its connection's error and reconnect counts change (``BusHealth``)."""
     bus.report_health(service, instance)
-    restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
+    restarts = process_env().restarts
     started = ServiceStarted(service=service, instance=instance, restarts=restarts)
     try:
         await bus.publish(subjects.EVENTS_SERVICE, started)

@@ -38,7 +38,7 @@ from lamina.services.gateway.replies import error_of, retry_headers, whole
 from lamina.services.gateway.text_stream import TextDelta, TextStream
 
 if TYPE_CHECKING:
-    from lamina.services.gateway.openai_http import OpenAIApi
+    from lamina.services.gateway.completions import CompletionsApi
 
 STORED_RESPONSES = 1024
 """Responses one gateway keeps for ``previous_response_id`` and ``GET``."""
@@ -264,10 +264,10 @@ def _usage(usage: Usage | None) -> dict[str, Any] | None:
 
 
 class ResponsesApi:
-    """The Responses API's routes over one :class:`OpenAIApi` (its intake, its
+    """The Responses API's routes over one :class:`CompletionsApi` (its intake, its
     tool-call parser) and a bounded store of responses."""
 
-    def __init__(self, api: OpenAIApi) -> None:
+    def __init__(self, api: CompletionsApi) -> None:
         self.api = api
         self.stored: BoundedDict[str, Stored] = BoundedDict(STORED_RESPONSES)
 
@@ -285,7 +285,7 @@ class ResponsesApi:
         with ClientWatch(receive) as client:
             try:
                 chat, asked = self._chat(request)
-                (stream,) = await self.api._open_in_callers_trace(chat, scope, key)
+                (stream,) = await self.api.open_in_callers_trace(chat, scope, key)
             except GenerationError as exc:
                 status, payload = exc.status, error_of(exc)
                 headers += retry_headers(exc)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from lamina.services.gateway.openai_http import _ignored_header
+from lamina.services.gateway.completions import ignored_header
 from lamina.services.gateway.protocol import (
     _NOT_SUPPORTED,
     BatchChatCompletionRequest,
@@ -243,11 +243,11 @@ def test_fields_nobody_knows_are_ignored_and_named():
 
 
 def test_the_ignored_fields_header_names_only_what_is_safe_in_a_header():
-    assert _ignored_header(["a", "b_c"]) == (b"x-lamina-ignored-fields", b"a, b_c")
-    assert _ignored_header(["ok", "bad\r\nSet-Cookie: x", "é"])[1] == b"ok, (2 more)"
+    assert ignored_header(["a", "b_c"]) == (b"x-lamina-ignored-fields", b"a, b_c")
+    assert ignored_header(["ok", "bad\r\nSet-Cookie: x", "é"])[1] == b"ok, (2 more)"
     many = [f"f{i}" for i in range(40)]
-    assert _ignored_header(many)[1].endswith(b"f31, (8 more)")
-    assert _ignored_header(["\n"])[1] == b"(1 more)"
+    assert ignored_header(many)[1].endswith(b"f31, (8 more)")
+    assert ignored_header(["\n"])[1] == b"(1 more)"
 
 
 def test_a_body_that_is_not_an_object_or_not_json_is_refused():

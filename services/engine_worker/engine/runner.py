@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -61,47 +63,26 @@ class ModelRunner:
         """Logits ``(S, vocab)`` for each request of ``batch`` that finishes its tokens this
         step (in batch order), then one row for each of the ``extra`` positions of the flat
         batch (its tokens in order: a prompt's logprobs)."""
-        requests, num_new = batch.requests, batch.num_new_tokens
-        context = [r.num_computed_tokens for r in requests]
-        ids: list[int] = []
-        for request, start, n in zip(requests, context, num_new, strict=True):
-            ids.extend(request.token_ids[start : start + n])
+        return self.run(StepInput.of(batch, self.block_size, extra))
 
-        n_arr = np.asarray(num_new, dtype=np.int64)
-        ctx_arr = np.asarray(context, dtype=np.int64)
-        ends = np.cumsum(n_arr)
-        row = np.repeat(np.arange(len(requests)), n_arr)
-        positions = np.arange(int(ends[-1])) - np.repeat(ends - n_arr - ctx_arr, n_arr)
-        tables = batch.block_tables
-        width = max(len(t) for t in tables)
-        table = np.zeros((len(requests), width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        slots = table[row, positions // self.block_size] * self.block_size + (
-            positions % self.block_size
-        )
-        done = (ctx_arr + n_arr) == np.asarray([r.num_tokens for r in requests])
-        sampled = (ends - 1)[done]
-        if extra:
-            sampled = np.concatenate([sampled, np.asarray(extra, dtype=np.int64)])
-
+    def run(self, step: StepInput) -> torch.Tensor:
+        """The model over one step's input (:meth:`execute`'s logits)."""
         graphs = self.decode_graphs
-        decodes_only = batch.num_decodes == len(requests) and not extra
-        if graphs is not None and decodes_only and graphs.bucket(len(ids)):
-            return graphs.run(np.asarray(ids), positions, slots, ctx_arr, table)
-        if decodes_only and done.all():  # (a one-token prompt chunk is not sampled)
+        if graphs is not None and step.decodes_only and graphs.bucket(len(step.ids)):
+            return graphs.run(step.ids, step.positions, step.slots, step.context, step.table)
+        if step.decodes_only and step.all_sampled:  # (a one-token prompt chunk is not)
             logits = self.model.decode_logits(
-                np.asarray(ids), positions, slots, table, ctx_arr, self.kv_caches
+                step.ids, step.positions, step.slots, step.table, step.context, self.kv_caches
             )
             if logits is not None:
                 return logits
         dev = self.device
-        slot_mapping = upload(slots, torch.int64, dev)
+        slot_mapping = upload(step.slots, torch.int64, dev)
         meta = AttentionMetadata.build(
-            num_new,
-            context,
-            table,
-            batch.num_decodes,
+            step.num_new.tolist(),
+            step.context.tolist(),
+            step.table,
+            step.num_decodes,
             self.block_size,
             slot_mapping,
             dev,
@@ -110,10 +91,72 @@ class ModelRunner:
             with_block_writes=self._block_writes,
         )
         return self.model.forward(
-            upload(ids, torch.int64, dev),
-            upload(positions, torch.int64, dev),
+            upload(step.ids, torch.int64, dev),
+            upload(step.positions, torch.int64, dev),
             meta,
             self.kv_caches,
-            upload(sampled, torch.int64, dev),
+            upload(step.sampled, torch.int64, dev),
             self.kv_scales,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """One step's input to the model, as flat arrays: no request objects, nothing but
+    what every tensor-parallel rank needs to run the same step (what a driver would
+    broadcast). Tokens of all sequences form one run, decodes first."""
+
+    ids: np.ndarray
+    """``(T,)`` the tokens to compute."""
+    positions: np.ndarray
+    """``(T,)`` each token's position in its sequence."""
+    slots: np.ndarray
+    """``(T,)`` each token's flat KV cache slot (block id × block size + offset)."""
+    num_new: np.ndarray
+    """``(S,)`` tokens each sequence computes."""
+    context: np.ndarray
+    """``(S,)`` tokens already cached before them."""
+    table: np.ndarray
+    """``(S, max blocks)`` each sequence's block ids, zero-padded."""
+    sampled: np.ndarray
+    """Rows of the flat run whose logits are returned: each sequence that finishes its
+    tokens, in order, then the extra positions asked for."""
+    num_decodes: int
+    decodes_only: bool
+    """Every sequence decodes one token and nothing extra is asked for."""
+    all_sampled: bool
+    """Every sequence finishes its tokens this step."""
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, block_size: int, extra: list[int] | None) -> StepInput:
+        requests, num_new = batch.requests, batch.num_new_tokens
+        context = [r.num_computed_tokens for r in requests]
+        ids: list[int] = []
+        for request, start, n in zip(requests, context, num_new, strict=True):
+            ids.extend(request.token_ids[start : start + n])
+        n_arr = np.asarray(num_new, dtype=np.int64)
+        ctx_arr = np.asarray(context, dtype=np.int64)
+        ends = np.cumsum(n_arr)
+        row = np.repeat(np.arange(len(requests)), n_arr)
+        positions = np.arange(int(ends[-1])) - np.repeat(ends - n_arr - ctx_arr, n_arr)
+        tables = batch.block_tables
+        table = np.zeros((len(requests), max(len(t) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        slots = table[row, positions // block_size] * block_size + (positions % block_size)
+        done = (ctx_arr + n_arr) == np.asarray([r.num_tokens for r in requests])
+        sampled = (ends - 1)[done]
+        if extra:
+            sampled = np.concatenate([sampled, np.asarray(extra, dtype=np.int64)])
+        return cls(
+            ids=np.asarray(ids),
+            positions=positions,
+            slots=slots,
+            num_new=n_arr,
+            context=ctx_arr,
+            table=table,
+            sampled=sampled,
+            num_decodes=batch.num_decodes,
+            decodes_only=batch.num_decodes == len(requests) and not extra,
+            all_sampled=bool(done.all()),
         )
