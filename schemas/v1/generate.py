@@ -19,9 +19,6 @@ MAX_LOGPROBS = 20
 Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 Temperature = Annotated[float, msgspec.Meta(ge=0)]
-GREEDY_BELOW = 1e-5
-"""A temperature under this is greedy (vLLM's rule): dividing logits by a subnormal one
-overflows, and such a request always yielded the same first token and stopped."""
 TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
 MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
@@ -78,16 +75,17 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick each next token and when to stop (OpenAI and vLLM semantics).
 
-    The one declaration of the sampling knobs: the gateway builds it from a request body,
-    the engine samples by it. Ranges are checked when it is decoded (JSON never carries a
-    NaN or an infinity); :meth:`__post_init__` checks what spans two fields. Token ids are
-    checked against the vocabulary by the engine, the only one that knows it.
+    The sampling knobs on the wire: the gateway builds it from a request body, the worker
+    converts it to the engine's ``SamplingParams`` (the same names and defaults). Ranges
+    are checked when it is decoded (JSON never carries a NaN or an infinity);
+    :meth:`__post_init__` checks what spans two fields. Token ids are checked against the
+    vocabulary by the engine, the only one that knows it.
     """
 
     max_tokens: MaxTokens | None = 16
     """Most tokens to generate; ``None`` means up to the model's context length."""
     temperature: Temperature = 1.0
-    """Softmax temperature; 0 (or anything under :data:`GREEDY_BELOW`) is greedy."""
+    """Softmax temperature; 0 (or anything under 1e-5, vLLM's rule) is greedy."""
     top_p: TopP = 1.0
     """Keep the smallest set of tokens whose probability reaches ``top_p``."""
     top_k: TopK = 0
@@ -128,29 +126,6 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
-
-    @property
-    def has_filters(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-    @property
-    def has_token_rules(self) -> bool:
-        """Tokens biased, allowed or banned by id (not by probability)."""
-        return bool(
-            self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
-        )
 
 
 class Sla(msgspec.Struct, kw_only=True, omit_defaults=True):
