@@ -1,4 +1,4 @@
-"""Where a gateway's stream events and worker heartbeats arrive, and who may send them.
+"""Where a gateway's stream events arrive, and who may send them.
 
 Each submission (each attempt of a request) gets a reply subject of its own,
 ``<inbox>.<attempt>``, with ``attempt`` drawn at random: a worker that served one of this
@@ -24,12 +24,10 @@ from nats.aio.msg import Msg
 
 from lamina.libs.bounded import BoundedDict
 from lamina.libs.bus import Bus
-from lamina.libs.cluster import ClusterView
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel
 from lamina.schemas.v1.errors import BadMessage
 from lamina.schemas.v1.generate import Accepted, Queued, Rejected, StreamEvent
-from lamina.schemas.v1.stats import WorkerStats
 
 log = logging.getLogger("lamina.gateway")
 
@@ -56,9 +54,7 @@ class _Attempt:
 
 
 class Inbox:
-    """This gateway's reply subjects, one subscription for all; and the workers'
-    heartbeats, so a request on a dead worker fails (or moves) in seconds rather than
-    after ``stall_timeout``.
+    """This gateway's reply subjects, one subscription for all.
 
     A worker that streams to a closed attempt is told to stop: the cancel sent when the
     request moved away from it may never have reached it (it was cut off, and is back),
@@ -74,7 +70,6 @@ class Inbox:
         however many late events come)."""
         self._held: Counter[tuple[str, str]] = Counter()
         """(worker, request id) of every open attempt a worker accepted."""
-        self.cluster = ClusterView()
 
     async def start(self) -> None:
         # Producers (workers) trace their publishes; a CONSUMER span per token is noise.
@@ -85,20 +80,6 @@ class Inbox:
             traced=False,
             no_responders=self._undeliverable,
         )
-        await self.bus.subscribe(
-            subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False
-        )
-
-    async def _on_stats(self, stats: WorkerStats, msg: Msg) -> None:
-        if stats.worker_id == subjects.sender_worker(msg.subject):  # not one posing as another
-            self.cluster.heartbeat(stats)
-        else:
-            self.bus.refused += 1
-
-    def worker_serving(self, worker_id: str, since: float) -> bool:
-        """Whether the worker holding a request (accepted at ``since``) still serves it:
-        alive and not failed, by the cluster's one rule (``lamina.libs.cluster``)."""
-        return self.cluster.serving(worker_id, since)
 
     def open(self, queue: asyncio.Queue, request_id: str) -> str:
         """A new reply subject for an attempt of ``request_id``, whose believed events go to

@@ -32,6 +32,7 @@ from lamina.services.gateway.text_stream import TextStream
 from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ChatPrompt, ModelTokenizer, Prompt, TemplateError
 from lamina.services.gateway.truncation import Truncation
+from lamina.services.gateway.worker_watch import WorkerWatch
 
 _CHECKED_CONSTRAINTS = 256
 """Structured output constraints a gateway remembers as checked (an agent sends the same
@@ -113,6 +114,7 @@ class Intake:
         self,
         bus: Bus,
         inbox: Inbox,
+        workers: WorkerWatch,
         tokenizer: ModelTokenizer,
         model_name: str,
         retry: RetryPolicy,
@@ -121,6 +123,7 @@ class Intake:
     ) -> None:
         self.bus = bus
         self.inbox = inbox
+        self.workers = workers
         self.tokenizer = tokenizer
         self.pool = pool or TokenizePool(tokenizer)
         """Where prompts are tokenized: long ones off the event loop."""
@@ -240,7 +243,7 @@ class Intake:
             sla=sla,
             affinity=spec.affinity,
         )
-        remote = RemoteRequest(self.bus, self.inbox, request, self.retry, n=spec.n)
+        remote = RemoteRequest(self.bus, self.inbox, self.workers, request, self.retry, n=spec.n)
 
         def release() -> None:
             self._release(1, len(ids))

@@ -55,6 +55,7 @@ from lamina.schemas.v1.generate import (
 from lamina.schemas.v1.records import Outcome, RequestRecord
 from lamina.services.gateway.errors import CLIENT_RETRIES, GenerationError
 from lamina.services.gateway.inbox import Inbox, Undeliverable
+from lamina.services.gateway.worker_watch import WorkerWatch
 
 log = logging.getLogger("lamina.gateway")
 tracer = spans.Tracer("lamina.gateway")
@@ -90,6 +91,8 @@ class RemoteRequest:
 
     bus: Bus
     inbox: Inbox
+    workers: WorkerWatch
+    """Whether its worker still serves it (heartbeats)."""
     request: GenerateRequest
     settings: RetryPolicy
     n: int = 1
@@ -273,7 +276,7 @@ class RemoteRequest:
         while True:
             event = await self._next_event(_LIVENESS_CHECK_S)
             if event is None:
-                if not self.inbox.worker_serving(self.worker_id, self._accepted_at):
+                if not self.workers.serving(self.worker_id, self._accepted_at):
                     raise _WorkerLost(f"worker {self.worker_id} stopped serving mid-request")
                 if time.monotonic() - heard_at > self.settings.stall_timeout:
                     raise GenerationError(

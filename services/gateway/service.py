@@ -33,6 +33,7 @@ from lamina.services.gateway.openai_http import OpenAIApi
 from lamina.services.gateway.remote_request import RetryPolicy
 from lamina.services.gateway.tokenize_pool import TokenizePool
 from lamina.services.gateway.tokenizer import ModelTokenizer
+from lamina.services.gateway.worker_watch import WorkerWatch
 
 log = logging.getLogger("lamina.gateway")
 
@@ -94,8 +95,9 @@ class GatewayService:
         model_dir = Path(cfg.model) if cfg.model else ensure_default_tokenizer()
         tokenizer = await asyncio.to_thread(ModelTokenizer, model_dir)
         self.bus = bus = await cfg.nats.connect("gateway")
-        inbox = Inbox(bus)
+        inbox, workers = Inbox(bus), WorkerWatch(bus)
         await inbox.start()
+        await workers.start()
         retry = RetryPolicy(
             accept_timeout=cfg.options.accept_timeout,
             stall_timeout=cfg.options.stall_timeout,
@@ -109,7 +111,7 @@ class GatewayService:
         name = cfg.model_name or model_dir.name
         self._tokenize = pool = TokenizePool(tokenizer, model_dir, cfg.options.tokenizer_workers)
         await pool.start()
-        intake = Intake(bus, inbox, tokenizer, name, retry, limits, pool)
+        intake = Intake(bus, inbox, workers, tokenizer, name, retry, limits, pool)
         self._intake = intake
         self._nats_api = NatsApi(bus, intake, _callers(cfg.api_client_file))
         await self._nats_api.start()

@@ -32,6 +32,7 @@ from lamina.schemas.v1.records import Outcome, RequestRecord
 from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.remote_request import RemoteRequest, RetryPolicy
+from lamina.services.gateway.worker_watch import WorkerWatch
 
 PROMPT = [5, 6, 7]
 SETTINGS = RetryPolicy(accept_timeout=1.0, max_attempts=3, retry_backoff=0.01)
@@ -145,8 +146,9 @@ def run(
         await peer.subscribe(subjects.EVENTS_REQUEST, RequestRecord, on_record)
         await peer.flush()
         bus = await Bus.connect(nats_url, "test-generation-gateway")
-        inbox = Inbox(bus)
+        inbox, workers = Inbox(bus), WorkerWatch(bus)
         await inbox.start()
+        await workers.start()
         request = GenerateRequest(
             request_id="r1",
             model="tiny",
@@ -154,7 +156,7 @@ def run(
             sampling=Sampling(max_tokens=max_tokens, min_tokens=3),
         )
         try:
-            async with RemoteRequest(bus, inbox, request, SETTINGS) as remote:
+            async with RemoteRequest(bus, inbox, workers, request, SETTINGS) as remote:
                 if hang_up_when_queued:  # as a disconnect cancels the HTTP handler
                     started = asyncio.create_task(remote.start())
                     while not remote.queued:
@@ -318,13 +320,13 @@ def test_with_no_scheduler_the_answer_is_a_fast_503_with_retry_after(nats_url):
 
     async def main() -> tuple[GenerationError, float, int]:
         bus = await Bus.connect(nats_url, "test-no-scheduler")
-        inbox = Inbox(bus)
+        inbox, workers = Inbox(bus), WorkerWatch(bus)
         await inbox.start()
         request = GenerateRequest(request_id="r-alone", model="tiny", prompt_token_ids=PROMPT)
         started = time.monotonic()
         slow_accept = RetryPolicy(accept_timeout=30.0, max_attempts=3, retry_backoff=0.01)
         try:
-            async with RemoteRequest(bus, inbox, request, slow_accept) as remote:
+            async with RemoteRequest(bus, inbox, workers, request, slow_accept) as remote:
                 with pytest.raises(GenerationError) as refused:
                     await remote.start()
             return refused.value, time.monotonic() - started, remote.attempts
