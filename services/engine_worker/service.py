@@ -146,7 +146,7 @@ class WorkerService:
     def ready(self) -> bool:
         """Taking requests: loaded, ``ready`` and on the bus (the readiness probe)."""
         connected = self.bus is not None and self.bus.nc.is_connected
-        return connected and self.state == WorkerState.READY
+        return connected and self.lifecycle.taking_requests
 
     async def start(self) -> None:
         cfg = self.config
@@ -223,8 +223,8 @@ class WorkerService:
             log.warning("request %s dropped: its gateway is gone", request.request_id)
             return
         rid = request.request_id
-        state = self.lifecycle.state
-        if state != WorkerState.READY:
+        if not self.lifecycle.taking_requests:
+            state = self.lifecycle.state
             reason = RejectReason(state) if state in _REFUSING else RejectReason.NO_WORKER
             message = f"worker {self.worker_id} is {state}"
             await self._refuse(msg.reply, rid, reason, message, retryable=True)

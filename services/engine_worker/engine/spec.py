@@ -93,7 +93,7 @@ class EngineSpec:
             priority=priority,
             deadline_ms=deadline_ms,
             replayed=replayed,
-            grammar=grammar and self._replay(grammar, prompt_token_ids, replayed),
+            grammar=None if grammar is None else self._replay(grammar, prompt_token_ids, replayed),
         )
 
     def grammar_compiler(self) -> GrammarCompiler:
