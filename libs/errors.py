@@ -24,6 +24,11 @@ def invalid_field(exc: msgspec.ValidationError) -> str | None:
     return text.split("`$.", 1)[1].split("`", 1)[0]
 
 
+class CannotStart(Exception):
+    """A service cannot start, for a reason its message says in full (a traceback would
+    add nothing): reported in one line, and the service exits 1."""
+
+
 class BusError(Exception):
     """Base of every error the bus library raises."""
 

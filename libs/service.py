@@ -24,7 +24,7 @@ from typing import Protocol
 
 from lamina.libs.bus import Bus
 from lamina.libs.config import env_name, process_env
-from lamina.libs.errors import NotAdmitted, Unreachable
+from lamina.libs.errors import CannotStart, NotAdmitted, Unreachable
 from lamina.libs.lifetime import die_with_supervisor, orphaned
 from lamina.libs.telemetry_setup import setup_logging, setup_tracing, shutdown_tracing
 from lamina.schemas.v1 import subjects
@@ -103,7 +103,7 @@ async def _serve(name: str, service: Service) -> int:
     stopping.cancel()
     try:
         starting.result()
-    except (NotAdmitted, Unreachable) as exc:  # one line, not a traceback
+    except (NotAdmitted, Unreachable, CannotStart) as exc:  # one line, not a traceback
         log.error("%s cannot start: %s", name, exc)
         with contextlib.suppress(Exception):
             await service.close()

@@ -32,7 +32,7 @@ from lamina.schemas.v1.kv import KvEventBatch
 from lamina.services.engine_worker import wire
 from lamina.services.engine_worker.deadlines import Deadlines
 from lamina.services.engine_worker.engine.engine import Engine
-from lamina.services.engine_worker.engine.errors import InvalidRequestError
+from lamina.services.engine_worker.engine.errors import InvalidRequestError, RankGroupFailure
 from lamina.services.engine_worker.engine.outputs import EngineStats
 from lamina.services.engine_worker.engine.request import EngineRequest
 from lamina.services.engine_worker.engine.spec import EngineSpec
@@ -219,9 +219,14 @@ class EngineThread(threading.Thread):
             self._ready.set()
         try:
             self._serve()
+        except RankGroupFailure as exc:  # a rank exited or hung: the group is lost
+            log.critical("%s", exc)
+            self._die(str(exc))
         except BaseException as exc:  # whatever ends the thread ends the worker's service
             log.exception("the engine thread died")
             self._die(f"the engine thread died: {type(exc).__name__}: {exc}")
+        finally:
+            self.engine.close()
 
     def _serve(self) -> None:
         engine = self.engine
@@ -232,9 +237,11 @@ class EngineThread(threading.Thread):
                 started = self._tracer.start()
                 try:
                     result = engine.step()
+                except RankGroupFailure:
+                    raise  # not this step's failure: the engine's (see run)
                 except Exception:  # a bug in a step must not leave clients hanging
                     log.exception("engine step failed")
-                    self._fail_all("engine step failed")
+                    self._fail_all("engine step failed", RejectReason.DEGRADED)
                     self.on_step_failure("engine step failed")
                     continue
                 traced = self._tracer.requests(result.batch, self._streams, started)
@@ -256,7 +263,7 @@ class EngineThread(threading.Thread):
             if self._dead:
                 return
             self._dead = True
-        self._fail_all(reason)
+        self._fail_all(reason, RejectReason.FAILED)
         self._fail_queued(reason)
         self.on_death(reason)
 
@@ -273,6 +280,7 @@ class EngineThread(threading.Thread):
                             message=reason,
                             retryable=True,
                             tokens_sent=False,
+                            reason=RejectReason.FAILED,
                         )
                         batch.append((reply, failed, context))
                         if taken is not None:
@@ -398,17 +406,21 @@ class EngineThread(threading.Thread):
             context = self._tracer.kv_events(step, len(events), events[0].event_id)
         return [(self.kv_subject, batch, context)]
 
-    def _fail_all(self, reason: str) -> None:
-        """Fail every request the engine holds, as retryable: another worker may run it."""
+    def _fail_all(self, reason: str, kind: RejectReason) -> None:
+        """Fail every request the engine holds, as retryable: another worker may run it
+        (``kind``: ``degraded`` after a failed step, ``failed`` when the engine is gone)."""
         batch: list[Outgoing] = []
         for rid in list(self._streams):
             with contextlib.suppress(Exception):  # a dead engine may not abort cleanly
                 self.engine.abort(rid)
-            batch += self._streams.fail(rid, reason, retryable=True)
+            batch += self._streams.fail(rid, reason, retryable=True, reason=kind)
         self.emit(batch)
 
     def _refresh_stats(self) -> None:
+        """New stats every ``_STATS_PERIOD_S``, when the engine is also checked (a
+        tensor-parallel rank that exited while it was idle ends the thread)."""
         now = time.monotonic()
         if now - self._stats_at >= _STATS_PERIOD_S:
+            self.engine.check()
             self.stats = self.engine.stats()  # one reference swap: safe to read elsewhere
             self._stats_at = now

@@ -26,9 +26,9 @@ from lamina.libs import spans
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.cluster import FORGET_AFTER_S, MISSED_HEARTBEATS
 from lamina.libs.config import option
-from lamina.libs.errors import BadReply, NoResponders, RequestTimeout
+from lamina.libs.errors import BadReply, CannotStart, NoResponders, RequestTimeout
 from lamina.libs.health import HealthServer
-from lamina.libs.service import announce
+from lamina.libs.service import Failure, announce
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import (
     Cancel,
@@ -48,7 +48,7 @@ from lamina.services.engine_worker import wire
 from lamina.services.engine_worker.default_model import with_default_model
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
-from lamina.services.engine_worker.engine.errors import InvalidRequestError
+from lamina.services.engine_worker.engine.errors import EngineError, InvalidRequestError
 from lamina.services.engine_worker.engine.grammar import GrammarCompiler
 from lamina.services.engine_worker.engine.outputs import EngineStats
 from lamina.services.engine_worker.engine.request import EngineRequest
@@ -83,7 +83,9 @@ class WorkerConfig:
     model_name: str = option("", "served model name (default: the model directory's name)")
     stats_interval: float = option(0.5, "seconds between WorkerStats heartbeats")
     engine_stall_timeout: float = option(
-        60.0, "seconds the engine thread may go without a loop iteration before it is failed"
+        60.0,
+        "seconds the engine thread may go without a loop iteration before it is failed; "
+        "a tensor-parallel collective that waits half of this fails the group",
     )
     drain_timeout: float = option(300.0, "most seconds SIGTERM waits for in-flight work")
     max_waiting_seqs: int = option(
@@ -150,6 +152,8 @@ class WorkerService:
 
     async def start(self) -> None:
         cfg = self.config
+        self.failure = Failure()
+        """Set when this worker must stop and be restarted (``libs.service.run``)."""
         if cfg.health_port:  # first: a model that loads for minutes is alive meanwhile
             self.health = await HealthServer(cfg.health_host, cfg.health_port, self.ready).start()
         self.bus = bus = await cfg.nats.connect(f"worker-{self.worker_id}")
@@ -162,7 +166,9 @@ class WorkerService:
         await self._publish_stats()
         aio = asyncio.get_running_loop()
         self.engine_thread = EngineThread(
-            lambda: Engine(engine_config),  # built on the thread that steps it
+            # Built on the thread that steps it. A hung rank fails its collective well
+            # inside the stall timeout, so the failure names the rank, not a stuck thread.
+            lambda: Engine(engine_config, collective_timeout_s=cfg.engine_stall_timeout / 2),
             self.worker_id,
             subjects.worker_kv(self.worker_id),
             emit=lambda batch: aio.call_soon_threadsafe(self._outbox.put_nowait, batch),
@@ -176,7 +182,10 @@ class WorkerService:
         # stops the worker there, and the (daemon) engine thread does not keep it alive.
         while not self.engine_thread.built:
             await asyncio.sleep(0.05)
-        self.spec = spec = self.engine_thread.wait_ready()
+        try:
+            self.spec = spec = self.engine_thread.wait_ready()
+        except EngineError as exc:  # a checkpoint it cannot load, a rank that cannot start
+            raise CannotStart(str(exc)) from exc
         self.grammars = spec.grammar_compiler()
         wid = self.worker_id
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
@@ -283,10 +292,21 @@ class WorkerService:
 
     def _fail(self, reason: str) -> None:
         """The engine thread is gone (it died, or it is wedged): what it held was failed
-        as retryable, so gateways move it elsewhere; this worker takes nothing again."""
+        as retryable, so gateways move it elsewhere; this worker takes nothing again. A
+        tensor-parallel worker then exits, for its supervisor to restart the whole group
+        (one rank cannot rejoin a group whose collectives broke)."""
         if self.lifecycle.move(Event.ENGINE_DEAD, reason):
             log.critical("worker %s has failed: %s; restart it", self.worker_id, reason)
             self._tasks.append(asyncio.create_task(self._publish_stats()))
+            if self.config.engine.tensor_parallel_size > 1:
+                self._tasks.append(asyncio.create_task(self._exit_failed(reason)))
+
+    async def _exit_failed(self, reason: str) -> None:
+        """Stop the worker (exit status 1) once what its streams were told is sent."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._outbox.join(), 5.0)
+        await self._publish_stats()
+        self.failure.set(reason)
 
     def _check_engine(self) -> None:
         """Turn a wedged engine thread into a failed worker (a dead one reports itself)."""

@@ -83,7 +83,7 @@ def teacher_forced_logits(
             block_tables=[blocks.block_table(r) for r in live],
             num_decodes=num_new.count(1),
         )
-        logits = engine.runner.execute(batch)  # every request finishes its tokens
+        logits = engine.forward(batch)  # every request finishes its tokens
         for row, request in enumerate(live):
             i = requests.index(request)
             collected[i].append(logits[row].clone())  # a CUDA graph's buffer is reused

@@ -33,11 +33,17 @@ class EngineConfig:
     ``int8`` or ``fp8`` (e4m3), each with a scale per output channel
     (:mod:`lamina.kernels.weight_quant`). ``None``: the checkpoint's weights as they are."""
     device: str = "cpu"
-    """Torch device the model and KV pool live on."""
+    """Torch device the model and KV pool live on (under tensor parallelism, rank 0's:
+    rank ``r`` takes the ``r``-th CUDA device after it)."""
+    tensor_parallel_size: int = 1
+    """Processes (ranks) the model is split across, by attention heads and MLP columns
+    (``parallel.py``): this process is rank 0, and starts the others
+    (``rank_group.py``). The KV heads must divide evenly across the ranks."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_memory_bytes: int | None = None
-    """Memory budget for the KV pool; the number of blocks is derived from it. ``None``:
+    """Memory budget for the KV pool (per tensor-parallel rank); the number of blocks is
+    derived from it. ``None``:
     256 MiB on CPU; on CUDA, what is free after loading the weights, less the headroom
     that ``gpu_memory_utilization`` leaves for activations."""
     kv_cache_dtype: KvCacheDtype = "auto"
@@ -105,7 +111,8 @@ class EngineConfig:
             if (value := getattr(self, name)) is not None and value not in typing.get_args(kind):
                 choices = ", ".join(typing.get_args(kind))
                 raise ValueError(f"{name} ({value!r}) must be one of {choices}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size")
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

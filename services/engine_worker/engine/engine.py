@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import os
+import socket
 import time
 
 import torch
@@ -20,13 +22,9 @@ from lamina.kernels.transfer import upload
 from lamina.services.engine_worker.engine.batch_scheduler import BatchScheduler, ScheduledBatch
 from lamina.services.engine_worker.engine.block_manager import BlockManager
 from lamina.services.engine_worker.engine.config import EngineConfig
-from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
 from lamina.services.engine_worker.engine.errors import DuplicateRequestError
 from lamina.services.engine_worker.engine.grammar import BatchMasks, GrammarState
 from lamina.services.engine_worker.engine.kv_events import KvEvent
-from lamina.services.engine_worker.engine.loader import CheckpointTensors
-from lamina.services.engine_worker.engine.model import CausalLM
-from lamina.services.engine_worker.engine.model_config import DTYPES, ModelConfig
 from lamina.services.engine_worker.engine.outputs import (
     STEP_TOKEN_BUCKETS,
     EngineStats,
@@ -34,11 +32,14 @@ from lamina.services.engine_worker.engine.outputs import (
     StepResult,
     Timings,
 )
+from lamina.services.engine_worker.engine.parallel import SINGLE
 from lamina.services.engine_worker.engine.params import FinishReason, SamplingParams
+from lamina.services.engine_worker.engine.rank_group import RankGroup, rank_device
 from lamina.services.engine_worker.engine.request import EngineRequest, Request
-from lamina.services.engine_worker.engine.runner import ModelRunner, kv_block_bytes
+from lamina.services.engine_worker.engine.runner import StepInput
 from lamina.services.engine_worker.engine.sampler import SampledLogprob, Sampler, SamplerOutput
-from lamina.services.engine_worker.engine.spec import EngineSpec
+from lamina.services.engine_worker.engine.shard import load_shard
+from lamina.services.engine_worker.engine.spec import EngineSpec, RankInfo
 
 log = logging.getLogger("lamina.worker.engine")
 
@@ -48,37 +49,42 @@ _RATE_SMOOTHING = 0.2  # weight of the newest step in the measured token rates
 class Engine:
     """Paged-KV, continuously batching engine for one model on one device."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, collective_timeout_s: float = 60.0) -> None:
+        """Load ``config.model`` and size the KV pool. Under tensor parallelism, start the
+        other ranks first (``rank_group.py``); a collective that waits longer than
+        ``collective_timeout_s`` fails the group."""
         if config.model is None:
             raise ValueError(
                 "EngineConfig.model is None: name a checkpoint directory "
                 "(the worker resolves None to Lamina's default model before building)"
             )
         self.config = config
-        self.model_config = mc = ModelConfig.from_dir(config.model)
-        self.device = torch.device(config.device)
-        model = CausalLM(
-            mc,
-            CheckpointTensors(config.model),
-            mc.dtype if config.dtype == "auto" else DTYPES[config.dtype],
-            self.device,
-            quantization=config.quantization,
-        )
-        max_model_len = config.max_len_for(mc)
-        bs = config.block_size
-        num_blocks = config.num_kv_blocks or config.kv_budget_bytes(self.device) // (
-            kv_block_bytes(model, bs, config.kv_cache_dtype)
-        )
-        if num_blocks * bs < max_model_len:
-            raise ValueError(
-                f"the KV pool holds {num_blocks} blocks of {bs} tokens, fewer than one "
-                f"max_model_len ({max_model_len}) sequence needs; raise "
-                "kv_cache_memory_bytes or lower max_model_len"
-            )
-        graphs = config.graphs_for(self.device, model.ops.backend)
+        self.device = rank_device(config.device, 0)
+        self.ranks: RankGroup | None = None
+        """The other tensor-parallel ranks (None: this process is the whole model)."""
+        if config.tensor_parallel_size > 1:
+            self.ranks = RankGroup(config, collective_timeout_s)
+        try:
+            shard = load_shard(config, self.ranks.tp if self.ranks else SINGLE, self.device)
+            num_blocks = shard.max_blocks
+            if self.ranks is not None:
+                num_blocks = self.ranks.agree_blocks(num_blocks)
+            max_model_len, bs = shard.max_model_len, config.block_size
+            if num_blocks * bs < max_model_len:
+                raise ValueError(
+                    f"the KV pool holds {num_blocks} blocks of {bs} tokens, fewer than one "
+                    f"max_model_len ({max_model_len}) sequence needs; raise "
+                    "kv_cache_memory_bytes or lower max_model_len"
+                )
+            self.runner = shard.runner(num_blocks)
+        except BaseException:
+            self.close()
+            raise
+        self.model_config = mc = shard.model_config
+        model = shard.model
         # Decode graphs pad their batches into a block of their own: the pool's last.
         self.blocks = BlockManager(
-            num_blocks - 1 if graphs else num_blocks, bs, config.enable_prefix_caching
+            num_blocks - 1 if shard.graphs else num_blocks, bs, config.enable_prefix_caching
         )
         self.scheduler = BatchScheduler(
             self.blocks,
@@ -86,19 +92,15 @@ class Engine:
             config.max_num_seqs,
             config.enable_chunked_prefill,
         )
-        self.runner = ModelRunner(model, num_blocks, bs, self.device, config.kv_cache_dtype)
-        if graphs:
-            self.runner.decode_graphs = DecodeGraphs(
-                model,
-                self.runner.kv_caches,
-                self.runner.kv_scales,
-                bs,
-                max_model_len,
-                config.max_num_seqs,
-                pad_block=num_blocks - 1,
-                capture=self.device.type == "cuda",
-            )
         self.sampler = Sampler(mc.eos_token_ids, config.seed, self.device)
+        rank0 = RankInfo(
+            0,
+            socket.gethostname(),
+            str(self.device),
+            os.getpid(),
+            shard.weight_bytes,
+            num_blocks * shard.block_bytes,
+        )
         self.spec = EngineSpec(
             config=config,
             max_model_len=max_model_len,
@@ -107,6 +109,7 @@ class Engine:
             num_kv_blocks=self.blocks.num_blocks,
             dtype=str(model.dtype).removeprefix("torch."),
             weight_dtype=model.weight_dtype,
+            ranks=(rank0, *(self.ranks.ranks if self.ranks else ())),
         )
         """What this engine is, for any thread to read (and where requests are checked)."""
         self.requests: dict[str, Request] = {}
@@ -201,7 +204,7 @@ class Engine:
         started = time.perf_counter()
         masks = self._start_masks(batch)  # filled while the model runs
         positions = self._prompt_positions(batch)
-        logits = self.runner.execute(batch, [row for row, _, _ in positions] or None)
+        logits = self.forward(batch, [row for row, _, _ in positions])
         if positions:
             sampled = logits.shape[0] - len(positions)
             self._record_prompt_logprobs(logits[sampled:], positions)
@@ -217,6 +220,15 @@ class Engine:
         ]
         self._account(batch, len(outputs), time.perf_counter() - started)
         return StepResult(batch, outputs, self.blocks.usage)
+
+    def forward(self, batch: ScheduledBatch, extra: list[int] | None = None) -> torch.Tensor:
+        """The model over ``batch``, on every rank: logits ``(S, vocab)`` for each request
+        that finishes its tokens this step (in batch order), then a row for each of the
+        ``extra`` positions of the flat batch (a prompt's logprobs)."""
+        step = StepInput.of(batch, self.config.block_size, extra)
+        if self.ranks is None:
+            return self.runner.run(step)
+        return self.ranks.run(step, self.runner)
 
     def _postprocess(
         self,
@@ -413,6 +425,18 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
+
+    def check(self) -> None:
+        """Raise :class:`RankGroupFailure` if this engine can no longer step: one of its
+        tensor-parallel ranks has exited (a step would find out too; an idle engine runs
+        none)."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 def _timings(request: Request) -> Timings:

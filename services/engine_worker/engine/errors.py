@@ -55,3 +55,16 @@ class DuplicateRequestError(InvalidRequestError):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request id {request_id!r} is already in the engine", "request_id")
         self.request_id = request_id
+
+
+class RankStartError(EngineError):
+    """A rank could not start (no such device, not enough memory, a bad shard)."""
+
+    def __init__(self, rank: int, size: int, reason: str) -> None:
+        super().__init__(f"tensor-parallel rank {rank} of {size} cannot start: {reason}")
+        self.rank = rank
+
+
+class RankGroupFailure(EngineError):
+    """The group can no longer step (a rank exited or hung, or a step broke): every
+    request it held lost its KV; restart the whole group."""

@@ -30,7 +30,7 @@ from lamina.kernels.linear import (
     linear_factory,
 )
 from lamina.kernels.reference import AttentionMetadata, rotary_cos_sin, rotary_for_positions
-from lamina.kernels.weight_quant import QuantizedWeight, concat
+from lamina.kernels.weight_quant import QuantizedWeight, WeightFormat, concat
 from lamina.services.engine_worker.engine.errors import ModelLoadError
 from lamina.services.engine_worker.engine.loader import CheckpointTensors
 from lamina.services.engine_worker.engine.model_config import ModelConfig
@@ -68,7 +68,7 @@ class CausalLM:
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallel = SINGLE,
-        quantization: str | None = None,
+        quantization: WeightFormat | None = None,
     ) -> None:
         self.config = c = config
         self.tp = tp
@@ -88,7 +88,7 @@ class CausalLM:
         backend = self.ops.backend
         linear = linear_factory(device, dtype, backend, quantization)
         gated = gated_linear_factory(device, dtype, backend, self.ops.silu_and_mul, quantization)
-        w = RankWeights(weights, config, dtype, device, tp)
+        w = RankWeights(weights, config, dtype, device, tp, quantization)
         h, d = c.hidden_size, c.head_dim
 
         self.embed = w.take("model.embed_tokens.weight", c.vocab_size, h)
@@ -100,6 +100,8 @@ class CausalLM:
         self.norm = w.take("model.norm.weight", h)
         tied = c.tie_word_embeddings
         self.lm_head = linear(self.embed if tied else w.weight("lm_head.", c.vocab_size, h), None)
+        self.weight_bytes = w.bytes
+        """Bytes of this rank's share of the weights (as loaded, before any repacking)."""
         self.cos, self.sin = rotary_cos_sin(
             d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
         )
@@ -127,8 +129,8 @@ class CausalLM:
             qkv_bias = torch.cat(
                 [
                     w.rows(attn + "q_proj.bias", c.q_size),
-                    w.rows(attn + "k_proj.bias", c.kv_size),
-                    w.rows(attn + "v_proj.bias", c.kv_size),
+                    w.rows(attn + "k_proj.bias", c.kv_size, kv=True),
+                    w.rows(attn + "v_proj.bias", c.kv_size, kv=True),
                 ]
             )
         if c.mlp_bias:
@@ -137,8 +139,8 @@ class CausalLM:
             )
         qkv = [
             w.weight(attn + "q_proj.", c.q_size, h, shard_dim=0),
-            w.weight(attn + "k_proj.", c.kv_size, h, shard_dim=0),
-            w.weight(attn + "v_proj.", c.kv_size, h, shard_dim=0),
+            w.weight(attn + "k_proj.", c.kv_size, h, shard_dim=0, kv=True),
+            w.weight(attn + "v_proj.", c.kv_size, h, shard_dim=0, kv=True),
         ]
         gate_up = [
             w.weight(mlp + "gate_proj.", i, h, shard_dim=0),

@@ -8,11 +8,12 @@ quantized it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from lamina.kernels.linear import Weight
-from lamina.kernels.weight_quant import QuantizedWeight
+from lamina.kernels.weight_quant import QuantizedWeight, WeightFormat, quantize
 from lamina.services.engine_worker.engine.errors import ModelLoadError
 from lamina.services.engine_worker.engine.loader import CheckpointTensors
 from lamina.services.engine_worker.engine.model_config import ModelConfig
@@ -29,36 +30,55 @@ class RankWeights:
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallel,
+        quantization: WeightFormat | None = None,
     ) -> None:
         self.weights, self.config = weights, config
+        self.quantization = quantization
+        """Quantize plain weights at load (``EngineConfig.quantization``): a split one is
+        quantized whole, then split, so each rank's rows keep the scales one process
+        would use (the same numbers as tensor parallel size 1)."""
         self.dtype, self.device, self.tp = dtype, device, tp
+        self.bytes = 0
+        """Bytes of every tensor handed out so far: this rank's share of the weights."""
 
-    def take(self, name: str, *shape: int, shard_dim: int | None = None) -> torch.Tensor:
-        """``name`` (checked against its full shape); with ``shard_dim``, this rank's slice."""
+    def take(
+        self, name: str, *shape: int, shard_dim: int | None = None, kv: bool = False
+    ) -> torch.Tensor:
+        """``name`` (checked against its full shape); with ``shard_dim``, this rank's slice
+        (``kv``: of KV heads, see :meth:`TensorParallel.shard_kv`)."""
         tensor = self.weights.take(name, shape, self.dtype)
-        return (tensor if shard_dim is None else self.tp.shard(tensor, shard_dim)).to(self.device)
+        return self._held(tensor if shard_dim is None else self._split(kv)(tensor, shard_dim))
 
-    def rows(self, name: str, *shape: int) -> torch.Tensor:
+    def rows(self, name: str, *shape: int, kv: bool = False) -> torch.Tensor:
         """A column-parallel tensor's output rows (a fused projection's bias)."""
-        return self.take(name, *shape, shard_dim=0)
+        return self.take(name, *shape, shard_dim=0, kv=kv)
 
-    def weight(self, prefix: str, *shape: int, shard_dim: int | None = None) -> Weight:
+    def weight(
+        self, prefix: str, *shape: int, shard_dim: int | None = None, kv: bool = False
+    ) -> Weight:
         """A linear's weight, plain or as the checkpoint quantized it; with ``shard_dim``
-        this rank's output rows (0: column-parallel) or input columns (1)."""
+        this rank's output rows (0: column-parallel; ``kv``: a K/V projection's, by KV
+        head) or input columns (1)."""
         loaded = self.weights.take_linear(
             prefix, (shape[0], shape[1]), self.dtype, self.config.quantization
         )
+        split = shard_dim is not None and self.tp.size > 1
+        if isinstance(loaded, torch.Tensor) and split and self.quantization is not None:
+            loaded = quantize(loaded, self.quantization)
         if isinstance(loaded, torch.Tensor):
-            return (loaded if shard_dim is None else self.tp.shard(loaded, shard_dim)).to(
-                self.device
-            )
-        return _placed(loaded, self.tp, shard_dim, self.device)
+            return self._held(loaded if shard_dim is None else self._split(kv)(loaded, shard_dim))
+        placed = _placed(loaded, self._split(kv), shard_dim, self.tp.size, self.device)
+        parts = (placed.qweight, placed.scale, placed.zero, placed.input_order)
+        self.bytes += sum(t.nbytes for t in parts if t is not None)
+        return placed
 
     def rank0_bias(self, name: str, *shape: int) -> torch.Tensor | None:
         """A row-parallel linear's bias: added once, on rank 0, before the all-reduce sums
         the ranks' partial outputs."""
-        bias = self.take(name, *shape)
-        return bias if self.tp.rank == 0 else None
+        if self.tp.rank != 0:
+            self.weights.take(name, shape, self.dtype)  # taken: not left over
+            return None
+        return self.take(name, *shape)
 
     def kv_scales(self, prefix: str, num_kv_heads: int) -> torch.Tensor | None:
         """``k_scale``/``v_scale`` (vLLM's names for fp8 KV scales), per tensor or per KV
@@ -67,16 +87,31 @@ class RankWeights:
         if not all(name in self.weights for name in names):
             return None
         scales = torch.stack([self.weights.take_per_head(name, num_kv_heads) for name in names])
-        return self.tp.shard(scales, 1).to(self.device)
+        return self.tp.shard_kv(scales, 1, num_kv_heads).to(self.device)
+
+    def _split(self, kv: bool) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """How this rank takes its share along a dimension: by KV head, or evenly."""
+        if kv:
+            return lambda t, dim: self.tp.shard_kv(t, dim, self.config.num_kv_heads)
+        return self.tp.shard
+
+    def _held(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on this rank's device, counted in :attr:`bytes`."""
+        self.bytes += tensor.nbytes
+        return tensor.to(self.device)
 
 
 def _placed(
-    weight: QuantizedWeight, tp: TensorParallel, dim: int | None, device: torch.device
+    weight: QuantizedWeight,
+    split: Callable[[torch.Tensor, int], torch.Tensor],
+    dim: int | None,
+    size: int,
+    device: torch.device,
 ) -> QuantizedWeight:
     """This rank's share of a quantized weight (its rows for ``dim`` 0, its inputs for 1,
-    with their scales and zero points), on ``device``."""
+    with their scales and zero points, each taken by ``split``), on ``device``."""
 
-    if weight.input_order is not None and dim == 1 and tp.size > 1:
+    if weight.input_order is not None and dim == 1 and size > 1:
         raise ModelLoadError(
             "quantized weight", "act-order (reordered) inputs do not split across ranks"
         )
@@ -85,12 +120,11 @@ def _placed(
         if t is None:
             return None
         if along is not None and t.dim() > along:
-            if t.shape[along] % tp.size:
+            if along == 1 and t.shape[1] % size:
                 raise ModelLoadError(
-                    "quantized weight",
-                    f"{t.shape[along]} groups do not split across {tp.size} ranks",
+                    "quantized weight", f"{t.shape[1]} groups do not split across {size} ranks"
                 )
-            t = tp.shard(t, along)
+            t = split(t, along)
         return t.to(device)
 
     return dataclasses.replace(

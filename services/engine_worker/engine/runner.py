@@ -59,14 +59,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         """Set by the engine when decode-only steps run from CUDA graphs."""
 
-    def execute(self, batch: ScheduledBatch, extra: list[int] | None = None) -> torch.Tensor:
-        """Logits ``(S, vocab)`` for each request of ``batch`` that finishes its tokens this
-        step (in batch order), then one row for each of the ``extra`` positions of the flat
-        batch (its tokens in order: a prompt's logprobs)."""
-        return self.run(StepInput.of(batch, self.block_size, extra))
-
     def run(self, step: StepInput) -> torch.Tensor:
-        """The model over one step's input (:meth:`execute`'s logits)."""
+        """The model over one step's input (this rank's share): the logits of its
+        ``sampled`` rows (``Engine.forward``)."""
         graphs = self.decode_graphs
         if graphs is not None and step.decodes_only and graphs.bucket(len(step.ids)):
             return graphs.run(step.ids, step.positions, step.slots, step.context, step.table)

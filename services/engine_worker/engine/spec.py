@@ -23,6 +23,20 @@ from lamina.services.engine_worker.engine.request import EngineRequest
 
 
 @dataclass(frozen=True, slots=True)
+class RankInfo:
+    """Where one of the engine's ranks runs and what it holds."""
+
+    rank: int
+    host: str
+    device: str
+    pid: int
+    weight_bytes: int
+    """Bytes of this rank's share of the model's weights."""
+    kv_bytes: int = 0
+    """Bytes of this rank's share of the KV pool (0 until the pool is sized)."""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSpec:
     """An engine's fixed description: its configuration (``model`` resolved) and what was
     derived from it and the checkpoint when it was built. The worker's event loop reads
@@ -40,6 +54,9 @@ class EngineSpec:
     """Activations' dtype (``bfloat16``)."""
     weight_dtype: str
     """How the weights are stored (``bfloat16``, ``int8``, ``gptq-int4``...)."""
+    ranks: tuple[RankInfo, ...] = ()
+    """Every rank of the model, this process (rank 0) first: one without tensor
+    parallelism."""
 
     @property
     def block_size(self) -> int:

@@ -1,0 +1,313 @@
+"""A tensor-parallel engine's other ranks: one process each, driven by the engine.
+
+The engine's process is rank 0, the driver: it owns the batch scheduler, the block
+manager and the sampler, and holds the first shard of the model and the first share of
+each layer's KV heads. Ranks 1..T-1 are processes it starts (``spawn``), each holding its
+shard and KV heads and nothing else. Every step the driver sends each rank the step's
+:class:`StepInput` (flat arrays: no request, no block manager), every rank runs the
+same forward pass on its shard, the row-parallel layers' all-reduces join them
+(``torch.distributed``: gloo on CPU, NCCL on CUDA), and only the driver samples: the
+logits are the same on every rank.
+
+How a step reaches the ranks. vLLM's ``MultiprocExecutor`` writes each step once into a
+shared-memory ring buffer that its workers spin on; SGLang broadcasts over a gloo group.
+Here each rank has a duplex pipe from the driver (a ``multiprocessing`` connection), and
+a step is one ``send_bytes`` of its packed arrays per rank. It costs a few microseconds
+per rank at the sizes a step has, it blocks (no spinning core per rank: this runs on
+two-core machines too), a rank waits on it indefinitely while the engine is idle (a
+collective would time out), and its end-of-file tells a rank its driver is gone. The
+collectives inside the step carry the group's timeout, derived by the worker from its
+stall timeout, so a hung rank fails the step instead of blocking it for torch's default
+of 30 minutes.
+
+A group fails as a whole: a rank that exits or hangs, or any error inside a step (after
+which the ranks' collectives are out of step), raises :class:`RankGroupFailure`, and the
+group's KV is lost with it. Its owner restarts the whole group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import socket
+import time
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.errors import RankGroupFailure, RankStartError
+from lamina.services.engine_worker.engine.parallel import TensorParallel
+from lamina.services.engine_worker.engine.runner import StepInput
+from lamina.services.engine_worker.engine.spec import RankInfo
+
+log = logging.getLogger("lamina.worker.ranks")
+
+_HEADER = 6  # int64s: tokens, sequences, table width, sampled rows, decodes, flags
+START_TIMEOUT_S = 900.0
+"""Most seconds a rank may take to start, load its shard or size its pool (a large
+model's shard loads for minutes; a rank that exits is seen at once)."""
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the next CUDA device per rank from the configured one
+    (``cuda:1`` for rank 1 of ``cuda``), or the same CPU."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def pack(step: StepInput) -> bytes:
+    """``step`` as one buffer of int64s: a header, then its arrays in field order."""
+    header = np.array(
+        [
+            len(step.ids),
+            len(step.num_new),
+            step.table.shape[1],
+            len(step.sampled),
+            step.num_decodes,
+            int(step.decodes_only) | int(step.all_sampled) << 1,
+        ],
+        dtype=np.int64,
+    )
+    parts = (step.ids, step.positions, step.slots, step.num_new, step.context, step.table)
+    arrays = [np.ascontiguousarray(a, dtype=np.int64).ravel() for a in (*parts, step.sampled)]
+    return np.concatenate([header, *arrays]).tobytes()
+
+
+def unpack(buffer: bytes) -> StepInput:
+    """The :class:`StepInput` :func:`pack` made ``buffer`` from."""
+    flat = np.frombuffer(bytearray(buffer), dtype=np.int64)  # writable: torch reads it
+    tokens, seqs, width, sampled, decodes, flags = (int(v) for v in flat[:_HEADER])
+    sizes = (tokens, tokens, tokens, seqs, seqs, seqs * width, sampled)
+    ends = np.cumsum((_HEADER, *sizes))
+    ids, positions, slots, num_new, context, table, rows = (
+        flat[start:end] for start, end in itertools.pairwise(ends)
+    )
+    return StepInput(
+        ids=ids,
+        positions=positions,
+        slots=slots,
+        num_new=num_new,
+        context=context,
+        table=table.reshape(seqs, width),
+        sampled=rows,
+        num_decodes=decodes,
+        decodes_only=bool(flags & 1),
+        all_sampled=bool(flags & 2),
+    )
+
+
+class RankGroup:
+    """Ranks 1..T-1 of a tensor-parallel engine, seen from rank 0 (the driver).
+
+    ``RankGroup(config, timeout_s)`` starts the ranks and joins them in one
+    ``torch.distributed`` group as rank 0, which this process then uses for its own
+    shard's collectives. Each rank loads its shard and reports how many KV blocks it
+    could hold; :meth:`agree_blocks` gives every rank the least of those and the driver's
+    own, so that every pool has the same blocks; then :meth:`run` steps them all.
+    """
+
+    def __init__(self, config: EngineConfig, timeout_s: float) -> None:
+        self.size = config.tensor_parallel_size
+        self.timeout_s = timeout_s
+        device = rank_device(config.device, 0)
+        self.tp = TensorParallel(rank=0, size=self.size)
+        self._pipes: list[Connection] = []
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self.ranks: list[RankInfo] = []
+        """Ranks 1..T-1 as they reported themselves (with their KV once agreed)."""
+        self._closed = False
+        context = multiprocessing.get_context("spawn")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        threads = rank_threads(config)
+        for rank in range(1, self.size):
+            ours, theirs = context.Pipe()
+            proc = context.Process(
+                target=_rank_main,
+                args=(theirs, config, rank, init, timeout_s, threads, os.getpid()),
+                name=f"lamina-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            self._pipes.append(ours)
+            self._procs.append(proc)
+        try:
+            for rank in range(1, self.size):
+                self._receive(rank, "joining")
+            dist.init_process_group(
+                backend_for(device),
+                init_method=init,
+                rank=0,
+                world_size=self.size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def agree_blocks(self, num_blocks: int) -> int:
+        """Wait for every rank to load its shard (one that cannot: :class:`RankStartError`),
+        then give each the KV blocks every rank's pool will have: the least any rank (this
+        one's ``num_blocks`` included) can hold. Each rank then builds its pool."""
+        try:
+            loaded = [self._receive(rank, "loaded") for rank in range(1, self.size)]
+            agreed = min([num_blocks, *(capacity for _, capacity in loaded)])
+            for pipe in self._pipes:
+                pipe.send(agreed)
+            self.ranks = [self._receive(rank, "ready") for rank in range(1, self.size)]
+        except BaseException:
+            self.close()
+            raise
+        return agreed
+
+    def run(self, step: StepInput, local) -> torch.Tensor:
+        """Send ``step`` to every rank and run rank 0's share (``local``: its
+        ``ModelRunner``); the logits. Any failure fails the group."""
+        try:
+            buffer = pack(step)
+            for pipe in self._pipes:
+                pipe.send_bytes(buffer)
+            return local.run(step)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+
+    def check(self) -> None:
+        """Raise :class:`RankGroupFailure` if a rank has exited (an idle engine sees no
+        collective fail; this is how it learns)."""
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.exitcode is not None:
+                raise RankGroupFailure(self._exit_text(rank, proc))
+
+    def close(self) -> None:
+        """Stop the ranks (each ends its loop on end-of-file) and leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        for pipe in self._pipes:
+            pipe.close()
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(1.0)
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    # ---------------------------------------------------------------------------- helpers
+    def _receive(self, rank: int, what: str) -> Any:
+        """What rank ``rank`` says once it is ``what`` (``joining``: nothing; ``loaded``:
+        its :class:`RankInfo` and the KV blocks it could hold; ``ready``: its
+        :class:`RankInfo` with its pool); a rank that reports an error instead, exits, or
+        says nothing within :data:`START_TIMEOUT_S` fails start-up, named."""
+        pipe, proc = self._pipes[rank - 1], self._procs[rank - 1]
+        ready = wait([pipe, proc.sentinel], timeout=START_TIMEOUT_S)
+        if pipe in ready:
+            with contextlib.suppress(EOFError):
+                kind, value = pipe.recv()
+                if kind == "error":
+                    raise RankStartError(rank, self.size, value)
+                assert kind == what, (kind, what)
+                return value
+        if not ready:
+            raise RankStartError(rank, self.size, f"not {what} within {START_TIMEOUT_S:g}s")
+        proc.join(1.0)
+        raise RankStartError(rank, self.size, f"its process (pid {proc.pid}) {_how(proc)}")
+
+    def _failure(self, exc: Exception) -> RankGroupFailure:
+        """What a failed step means: a rank that exited if one did, else the error."""
+        time.sleep(0.05)  # a rank killed mid-step may still be on its way out
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.exitcode is not None:
+                return RankGroupFailure(self._exit_text(rank, proc))
+        return RankGroupFailure(
+            f"a tensor-parallel step failed ({type(exc).__name__}: {exc}); the group's "
+            "collectives are out of step and its KV is lost"
+        )
+
+    def _exit_text(self, rank: int, proc: multiprocessing.process.BaseProcess) -> str:
+        return (
+            f"tensor-parallel rank {rank} of {self.size} (pid {proc.pid}) {_how(proc)}; "
+            "the group's KV is lost"
+        )
+
+
+def _how(proc: multiprocessing.process.BaseProcess) -> str:
+    """How an exited process ended."""
+    code = proc.exitcode
+    if code is not None and code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with {code}"
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Torch threads per rank on CPU: the cores split between the ranks."""
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    pipe: Connection,
+    config: EngineConfig,
+    rank: int,
+    init: str,
+    timeout_s: float,
+    threads: int,
+    parent: int,
+) -> None:
+    """A rank's process: join the group, load the shard, then run each step it is sent
+    until the driver's pipe closes."""
+    from lamina.libs.lifetime import die_with_parent
+    from lamina.services.engine_worker.engine.shard import load_shard
+
+    die_with_parent(9, parent)  # SIGKILL: a rank has nothing to flush
+    torch.set_num_threads(threads)
+    device = rank_device(config.device, rank)
+    try:
+        pipe.send(("joining", None))
+        dist.init_process_group(
+            backend_for(device),
+            init_method=init,
+            rank=rank,
+            world_size=config.tensor_parallel_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        shard = load_shard(config, TensorParallel(rank, config.tensor_parallel_size), device)
+        info = RankInfo(rank, socket.gethostname(), str(device), os.getpid(), shard.weight_bytes)
+        pipe.send(("loaded", (info, shard.max_blocks)))
+        num_blocks = pipe.recv()
+        runner = shard.runner(num_blocks)
+        pipe.send(("ready", dataclasses.replace(info, kv_bytes=num_blocks * shard.block_bytes)))
+        while True:
+            runner.run(unpack(pipe.recv_bytes()))
+    except (EOFError, OSError):
+        return  # the driver closed the pipe, or is gone
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()

@@ -1,0 +1,84 @@
+"""One rank's model and KV pool, built the same way by the engine (rank 0) and by each
+of its other tensor-parallel ranks (``rank_group.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
+from lamina.services.engine_worker.engine.loader import CheckpointTensors
+from lamina.services.engine_worker.engine.model import CausalLM
+from lamina.services.engine_worker.engine.model_config import DTYPES, ModelConfig
+from lamina.services.engine_worker.engine.parallel import TensorParallel
+from lamina.services.engine_worker.engine.runner import ModelRunner, kv_block_bytes
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A rank's share of the model, loaded on its device, before its KV pool is sized."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model: CausalLM
+    device: torch.device
+    max_model_len: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one KV block takes on this rank (its KV heads, all layers)."""
+        return kv_block_bytes(self.model, self.config.block_size, self.config.kv_cache_dtype)
+
+    @property
+    def max_blocks(self) -> int:
+        """The KV blocks this rank's budget holds (``kv_cache_memory_bytes`` is per rank)."""
+        config = self.config
+        return config.num_kv_blocks or config.kv_budget_bytes(self.device) // self.block_bytes
+
+    @property
+    def graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (the pool's last block pads them)."""
+        return self.config.graphs_for(self.device, self.model.ops.backend)
+
+    def runner(self, num_blocks: int) -> ModelRunner:
+        """The KV pool of ``num_blocks`` blocks and the runner over it (with its decode
+        graphs, captured now, where they apply)."""
+        config = self.config
+        runner = ModelRunner(
+            self.model, num_blocks, config.block_size, self.device, config.kv_cache_dtype
+        )
+        if self.graphs:
+            runner.decode_graphs = DecodeGraphs(
+                self.model,
+                runner.kv_caches,
+                runner.kv_scales,
+                config.block_size,
+                self.max_model_len,
+                config.max_num_seqs,
+                pad_block=num_blocks - 1,
+                capture=self.device.type == "cuda",
+            )
+        return runner
+
+
+def load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) -> Shard:
+    """Rank ``tp.rank``'s share of ``config.model`` on ``device``."""
+    assert config.model is not None, "the worker resolves the default model first"
+    model_config = ModelConfig.from_dir(config.model)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = CausalLM(
+        model_config,
+        CheckpointTensors(config.model),
+        model_config.dtype if config.dtype == "auto" else DTYPES[config.dtype],
+        device,
+        tp,
+        quantization=config.quantization,
+    )
+    return Shard(config, model_config, model, device, config.max_len_for(model_config))
