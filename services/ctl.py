@@ -48,7 +48,7 @@ COMMANDS: dict[str, Callable[[], object]] = {
     "reset-prefix-cache": ResetPrefixCache,
 }
 
-COLUMNS = ("worker", "state", "alive", "kv used", "running", "waiting", "queued prefill")
+COLUMNS = ("worker", "state", "alive", "tp", "kv used", "running", "waiting", "queued prefill")
 COLUMNS += ("prefill tok/s", "decode tok/s", "prefix hits")
 
 
@@ -133,6 +133,7 @@ def status_table(status: ClusterStatus) -> str:
                 s.worker_id,
                 shown_state(str(s.state), s.cordoned, view.quarantined),
                 "yes" if view.alive else "no",
+                str(s.tensor_parallel_size),
                 f"{s.kv_cache_usage:.0%}",
                 str(s.num_running),
                 str(s.num_waiting),

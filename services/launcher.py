@@ -86,6 +86,9 @@ class Stack:
     peer_urls: tuple[str, ...] = ()
     """The other nodes' client URLs: every service gets them after this node's, so it
     reconnects to another node when this one is lost."""
+    worker_device: Callable[[int], str] | None = None
+    """Worker ``index``'s ``--device`` (None: every worker the engine flags' own): each
+    tensor-parallel group on CUDA takes the next devices after the previous group's."""
     worker_prefix: str = "worker"
     """Worker ids are ``<prefix>-<index>``: unique across the hosts of a cluster."""
     scheduler_id: str = ""
@@ -184,7 +187,8 @@ class Stack:
         return self._spawn(
             wid,
             "lamina.services.engine_worker",
-            ["--worker-id", wid, "--model", str(self.model), *self.worker_args],
+            ["--worker-id", wid, "--model", str(self.model), *self.worker_args]
+            + (["--device", self.worker_device(index)] if self.worker_device else []),
             f"worker.{wid}",
         )
 
@@ -429,8 +433,21 @@ def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
             *(["--metrics-compat", config.metrics_compat] if config.metrics_compat else []),
             *_telemetry_keys(config),
         ],
+        worker_device=_group_devices(config.engine),
     )
     return Stack(**{**fields, **placement})
+
+
+def _group_devices(engine: EngineConfig) -> Callable[[int], str] | None:
+    """Where each worker's rank 0 goes when its group spans CUDA devices: worker ``i`` of
+    groups of ``T`` starts at device ``base + i * T`` (the group's ranks take the ``T``
+    devices from there). None otherwise: every worker shares the configured device."""
+    kind, _, index = engine.device.partition(":")
+    size = engine.tensor_parallel_size
+    if kind != "cuda" or size == 1:
+        return None
+    base = int(index or 0)
+    return lambda worker: f"cuda:{base + worker * size}"
 
 
 def serve(stack: Stack, prog: str, banner: Callable[[], list[str]]) -> int:

@@ -41,6 +41,24 @@ class WorkerState(OpenEnum):
     """A state this peer does not know: not ready, so nothing is placed there."""
 
 
+MAX_RANKS = 1024
+"""Most ranks a heartbeat may list (a hostile one listing more fails to decode)."""
+
+
+class Rank(msgspec.Struct, kw_only=True):
+    """One process of a worker's model (``WorkerStats.ranks``)."""
+
+    rank: Count
+    host: Id
+    device: Id
+    """Its torch device (``cuda:1``, ``cpu``)."""
+    pid: Count
+    weight_bytes: Count
+    """Bytes of its share of the weights."""
+    kv_bytes: Count
+    """Bytes of its share of the KV pool."""
+
+
 class WorkerStats(Message, gc=False):
     """Published on ``worker.<id>.stats`` every 0.5 s and on state changes."""
 
@@ -93,14 +111,25 @@ class WorkerStats(Message, gc=False):
     weight_dtype: Id = ""
     """What the linears' weights are stored as: ``dtype``, or a quantized format
     (``int8``, ``fp8``)."""
+    tensor_parallel_size: Size = 1
+    """Processes the model is split across (by attention heads and MLP columns). The
+    worker is one target however many: it schedules, samples and reports for them all."""
+    ranks: Annotated[list[Rank], msgspec.Meta(max_length=MAX_RANKS)] = []
+    """Each of them once loaded, rank 0 (the worker's own process) first."""
 
     def numerics(self) -> str:
         """What a stream's tokens depend on beyond the model and the request: the device
-        type, the activations' and weights' dtypes and the KV cache's. Two workers with the
+        type, the activations' and weights' dtypes, the KV cache's, and how many ranks
+        sum each layer's products (in parts, rounded differently). Two workers with the
         same compute the same greedy tokens; a stream moved between different ones
         continues, but not as the first worker would have."""
         device = self.device.split(":")[0]
-        return f"{device}/{self.dtype}/{self.weight_dtype}/{self.kv_cache_dtype}"
+        numerics = f"{device}/{self.dtype}/{self.weight_dtype}/{self.kv_cache_dtype}"
+        return (
+            numerics
+            if self.tensor_parallel_size == 1
+            else f"{numerics}/tp{self.tensor_parallel_size}"
+        )
 
 
 class GatewayAlive(Message):

@@ -453,6 +453,8 @@ class WorkerService:
             enable_prefix_caching=config.enable_prefix_caching,
             dtype=spec.dtype if spec is not None else "",
             weight_dtype=spec.weight_dtype if spec is not None else "",
+            tensor_parallel_size=config.tensor_parallel_size,
+            ranks=[wire.rank(info) for info in spec.ranks] if spec is not None else [],
             prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
             **dataclasses.asdict(counters),
         )

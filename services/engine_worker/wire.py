@@ -18,7 +18,7 @@ from lamina.schemas.v1.generate import (
     TokenLogprob,
 )
 from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS
+from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS, Rank
 from lamina.services.engine_worker.engine import kv_events
 from lamina.services.engine_worker.engine.grammar import (
     GrammarCompiler,
@@ -29,7 +29,7 @@ from lamina.services.engine_worker.engine.outputs import STEP_TOKEN_BUCKETS, Tim
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.request import EngineRequest
 from lamina.services.engine_worker.engine.sampler import SampledLogprob
-from lamina.services.engine_worker.engine.spec import EngineSpec
+from lamina.services.engine_worker.engine.spec import EngineSpec, RankInfo
 
 # ``WorkerStats.iteration_tokens`` carries the engine's histogram as it is.
 assert STEP_TOKEN_BUCKETS == ITERATION_TOKEN_BUCKETS
@@ -94,3 +94,8 @@ def kv_event(event: kv_events.KvEvent) -> KvEvent:
         case kv_events.AllBlocksCleared(event_id=n):
             return AllBlocksCleared(event_id=n)
     raise TypeError(f"not a KV event: {event!r}")
+
+
+def rank(info: RankInfo) -> Rank:
+    """One of the engine's ranks as a heartbeat lists it."""
+    return Rank(**dataclasses.asdict(info))

@@ -372,14 +372,21 @@ class Intake:
 
 def precisions(workers: list[WorkerStats]) -> list[dict[str, Any]]:
     """Each distinct way ``workers`` compute (weight, activation and KV cache dtypes, the
-    cache's ``auto`` as the dtype it means) with how many workers do, most workers first:
-    a quantized and an unquantized worker of one model show as two entries."""
+    cache's ``auto`` as the dtype it means, and the ranks the model is split across) with
+    how many workers do, most workers first: a quantized and an unquantized worker of one
+    model show as two entries, and so do one process and a tensor-parallel group."""
     counts = Counter(
-        (s.weight_dtype, s.dtype, s.dtype if s.kv_cache_dtype == "auto" else s.kv_cache_dtype)
+        (
+            s.weight_dtype,
+            s.dtype,
+            s.dtype if s.kv_cache_dtype == "auto" else s.kv_cache_dtype,
+            s.tensor_parallel_size,
+        )
         for s in workers
         if s.weight_dtype  # a worker still loading, or one that predates the fields
     )
     return [
-        {"weight_dtype": w, "dtype": d, "kv_cache_dtype": kv, "workers": n}
-        for (w, d, kv), n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        {"weight_dtype": w, "dtype": d, "kv_cache_dtype": kv, "tensor_parallel_size": tp}
+        | {"workers": n}
+        for (w, d, kv, tp), n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
     ]

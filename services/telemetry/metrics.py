@@ -103,6 +103,10 @@ WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
         "Recent decode throughput in tokens per second.",
         lambda s: s.decode_tokens_per_s,
     ),
+    "tensor_parallel_size": (
+        "Processes (ranks) the worker's model is split across.",
+        lambda s: s.tensor_parallel_size,
+    ),
 }
 
 #: Per-worker counters from the worker's cumulative totals: name → (help, value).
@@ -193,6 +197,7 @@ class WorkerCollector(Collector):
         yield from self._counters(known)
         yield self._iteration_tokens(known)
         yield self._cache_config(live)
+        yield self._rank_memory(live)
         yield from self._cluster(ClusterTotals.of(snapshot))
 
     def _liveness(self, snapshot: list[tuple[WorkerEntry, bool]]) -> Iterator[Metric]:
@@ -258,6 +263,21 @@ class WorkerCollector(Collector):
         family = _gauge("cache_config_info", "The worker's KV cache configuration.", labels)
         for stats in live:
             family.add_metric([stats.worker_id, stats.model, *cache_config(stats)], 1.0)
+        return family
+
+    def _rank_memory(self, live: list[WorkerStats]) -> Metric:
+        """What each rank of each live worker holds: its weights and its KV pool."""
+        labels = (*WORKER_LABELS, "rank", "host", "device", "kind")
+        family = _gauge(
+            "worker_rank_memory_bytes",
+            "Bytes one rank of the worker holds: its share of the weights or of the KV pool.",
+            labels,
+        )
+        for stats in live:
+            for rank in stats.ranks:
+                where = [stats.worker_id, stats.model, str(rank.rank), rank.host, rank.device]
+                family.add_metric([*where, "weights"], rank.weight_bytes)
+                family.add_metric([*where, "kv"], rank.kv_bytes)
         return family
 
     def _cluster(self, totals: ClusterTotals) -> Iterator[Metric]:

@@ -5,6 +5,8 @@ on the reply subject."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -513,3 +515,63 @@ def test_a_request_waiting_in_the_engine_gets_keep_alives_and_a_full_worker_refu
     (rejected,) = refused
     assert isinstance(rejected, Rejected) and rejected.reason == RejectReason.OVERLOADED
     assert rejected.retryable and rejected.retry_after_s == 1.0
+
+
+def test_a_tensor_parallel_worker_reports_its_ranks_and_fails_as_a_group(nats_url, tiny_model):
+    """A worker of two ranks heartbeats its shape and each rank; a rank killed mid-stream
+    fails the stream as retryable (its KV is lost: ``failed``), turns the worker ``failed``
+    naming the rank, and asks its process to exit, for its supervisor to restart the
+    group."""
+    worker_id = "bus-test-tp"
+
+    async def main() -> None:
+        engine = EngineConfig(model=tiny_model, tensor_parallel_size=2)
+        worker = WorkerService(
+            worker_config(nats_url, worker_id, tiny_model, stats_interval=0.1, engine=engine)
+        )
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-tp-client")
+        heartbeats: asyncio.Queue[WorkerStats] = asyncio.Queue()
+
+        async def on_stats(stats: WorkerStats, _msg) -> None:
+            heartbeats.put_nowait(stats)
+
+        await bus.subscribe(subjects.worker_stats(worker_id), WorkerStats, on_stats)
+        try:
+            stats = await asyncio.wait_for(heartbeats.get(), 10)
+            assert stats.tensor_parallel_size == 2 and stats.numerics().endswith("/tp2")
+            assert [rank.rank for rank in stats.ranks] == [0, 1]
+            assert all(rank.weight_bytes and rank.kv_bytes for rank in stats.ranks)
+            request = GenerateRequest(
+                request_id="long",
+                model="lamina-tiny",
+                prompt_token_ids=[5, 6, 7],
+                sampling=Sampling(max_tokens=1000, ignore_eos=True),
+            )
+            events: list[StreamEvent] = []
+            done = asyncio.Event()
+
+            async def on_event(event: StreamEvent, _msg) -> None:
+                events.append(event)
+                if isinstance(event, Tokens) and event.token_ids and len(events) == 3:
+                    os.kill(stats.ranks[1].pid, signal.SIGKILL)  # mid-stream
+                if not isinstance(event, Accepted | Tokens):
+                    done.set()
+
+            inbox = bus.inbox()
+            await bus.subscribe(inbox, StreamEvent, on_event)
+            await bus.publish(subjects.worker_generate(worker_id), request, reply=inbox)
+            await asyncio.wait_for(done.wait(), 30)
+            failed = events[-1]
+            assert isinstance(failed, Failed) and failed.retryable and failed.tokens_sent
+            assert failed.reason == RejectReason.FAILED and "rank 1 of 2" in failed.message
+            while stats.state != WorkerState.FAILED:
+                stats = await asyncio.wait_for(heartbeats.get(), 10)
+            assert "rank 1 of 2" in stats.state_reason
+            reason = await asyncio.wait_for(worker.failure.reason, 10)
+            assert "rank 1 of 2" in reason
+        finally:
+            await bus.close()
+            await worker.close()
+
+    asyncio.run(asyncio.wait_for(main(), 120))

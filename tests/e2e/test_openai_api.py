@@ -34,7 +34,12 @@ def test_models_and_health(stack, client):
     model = client.models.retrieve("lamina-tiny")
     assert model.id == "lamina-tiny" and model.created > 0
     assert model.model_extra["max_model_len"] == 1024  # vLLM's field: the worker's context
-    precision = {"weight_dtype": "float32", "dtype": "float32", "kv_cache_dtype": "float32"}
+    precision = {
+        "weight_dtype": "float32",
+        "dtype": "float32",
+        "kv_cache_dtype": "float32",
+        "tensor_parallel_size": 1,
+    }
     assert model.model_extra["precisions"] == [precision | {"workers": 1}]
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("gpt-4")

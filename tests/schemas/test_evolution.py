@@ -73,6 +73,7 @@ from lamina.schemas.v1.stats import (
     ClusterStatus,
     ClusterStatusRequest,
     GatewayAlive,
+    Rank,
     WorkerState,
     WorkerStats,
     WorkerView,
@@ -164,6 +165,18 @@ def golden_instances() -> dict[str, Message]:
         enable_prefix_caching=False,
         dtype="bfloat16",
         weight_dtype="int8",
+        tensor_parallel_size=2,
+        ranks=[
+            Rank(
+                rank=rank,
+                host="gpu-node-7",
+                device=f"cuda:{rank}",
+                pid=4100 + rank,
+                weight_bytes=7_516_192_768,
+                kv_bytes=60_129_542_144,
+            )
+            for rank in range(2)
+        ],
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [

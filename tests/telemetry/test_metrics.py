@@ -9,6 +9,7 @@ from prometheus_client import generate_latest
 from lamina.libs.cluster import FORGET_AFTER_S
 from lamina.schemas.v1.generate import EngineTimings
 from lamina.schemas.v1.records import BusHealth, PlacementRecord, ServiceStarted
+from lamina.schemas.v1.stats import Rank
 from lamina.services.telemetry.metrics import (
     TOKEN_BUCKETS,
     Aggregator,
@@ -71,6 +72,21 @@ def test_worker_gauges_and_counters():
         "lamina:cluster_kv_cache_usage_perc 0.25",
     }
     assert expected <= lines(agg)
+
+
+def test_a_tensor_parallel_worker_shows_its_size_and_each_ranks_memory():
+    agg, _ = make_aggregator()
+    ranks = [
+        Rank(rank=r, host="h", device=f"cuda:{r}", pid=10 + r, weight_bytes=300, kv_bytes=700)
+        for r in range(2)
+    ]
+    agg.observe_stats(make_stats(tensor_parallel_size=2, ranks=ranks))
+    rank1 = 'device="cuda:1",host="h",kind="{}",model="tiny",rank="1",worker_id="w1"'
+    assert {
+        f"lamina:tensor_parallel_size{{{W1}}} 2.0",
+        f"lamina:worker_rank_memory_bytes{{{rank1.format('weights')}}} 300.0",
+        f"lamina:worker_rank_memory_bytes{{{rank1.format('kv')}}} 700.0",
+    } <= lines(agg)
 
 
 def test_counters_report_the_latest_cumulative_values_even_after_a_restart():

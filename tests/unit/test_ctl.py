@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from lamina.schemas.v1.stats import ClusterStatus, WorkerView
-from lamina.services.ctl import status_table
+from lamina.services.ctl import COLUMNS, status_table
 from tests.telemetry.helpers import make_stats
 
 
-def state_of(table: str, worker: str) -> str:
+def column(table: str, worker: str, name: str) -> str:
     row = next(line for line in table.splitlines() if line.startswith(worker + " "))
-    return row.split()[1]
+    return row.split()[COLUMNS.index(name)]
 
 
 def test_the_state_column_says_why_a_live_worker_gets_nothing() -> None:
@@ -20,8 +20,17 @@ def test_the_state_column_says_why_a_live_worker_gets_nothing() -> None:
     ]
     table = status_table(ClusterStatus(scheduler_id="s", workers=views, queued=3))
     assert table.splitlines()[0] == "scheduler s: 3 queued (0 prompt tokens)"
-    assert [state_of(table, w.stats.worker_id) for w in views] == [
+    assert [column(table, w.stats.worker_id, "state") for w in views] == [
         "ready",
         "cordoned",
         "quarantined",
     ]
+
+
+def test_a_tensor_parallel_worker_shows_its_ranks() -> None:
+    views = [
+        WorkerView(stats=make_stats("w-one"), alive=True, last_seen_ms=1),
+        WorkerView(stats=make_stats("w-two", tensor_parallel_size=2), alive=True, last_seen_ms=1),
+    ]
+    table = status_table(ClusterStatus(scheduler_id="s", workers=views))
+    assert [column(table, w.stats.worker_id, "tp") for w in views] == ["1", "2"]

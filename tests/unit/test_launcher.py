@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.launcher import Stack, UpConfig, stack_of
 
 
@@ -53,6 +54,20 @@ def test_every_gateway_setting_is_a_flag_of_up_and_node_and_reaches_the_gateway(
     stack = stack_of(config, Path("model"))
     assert parse_config(GatewayConfig, stack.gateway_args, env={}).options == config.gateway
     assert config.gateway.stall_timeout == 90 and config.gateway.trust_request_chat_template
+
+
+def test_each_tensor_parallel_group_on_cuda_takes_the_next_devices():
+    def devices(device: str, size: int, workers: int = 3) -> list[str] | None:
+        engine = EngineConfig(device=device, tensor_parallel_size=size)
+        stack = stack_of(UpConfig(workers=workers, engine=engine), Path("model"))
+        if stack.worker_device is None:
+            return None
+        return [stack.worker_device(index) for index in range(workers)]
+
+    assert devices("cuda", 2) == ["cuda:0", "cuda:2", "cuda:4"]
+    assert devices("cuda:1", 4, workers=2) == ["cuda:1", "cuda:5"]
+    assert devices("cuda", 1) is None  # one device per worker: as configured, shared
+    assert devices("cpu", 2) is None
 
 
 def test_help_shows_defaults_and_no_sphinx_markup():
