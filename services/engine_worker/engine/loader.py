@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -69,16 +70,13 @@ class CheckpointTensors:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._source: dict[str, Path] = {}
+        self._tensors = _Lazy()
         for file in self._files():
             try:
-                with safe_open(str(file), framework="pt") as handle:
-                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                        self._tensors[name] = handle.get_tensor(name)
-                        self._source[name] = file
+                self._tensors.open(file)
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ModelLoadError(str(file), f"cannot read safetensors: {exc}") from exc
+        self._source = self._tensors.source
 
     def _files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
@@ -129,8 +127,7 @@ class CheckpointTensors:
         if quantization is not None and prefix + "qweight" in self._tensors:
             return self._take_int4(prefix, shape, quantization)
         name = prefix + "weight"
-        stored = self._tensors.get(name)
-        if stored is None or stored.dtype != torch.float8_e4m3fn:
+        if self._tensors.stored_dtype(name) != "F8_E4M3":
             return self.take(name, shape, dtype)
         scale_name = prefix + "weight_scale"
         if scale_name not in self._tensors:
@@ -207,4 +204,50 @@ class CheckpointTensors:
         return tensor
 
     def remaining(self) -> list[str]:
-        return sorted(self._tensors)
+        return self._tensors.remaining()
+
+
+_MISSING = object()
+
+
+class _Lazy:
+    """A checkpoint's tensors by name, each read from its file only when taken (a rank
+    reads its share: a pipeline stage never reads another stage's layers) and not kept."""
+
+    def __init__(self) -> None:
+        self.source: dict[str, Path] = {}
+        """Every tensor's file, taken or not (for messages)."""
+        self._handles: dict[Path, Any] = {}
+        self._left: set[str] = set()
+
+    def open(self, file: Path) -> None:
+        handle = safe_open(str(file), framework="pt")
+        self._handles[file] = handle
+        for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+            self.source[name] = file
+            self._left.add(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._left
+
+    def remaining(self) -> list[str]:
+        return sorted(self._left)
+
+    def stored_dtype(self, name: str) -> str | None:
+        """An untaken tensor's dtype as safetensors names it (``F8_E4M3``), unread."""
+        if name not in self._left:
+            return None
+        return self._handles[self.source[name]].get_slice(name).get_dtype()
+
+    def pop(self, name: str, default: Any = _MISSING) -> Any:
+        """Read and take ``name`` (``default`` if it is not there or taken)."""
+        if name not in self._left:
+            if default is _MISSING:
+                raise KeyError(name)
+            return default
+        self._left.discard(name)
+        file = self.source[name]
+        try:
+            return self._handles[file].get_tensor(name)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"{file}: tensor {name}", f"cannot read it: {exc}") from exc

@@ -134,6 +134,9 @@ class RankGroup:
         context = multiprocessing.get_context("spawn")
         init = f"tcp://127.0.0.1:{_free_port()}"
         threads = rank_threads(config)
+        self._threads = torch.get_num_threads()  # restored by close()
+        if device.type == "cpu":
+            torch.set_num_threads(threads)  # this process is a rank too
         for rank in range(1, self.size):
             ours, theirs = context.Pipe()
             proc = context.Process(
@@ -209,6 +212,7 @@ class RankGroup:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
 
     # ---------------------------------------------------------------------------- helpers
     def _receive(self, rank: int, what: str) -> Any:

@@ -1,0 +1,206 @@
+"""Tensor parallelism on this machine: two ranks (two processes, one thread each) against
+one process (two threads) on the same model and work, in one run.
+
+* decode: ``--batch`` sequences decoding together (greedy, ``ignore_eos``), after their
+  prompts are prefilled; tokens/s over ``--tokens`` steps, the median of ``--runs``
+  alternating runs, and the ratio. For two ranks, the share of rank 0's step spent inside
+  its all-reduces (waiting for rank 1 included: that is what a collective costs it) and
+  what packing a step's input for the other ranks costs.
+* memory: each process's resident memory once the model is loaded, less that of a process
+  that imported the same libraries and loaded nothing (``--memory-preset``; ``medium``,
+  2.9 GB of fp32 weights, so the weights dominate), and each rank's weight and KV bytes.
+
+Not a test: run it by hand on an otherwise idle machine.
+
+    .venv/bin/python benchmarks/parallel.py                 # small preset, batch 1 and 32
+    .venv/bin/python benchmarks/parallel.py --quick         # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lamina.services.engine_worker.default_model import ensure_default_model
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.params import SamplingParams
+from lamina.services.engine_worker.engine.parallel import TensorParallel
+from lamina.services.engine_worker.engine.rank_group import pack
+from lamina.services.engine_worker.engine.runner import StepInput
+
+
+@dataclass(frozen=True)
+class TimedParallel(TensorParallel):
+    """Rank 0's :class:`TensorParallel`, adding up the time its all-reduces take."""
+
+    seconds: list[float] = field(default_factory=lambda: [0.0])
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        out = super().all_reduce(tensor)
+        self.seconds[0] += time.perf_counter() - started
+        return out
+
+
+def decode(engine: Engine, batch: int, tokens: int, seed: int) -> tuple[float, float]:
+    """``(tokens/s, share of the decode steps' time in all-reduces)`` of ``batch``
+    sequences decoding ``tokens`` steps together."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    for n in range(batch):
+        engine.add_request(f"r{seed}-{n}", [rng.randrange(3, vocab) for _ in range(32)], params)
+    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+        engine.step()  # prefill, and each sequence's first token
+    model = engine.runner.model
+    timed = None
+    if engine.ranks is not None:
+        timed = TimedParallel(rank=0, size=model.tp.size, group=model.tp.group)
+        model.tp = timed
+    started, produced = time.perf_counter(), 0
+    while engine.has_work():
+        produced += len(engine.step().outputs)
+    elapsed = time.perf_counter() - started
+    if timed is not None:
+        model.tp = TensorParallel(rank=0, size=timed.size, group=timed.group)
+    return produced / elapsed, (timed.seconds[0] / elapsed if timed else 0.0)
+
+
+def pack_us(batch: int) -> float:
+    """Microseconds to pack a decode step of ``batch`` sequences for the other ranks."""
+    step = StepInput(
+        ids=torch.arange(batch).numpy(),
+        positions=torch.arange(batch).numpy() + 100,
+        slots=torch.arange(batch).numpy(),
+        num_new=torch.ones(batch, dtype=torch.int64).numpy(),
+        context=torch.full((batch,), 100, dtype=torch.int64).numpy(),
+        table=torch.zeros((batch, 16), dtype=torch.int64).numpy(),
+        sampled=torch.arange(batch).numpy(),
+        num_decodes=batch,
+        decodes_only=True,
+        all_sampled=True,
+    )
+    started = time.perf_counter()
+    for _ in range(2000):
+        pack(step)
+    return (time.perf_counter() - started) / 2000 * 1e6
+
+
+def throughput(args: argparse.Namespace) -> None:
+    model = ensure_default_model("small")
+    base = EngineConfig(
+        model=model, max_model_len=256, num_kv_blocks=1200, max_num_seqs=max(args.batch)
+    )
+    cores = os.cpu_count() or 1
+    print(f"model: small preset ({model}); {platform.processor() or platform.machine()}, "
+          f"{cores} cores; torch {torch.__version__}")  # fmt: skip
+    print(f"one process: {cores} threads; two ranks: {max(1, cores // 2)} thread(s) each")
+    engines = {
+        1: Engine(base),
+        2: Engine(dataclasses.replace(base, tensor_parallel_size=2)),
+    }
+    try:
+        for batch in args.batch:
+            rates: dict[int, list[float]] = {1: [], 2: []}
+            shares: list[float] = []
+            for run in range(args.runs):
+                for tp in (1, 2) if run % 2 == 0 else (2, 1):  # alternate the order
+                    rate, share = decode(engines[tp], batch, args.tokens, seed=run)
+                    rates[tp].append(rate)
+                    if tp == 2:
+                        shares.append(share)
+            one, two = (statistics.median(rates[tp]) for tp in (1, 2))
+            spread = {tp: f"{min(r):.0f}-{max(r):.0f}" for tp, r in rates.items()}
+            print(
+                f"batch {batch:3d}: one process {one:8.1f} tok/s ({spread[1]}), "
+                f"two ranks {two:8.1f} tok/s ({spread[2]}); two/one {two / one:.2f}x; "
+                f"all-reduce {statistics.median(shares):.0%} of rank 0's decode time; "
+                f"packing a step {pack_us(batch):.1f} us"
+            )
+    finally:
+        engines[2].close()
+
+
+_MEMORY_CHILD = """
+import json, os, sys, time
+import torch
+from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.engine import Engine
+
+def rss(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+if __name__ == "__main__":
+    model, tp = sys.argv[1], int(sys.argv[2])
+    if tp == 0:
+        print(json.dumps({"ranks": [{"rss": rss(os.getpid())}]}))
+        sys.exit(0)
+    engine = Engine(EngineConfig(model=model, max_model_len=256, num_kv_blocks=64,
+                                 tensor_parallel_size=tp))
+    ranks = [{"rss": rss(r.pid), "weights": r.weight_bytes, "kv": r.kv_bytes}
+             for r in engine.spec.ranks]
+    engine.close()
+    print(json.dumps({"ranks": ranks}))
+"""
+
+
+def memory(args: argparse.Namespace) -> None:
+    model = ensure_default_model(args.memory_preset)
+
+    def measure(tp: int) -> list[dict]:
+        out = subprocess.run(
+            [sys.executable, "-c", _MEMORY_CHILD, str(model), str(tp)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return json.loads(out.splitlines()[-1])["ranks"]
+
+    (idle,) = measure(0)
+    (one,) = measure(1)
+    two = measure(2)
+    gib = 1 << 30
+    print(f"memory, {args.memory_preset} preset: a process that loaded nothing holds "
+          f"{idle['rss'] / gib:.2f} GiB; above that:")  # fmt: skip
+    print(f"  one process: {(one['rss'] - idle['rss']) / gib:.2f} GiB "
+          f"(weights {one['weights'] / gib:.2f} GiB)")  # fmt: skip
+    for rank, r in enumerate(two):
+        held = r["rss"] - idle["rss"]
+        print(f"  rank {rank} of 2: {held / gib:.2f} GiB "
+              f"({held / (one['rss'] - idle['rss']):.2f}x one process; "
+              f"weights {r['weights'] / gib:.2f} GiB)")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--tokens", type=int, default=64, help="decode steps per run")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--memory-preset", default="medium", help="model for the memory part")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory part")
+    parser.add_argument("--quick", action="store_true", help="one short run of each")
+    args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.runs, args.memory_preset = 16, 1, "small"
+    throughput(args)
+    if not args.no_memory:
+        memory(args)
+
+
+if __name__ == "__main__":
+    main()
