@@ -1,11 +1,13 @@
-"""Tensor parallelism on this machine: two ranks (two processes, one thread each) against
-one process (two threads) on the same model and work, in one run.
+"""Parallel workers on this machine: two tensor-parallel ranks and two pipeline stages
+(two processes, one thread each) against one process (two threads) on the same model and
+work, in one run.
 
 * decode: ``--batch`` sequences decoding together (greedy, ``ignore_eos``), after their
-  prompts are prefilled; tokens/s over ``--tokens`` steps, the median of ``--runs``
-  alternating runs, and the ratio. For two ranks, the share of rank 0's step spent inside
-  its all-reduces (waiting for rank 1 included: that is what a collective costs it) and
-  what packing a step's input for the other ranks costs.
+  prompts are prefilled; tokens/s over ``--tokens`` steps, the median of ``--runs`` runs
+  (the three layouts in a rotating order), and the ratios. For two tensor-parallel ranks,
+  the share of rank 0's step spent inside its all-reduces (waiting for rank 1 included:
+  that is what a collective costs it); what packing a step's input for the other ranks
+  costs.
 * memory: each process's resident memory once the model is loaded, less that of a process
   that imported the same libraries and loaded nothing (``--memory-preset``; ``medium``,
   2.9 GB of fp32 weights, so the weights dominate), and each rank's weight and KV bytes.
@@ -35,8 +37,8 @@ import torch
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
-from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.parallel import TensorParallel
+from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.rank_group import pack
 from lamina.services.engine_worker.engine.runner import StepInput
 
@@ -98,6 +100,35 @@ def pack_us(batch: int) -> float:
     return (time.perf_counter() - started) / 2000 * 1e6
 
 
+def _gloo_rank(rank: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    row = torch.ones(512)
+    for _ in range(50):
+        dist.all_reduce(row)
+    started = time.perf_counter()
+    for _ in range(500):
+        dist.all_reduce(row)
+    if rank == 0:
+        out.put((time.perf_counter() - started) / 500 * 1e6)
+    dist.destroy_process_group()
+
+
+def gloo_us() -> float:
+    """Microseconds one gloo all-reduce of a 512-wide row takes between two processes:
+    the latency every tensor-parallel layer pays twice."""
+    import torch.multiprocessing as mp
+
+    from lamina.libs.nats_server import free_port
+
+    context = mp.get_context("spawn")
+    out = context.SimpleQueue()
+    mp.start_processes(_gloo_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
+    return out.get()
+
+
 def throughput(args: argparse.Namespace) -> None:
     model = ensure_default_model("small")
     base = EngineConfig(
@@ -107,30 +138,39 @@ def throughput(args: argparse.Namespace) -> None:
     print(f"model: small preset ({model}); {platform.processor() or platform.machine()}, "
           f"{cores} cores; torch {torch.__version__}")  # fmt: skip
     print(f"one process: {cores} threads; two ranks: {max(1, cores // 2)} thread(s) each")
-    engines = {
-        1: Engine(base),
-        2: Engine(dataclasses.replace(base, tensor_parallel_size=2)),
+    print(f"gloo all-reduce of one decode row between two processes: {gloo_us():.0f} us")
+    # A process drives one parallel engine at a time (torch.distributed has one default
+    # group per process), so each run builds each layout in turn, in a rotating order.
+    layouts = {
+        "one process": base,
+        "TP=2": dataclasses.replace(base, tensor_parallel_size=2),
+        "PP=2": dataclasses.replace(base, pipeline_parallel_size=2),
     }
-    try:
-        for batch in args.batch:
-            rates: dict[int, list[float]] = {1: [], 2: []}
-            shares: list[float] = []
-            for run in range(args.runs):
-                for tp in (1, 2) if run % 2 == 0 else (2, 1):  # alternate the order
-                    rate, share = decode(engines[tp], batch, args.tokens, seed=run)
-                    rates[tp].append(rate)
-                    if tp == 2:
-                        shares.append(share)
-            one, two = (statistics.median(rates[tp]) for tp in (1, 2))
-            spread = {tp: f"{min(r):.0f}-{max(r):.0f}" for tp, r in rates.items()}
-            print(
-                f"batch {batch:3d}: one process {one:8.1f} tok/s ({spread[1]}), "
-                f"two ranks {two:8.1f} tok/s ({spread[2]}); two/one {two / one:.2f}x; "
-                f"all-reduce {statistics.median(shares):.0%} of rank 0's decode time; "
-                f"packing a step {pack_us(batch):.1f} us"
-            )
-    finally:
-        engines[2].close()
+    names = list(layouts)
+    rates = {(name, batch): [] for name in names for batch in args.batch}
+    shares: dict[int, list[float]] = {batch: [] for batch in args.batch}
+    for run in range(args.runs):
+        for name in names[run % 3 :] + names[: run % 3]:
+            engine = Engine(layouts[name])
+            try:
+                for batch in args.batch:
+                    rate, share = decode(engine, batch, args.tokens, seed=run)
+                    rates[name, batch].append(rate)
+                    if name == "TP=2":
+                        shares[batch].append(share)
+            finally:
+                engine.close()
+    for batch in args.batch:
+        one = statistics.median(rates["one process", batch])
+        print(f"batch {batch}: median tok/s, range over {args.runs} runs, x one process")
+        for name in names:
+            got = rates[name, batch]
+            rate = statistics.median(got)
+            print(f"  {name:12s} {rate:8.1f} ({min(got):.0f}-{max(got):.0f}) {rate / one:.2f}x")
+        print(
+            f"  TP=2: all-reduce {statistics.median(shares[batch]):.0%} of rank 0's decode "
+            f"time; packing a step {pack_us(batch):.1f} us"
+        )
 
 
 _MEMORY_CHILD = """

@@ -48,7 +48,8 @@ COMMANDS: dict[str, Callable[[], object]] = {
     "reset-prefix-cache": ResetPrefixCache,
 }
 
-COLUMNS = ("worker", "state", "alive", "tp", "kv used", "running", "waiting", "queued prefill")
+COLUMNS = ("worker", "state", "alive", "tp", "pp", "kv used", "running", "waiting")
+COLUMNS += ("queued prefill",)
 COLUMNS += ("prefill tok/s", "decode tok/s", "prefix hits")
 
 
@@ -134,6 +135,7 @@ def status_table(status: ClusterStatus) -> str:
                 shown_state(str(s.state), s.cordoned, view.quarantined),
                 "yes" if view.alive else "no",
                 str(s.tensor_parallel_size),
+                str(s.pipeline_parallel_size),
                 f"{s.kv_cache_usage:.0%}",
                 str(s.num_running),
                 str(s.num_waiting),

@@ -88,7 +88,7 @@ class Stack:
     reconnects to another node when this one is lost."""
     worker_device: Callable[[int], str] | None = None
     """Worker ``index``'s ``--device`` (None: every worker the engine flags' own): each
-    tensor-parallel group on CUDA takes the next devices after the previous group's."""
+    group of ranks on CUDA takes the next devices after the previous group's."""
     worker_prefix: str = "worker"
     """Worker ids are ``<prefix>-<index>``: unique across the hosts of a cluster."""
     scheduler_id: str = ""
@@ -440,10 +440,11 @@ def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
 
 def _group_devices(engine: EngineConfig) -> Callable[[int], str] | None:
     """Where each worker's rank 0 goes when its group spans CUDA devices: worker ``i`` of
-    groups of ``T`` starts at device ``base + i * T`` (the group's ranks take the ``T``
-    devices from there). None otherwise: every worker shares the configured device."""
+    groups of ``n`` ranks (``T`` × ``P``) starts at device ``base + i * n`` (its ranks take
+    the ``n`` devices from there). None otherwise: every worker shares the configured
+    device."""
     kind, _, index = engine.device.partition(":")
-    size = engine.tensor_parallel_size
+    size = engine.tensor_parallel_size * engine.pipeline_parallel_size
     if kind != "cuda" or size == 1:
         return None
     base = int(index or 0)

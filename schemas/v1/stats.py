@@ -53,6 +53,8 @@ class Rank(msgspec.Struct, kw_only=True):
     device: Id
     """Its torch device (``cuda:1``, ``cpu``)."""
     pid: Count
+    stage: Count = 0
+    """Its pipeline stage."""
     weight_bytes: Count
     """Bytes of its share of the weights."""
     kv_bytes: Count
@@ -114,6 +116,9 @@ class WorkerStats(Message, gc=False):
     tensor_parallel_size: Size = 1
     """Processes the model is split across (by attention heads and MLP columns). The
     worker is one target however many: it schedules, samples and reports for them all."""
+    pipeline_parallel_size: Size = 1
+    """Stages the model's layers are split across, each of ``tensor_parallel_size``
+    ranks."""
     ranks: Annotated[list[Rank], msgspec.Meta(max_length=MAX_RANKS)] = []
     """Each of them once loaded, rank 0 (the worker's own process) first."""
 

@@ -293,12 +293,12 @@ class WorkerService:
     def _fail(self, reason: str) -> None:
         """The engine thread is gone (it died, or it is wedged): what it held was failed
         as retryable, so gateways move it elsewhere; this worker takes nothing again. A
-        tensor-parallel worker then exits, for its supervisor to restart the whole group
+        worker of several ranks then exits, for its supervisor to restart the whole group
         (one rank cannot rejoin a group whose collectives broke)."""
         if self.lifecycle.move(Event.ENGINE_DEAD, reason):
             log.critical("worker %s has failed: %s; restart it", self.worker_id, reason)
             self._tasks.append(asyncio.create_task(self._publish_stats()))
-            if self.config.engine.tensor_parallel_size > 1:
+            if self.spec is not None and len(self.spec.ranks) > 1:
                 self._tasks.append(asyncio.create_task(self._exit_failed(reason)))
 
     async def _exit_failed(self, reason: str) -> None:
@@ -454,6 +454,7 @@ class WorkerService:
             dtype=spec.dtype if spec is not None else "",
             weight_dtype=spec.weight_dtype if spec is not None else "",
             tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
             ranks=[wire.rank(info) for info in spec.ranks] if spec is not None else [],
             prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
             **dataclasses.asdict(counters),

@@ -372,7 +372,7 @@ class Intake:
 
 def precisions(workers: list[WorkerStats]) -> list[dict[str, Any]]:
     """Each distinct way ``workers`` compute (weight, activation and KV cache dtypes, the
-    cache's ``auto`` as the dtype it means, and the ranks the model is split across) with
+    cache's ``auto`` as the dtype it means, and how the model is split across ranks) with
     how many workers do, most workers first: a quantized and an unquantized worker of one
     model show as two entries, and so do one process and a tensor-parallel group."""
     counts = Counter(
@@ -381,12 +381,13 @@ def precisions(workers: list[WorkerStats]) -> list[dict[str, Any]]:
             s.dtype,
             s.dtype if s.kv_cache_dtype == "auto" else s.kv_cache_dtype,
             s.tensor_parallel_size,
+            s.pipeline_parallel_size,
         )
         for s in workers
         if s.weight_dtype  # a worker still loading, or one that predates the fields
     )
     return [
-        {"weight_dtype": w, "dtype": d, "kv_cache_dtype": kv, "tensor_parallel_size": tp}
-        | {"workers": n}
-        for (w, d, kv, tp), n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        {"weight_dtype": w, "dtype": d, "kv_cache_dtype": kv}
+        | {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "workers": n}
+        for (w, d, kv, tp, pp), n in sorted(counts.items(), key=lambda i: (-i[1], i[0]))
     ]

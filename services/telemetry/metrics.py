@@ -104,8 +104,12 @@ WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
         lambda s: s.decode_tokens_per_s,
     ),
     "tensor_parallel_size": (
-        "Processes (ranks) the worker's model is split across.",
+        "Ranks each pipeline stage of the worker's model is split across.",
         lambda s: s.tensor_parallel_size,
+    ),
+    "pipeline_parallel_size": (
+        "Pipeline stages the worker's model's layers are split across.",
+        lambda s: s.pipeline_parallel_size,
     ),
 }
 
@@ -267,7 +271,7 @@ class WorkerCollector(Collector):
 
     def _rank_memory(self, live: list[WorkerStats]) -> Metric:
         """What each rank of each live worker holds: its weights and its KV pool."""
-        labels = (*WORKER_LABELS, "rank", "host", "device", "kind")
+        labels = (*WORKER_LABELS, "rank", "stage", "host", "device", "kind")
         family = _gauge(
             "worker_rank_memory_bytes",
             "Bytes one rank of the worker holds: its share of the weights or of the KV pool.",
@@ -275,7 +279,8 @@ class WorkerCollector(Collector):
         )
         for stats in live:
             for rank in stats.ranks:
-                where = [stats.worker_id, stats.model, str(rank.rank), rank.host, rank.device]
+                where = [stats.worker_id, stats.model, str(rank.rank), str(rank.stage)]
+                where += [rank.host, rank.device]
                 family.add_metric([*where, "weights"], rank.weight_bytes)
                 family.add_metric([*where, "kv"], rank.kv_bytes)
         return family

@@ -39,6 +39,7 @@ def test_models_and_health(stack, client):
         "dtype": "float32",
         "kv_cache_dtype": "float32",
         "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
     }
     assert model.model_extra["precisions"] == [precision | {"workers": 1}]
     with pytest.raises(openai.NotFoundError) as missing:

@@ -166,16 +166,18 @@ def golden_instances() -> dict[str, Message]:
         dtype="bfloat16",
         weight_dtype="int8",
         tensor_parallel_size=2,
+        pipeline_parallel_size=2,
         ranks=[
             Rank(
                 rank=rank,
                 host="gpu-node-7",
                 device=f"cuda:{rank}",
                 pid=4100 + rank,
+                stage=rank // 2,
                 weight_bytes=7_516_192_768,
                 kv_bytes=60_129_542_144,
             )
-            for rank in range(2)
+            for rank in range(4)
         ],
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)

@@ -81,7 +81,7 @@ def test_a_tensor_parallel_worker_shows_its_size_and_each_ranks_memory():
         for r in range(2)
     ]
     agg.observe_stats(make_stats(tensor_parallel_size=2, ranks=ranks))
-    rank1 = 'device="cuda:1",host="h",kind="{}",model="tiny",rank="1",worker_id="w1"'
+    rank1 = 'device="cuda:1",host="h",kind="{}",model="tiny",rank="1",stage="0",worker_id="w1"'
     assert {
         f"lamina:tensor_parallel_size{{{W1}}} 2.0",
         f"lamina:worker_rank_memory_bytes{{{rank1.format('weights')}}} 300.0",

@@ -66,6 +66,9 @@ def test_each_tensor_parallel_group_on_cuda_takes_the_next_devices():
 
     assert devices("cuda", 2) == ["cuda:0", "cuda:2", "cuda:4"]
     assert devices("cuda:1", 4, workers=2) == ["cuda:1", "cuda:5"]
+    engine = EngineConfig(device="cuda", tensor_parallel_size=2, pipeline_parallel_size=2)
+    stack = stack_of(UpConfig(workers=2, engine=engine), Path("model"))
+    assert stack.worker_device(1) == "cuda:4"  # four ranks each
     assert devices("cuda", 1) is None  # one device per worker: as configured, shared
     assert devices("cpu", 2) is None
 

@@ -33,7 +33,12 @@ def test_the_gateway_lists_each_way_its_models_workers_compute():
         stats("e"),
         stats("f", **fp32, tensor_parallel_size=2),
     ]
-    fp32_cache = {"dtype": "float32", "kv_cache_dtype": "float32", "tensor_parallel_size": 1}
+    fp32_cache = {
+        "dtype": "float32",
+        "kv_cache_dtype": "float32",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+    }
     assert precisions(workers) == [
         {"weight_dtype": "int8", **fp32_cache, "workers": 2},
         {"weight_dtype": "float32", **fp32_cache, "workers": 1},

@@ -33,12 +33,17 @@ class EngineConfig:
     ``int8`` or ``fp8`` (e4m3), each with a scale per output channel
     (:mod:`lamina.kernels.weight_quant`). ``None``: the checkpoint's weights as they are."""
     device: str = "cpu"
-    """Torch device the model and KV pool live on (under tensor parallelism, rank 0's:
-    rank ``r`` takes the ``r``-th CUDA device after it)."""
+    """Torch device the model and KV pool live on (with several ranks, rank 0's: rank
+    ``r`` takes the ``r``-th CUDA device after it)."""
     tensor_parallel_size: int = 1
     """Processes (ranks) the model is split across, by attention heads and MLP columns
     (``parallel.py``): this process is rank 0, and starts the others
-    (``rank_group.py``). The KV heads must divide evenly across the ranks."""
+    (``rank_group.py``). The KV heads must divide evenly across the ranks, or the ranks
+    evenly across them (each KV head is then replicated)."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are split across, contiguous and as even as they divide, each of
+    ``tensor_parallel_size`` ranks: the worker has their product of processes (rank 0,
+    this one, starts the others). Decode steps then run eagerly (no CUDA graphs)."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_memory_bytes: int | None = None
@@ -86,7 +91,10 @@ class EngineConfig:
         return longest
 
     def graphs_for(self, device: torch.device, kernels: str) -> bool:
-        """Whether decode steps replay CUDA graphs (see ``cuda_graphs``)."""
+        """Whether decode steps replay CUDA graphs (see ``cuda_graphs``): never across
+        pipeline stages, whose steps pass hidden states between processes."""
+        if self.pipeline_parallel_size > 1:
+            return False
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return device.type == "cuda" and kernels == "triton" and self.kv_cache_dtype != "int8"
@@ -111,8 +119,8 @@ class EngineConfig:
             if (value := getattr(self, name)) is not None and value not in typing.get_args(kind):
                 choices = ", ".join(typing.get_args(kind))
                 raise ValueError(f"{name} ({value!r}) must be one of {choices}")
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size")
-        for name in positive:
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+        for name in (*positive, "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

@@ -32,7 +32,7 @@ from lamina.services.engine_worker.engine.outputs import (
     StepResult,
     Timings,
 )
-from lamina.services.engine_worker.engine.parallel import SINGLE
+from lamina.services.engine_worker.engine.parallel import SINGLE, WHOLE
 from lamina.services.engine_worker.engine.params import FinishReason, SamplingParams
 from lamina.services.engine_worker.engine.rank_group import RankGroup, rank_device
 from lamina.services.engine_worker.engine.request import EngineRequest, Request
@@ -50,9 +50,9 @@ class Engine:
     """Paged-KV, continuously batching engine for one model on one device."""
 
     def __init__(self, config: EngineConfig, collective_timeout_s: float = 60.0) -> None:
-        """Load ``config.model`` and size the KV pool. Under tensor parallelism, start the
-        other ranks first (``rank_group.py``); a collective that waits longer than
-        ``collective_timeout_s`` fails the group."""
+        """Load ``config.model`` and size the KV pool. With several ranks (tensor or
+        pipeline parallel), start the others first (``rank_group.py``); a collective that
+        waits longer than ``collective_timeout_s`` fails the group."""
         if config.model is None:
             raise ValueError(
                 "EngineConfig.model is None: name a checkpoint directory "
@@ -61,11 +61,12 @@ class Engine:
         self.config = config
         self.device = rank_device(config.device, 0)
         self.ranks: RankGroup | None = None
-        """The other tensor-parallel ranks (None: this process is the whole model)."""
-        if config.tensor_parallel_size > 1:
+        """The other ranks (None: this process is the whole model)."""
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             self.ranks = RankGroup(config, collective_timeout_s)
         try:
-            shard = load_shard(config, self.ranks.tp if self.ranks else SINGLE, self.device)
+            tp, pp = (self.ranks.tp, self.ranks.pp) if self.ranks else (SINGLE, WHOLE)
+            shard = load_shard(config, tp, pp, self.device)
             num_blocks = shard.max_blocks
             if self.ranks is not None:
                 num_blocks = self.ranks.agree_blocks(num_blocks)

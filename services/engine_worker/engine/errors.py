@@ -58,11 +58,12 @@ class DuplicateRequestError(InvalidRequestError):
 
 
 class RankStartError(EngineError):
-    """A rank could not start (no such device, not enough memory, a bad shard)."""
+    """A rank could not start (no such device, not enough memory, a bad shard); ``who``
+    names it ("tensor-parallel rank 1 of 2")."""
 
-    def __init__(self, rank: int, size: int, reason: str) -> None:
-        super().__init__(f"tensor-parallel rank {rank} of {size} cannot start: {reason}")
-        self.rank = rank
+    def __init__(self, who: str, reason: str) -> None:
+        super().__init__(f"{who} cannot start: {reason}")
+        self.who = who
 
 
 class RankGroupFailure(EngineError):

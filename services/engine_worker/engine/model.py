@@ -12,6 +12,7 @@ CPU backend runs its layers in one native call where it can (:meth:`CausalLM.for
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +35,12 @@ from lamina.kernels.weight_quant import QuantizedWeight, WeightFormat, concat
 from lamina.services.engine_worker.engine.errors import ModelLoadError
 from lamina.services.engine_worker.engine.loader import CheckpointTensors
 from lamina.services.engine_worker.engine.model_config import ModelConfig
-from lamina.services.engine_worker.engine.parallel import SINGLE, TensorParallel
+from lamina.services.engine_worker.engine.parallel import (
+    SINGLE,
+    WHOLE,
+    PipelineStage,
+    TensorParallel,
+)
 from lamina.services.engine_worker.engine.rank_weights import RankWeights
 
 
@@ -69,11 +75,14 @@ class CausalLM:
         device: torch.device,
         tp: TensorParallel = SINGLE,
         quantization: WeightFormat | None = None,
+        pp: PipelineStage = WHOLE,
     ) -> None:
         self.config = c = config
-        self.tp = tp
-        self.local = tp.local_config(config)
-        """This rank's shapes (heads and MLP width divided across tensor-parallel ranks)."""
+        self.tp, self.pp = tp, pp
+        layers = pp.layers(c.num_layers)
+        self.local = dataclasses.replace(tp.local_config(config), num_layers=len(layers))
+        """This rank's shapes: its stage's layers, their heads and MLP width divided
+        across tensor-parallel ranks."""
         self.dtype = dtype
         stored = config.quantization.weight_format if config.quantization else None
         self.weight_dtype = quantization or stored or str(dtype).removeprefix("torch.")
@@ -91,22 +100,27 @@ class CausalLM:
         w = RankWeights(weights, config, dtype, device, tp, quantization)
         h, d = c.hidden_size, c.head_dim
 
-        self.embed = w.take("model.embed_tokens.weight", c.vocab_size, h)
-        self.layers = [self._layer(w, n, linear, gated) for n in range(c.num_layers)]
-        self.checkpoint_kv_scales = [
-            w.kv_scales(f"model.layers.{n}.self_attn.", c.num_kv_heads) for n in range(c.num_layers)
-        ]
-        """Per layer, the checkpoint's fp8 KV scales ``(2, local Hkv)`` or None."""
-        self.norm = w.take("model.norm.weight", h)
         tied = c.tie_word_embeddings
-        self.lm_head = linear(self.embed if tied else w.weight("lm_head.", c.vocab_size, h), None)
+        self.embed = None  # the first stage's (and the last's, when the LM head is tied to it)
+        if pp.first or (pp.last and tied):
+            self.embed = w.take("model.embed_tokens.weight", c.vocab_size, h)
+        self.layers = [self._layer(w, n, linear, gated) for n in layers]
+        self.checkpoint_kv_scales = [
+            w.kv_scales(f"model.layers.{n}.self_attn.", c.num_kv_heads) for n in layers
+        ]
+        """Per layer of this stage, the checkpoint's fp8 KV scales ``(2, local Hkv)`` or None."""
+        self.norm = self.lm_head = None  # the last stage's
+        if pp.last:
+            self.norm = w.take("model.norm.weight", h)
+            head = self.embed if tied else w.weight("lm_head.", c.vocab_size, h)
+            self.lm_head = linear(head, None)
         self.weight_bytes = w.bytes
         """Bytes of this rank's share of the weights (as loaded, before any repacking)."""
         self.cos, self.sin = rotary_cos_sin(
             d, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device
         )
         self.scale = d**-0.5
-        self.native_decode = self.ops.backend == "cpu" and tp.size == 1
+        self.native_decode = self.ops.backend == "cpu" and tp.size == 1 and pp.size == 1
         """Run steps of decodes only as one native call (``kernels/cpu/decode.cpp``) where
         the layers allow it (see :meth:`decode_logits`)."""
         self._native: tuple[int, DecodeStep | None] | None = None
@@ -244,17 +258,22 @@ class CausalLM:
         kv_caches: list[torch.Tensor],  # per layer (2, num_blocks, block_size, Hkv, D)
         logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
         kv_scales: list[torch.Tensor | None] | None = None,  # per layer, quantized caches
-    ) -> torch.Tensor:
-        """Logits ``(S, vocab)`` in fp32 for the tokens at ``logits_indices``."""
-        c = self.local  # this rank's heads and MLP width
-        tp = self.tp
+    ) -> torch.Tensor | None:
+        """Logits ``(S, vocab)`` in fp32 for the tokens at ``logits_indices``; on a
+        pipeline stage before the last, None (its output went to the next stage)."""
+        c = self.local  # this rank's layers, heads and MLP width
+        tp, pp = self.tp, self.pp
         num_tokens = input_ids.shape[0]
         eps = c.rms_norm_eps
-        hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
+        residual: torch.Tensor | None = None
+        if pp.first:
+            hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
+        else:
+            shape = (num_tokens, c.hidden_size)
+            hidden, residual = pp.receive(shape, self.dtype, input_ids.device)
         cos, sin = rotary_for_positions(positions, self.cos, self.sin, self.dtype)
         heads = c.num_heads + c.num_kv_heads
         ops = self.ops
-        residual: torch.Tensor | None = None
         scales = kv_scales or [None] * len(kv_caches)
         for layer, kv_cache, kv_scale in zip(self.layers, kv_caches, scales, strict=True):
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
@@ -270,5 +289,8 @@ class CausalLM:
             hidden = tp.all_reduce(layer.o(o.view(num_tokens, c.q_size)))
             x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
             hidden = tp.all_reduce(layer.down(layer.gate_up(x)))
+        if not pp.last:
+            pp.send(hidden, residual)
+            return None
         hidden, _ = ops.rms_norm(hidden[logits_indices], self.norm, eps, residual[logits_indices])
         return self.lm_head(hidden).float()

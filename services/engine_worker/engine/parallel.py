@@ -1,4 +1,5 @@
-"""Tensor parallelism across the devices of one host (Megatron-style).
+"""How a model splits across ranks: tensor parallelism (Megatron-style) within a
+pipeline stage, and pipeline stages of contiguous layers.
 
 Attention is split by heads and the MLP by its intermediate dimension: Q/K/V and
 gate/up are column-parallel (each rank holds a slice of the output rows), O and down are
@@ -6,8 +7,13 @@ row-parallel (a slice of the input columns) and their partial outputs are summed
 all-reduce each per layer. Embeddings, norms and the LM head are replicated. With fewer
 KV heads than ranks (grouped-query attention at a high degree), each KV head is
 replicated on ``size / num_kv_heads`` ranks, as vLLM does: a rank's query heads all read
-one KV head, so it holds that one. With ``size == 1`` every method is the identity. The
-ranks are processes (``rank_group.py``).
+one KV head, so it holds that one. With ``size == 1`` every method is the identity.
+
+Pipeline parallelism splits the layers into stages (:func:`stage_layers`): the first
+stage also holds the embedding, the last the final norm and the LM head. A stage passes
+its hidden states and residual, whole, to the same tensor-parallel rank of the next
+stage. A worker of ``T`` × ``P`` ranks numbers them stage by stage: global rank
+``stage * T + tensor-parallel rank``. The ranks are processes (``rank_group.py``).
 """
 
 from __future__ import annotations
@@ -84,3 +90,75 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+def stage_layers(num_layers: int, size: int) -> list[range]:
+    """Each of ``size`` pipeline stages' layers: contiguous and as even as they divide,
+    the first stages one more each when they do not."""
+    if num_layers < size:
+        raise ModelLoadError(
+            "config: num_hidden_layers",
+            f"{num_layers} layers cannot fill {size} pipeline stages",
+        )
+    base, extra = divmod(num_layers, size)
+    stages, start = [], 0
+    for stage in range(size):
+        count = base + (stage < extra)
+        stages.append(range(start, start + count))
+        start += count
+    return stages
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One rank's place in the pipeline: its stage, and the ranks it passes hidden states
+    between (global ranks; None at either end)."""
+
+    stage: int = 0
+    size: int = 1
+    prev: int | None = None
+    """Where this stage's input comes from (None: the first stage embeds the tokens)."""
+    next: int | None = None
+    """Where its output goes (None: the last stage computes the logits)."""
+
+    @classmethod
+    def of(cls, rank: int, tp_size: int, pp_size: int) -> PipelineStage:
+        """Global rank ``rank``'s stage in a worker of ``tp_size`` × ``pp_size`` ranks."""
+        stage = rank // tp_size
+        return cls(
+            stage=stage,
+            size=pp_size,
+            prev=rank - tp_size if stage > 0 else None,
+            next=rank + tp_size if stage < pp_size - 1 else None,
+        )
+
+    @property
+    def first(self) -> bool:
+        return self.prev is None
+
+    @property
+    def last(self) -> bool:
+        return self.next is None
+
+    def layers(self, num_layers: int) -> range:
+        """This stage's layers of a model of ``num_layers``."""
+        return stage_layers(num_layers, self.size)[self.stage]
+
+    def receive(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's hidden states and residual."""
+        hidden = torch.empty(shape, dtype=dtype, device=device)
+        residual = torch.empty_like(hidden)
+        torch.distributed.recv(hidden, self.prev)
+        torch.distributed.recv(residual, self.prev)
+        return hidden, residual
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """This stage's hidden states and residual, to the next stage."""
+        torch.distributed.send(hidden.contiguous(), self.next)
+        torch.distributed.send(residual.contiguous(), self.next)
+
+
+WHOLE = PipelineStage()
+"""One stage: every layer, the embedding and the head."""

@@ -1,13 +1,15 @@
-"""A tensor-parallel engine's other ranks: one process each, driven by the engine.
+"""A parallel engine's other ranks: one process each, driven by the engine.
 
 The engine's process is rank 0, the driver: it owns the batch scheduler, the block
-manager and the sampler, and holds the first shard of the model and the first share of
-each layer's KV heads. Ranks 1..T-1 are processes it starts (``spawn``), each holding its
+manager and the sampler, and holds the first shard of the model (of the first pipeline
+stage) and its share of those layers' KV heads. The other ranks of its ``T`` × ``P``
+(``parallel.py`` numbers them) are processes it starts (``spawn``), each holding its
 shard and KV heads and nothing else. Every step the driver sends each rank the step's
-:class:`StepInput` (flat arrays: no request, no block manager), every rank runs the
-same forward pass on its shard, the row-parallel layers' all-reduces join them
-(``torch.distributed``: gloo on CPU, NCCL on CUDA), and only the driver samples: the
-logits are the same on every rank.
+:class:`StepInput` (flat arrays: no request, no block manager); within a stage every
+rank runs the same layers on its shard, joined by the row-parallel layers' all-reduces;
+each stage but the last sends its hidden states on to the next (``torch.distributed``:
+gloo on CPU, NCCL on CUDA); the last stage's first rank sends the logits back, and only
+the driver samples.
 
 How a step reaches the ranks. vLLM's ``MultiprocExecutor`` writes each step once into a
 shared-memory ring buffer that its workers spin on; SGLang broadcasts over a gloo group.
@@ -22,7 +24,8 @@ of 30 minutes.
 
 A group fails as a whole: a rank that exits or hangs, or any error inside a step (after
 which the ranks' collectives are out of step), raises :class:`RankGroupFailure`, and the
-group's KV is lost with it. Its owner restarts the whole group.
+group's KV is lost with it. Its owner restarts the whole group. Every rank runs on this
+host: stages on other hosts are not built yet.
 """
 
 from __future__ import annotations
@@ -44,9 +47,13 @@ import torch
 import torch.distributed as dist
 
 from lamina.services.engine_worker.engine.config import EngineConfig
-from lamina.services.engine_worker.engine.errors import RankGroupFailure, RankStartError
-from lamina.services.engine_worker.engine.parallel import TensorParallel
-from lamina.services.engine_worker.engine.runner import StepInput
+from lamina.services.engine_worker.engine.errors import (
+    EngineError,
+    RankGroupFailure,
+    RankStartError,
+)
+from lamina.services.engine_worker.engine.parallel import PipelineStage, TensorParallel
+from lamina.services.engine_worker.engine.runner import ModelRunner, StepInput
 from lamina.services.engine_worker.engine.spec import RankInfo
 
 log = logging.getLogger("lamina.worker.ranks")
@@ -112,30 +119,38 @@ def unpack(buffer: bytes) -> StepInput:
 
 
 class RankGroup:
-    """Ranks 1..T-1 of a tensor-parallel engine, seen from rank 0 (the driver).
+    """The other ranks of a parallel engine, seen from rank 0 (the driver).
 
     ``RankGroup(config, timeout_s)`` starts the ranks and joins them in one
-    ``torch.distributed`` group as rank 0, which this process then uses for its own
-    shard's collectives. Each rank loads its shard and reports how many KV blocks it
-    could hold; :meth:`agree_blocks` gives every rank the least of those and the driver's
-    own, so that every pool has the same blocks; then :meth:`run` steps them all.
+    ``torch.distributed`` group as rank 0 (:attr:`tp` and :attr:`pp` are this process's
+    place in it). Each rank loads its shard and reports how many KV blocks it could hold;
+    :meth:`agree_blocks` gives every rank the least of those and the driver's own, so
+    that every pool has the same blocks; then :meth:`run` steps them all.
     """
 
     def __init__(self, config: EngineConfig, timeout_s: float) -> None:
-        self.size = config.tensor_parallel_size
+        if dist.is_initialized():
+            raise EngineError(
+                "this process already drives a parallel engine (torch.distributed has one "
+                "default group per process): close it before building another"
+            )
+        self.tp_size = config.tensor_parallel_size
+        self.pp_size = config.pipeline_parallel_size
+        self.size = self.tp_size * self.pp_size
         self.timeout_s = timeout_s
-        device = rank_device(config.device, 0)
-        self.tp = TensorParallel(rank=0, size=self.size)
+        self.device = rank_device(config.device, 0)
+        self.last = (self.pp_size - 1) * self.tp_size
+        """The rank that sends the driver the logits: the last stage's first."""
         self._pipes: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self.ranks: list[RankInfo] = []
-        """Ranks 1..T-1 as they reported themselves (with their KV once agreed)."""
+        """Ranks 1.. as they reported themselves (with their KV once agreed)."""
         self._closed = False
         context = multiprocessing.get_context("spawn")
         init = f"tcp://127.0.0.1:{_free_port()}"
         threads = rank_threads(config)
         self._threads = torch.get_num_threads()  # restored by close()
-        if device.type == "cpu":
+        if self.device.type == "cpu":
             torch.set_num_threads(threads)  # this process is a rank too
         for rank in range(1, self.size):
             ours, theirs = context.Pipe()
@@ -152,13 +167,7 @@ class RankGroup:
         try:
             for rank in range(1, self.size):
                 self._receive(rank, "joining")
-            dist.init_process_group(
-                backend_for(device),
-                init_method=init,
-                rank=0,
-                world_size=self.size,
-                timeout=timedelta(seconds=timeout_s),
-            )
+            self.tp, self.pp = join(config, 0, init, timeout_s)
         except BaseException:
             self.close()
             raise
@@ -178,14 +187,21 @@ class RankGroup:
             raise
         return agreed
 
-    def run(self, step: StepInput, local) -> torch.Tensor:
+    def run(self, step: StepInput, local: ModelRunner) -> torch.Tensor:
         """Send ``step`` to every rank and run rank 0's share (``local``: its
-        ``ModelRunner``); the logits. Any failure fails the group."""
+        ``ModelRunner``); the logits, from the last stage when that is another rank's.
+        Any failure fails the group."""
         try:
             buffer = pack(step)
             for pipe in self._pipes:
                 pipe.send_bytes(buffer)
-            return local.run(step)
+            logits = local.run(step)
+            if logits is None:  # an earlier stage: the last one computed them
+                vocab = local.model.config.vocab_size
+                logits = torch.empty((len(step.sampled), vocab), device=self.device)
+                if len(step.sampled):
+                    dist.recv(logits, self.last)
+            return logits
         except Exception as exc:
             raise self._failure(exc) from exc
 
@@ -215,6 +231,15 @@ class RankGroup:
         torch.set_num_threads(self._threads)
 
     # ---------------------------------------------------------------------------- helpers
+    def who(self, rank: int) -> str:
+        """Rank ``rank`` as messages name it."""
+        if self.pp_size == 1:
+            return f"tensor-parallel rank {rank} of {self.size}"
+        where = f"pipeline stage {rank // self.tp_size} of {self.pp_size}"
+        if self.tp_size > 1:
+            where += f", tensor-parallel rank {rank % self.tp_size}"
+        return f"rank {rank} of {self.size} ({where})"
+
     def _receive(self, rank: int, what: str) -> Any:
         """What rank ``rank`` says once it is ``what`` (``joining``: nothing; ``loaded``:
         its :class:`RankInfo` and the KV blocks it could hold; ``ready``: its
@@ -226,13 +251,13 @@ class RankGroup:
             with contextlib.suppress(EOFError):
                 kind, value = pipe.recv()
                 if kind == "error":
-                    raise RankStartError(rank, self.size, value)
+                    raise RankStartError(self.who(rank), value)
                 assert kind == what, (kind, what)
                 return value
         if not ready:
-            raise RankStartError(rank, self.size, f"not {what} within {START_TIMEOUT_S:g}s")
+            raise RankStartError(self.who(rank), f"not {what} within {START_TIMEOUT_S:g}s")
         proc.join(1.0)
-        raise RankStartError(rank, self.size, f"its process (pid {proc.pid}) {_how(proc)}")
+        raise RankStartError(self.who(rank), f"its process (pid {proc.pid}) {_how(proc)}")
 
     def _failure(self, exc: Exception) -> RankGroupFailure:
         """What a failed step means: a rank that exited if one did, else the error."""
@@ -241,15 +266,12 @@ class RankGroup:
             if proc.exitcode is not None:
                 return RankGroupFailure(self._exit_text(rank, proc))
         return RankGroupFailure(
-            f"a tensor-parallel step failed ({type(exc).__name__}: {exc}); the group's "
-            "collectives are out of step and its KV is lost"
+            f"a parallel step failed ({type(exc).__name__}: {exc}); the ranks' "
+            "collectives are out of step and the group's KV is lost"
         )
 
     def _exit_text(self, rank: int, proc: multiprocessing.process.BaseProcess) -> str:
-        return (
-            f"tensor-parallel rank {rank} of {self.size} (pid {proc.pid}) {_how(proc)}; "
-            "the group's KV is lost"
-        )
+        return f"{self.who(rank)} (pid {proc.pid}) {_how(proc)}; the group's KV is lost"
 
 
 def _how(proc: multiprocessing.process.BaseProcess) -> str:
@@ -260,9 +282,32 @@ def _how(proc: multiprocessing.process.BaseProcess) -> str:
     return f"exited with {code}"
 
 
+def join(
+    config: EngineConfig, rank: int, init: str, timeout_s: float
+) -> tuple[TensorParallel, PipelineStage]:
+    """Join the worker's ``torch.distributed`` group as ``rank``, with ``timeout_s`` on
+    every collective; this rank's place in it. Every rank makes each stage's
+    tensor-parallel group, in the same order (``new_group`` is collective)."""
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    size = tp_size * pp_size
+    timeout = timedelta(seconds=timeout_s)
+    backend = backend_for(rank_device(config.device, rank))
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=timeout)
+    group = None  # the whole world, when it is one stage
+    if pp_size > 1 and tp_size > 1:
+        groups = [
+            dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)), timeout=timeout)
+            for stage in range(pp_size)
+        ]
+        group = groups[rank // tp_size]
+    tp = TensorParallel(rank=rank % tp_size, size=tp_size, group=group)
+    return tp, PipelineStage.of(rank, tp_size, pp_size)
+
+
 def rank_threads(config: EngineConfig) -> int:
     """Torch threads per rank on CPU: the cores split between the ranks."""
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 def _free_port() -> int:
@@ -290,21 +335,20 @@ def _rank_main(
     device = rank_device(config.device, rank)
     try:
         pipe.send(("joining", None))
-        dist.init_process_group(
-            backend_for(device),
-            init_method=init,
-            rank=rank,
-            world_size=config.tensor_parallel_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        shard = load_shard(config, TensorParallel(rank, config.tensor_parallel_size), device)
-        info = RankInfo(rank, socket.gethostname(), str(device), os.getpid(), shard.weight_bytes)
+        tp, pp = join(config, rank, init, timeout_s)
+        shard = load_shard(config, tp, pp, device)
+        host, pid = socket.gethostname(), os.getpid()
+        info = RankInfo(rank, host, str(device), pid, shard.weight_bytes, stage=pp.stage)
         pipe.send(("loaded", (info, shard.max_blocks)))
         num_blocks = pipe.recv()
         runner = shard.runner(num_blocks)
         pipe.send(("ready", dataclasses.replace(info, kv_bytes=num_blocks * shard.block_bytes)))
+        sends_logits = pp.last and not pp.first and tp.rank == 0  # to the driver
         while True:
-            runner.run(unpack(pipe.recv_bytes()))
+            step = unpack(pipe.recv_bytes())
+            logits = runner.run(step)
+            if sends_logits and len(step.sampled):
+                dist.send(logits.contiguous(), 0)
     except (EOFError, OSError):
         return  # the driver closed the pipe, or is gone
     except BaseException as exc:

@@ -1,5 +1,5 @@
 """One rank's model and KV pool, built the same way by the engine (rank 0) and by each
-of its other tensor-parallel ranks (``rank_group.py``)."""
+of its other ranks (``rank_group.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
 from lamina.services.engine_worker.engine.loader import CheckpointTensors
 from lamina.services.engine_worker.engine.model import CausalLM
 from lamina.services.engine_worker.engine.model_config import DTYPES, ModelConfig
-from lamina.services.engine_worker.engine.parallel import TensorParallel
+from lamina.services.engine_worker.engine.parallel import PipelineStage, TensorParallel
 from lamina.services.engine_worker.engine.runner import ModelRunner, kv_block_bytes
 
 
@@ -67,8 +67,11 @@ class Shard:
         return runner
 
 
-def load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) -> Shard:
-    """Rank ``tp.rank``'s share of ``config.model`` on ``device``."""
+def load_shard(
+    config: EngineConfig, tp: TensorParallel, pp: PipelineStage, device: torch.device
+) -> Shard:
+    """One rank's share of ``config.model`` (its stage's layers, its tensor-parallel
+    slice of them) on ``device``."""
     assert config.model is not None, "the worker resolves the default model first"
     model_config = ModelConfig.from_dir(config.model)
     if device.type == "cuda":
@@ -80,5 +83,6 @@ def load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) -
         device,
         tp,
         quantization=config.quantization,
+        pp=pp,
     )
     return Shard(config, model_config, model, device, config.max_len_for(model_config))

@@ -34,6 +34,8 @@ class RankInfo:
     """Bytes of this rank's share of the model's weights."""
     kv_bytes: int = 0
     """Bytes of this rank's share of the KV pool (0 until the pool is sized)."""
+    stage: int = 0
+    """Its pipeline stage."""
 
 
 @dataclass(frozen=True, slots=True)

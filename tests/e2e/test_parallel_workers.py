@@ -1,6 +1,7 @@
-"""Workers of two ranks each, through the whole stack: the same text as one process, and a
-rank killed mid-stream costs no client anything (its streams move, exactly, to the other
-group) before the supervisor restarts the whole group."""
+"""Workers of several ranks, through the whole stack: tensor- and pipeline-parallel
+workers give the same text as one process, and a rank killed mid-stream costs no client
+anything (its streams move, exactly, to the other group) before the supervisor restarts
+the whole group."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from tests.e2e.conftest import make_stack
 from tests.e2e.test_faults import assert_exact, busiest_worker, streams_through, undisturbed
@@ -30,12 +32,21 @@ def cluster(stack) -> list[dict]:
     return httpx.get(url, timeout=10).json()["workers"]
 
 
-def test_two_rank_workers_serve_one_processs_text_and_outlive_a_killed_rank(stories, tmp_path):
-    args = ["--max-model-len", "512"]
-    with make_stack(stories, tmp_path / "one", worker_args=args) as stack:
-        expected = undisturbed(stack, BODY)
+ARGS = ["--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def expected(stories, tmp_path_factory) -> list[str]:
+    """What one process per worker streams for each prompt."""
+    with make_stack(stories, tmp_path_factory.mktemp("one"), worker_args=ARGS) as stack:
+        return undisturbed(stack, BODY)
+
+
+def test_two_rank_workers_serve_one_processs_text_and_outlive_a_killed_rank(
+    stories, tmp_path, expected
+):
     groups = make_stack(
-        stories, tmp_path / "two", workers=2, worker_args=[*args, "--tensor-parallel-size", "2"]
+        stories, tmp_path, workers=2, worker_args=[*ARGS, "--tensor-parallel-size", "2"]
     )
     with groups as stack:
         assert undisturbed(stack, BODY) == expected
@@ -67,3 +78,14 @@ def test_two_rank_workers_serve_one_processs_text_and_outlive_a_killed_rank(stor
         assert len(back["ranks"]) == 2
         assert {r["pid"] for r in back["ranks"]}.isdisjoint(r["pid"] for r in killed["ranks"])
         assert undisturbed(stack, BODY) == expected
+
+
+def test_a_worker_of_two_pipeline_stages_serves_one_processs_text(stories, tmp_path, expected):
+    args = [*ARGS, "--pipeline-parallel-size", "2"]
+    with make_stack(stories, tmp_path, worker_args=args) as stack:
+        assert undisturbed(stack, BODY) == expected
+        (model,) = httpx.get(stack.base_url + "/v1/models", timeout=10).json()["data"]
+        (precision,) = model["precisions"]
+        assert (precision["tensor_parallel_size"], precision["pipeline_parallel_size"]) == (1, 2)
+        (worker,) = cluster(stack)
+        assert [rank["stage"] for rank in worker["ranks"]] == [0, 1]

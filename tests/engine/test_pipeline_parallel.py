@@ -1,0 +1,95 @@
+"""Pipeline parallelism: the layers split into stages, each stage its own process(es),
+against one process on the same weights.
+
+A stage runs the same operations on the same numbers as one process would (hidden states
+and residuals pass between stages whole), so logits agree within 1e-5: only the path a
+step takes may differ (one process decodes with its native step where the stages run the
+Python forward). Greedy tokens are equal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from lamina.services.engine_worker.engine.errors import ModelLoadError, RankGroupFailure
+from lamina.services.engine_worker.engine.parallel import stage_layers
+from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
+from tests.engine.test_tensor_parallel import GREEDY, PROMPTS, SEQS
+
+
+def test_stages_take_contiguous_layers_the_first_ones_one_more_when_uneven():
+    assert stage_layers(10, 2) == [range(0, 5), range(5, 10)]
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert stage_layers(4, 1) == [range(0, 4)]
+    with pytest.raises(ModelLoadError, match="3 layers cannot fill 4 pipeline stages"):
+        stage_layers(3, 4)
+
+
+def _compare(path, **config) -> None:
+    one = make_engine(path, max_num_batched_tokens=32)
+    want = run_to_completion(one, GREEDY, greedy(12))
+    want_logits = teacher_forced_logits(one, SEQS, PROMPTS)
+    staged = make_engine(path, max_num_batched_tokens=32, **config)
+    try:
+        got = run_to_completion(staged, GREEDY, greedy(12))
+        got_logits = teacher_forced_logits(staged, SEQS, PROMPTS)
+        ranks = staged.spec.ranks
+    finally:
+        staged.close()
+    assert got == want
+    for g, w in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    size = config.get("pipeline_parallel_size", 1)
+    assert sorted({rank.stage for rank in ranks}) == list(range(size))
+
+
+def test_two_stages_generate_what_one_process_does_on_a_trained_model(stories):
+    _compare(stories, pipeline_parallel_size=2)  # 5 layers: 3 and 2
+
+
+def test_two_stages_generate_what_one_process_does_on_the_small_preset(small):
+    _compare(small, pipeline_parallel_size=2)
+
+
+def test_two_stages_of_two_ranks_each(stories):
+    _compare(stories, pipeline_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_a_stage_holds_only_its_layers(stories):
+    one = make_engine(stories)
+    staged = make_engine(stories, pipeline_parallel_size=2)
+    try:
+        (whole,) = one.spec.ranks
+        first, last = staged.spec.ranks
+        # Stage 0: the embedding and 3 of 5 layers; stage 1: 2 layers, the final norm and
+        # the (tied) LM head, which is the embedding again.
+        assert first.weight_bytes < whole.weight_bytes and last.weight_bytes < whole.weight_bytes
+        assert first.kv_bytes * 5 == whole.kv_bytes * 3  # its 3 layers of 5, as many blocks
+        assert last.kv_bytes * 5 == whole.kv_bytes * 2
+    finally:
+        staged.close()
+
+
+def test_a_later_stage_that_dies_fails_the_step(stories):
+    engine = make_engine(stories, pipeline_parallel_size=2)
+    try:
+        engine.add_request("r", list(range(5, 20)), greedy(50))
+        engine.step()
+        os.kill(engine.spec.ranks[1].pid, signal.SIGKILL)
+        with pytest.raises(RankGroupFailure, match="rank 1 of 2"):
+            for _ in range(50):
+                engine.step()
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    from lamina.services.engine_worker.default_model import ensure_default_model
+
+    return ensure_default_model("small", tmp_path_factory.mktemp("small") / "lamina-small")
