@@ -16,6 +16,7 @@ Not a test: run it by hand on an otherwise idle machine.
 
     .venv/bin/python benchmarks/parallel.py                 # small preset, batch 1 and 32
     .venv/bin/python benchmarks/parallel.py --quick         # a smoke run
+    python3 benchmarks/parallel.py --device cuda --dtype bfloat16 --no-memory  # 2+ GPUs
 """
 
 from __future__ import annotations
@@ -132,7 +133,12 @@ def gloo_us() -> float:
 def throughput(args: argparse.Namespace) -> None:
     model = ensure_default_model("small")
     base = EngineConfig(
-        model=model, max_model_len=256, num_kv_blocks=1200, max_num_seqs=max(args.batch)
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=256,
+        num_kv_blocks=1200,
+        max_num_seqs=max(args.batch),
     )
     cores = os.cpu_count() or 1
     print(f"model: small preset ({model}); {platform.processor() or platform.machine()}, "
@@ -234,6 +240,8 @@ def main() -> None:
     parser.add_argument("--memory-preset", default="medium", help="model for the memory part")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory part")
     parser.add_argument("--quick", action="store_true", help="one short run of each")
+    parser.add_argument("--device", default="cpu", help="rank 0's (cuda: rank r on cuda:r)")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.runs, args.memory_preset = 16, 1, "small"
