@@ -1,6 +1,7 @@
 """Parallel workers on this machine: two tensor-parallel ranks and two pipeline stages
 (two processes, one thread each) against one process (two threads) on the same model and
-work, in one run.
+work, in one run; and the latency of one all-reduce between two processes, by gloo and
+through shared memory (which the ranks use on a CPU).
 
 * decode: ``--batch`` sequences decoding together (greedy, ``ignore_eos``), after their
   prompts are prefilled; tokens/s over ``--tokens`` steps, the median of ``--runs`` runs
@@ -68,16 +69,15 @@ def decode(engine: Engine, batch: int, tokens: int, seed: int) -> tuple[float, f
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
         engine.step()  # prefill, and each sequence's first token
     model = engine.runner.model
-    timed = None
-    if engine.ranks is not None:
-        timed = TimedParallel(rank=0, size=model.tp.size, group=model.tp.group)
+    own, timed = model.tp, None
+    if own.size > 1:  # the same all-reduce, timed
+        timed = TimedParallel(rank=0, size=own.size, group=own.group, shm=own.shm)
         model.tp = timed
     started, produced = time.perf_counter(), 0
     while engine.has_work():
         produced += len(engine.step().outputs)
     elapsed = time.perf_counter() - started
-    if timed is not None:
-        model.tp = TensorParallel(rank=0, size=timed.size, group=timed.group)
+    model.tp = own
     return produced / elapsed, (timed.seconds[0] / elapsed if timed else 0.0)
 
 
@@ -101,33 +101,43 @@ def pack_us(batch: int) -> float:
     return (time.perf_counter() - started) / 2000 * 1e6
 
 
-def _gloo_rank(rank: int, port: int, out) -> None:
+def _latency_rank(rank: int, port: int, path, out) -> None:
     import torch.distributed as dist
+
+    from lamina.kernels.cpu.shm_allreduce import ShmAllReduce
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    shm = ShmAllReduce(path, rank, 2, 1 << 20, timeout_s=60)
     row = torch.ones(512)
-    for _ in range(50):
-        dist.all_reduce(row)
-    started = time.perf_counter()
-    for _ in range(500):
-        dist.all_reduce(row)
-    if rank == 0:
-        out.put((time.perf_counter() - started) / 500 * 1e6)
+    for name, reduce in (("gloo", dist.all_reduce), ("shared memory", shm)):
+        for _ in range(50):
+            reduce(row)
+        started = time.perf_counter()
+        for _ in range(500):
+            reduce(row)
+        if rank == 0:
+            out.put((name, (time.perf_counter() - started) / 500 * 1e6))
     dist.destroy_process_group()
 
 
-def gloo_us() -> float:
-    """Microseconds one gloo all-reduce of a 512-wide row takes between two processes:
-    the latency every tensor-parallel layer pays twice."""
+def all_reduce_us() -> dict[str, float]:
+    """Microseconds one all-reduce of a 512-wide row takes between two processes, by gloo
+    and through shared memory: the latency every tensor-parallel layer pays twice."""
     import torch.multiprocessing as mp
 
+    from lamina.kernels.cpu.shm_allreduce import create_segment, segment_path
     from lamina.libs.nats_server import free_port
 
+    path = segment_path("bench")
+    create_segment(path, 2, 1 << 20)
     context = mp.get_context("spawn")
     out = context.SimpleQueue()
-    mp.start_processes(_gloo_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
-    return out.get()
+    try:
+        mp.start_processes(_latency_rank, args=(free_port(), path, out), nprocs=2)
+    finally:
+        path.unlink()
+    return dict(out.get() for _ in range(2))
 
 
 def throughput(args: argparse.Namespace) -> None:
@@ -144,7 +154,8 @@ def throughput(args: argparse.Namespace) -> None:
     print(f"model: small preset ({model}); {platform.processor() or platform.machine()}, "
           f"{cores} cores; torch {torch.__version__}")  # fmt: skip
     print(f"one process: {cores} threads; two ranks: {max(1, cores // 2)} thread(s) each")
-    print(f"gloo all-reduce of one decode row between two processes: {gloo_us():.0f} us")
+    latency = ", ".join(f"{name} {us:.0f} us" for name, us in all_reduce_us().items())
+    print(f"all-reduce of one 512-wide row between two processes: {latency}")
     # A process drives one parallel engine at a time (torch.distributed has one default
     # group per process), so each run builds each layout in turn, in a rotating order.
     layouts = {

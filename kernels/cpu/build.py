@@ -65,6 +65,12 @@ SIGNATURES: dict[str, tuple[list, object]] = {
         [_P, _I64, _P, _F32, _F32, _I64, *[_P] * 9, _I64, _P, _P, _P],
         ctypes.c_int,
     ),
+    "lamina_shm_allreduce_bytes": ([_I64, _I64], _I64),
+    "lamina_shm_allreduce_attach": ([_P, _I64, _I64], None),
+    "lamina_shm_allreduce": (
+        [_P, _I64, _I64, _I64, _P, _I64, ctypes.c_int, _I64, ctypes.c_double],
+        ctypes.c_int,
+    ),
     "lamina_paged_decode_attention": (
         [_P, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, *[_I64] * 6, _F32, _P],
         ctypes.c_int,

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lamina.kernels.cpu.shm_allreduce import SHM_DIR
 from lamina.libs.nats_server import free_port
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.engine.errors import ModelLoadError, RankGroupFailure
@@ -31,6 +32,15 @@ from lamina.services.engine_worker.engine.runner import ModelRunner
 from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
 
 SEQS, PROMPTS = [list(range(5, 30)), list(range(40, 52))], [20, 7]
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left():
+    """Whatever a test does to a group, its shared-memory all-reduce segments go with it
+    (the spawned script's included: it runs with its own ``/dev/shm`` names)."""
+    before = set(SHM_DIR.glob("lamina-allreduce-*"))
+    yield
+    assert set(SHM_DIR.glob("lamina-allreduce-*")) <= before
 GREEDY = {"a": list(range(40, 61)), "b": [7, 8, 9], "c": list(range(100, 140))}
 
 

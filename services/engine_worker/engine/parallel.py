@@ -19,6 +19,7 @@ stage. A worker of ``T`` × ``P`` ranks numbers them stage by stage: global rank
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,9 @@ class TensorParallel:
     size: int = 1
     group: Any = None
     """The ``torch.distributed`` process group (None: the default group)."""
+    shm: Callable[[torch.Tensor], bool] | None = None
+    """An all-reduce through shared memory for ranks of one host, tried first (a
+    ``ShmAllReduce``: False for a tensor it does not take, which goes to ``group``)."""
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """This rank's share: query heads and MLP width divided by ``size``; KV heads
@@ -84,7 +88,7 @@ class TensorParallel:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum the row-parallel partial outputs of all ranks, in place."""
-        if self.size > 1:
+        if self.size > 1 and not (self.shm is not None and self.shm(tensor)):
             torch.distributed.all_reduce(tensor, group=self.group)
         return tensor
 

@@ -20,7 +20,9 @@ two-core machines too), a rank waits on it indefinitely while the engine is idle
 collective would time out), and its end-of-file tells a rank its driver is gone. The
 collectives inside the step carry the group's timeout, derived by the worker from its
 stall timeout, so a hung rank fails the step instead of blocking it for torch's default
-of 30 minutes.
+of 30 minutes. On the CPU a stage's all-reduces go through shared memory
+(``kernels/cpu/shm_allreduce``: microseconds where gloo's take a millisecond), with the
+same timeout and a dead rank seen at once.
 
 A group fails as a whole: a rank that exits or hangs, or any error inside a step (after
 which the ranks' collectives are out of step), raises :class:`RankGroupFailure`, and the
@@ -40,18 +42,22 @@ import socket
 import time
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from lamina.kernels.cpu.build import BuildError
+from lamina.kernels.cpu.shm_allreduce import ShmAllReduce, create_segment, segment_path
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.errors import (
     EngineError,
     RankGroupFailure,
     RankStartError,
 )
+from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.parallel import PipelineStage, TensorParallel
 from lamina.services.engine_worker.engine.runner import ModelRunner, StepInput
 from lamina.services.engine_worker.engine.spec import RankInfo
@@ -59,6 +65,8 @@ from lamina.services.engine_worker.engine.spec import RankInfo
 log = logging.getLogger("lamina.worker.ranks")
 
 _HEADER = 6  # int64s: tokens, sequences, table width, sampled rows, decodes, flags
+MAX_SEGMENT_SLOT = 64 << 20
+"""Most bytes of one all-reduce through shared memory (per rank and bank)."""
 START_TIMEOUT_S = 900.0
 """Most seconds a rank may take to start, load its shard or size its pool (a large
 model's shard loads for minutes; a rank that exits is seen at once)."""
@@ -148,26 +156,36 @@ class RankGroup:
         self._closed = False
         context = multiprocessing.get_context("spawn")
         init = f"tcp://127.0.0.1:{_free_port()}"
+        self._segments = _make_segments(config, self.device)
         threads = rank_threads(config)
         self._threads = torch.get_num_threads()  # restored by close()
         if self.device.type == "cpu":
             torch.set_num_threads(threads)  # this process is a rank too
-        for rank in range(1, self.size):
-            ours, theirs = context.Pipe()
-            proc = context.Process(
-                target=_rank_main,
-                args=(theirs, config, rank, init, timeout_s, threads, os.getpid()),
-                name=f"lamina-rank-{rank}",
-                daemon=True,
-            )
-            proc.start()
-            theirs.close()
-            self._pipes.append(ours)
-            self._procs.append(proc)
         try:
             for rank in range(1, self.size):
+                ours, theirs = context.Pipe()
+                proc = context.Process(
+                    target=_rank_main,
+                    args=(
+                        theirs,
+                        config,
+                        rank,
+                        init,
+                        timeout_s,
+                        threads,
+                        os.getpid(),
+                        self._segments,
+                    ),
+                    name=f"lamina-rank-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                theirs.close()
+                self._pipes.append(ours)
+                self._procs.append(proc)
+            for rank in range(1, self.size):
                 self._receive(rank, "joining")
-            self.tp, self.pp = join(config, 0, init, timeout_s)
+            self.tp, self.pp = join(config, 0, init, timeout_s, self._segments)
         except BaseException:
             self.close()
             raise
@@ -185,6 +203,7 @@ class RankGroup:
         except BaseException:
             self.close()
             raise
+        self._unlink_segments()  # every rank has them mapped: nothing can leak them now
         return agreed
 
     def run(self, step: StepInput, local: ModelRunner) -> torch.Tensor:
@@ -228,7 +247,13 @@ class RankGroup:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        self._unlink_segments()
         torch.set_num_threads(self._threads)
+
+    def _unlink_segments(self) -> None:
+        for path in self._segments:
+            if path is not None:
+                path.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------------------- helpers
     def who(self, rank: int) -> str:
@@ -283,11 +308,16 @@ def _how(proc: multiprocessing.process.BaseProcess) -> str:
 
 
 def join(
-    config: EngineConfig, rank: int, init: str, timeout_s: float
+    config: EngineConfig,
+    rank: int,
+    init: str,
+    timeout_s: float,
+    segments: list[Path | None],
 ) -> tuple[TensorParallel, PipelineStage]:
     """Join the worker's ``torch.distributed`` group as ``rank``, with ``timeout_s`` on
     every collective; this rank's place in it. Every rank makes each stage's
-    tensor-parallel group, in the same order (``new_group`` is collective)."""
+    tensor-parallel group, in the same order (``new_group`` is collective), and maps its
+    stage's shared-memory all-reduce segment, if it has one."""
     tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
     size = tp_size * pp_size
     timeout = timedelta(seconds=timeout_s)
@@ -300,8 +330,39 @@ def join(
             for stage in range(pp_size)
         ]
         group = groups[rank // tp_size]
-    tp = TensorParallel(rank=rank % tp_size, size=tp_size, group=group)
+    stage = rank // tp_size
+    shm = None
+    if segments[stage] is not None:
+        capacity = _segment_capacity(config)
+        shm = ShmAllReduce(segments[stage], rank % tp_size, tp_size, capacity, timeout_s)
+    tp = TensorParallel(rank=rank % tp_size, size=tp_size, group=group, shm=shm)
     return tp, PipelineStage.of(rank, tp_size, pp_size)
+
+
+def _segment_capacity(config: EngineConfig) -> int:
+    """Bytes of one rank's slot: a step's largest all-reduce (every batched token's hidden
+    state in fp32), at most :data:`MAX_SEGMENT_SLOT` (larger ones go to gloo)."""
+    hidden = ModelConfig.from_dir(config.model).hidden_size
+    return min(config.max_num_batched_tokens * hidden * 4, MAX_SEGMENT_SLOT)
+
+
+def _make_segments(config: EngineConfig, device: torch.device) -> list[Path | None]:
+    """Per pipeline stage, a shared-memory all-reduce segment for its tensor-parallel
+    ranks when they run on this host's CPU (None: they use gloo or NCCL alone)."""
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    segments: list[Path | None] = [None] * pp_size
+    if device.type != "cpu" or tp_size == 1:
+        return segments
+    for stage in range(pp_size):
+        path = segment_path(f"stage{stage}")
+        if path is not None:
+            try:
+                create_segment(path, tp_size, _segment_capacity(config))
+            except BuildError as exc:  # no compiler: the collectives stay gloo's
+                log.warning("no shared-memory all-reduce: %s", exc)
+                return [None] * pp_size
+        segments[stage] = path
+    return segments
 
 
 def rank_threads(config: EngineConfig) -> int:
@@ -324,6 +385,7 @@ def _rank_main(
     timeout_s: float,
     threads: int,
     parent: int,
+    segments: list[Path | None],
 ) -> None:
     """A rank's process: join the group, load the shard, then run each step it is sent
     until the driver's pipe closes."""
@@ -335,7 +397,7 @@ def _rank_main(
     device = rank_device(config.device, rank)
     try:
         pipe.send(("joining", None))
-        tp, pp = join(config, rank, init, timeout_s)
+        tp, pp = join(config, rank, init, timeout_s, segments)
         shard = load_shard(config, tp, pp, device)
         host, pid = socket.gethostname(), os.getpid()
         info = RankInfo(rank, host, str(device), pid, shard.weight_bytes, stage=pp.stage)
