@@ -9,8 +9,9 @@ through shared memory (which the ranks use on a CPU).
   the share of rank 0's step spent inside its all-reduces (waiting for rank 1 included:
   that is what a collective costs it); what packing a step's input for the other ranks
   costs.
-* memory: each process's resident memory once the model is loaded, less that of a process
-  that imported the same libraries and loaded nothing (``--memory-preset``; ``medium``,
+* memory: each process's private resident memory (``RssAnon``: not the checkpoint's
+  file pages) once the model is loaded, less that of a process that imported the same
+  libraries and loaded nothing (``--memory-preset``; ``medium``,
   2.9 GB of fp32 weights, so the weights dominate), and each rank's weight and KV bytes.
 
 Not a test: run it by hand on an otherwise idle machine.
@@ -196,10 +197,10 @@ import torch
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
 
-def rss(pid):
+def rss(pid):  # private resident memory: not the checkpoint's page cache
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ of its other ranks (``rank_group.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -85,4 +88,15 @@ def load_shard(
         quantization=config.quantization,
         pp=pp,
     )
+    _return_freed_memory()
     return Shard(config, model_config, model, device, config.max_len_for(model_config))
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the system. Loading frees a whole tensor per
+    weight (read, sliced, packed); glibc's allocator, whose mmap threshold rises after
+    such frees, keeps many of those pages, and a rank would keep about half again its
+    share of the weights resident (``benchmarks/parallel.py``'s memory part)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).malloc_trim(0)
