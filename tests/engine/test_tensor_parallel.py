@@ -41,6 +41,8 @@ def no_segment_left():
     before = set(SHM_DIR.glob("lamina-allreduce-*"))
     yield
     assert set(SHM_DIR.glob("lamina-allreduce-*")) <= before
+
+
 GREEDY = {"a": list(range(40, 61)), "b": [7, 8, 9], "c": list(range(100, 140))}
 
 
@@ -220,8 +222,9 @@ def test_a_rank_that_dies_while_idle_fails_the_group_naming_it(stories):
         engine.close()
 
 
-def test_a_rank_that_dies_mid_stream_fails_the_step(stories):
-    engine = make_engine(stories, tensor_parallel_size=2)
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_rank_that_dies_mid_stream_fails_the_step(stories, layout):
+    engine = make_engine(stories, **layout)
     try:
         engine.add_request("r", list(range(5, 20)), greedy(50))
         engine.step()

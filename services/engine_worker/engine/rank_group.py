@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from lamina.kernels.cpu.build import BuildError
 from lamina.kernels.cpu.shm_allreduce import ShmAllReduce, create_segment, segment_path
+from lamina.libs.lifetime import die_with_parent
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.errors import (
     EngineError,
@@ -60,6 +61,7 @@ from lamina.services.engine_worker.engine.errors import (
 from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.parallel import PipelineStage, TensorParallel
 from lamina.services.engine_worker.engine.runner import ModelRunner, StepInput
+from lamina.services.engine_worker.engine.shard import load_shard
 from lamina.services.engine_worker.engine.spec import RankInfo
 
 log = logging.getLogger("lamina.worker.ranks")
@@ -360,6 +362,9 @@ def _make_segments(config: EngineConfig, device: torch.device) -> list[Path | No
                 create_segment(path, tp_size, _segment_capacity(config))
             except BuildError as exc:  # no compiler: the collectives stay gloo's
                 log.warning("no shared-memory all-reduce: %s", exc)
+                for made in segments:
+                    if made is not None:
+                        made.unlink(missing_ok=True)
                 return [None] * pp_size
         segments[stage] = path
     return segments
@@ -389,9 +394,6 @@ def _rank_main(
 ) -> None:
     """A rank's process: join the group, load the shard, then run each step it is sent
     until the driver's pipe closes."""
-    from lamina.libs.lifetime import die_with_parent
-    from lamina.services.engine_worker.engine.shard import load_shard
-
     die_with_parent(9, parent)  # SIGKILL: a rank has nothing to flush
     torch.set_num_threads(threads)
     device = rank_device(config.device, rank)
