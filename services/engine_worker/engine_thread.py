@@ -417,8 +417,8 @@ class EngineThread(threading.Thread):
         self.emit(batch)
 
     def _refresh_stats(self) -> None:
-        """New stats every ``_STATS_PERIOD_S``, when the engine is also checked (a
-        tensor-parallel rank that exited while it was idle ends the thread)."""
+        """New stats every ``_STATS_PERIOD_S``, when the engine is also checked (a rank
+        of a parallel engine that exited while it was idle ends the thread)."""
         now = time.monotonic()
         if now - self._stats_at >= _STATS_PERIOD_S:
             self.engine.check()

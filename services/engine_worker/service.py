@@ -85,7 +85,7 @@ class WorkerConfig:
     engine_stall_timeout: float = option(
         60.0,
         "seconds the engine thread may go without a loop iteration before it is failed; "
-        "a tensor-parallel collective that waits half of this fails the group",
+        "a collective between the worker's ranks that waits half of this fails the group",
     )
     drain_timeout: float = option(300.0, "most seconds SIGTERM waits for in-flight work")
     max_waiting_seqs: int = option(
