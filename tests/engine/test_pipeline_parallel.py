@@ -72,6 +72,36 @@ def test_a_stage_holds_only_its_layers(stories):
         staged.close()
 
 
+def test_two_stages_keep_two_batches_in_flight_and_drop_one_aborted_meanwhile(stories):
+    """Each batch takes half the requests, so stage 0 runs one while stage 1 runs the
+    other; the tokens are one process's. A request aborted while its batch is in flight
+    yields nothing more, and the others are unaffected."""
+    prompts = {f"r{n}": list(range(5 + n, 25 + n)) for n in range(4)}
+    want = run_to_completion(make_engine(stories), prompts, greedy(10))
+    engine = make_engine(stories, pipeline_parallel_size=2)
+    try:
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, greedy(10))
+        got: dict[str, list[int]] = {}
+        overlapped, aborted = 0, None
+        while engine.has_work():
+            result = engine.step()
+            for out in result.outputs:
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            # A batch completed while the next one was already in flight.
+            overlapped += bool(result.outputs) and len(engine._in_flight) == 1
+            if aborted is None and len(engine._in_flight) == 1 and len(got) == 4:
+                aborted = engine._in_flight[0].batch.requests[0].request_id
+                assert engine.abort(aborted)
+                cut = len(got[aborted])
+    finally:
+        engine.close()
+    assert overlapped >= 10 and aborted is not None
+    assert got[aborted] == want[aborted][:cut]
+    for rid in prompts.keys() - {aborted}:
+        assert got[rid] == want[rid]
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     from lamina.services.engine_worker.default_model import ensure_default_model

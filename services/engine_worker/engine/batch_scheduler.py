@@ -71,7 +71,13 @@ class BatchScheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(
+        self, busy: frozenset[str] = frozenset(), most: int | None = None
+    ) -> ScheduledBatch:
+        """The next step's batch. ``busy``: ids of running requests whose last batch is
+        still in flight (pipeline stages): they are neither scheduled nor preempted.
+        ``most``: requests in the batch at most (None: ``max_num_seqs`` running)."""
+        most = len(self.running) + len(self.waiting) if most is None else most
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
@@ -79,10 +85,13 @@ class BatchScheduler:
 
         self.running.sort(key=lambda r: r.sort_key)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(chosen) < most:
             request = self.running[index]
+            if request.request_id in busy:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, batch.preempted):
+            if not self._allocate_or_preempt(request, num_new, batch.preempted, busy):
                 break  # the request itself was the lowest-priority one left
             chosen.append((request, num_new))
             self._note_computing(request, num_new, computing)
@@ -94,6 +103,7 @@ class BatchScheduler:
             and not batch.preempted
             and budget > 0
             and len(self.running) < self.max_num_seqs
+            and len(chosen) < most
         ):
             request = self.waiting[0][1]
             # A request that wants its prompt's logprobs computes the whole prompt.
@@ -146,12 +156,14 @@ class BatchScheduler:
         return cached_blocks < len(hashes) and hashes[cached_blocks] in computing
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, preempted: list[Request]
+        self, request: Request, num_new: int, preempted: list[Request], busy: frozenset[str]
     ) -> bool:
-        """Allocate for a running request, preempting from the back of ``running`` until it
-        fits; False when ``request`` itself had to go."""
+        """Allocate for a running request, preempting from the back of ``running`` (past
+        the ``busy``) until it fits; False when ``request`` itself had to go."""
         while self.blocks.allocate(request, num_new) is None:
-            victim = self.running.pop()  # sorted: lowest priority, latest arrival
+            # Sorted: lowest priority, latest arrival last. ``request`` is not busy.
+            last = max(i for i, r in enumerate(self.running) if r.request_id not in busy)
+            victim = self.running.pop(last)
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:

@@ -10,11 +10,14 @@ through :meth:`EngineSpec.request` (the one check) and :meth:`Engine.add`, and t
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import logging
 import os
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -114,6 +117,8 @@ class Engine:
         )
         """What this engine is, for any thread to read (and where requests are checked)."""
         self.requests: dict[str, Request] = {}
+        self._in_flight: collections.deque[_Flight] = collections.deque()
+        """Batches launched and not yet sampled: at most one per pipeline stage."""
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -193,34 +198,72 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self._in_flight) or self.scheduler.has_work()
 
     # ------------------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> StepResult:
-        """Schedule a batch, run it, and advance each request by its sampled token."""
-        batch = self.scheduler.schedule()
-        if not batch.requests:
+        """Schedule a batch, run it, and advance each request by its sampled token.
+
+        Across ``P`` pipeline stages, up to ``P`` batches are in flight, each of at most a
+        ``P``-th of the requests (vLLM's virtual engines, by count rather than by a fixed
+        assignment): a step launches the next batch (of requests not in flight) through
+        the first stage, while the later stages run the earlier ones, and then completes
+        the oldest in flight once the pipeline is full, or once there is nothing left to
+        launch. Its result is that completed batch's."""
+        stages = self.config.pipeline_parallel_size
+        busy = frozenset(r.request_id for f in self._in_flight for r in f.batch.requests)
+        most = None
+        if stages > 1:  # a share of the requests per stage's batch, so that stages overlap
+            active = len(self.scheduler.running) + len(self.scheduler.waiting)
+            most = -(-active // stages)
+        batch = self.scheduler.schedule(busy, most)
+        if batch.requests:
+            self._in_flight.append(self._launch(batch))
+        if not self._in_flight:
             return StepResult(batch, [], self.blocks.usage)
+        if batch.requests and len(self._in_flight) < stages:
+            return StepResult(ScheduledBatch(), [], self.blocks.usage)  # the pipeline fills
+        return self._complete(self._in_flight.popleft())
+
+    def _launch(self, batch: ScheduledBatch) -> _Flight:
+        """Start ``batch``: its masks, the model's first stage (or all of it), and its
+        tokens counted as computed (its KV is written, stage by stage, in launch order)."""
         started = time.perf_counter()
         masks = self._start_masks(batch)  # filled while the model runs
         positions = self._prompt_positions(batch)
-        logits = self.forward(batch, [row for row, _, _ in positions])
+        step = StepInput.of(batch, self.config.block_size, [row for row, _, _ in positions])
+        if self.ranks is None:
+            logits = self.runner.run(step)
+            wait = lambda: logits  # noqa: E731
+        else:
+            wait = self.ranks.launch(step, self.runner)
+        sampling = self.scheduler.advance(batch)
+        return _Flight(batch, masks, positions, sampling, wait, started)
+
+    def _complete(self, flight: _Flight) -> StepResult:
+        """Sample the requests of ``flight`` that reached their last token and advance
+        each by it; a request aborted while its batch was in flight is left out."""
+        logits = flight.wait()
+        positions = flight.positions
         if positions:
             sampled = logits.shape[0] - len(positions)
             self._record_prompt_logprobs(logits[sampled:], positions)
             logits = logits[:sampled]
-        finishing_prefill = self.scheduler.advance(batch)
-        sampled, errors = self._sample(logits, finishing_prefill, masks)
+        sampling = flight.sampling
+        sampled, errors = self._sample(logits, sampling, flight.masks)
         now = time.monotonic()
         outputs = [
             self._postprocess(request, token, logprobs, errors.get(request.request_id), now)
             for request, token, logprobs in zip(
-                finishing_prefill, sampled.token_ids, sampled.logprobs, strict=True
+                sampling, sampled.token_ids, sampled.logprobs, strict=True
             )
+            # (not one aborted while its batch was in flight: sampled with the rest, as
+            # its grammar mask is, and dropped)
+            if self.requests.get(request.request_id) is request
         ]
-        self._account(batch, len(outputs), time.perf_counter() - started)
-        return StepResult(batch, outputs, self.blocks.usage)
+        self._account(flight.batch, len(outputs), time.perf_counter() - flight.started)
+        return StepResult(flight.batch, outputs, self.blocks.usage)
 
     def forward(self, batch: ScheduledBatch, extra: list[int] | None = None) -> torch.Tensor:
         """The model over ``batch``, on every rank: logits ``(S, vocab)`` for each request
@@ -438,6 +481,20 @@ class Engine:
         """Stop the other tensor-parallel ranks, if any (idempotent)."""
         if self.ranks is not None:
             self.ranks.close()
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A launched batch, until its logits are sampled."""
+
+    batch: ScheduledBatch
+    masks: BatchMasks | None
+    positions: list[tuple[int, Request, int]]
+    sampling: list[Request]
+    """Its requests that reached their last token: they sample."""
+    wait: Callable[[], torch.Tensor]
+    """The logits, once the last stage has them."""
+    started: float
 
 
 def _timings(request: Request) -> Timings:

@@ -40,6 +40,7 @@ import multiprocessing
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -212,19 +213,36 @@ class RankGroup:
         """Send ``step`` to every rank and run rank 0's share (``local``: its
         ``ModelRunner``); the logits, from the last stage when that is another rank's.
         Any failure fails the group."""
+        return self.launch(step, local)()
+
+    def launch(self, step: StepInput, local: ModelRunner) -> Callable[[], torch.Tensor]:
+        """:meth:`run` up to where this process has done its share: what it returns waits
+        for the logits. Between the two, with pipeline stages, this process may launch
+        the next step's first stage while the later stages run this one."""
         try:
             buffer = pack(step)
             for pipe in self._pipes:
                 pipe.send_bytes(buffer)
             logits = local.run(step)
-            if logits is None:  # an earlier stage: the last one computed them
-                vocab = local.model.config.vocab_size
-                logits = torch.empty((len(step.sampled), vocab), device=self.device)
-                if len(step.sampled):
-                    dist.recv(logits, self.last)
-            return logits
+            if logits is not None:
+                return lambda: logits
+            # An earlier stage: the last one sends them; posted now, so that its send
+            # never waits on this process's next one.
+            vocab = local.model.config.vocab_size
+            logits = torch.empty((len(step.sampled), vocab), device=self.device)
+            work = dist.irecv(logits, self.last) if len(step.sampled) else None
         except Exception as exc:
             raise self._failure(exc) from exc
+
+        def wait() -> torch.Tensor:
+            try:
+                if work is not None:
+                    work.wait()
+            except Exception as exc:
+                raise self._failure(exc) from exc
+            return logits
+
+        return wait
 
     def check(self) -> None:
         """Raise :class:`RankGroupFailure` if a rank has exited (an idle engine sees no
