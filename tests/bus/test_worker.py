@@ -285,6 +285,17 @@ def test_a_failed_step_degrades_the_worker_until_resumed(nats_url, tiny_model):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+async def _heartbeats(bus: Bus, worker_id: str) -> asyncio.Queue[WorkerStats]:
+    """Each heartbeat of ``worker_id`` from now on, in order."""
+    heartbeats: asyncio.Queue[WorkerStats] = asyncio.Queue()
+
+    async def on_stats(stats: WorkerStats, _msg) -> None:
+        heartbeats.put_nowait(stats)
+
+    await bus.subscribe(subjects.worker_stats(worker_id), WorkerStats, on_stats)
+    return heartbeats
+
+
 def test_a_dead_engine_thread_turns_the_worker_failed(nats_url, tiny_model):
     """The seed that used to kill the engine thread is refused at decode; whatever else
     kills it turns the worker ``failed`` in its next heartbeat (with the reason), fails what
@@ -303,12 +314,7 @@ def test_a_dead_engine_thread_turns_the_worker_failed(nats_url, tiny_model):
         worker = WorkerService(worker_config(nats_url, worker_id, tiny_model, stats_interval=0.1))
         await worker.start()
         bus = await Bus.connect(nats_url, "bus-test-failed-client")
-        heartbeats: asyncio.Queue[WorkerStats] = asyncio.Queue()
-
-        async def on_stats(stats: WorkerStats, _msg) -> None:
-            heartbeats.put_nowait(stats)
-
-        await bus.subscribe(subjects.worker_stats(worker_id), WorkerStats, on_stats)
+        heartbeats = await _heartbeats(bus, worker_id)
         try:
             (bad,) = await _stream(bus, generate("seed", seed=2**64 + 1), worker_id)
             assert isinstance(bad, BadMessage) and "seed" in bad.error
@@ -531,12 +537,7 @@ def test_a_tensor_parallel_worker_reports_its_ranks_and_fails_as_a_group(nats_ur
         )
         await worker.start()
         bus = await Bus.connect(nats_url, "bus-test-tp-client")
-        heartbeats: asyncio.Queue[WorkerStats] = asyncio.Queue()
-
-        async def on_stats(stats: WorkerStats, _msg) -> None:
-            heartbeats.put_nowait(stats)
-
-        await bus.subscribe(subjects.worker_stats(worker_id), WorkerStats, on_stats)
+        heartbeats = await _heartbeats(bus, worker_id)
         try:
             stats = await asyncio.wait_for(heartbeats.get(), 10)
             assert stats.tensor_parallel_size == 2 and stats.numerics().endswith("/tp2")

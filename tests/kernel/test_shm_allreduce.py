@@ -13,10 +13,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lamina.kernels.cpu.shm_allreduce import ShmAllReduce, create_segment, segment_path
+from lamina.kernels.cpu.shm_allreduce import (
+    SHM_DIR,
+    ShmAllReduce,
+    create_segment,
+    segment_path,
+)
 from lamina.libs.nats_server import free_port
 
 RANKS, CAPACITY = 3, 1 << 16
+pytestmark = pytest.mark.skipif(
+    not SHM_DIR.is_dir(), reason=f"no {SHM_DIR}: the segments live there (Linux)"
+)
 
 
 def _rank(rank: int, path, port: int, results) -> None:
@@ -43,8 +51,6 @@ def _rank(rank: int, path, port: int, results) -> None:
 
 def test_it_sums_as_gloo_does_and_every_rank_gets_the_same_bits(tmp_path):
     path = segment_path("test")
-    if path is None:
-        pytest.skip("no /dev/shm")
     create_segment(path, RANKS, CAPACITY)
     try:
         with mp.Manager() as manager:
@@ -82,8 +88,6 @@ def _call(path, timeout_s: float) -> str:
 
 def test_a_dead_or_hung_rank_fails_the_call(tmp_path):
     path = segment_path("test-dead")
-    if path is None:
-        pytest.skip("no /dev/shm")
     context = mp.get_context("spawn")
     try:
         create_segment(path, 2, CAPACITY)

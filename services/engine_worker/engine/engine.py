@@ -232,12 +232,7 @@ class Engine:
         started = time.perf_counter()
         masks = self._start_masks(batch)  # filled while the model runs
         positions = self._prompt_positions(batch)
-        step = StepInput.of(batch, self.config.block_size, [row for row, _, _ in positions])
-        if self.ranks is None:
-            logits = self.runner.run(step)
-            wait = lambda: logits  # noqa: E731
-        else:
-            wait = self.ranks.launch(step, self.runner)
+        wait = self._start(batch, [row for row, _, _ in positions])
         sampling = self.scheduler.advance(batch)
         return _Flight(batch, masks, positions, sampling, wait, started)
 
@@ -269,10 +264,16 @@ class Engine:
         """The model over ``batch``, on every rank: logits ``(S, vocab)`` for each request
         that finishes its tokens this step (in batch order), then a row for each of the
         ``extra`` positions of the flat batch (a prompt's logprobs)."""
+        return self._start(batch, extra)()
+
+    def _start(self, batch: ScheduledBatch, extra: list[int] | None) -> Callable[[], torch.Tensor]:
+        """Run this process's share of ``batch`` (with pipeline stages, the first);
+        what it returns waits for the logits (:meth:`forward`'s)."""
         step = StepInput.of(batch, self.config.block_size, extra)
-        if self.ranks is None:
-            return self.runner.run(step)
-        return self.ranks.run(step, self.runner)
+        if self.ranks is not None:
+            return self.ranks.launch(step, self.runner)
+        logits = self.runner.run(step)
+        return lambda: logits
 
     def _postprocess(
         self,
@@ -472,13 +473,12 @@ class Engine:
 
     def check(self) -> None:
         """Raise :class:`RankGroupFailure` if this engine can no longer step: one of its
-        tensor-parallel ranks has exited (a step would find out too; an idle engine runs
-        none)."""
+        other ranks has exited (a step would find out too; an idle engine runs none)."""
         if self.ranks is not None:
             self.ranks.check()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        """Stop the other ranks, if any (idempotent)."""
         if self.ranks is not None:
             self.ranks.close()
 

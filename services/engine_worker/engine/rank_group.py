@@ -136,7 +136,7 @@ class RankGroup:
     ``torch.distributed`` group as rank 0 (:attr:`tp` and :attr:`pp` are this process's
     place in it). Each rank loads its shard and reports how many KV blocks it could hold;
     :meth:`agree_blocks` gives every rank the least of those and the driver's own, so
-    that every pool has the same blocks; then :meth:`run` steps them all.
+    that every pool has the same blocks; then :meth:`launch` steps them all.
     """
 
     def __init__(self, config: EngineConfig, timeout_s: float) -> None:
@@ -209,16 +209,12 @@ class RankGroup:
         self._unlink_segments()  # every rank has them mapped: nothing can leak them now
         return agreed
 
-    def run(self, step: StepInput, local: ModelRunner) -> torch.Tensor:
-        """Send ``step`` to every rank and run rank 0's share (``local``: its
-        ``ModelRunner``); the logits, from the last stage when that is another rank's.
-        Any failure fails the group."""
-        return self.launch(step, local)()
-
     def launch(self, step: StepInput, local: ModelRunner) -> Callable[[], torch.Tensor]:
-        """:meth:`run` up to where this process has done its share: what it returns waits
-        for the logits. Between the two, with pipeline stages, this process may launch
-        the next step's first stage while the later stages run this one."""
+        """Send ``step`` to every rank and run rank 0's share (``local``: its
+        ``ModelRunner``); what it returns waits for the logits, from the last stage when
+        that is another rank's. Between the two, with pipeline stages, this process may
+        launch the next step's first stage while the later stages run this one. Any
+        failure fails the group."""
         try:
             buffer = pack(step)
             for pipe in self._pipes:
