@@ -88,7 +88,10 @@ class DequantLinear:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
+        order = self.weight.input_order
+        if order is not None:  # the weight's inputs are stored reordered
+            x = x.index_select(-1, order)
+        return F.linear(x, self.weight.dequantize_stored(x.dtype), self.bias)
 
 
 def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> TorchLinear | PackedLinear:

@@ -53,25 +53,33 @@ class QuantizedWeight:
     input_order: torch.Tensor | None = None
     """``(K,)`` int64 where the stored inputs are not in the model's order (act-order
     GPTQ, whose groups are contiguous only when its inputs are reordered): stored input
-    ``j`` is the model's input ``input_order[j]``, so a matmul reads ``x[:, input_order]``."""
+    ``j`` is the model's input ``input_order[j]``, so a matmul reads ``x[:, input_order]``.
+    A tensor-parallel rank's share of a row-parallel weight stores ``K`` of the layer's
+    inputs (whole groups), and ``input_order`` picks them from all of them."""
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.qweight.shape[0], self.qweight.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight these values stand for, ``(N, K)`` in ``dtype``."""
-        values = self.qweight.to(torch.float32)
-        if self.format != "int4":
-            return (values * self.scale[:, None]).to(dtype)
-        g = self.group_size
-        zero = self.zero.repeat_interleave(g, dim=1)  # type: ignore[union-attr]
-        stored = (values - zero) * self.scale.repeat_interleave(g, dim=1)
+        """The weight these values stand for, ``(N, K)`` in ``dtype``, its inputs in the
+        model's order (``input_order`` must name each of them once)."""
+        stored = self.dequantize_stored(torch.float32)
         if self.input_order is None:
             return stored.to(dtype)
         weight = torch.empty_like(stored)
         weight[:, self.input_order] = stored
         return weight.to(dtype)
+
+    def dequantize_stored(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``(N, K)`` in ``dtype``, its inputs in the stored order (what
+        ``x[:, input_order]`` multiplies)."""
+        values = self.qweight.to(torch.float32)
+        if self.format != "int4":
+            return (values * self.scale[:, None]).to(dtype)
+        g = self.group_size
+        zero = self.zero.repeat_interleave(g, dim=1)  # type: ignore[union-attr]
+        return ((values - zero) * self.scale.repeat_interleave(g, dim=1)).to(dtype)
 
 
 def quantize(weight: torch.Tensor, format: str) -> QuantizedWeight:

@@ -27,9 +27,10 @@ from lamina.services.engine_worker.engine.errors import ModelLoadError, RankGrou
 from lamina.services.engine_worker.engine.loader import CheckpointTensors
 from lamina.services.engine_worker.engine.model import CausalLM
 from lamina.services.engine_worker.engine.model_config import ModelConfig
-from lamina.services.engine_worker.engine.parallel import TensorParallel
+from lamina.services.engine_worker.engine.parallel import GatheredInput, TensorParallel
 from lamina.services.engine_worker.engine.runner import ModelRunner
 from tests.engine.helpers import greedy, make_engine, run_to_completion, teacher_forced_logits
+from tests.engine.test_quantized_weights import int4_checkpoint
 
 SEQS, PROMPTS = [list(range(5, 30)), list(range(40, 52))], [20, 7]
 
@@ -177,6 +178,48 @@ def test_two_ranks_generate_what_one_process_does_on_the_small_preset(small):
 def test_two_ranks_of_int8_weights_quantize_as_one_process(stories):
     # Each row-parallel weight is quantized whole, then split: the same scales.
     _compare(stories, quantization="int8")
+
+
+@pytest.mark.parametrize("linear", ["native", "torch"])
+def test_two_ranks_of_an_act_order_gptq_checkpoint_generate_what_one_process_does(
+    make_checkpoint, tmp_path, monkeypatch, linear
+):
+    """``desc_act``: a row-parallel weight's rank holds whole groups of its stored order
+    and gathers the layer's inputs to pick its own; on the native matmul and on the
+    dequantizing reference (``torch``)."""
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", linear)  # the spawned ranks inherit it
+    torch.manual_seed(5)
+    path = int4_checkpoint(make_checkpoint("qwen2"), tmp_path / "gptq", "gptq", 32, True)
+    _compare(path)
+
+
+def test_an_act_order_row_parallel_share_is_whole_groups_of_the_stored_order(
+    make_checkpoint, tmp_path
+):
+    torch.manual_seed(5)
+    path = int4_checkpoint(make_checkpoint("llama"), tmp_path / "gptq", "gptq", 32, True)
+    config = ModelConfig.from_dir(path)
+    whole = CausalLM(config, CheckpointTensors(path), torch.float32, torch.device("cpu"))
+    full = whole.layers[0].down
+    shares = [
+        CausalLM(
+            config,
+            CheckpointTensors(path),
+            torch.float32,
+            torch.device("cpu"),
+            TensorParallel(rank, 2),
+        ).layers[0]
+        for rank in range(2)
+    ]
+    assert not isinstance(full, GatheredInput)
+    halves = []
+    for layer in shares:
+        assert isinstance(layer.down, GatheredInput) and isinstance(layer.o, GatheredInput)
+        down = layer.down.linear
+        assert (down.in_features, down.group) == (config.intermediate_size // 2, 32)
+        halves.append(down.input_order)
+    # The ranks' inputs are the stored order's two halves: every input once.
+    assert torch.equal(torch.cat(halves), full.input_order)
 
 
 def test_a_rank_holds_about_half_the_weights_and_half_the_kv(small):

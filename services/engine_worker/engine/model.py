@@ -38,10 +38,11 @@ from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.parallel import (
     SINGLE,
     WHOLE,
+    GatheredInput,
     PipelineStage,
     TensorParallel,
 )
-from lamina.services.engine_worker.engine.rank_weights import RankWeights
+from lamina.services.engine_worker.engine.rank_weights import RankWeights, reads_every_rank
 
 
 def stack_rows(parts: list[Weight]) -> Weight:
@@ -58,10 +59,10 @@ class Layer:
     input_norm: torch.Tensor
     qkv: Linear  # hidden -> q_size + 2 * kv_size
     qk_norm: torch.Tensor | None  # (Hq + Hkv, head_dim): Qwen3's q_norm/k_norm per head
-    o: Linear
+    o: Linear | GatheredInput  # gathers its input where it reads every rank's (act-order)
     post_norm: torch.Tensor
     gate_up: GatedLinear  # hidden -> intermediate: silu(x gate^T) * (x up^T)
-    down: Linear
+    down: Linear | GatheredInput
 
 
 class CausalLM:
@@ -164,17 +165,29 @@ class CausalLM:
             input_norm=w.take(p + "input_layernorm.weight", h),
             qkv=linear(stack_rows(qkv), qkv_bias),
             qk_norm=self._qk_norm(w, attn) if c.qk_norm else None,
-            o=linear(
+            o=self._row_parallel(
+                linear,
                 w.weight(attn + "o_proj.", h, c.q_size, shard_dim=1),
                 w.rank0_bias(attn + "o_proj.bias", h) if c.o_bias else None,
             ),
             post_norm=w.take(p + "post_attention_layernorm.weight", h),
             gate_up=gated(stack_rows(gate_up), gate_up_bias),
-            down=linear(
+            down=self._row_parallel(
+                linear,
                 w.weight(mlp + "down_proj.", h, i, shard_dim=1),
                 w.rank0_bias(mlp + "down_proj.bias", h) if c.mlp_bias else None,
             ),
         )
+
+    def _row_parallel(
+        self,
+        linear: Callable[[Weight, torch.Tensor | None], Linear],
+        weight: Weight,
+        bias: torch.Tensor | None,
+    ) -> Linear | GatheredInput:
+        """A row-parallel linear; one that reads every rank's inputs gathers them."""
+        made = linear(weight, bias)
+        return GatheredInput(made, self.tp) if reads_every_rank(weight, self.tp) else made
 
     def _qk_norm(self, w: RankWeights, prefix: str) -> torch.Tensor:
         """Qwen3 normalises each query and key head before rotary; stacking the two weights

@@ -92,6 +92,29 @@ class TensorParallel:
             torch.distributed.all_reduce(tensor, group=self.group)
         return tensor
 
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``(..., n)`` slice, in rank order: ``(..., size * n)``. Each rank
+        places its slice in zeros and the ranks sum them (:meth:`all_reduce`): exact,
+        since adding zeros rounds nothing, and as fast as the all-reduce is."""
+        if self.size == 1:
+            return tensor
+        n = tensor.shape[-1]
+        whole = tensor.new_zeros(*tensor.shape[:-1], self.size * n)
+        whole[..., self.rank * n : (self.rank + 1) * n] = tensor
+        return self.all_reduce(whole)
+
+
+@dataclass(frozen=True)
+class GatheredInput:
+    """A row-parallel linear that reads the inputs of every rank, not only this rank's
+    slice (act-order GPTQ: see ``rank_weights.reads_every_rank``): gathers them first."""
+
+    linear: Callable[[torch.Tensor], torch.Tensor]
+    tp: TensorParallel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.tp.gather(x))
+
 
 SINGLE = TensorParallel()
 

@@ -109,12 +109,12 @@ def _placed(
     device: torch.device,
 ) -> QuantizedWeight:
     """This rank's share of a quantized weight (its rows for ``dim`` 0, its inputs for 1,
-    with their scales and zero points, each taken by ``split``), on ``device``."""
+    with their scales and zero points, each taken by ``split``), on ``device``.
 
-    if weight.input_order is not None and dim == 1 and size > 1:
-        raise ModelLoadError(
-            "quantized weight", "act-order (reordered) inputs do not split across ranks"
-        )
+    A row-parallel weight whose inputs are stored reordered (act-order GPTQ) is split in
+    its stored order, so each rank holds whole groups, and its ``input_order`` says which
+    of the layer's inputs they are: inputs of every rank, gathered first
+    (:meth:`TensorParallel.gather`, see :func:`reads_every_rank`)."""
 
     def share(t: torch.Tensor | None, along: int | None) -> torch.Tensor | None:
         if t is None:
@@ -132,4 +132,13 @@ def _placed(
         qweight=share(weight.qweight, dim),
         scale=share(weight.scale, dim),
         zero=share(weight.zero, dim),
+        input_order=share(weight.input_order, 0 if dim == 1 else None),
     )
+
+
+def reads_every_rank(weight: Weight, tp: TensorParallel) -> bool:
+    """Whether a row-parallel ``weight`` needs the inputs of every rank, not only this
+    rank's slice: its share holds inputs in the stored order of act-order GPTQ, which
+    are any of the layer's (split in the model's order, a rank's inputs would fall in
+    every group, and no group-wise kernel could take them)."""
+    return tp.size > 1 and isinstance(weight, QuantizedWeight) and weight.input_order is not None
