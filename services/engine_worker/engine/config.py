@@ -44,6 +44,14 @@ class EngineConfig:
     """Stages the layers are split across, contiguous and as even as they divide, each of
     ``tensor_parallel_size`` ranks: the worker has their product of processes (rank 0,
     this one, starts the others). Decode steps then run eagerly (no CUDA graphs)."""
+    remote_pipeline_stages: int = 0
+    """Of the pipeline stages, how many of the last run on other hosts instead of as this
+    worker's processes: their ranks join it over the rendezvous the worker publishes on
+    the bus (``lamina node --pipeline-stage <worker id>:<stage>``; ``remote_ranks.py``)."""
+    distributed_address: str = ""
+    """This host's address that ranks on other hosts reach the worker at (its
+    ``torch.distributed`` store and step channel); empty: the loopback address, every
+    rank on this host. ``lamina node`` sets it to its ``--address``."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_memory_bytes: int | None = None
@@ -123,6 +131,12 @@ class EngineConfig:
         for name in (*positive, "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be positive")
+        if not 0 <= self.remote_pipeline_stages < self.pipeline_parallel_size:
+            raise ValueError(
+                f"remote_pipeline_stages ({self.remote_pipeline_stages}) must be less than "
+                f"pipeline_parallel_size ({self.pipeline_parallel_size}): the first stage is "
+                "this worker's"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -38,6 +38,7 @@ from lamina.services.engine_worker.engine.outputs import (
 from lamina.services.engine_worker.engine.parallel import SINGLE, WHOLE
 from lamina.services.engine_worker.engine.params import FinishReason, SamplingParams
 from lamina.services.engine_worker.engine.rank_group import RankGroup, rank_device
+from lamina.services.engine_worker.engine.remote_ranks import Rendezvous
 from lamina.services.engine_worker.engine.request import EngineRequest, Request
 from lamina.services.engine_worker.engine.runner import StepInput
 from lamina.services.engine_worker.engine.sampler import SampledLogprob, Sampler, SamplerOutput
@@ -52,10 +53,17 @@ _RATE_SMOOTHING = 0.2  # weight of the newest step in the measured token rates
 class Engine:
     """Paged-KV, continuously batching engine for one model on one device."""
 
-    def __init__(self, config: EngineConfig, collective_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        collective_timeout_s: float = 60.0,
+        publish_rendezvous: Callable[[Rendezvous], None] | None = None,
+    ) -> None:
         """Load ``config.model`` and size the KV pool. With several ranks (tensor or
         pipeline parallel), start the others first (``rank_group.py``); a collective that
-        waits longer than ``collective_timeout_s`` fails the group."""
+        waits longer than ``collective_timeout_s`` fails the group. With pipeline stages
+        on other hosts, ``publish_rendezvous`` is given what their ranks need to join
+        (``remote_ranks.py``), from this thread, before it waits for them."""
         if config.model is None:
             raise ValueError(
                 "EngineConfig.model is None: name a checkpoint directory "
@@ -66,7 +74,7 @@ class Engine:
         self.ranks: RankGroup | None = None
         """The other ranks (None: this process is the whole model)."""
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            self.ranks = RankGroup(config, collective_timeout_s)
+            self.ranks = RankGroup(config, collective_timeout_s, publish_rendezvous)
         try:
             tp, pp = (self.ranks.tp, self.ranks.pp) if self.ranks else (SINGLE, WHOLE)
             shard = load_shard(config, tp, pp, self.device)

@@ -26,8 +26,12 @@ same timeout and a dead rank seen at once.
 
 A group fails as a whole: a rank that exits or hangs, or any error inside a step (after
 which the ranks' collectives are out of step), raises :class:`RankGroupFailure`, and the
-group's KV is lost with it. Its owner restarts the whole group. Every rank runs on this
-host: stages on other hosts are not built yet.
+group's KV is lost with it. Its owner restarts the whole group.
+
+The last pipeline stages may run on other hosts (``remote_pipeline_stages``): their ranks
+are started there (:func:`start_stage`, by a stage host) and reach the driver over the
+step channel of ``remote_ranks.py`` instead of a pipe; the driver publishes the
+:class:`~lamina.services.engine_worker.engine.remote_ranks.Rendezvous` they need.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ import itertools
 import logging
 import multiprocessing
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -61,6 +67,13 @@ from lamina.services.engine_worker.engine.errors import (
 )
 from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.parallel import PipelineStage, TensorParallel
+from lamina.services.engine_worker.engine.remote_ranks import (
+    Rendezvous,
+    StepListener,
+    checkpoint_digest,
+    connect,
+    use_interface_toward,
+)
 from lamina.services.engine_worker.engine.runner import ModelRunner, StepInput
 from lamina.services.engine_worker.engine.shard import load_shard
 from lamina.services.engine_worker.engine.spec import RankInfo
@@ -132,14 +145,21 @@ def unpack(buffer: bytes) -> StepInput:
 class RankGroup:
     """The other ranks of a parallel engine, seen from rank 0 (the driver).
 
-    ``RankGroup(config, timeout_s)`` starts the ranks and joins them in one
+    ``RankGroup(config, timeout_s, publish)`` starts the ranks of this host's stages,
+    hands the ranks of remote stages their :class:`Rendezvous` (``publish``; without it,
+    it is logged) and waits for them to join, then joins them all in one
     ``torch.distributed`` group as rank 0 (:attr:`tp` and :attr:`pp` are this process's
     place in it). Each rank loads its shard and reports how many KV blocks it could hold;
     :meth:`agree_blocks` gives every rank the least of those and the driver's own, so
     that every pool has the same blocks; then :meth:`launch` steps them all.
     """
 
-    def __init__(self, config: EngineConfig, timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        timeout_s: float,
+        publish: Callable[[Rendezvous], None] | None = None,
+    ) -> None:
         if dist.is_initialized():
             raise EngineError(
                 "this process already drives a parallel engine (torch.distributed has one "
@@ -148,50 +168,91 @@ class RankGroup:
         self.tp_size = config.tensor_parallel_size
         self.pp_size = config.pipeline_parallel_size
         self.size = self.tp_size * self.pp_size
+        self.local_size = (self.pp_size - config.remote_pipeline_stages) * self.tp_size
+        """Ranks ``0 .. local_size - 1`` run on this host; the rest joined from others."""
         self.timeout_s = timeout_s
         self.device = rank_device(config.device, 0)
         self.last = (self.pp_size - 1) * self.tp_size
         """The rank that sends the driver the logits: the last stage's first."""
-        self._pipes: list[Connection] = []
-        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._pipes: list[Connection | None] = [None] * (self.size - 1)
+        """Rank ``r``'s pipe, or step channel if it is remote, at ``r - 1``."""
+        self._procs: list[multiprocessing.process.BaseProcess | None] = [None] * (self.size - 1)
+        """Rank ``r``'s process at ``r - 1`` (None: it runs on another host)."""
         self.ranks: list[RankInfo] = []
         """Ranks 1.. as they reported themselves (with their KV once agreed)."""
         self._closed = False
         context = multiprocessing.get_context("spawn")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        address = config.distributed_address or "127.0.0.1"
+        if self.local_size < self.size:
+            use_interface_toward(address)  # before the local ranks start: they inherit it
+        init = f"tcp://{address}:{_free_port(address)}"
         self._segments = _make_segments(config, self.device)
         threads = rank_threads(config)
         self._threads = torch.get_num_threads()  # restored by close()
         if self.device.type == "cpu":
             torch.set_num_threads(threads)  # this process is a rank too
         try:
-            for rank in range(1, self.size):
+            host, parent = socket.gethostname(), os.getpid()
+            for rank in range(1, self.local_size):
                 ours, theirs = context.Pipe()
                 proc = context.Process(
                     target=_rank_main,
-                    args=(
-                        theirs,
-                        config,
-                        rank,
-                        init,
-                        timeout_s,
-                        threads,
-                        os.getpid(),
-                        self._segments,
-                    ),
+                    args=(theirs, config, rank, rank, init, timeout_s, threads, parent),
+                    kwargs={"segments": self._segments, "host": host},
                     name=f"lamina-rank-{rank}",
                     daemon=True,
                 )
                 proc.start()
                 theirs.close()
-                self._pipes.append(ours)
-                self._procs.append(proc)
-            for rank in range(1, self.size):
+                self._pipes[rank - 1] = ours
+                self._procs[rank - 1] = proc
+            if self.local_size < self.size:
+                self._join_remote(config, address, init, publish)
+            for rank in range(1, self.local_size):
                 self._receive(rank, "joining")
-            self.tp, self.pp = join(config, 0, init, timeout_s, self._segments)
+            for pipe in self._pipes:
+                pipe.send("join")  # type: ignore[union-attr]
+            self.tp, self.pp = join(config, 0, init, timeout_s, self._segments, self.device)
         except BaseException:
             self.close()
             raise
+
+    def _join_remote(
+        self,
+        config: EngineConfig,
+        address: str,
+        init: str,
+        publish: Callable[[Rendezvous], None] | None,
+    ) -> None:
+        """Publish the remote stages' rendezvous and wait for each of their ranks to
+        connect (a local rank that exits meanwhile fails the start at once)."""
+        listener = StepListener(address, secrets.token_bytes(32))
+        rendezvous = Rendezvous(
+            init,
+            listener.host,
+            listener.port,
+            listener.key,
+            config,
+            checkpoint_digest(config.model),  # type: ignore[arg-type]
+        )
+        if publish is not None:
+            publish(rendezvous)
+        log.info(
+            "waiting for pipeline stage(s) %d-%d to join from other hosts (step channel %s:%d)",
+            self.local_size // self.tp_size,
+            self.pp_size - 1,
+            listener.host,
+            listener.port,
+        )
+        remote = set(range(self.local_size, self.size))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            joined = listener.accept(remote, deadline, self.check)
+        except TimeoutError as exc:
+            why = f"{exc} within {START_TIMEOUT_S:g}s"
+            raise RankStartError(self.who(min(remote)), why) from None
+        for rank, conn in joined.items():
+            self._pipes[rank - 1] = conn
 
     def agree_blocks(self, num_blocks: int) -> int:
         """Wait for every rank to load its shard (one that cannot: :class:`RankStartError`),
@@ -242,10 +303,27 @@ class RankGroup:
 
     def check(self) -> None:
         """Raise :class:`RankGroupFailure` if a rank has exited (an idle engine sees no
-        collective fail; this is how it learns)."""
-        for rank, proc in enumerate(self._procs, start=1):
-            if proc.exitcode is not None:
-                raise RankGroupFailure(self._exit_text(rank, proc))
+        collective fail; this is how it learns): a local rank's process, or a remote
+        rank's step channel (a rank sends nothing while it runs, so anything readable is
+        its end or its last error)."""
+        for rank in range(1, self.size):
+            gone = self._gone(rank)
+            if gone is not None:
+                raise RankGroupFailure(gone)
+
+    def _gone(self, rank: int) -> str | None:
+        """Why rank ``rank`` is gone, if it is."""
+        proc, pipe = self._procs[rank - 1], self._pipes[rank - 1]
+        if proc is not None:
+            return None if proc.exitcode is None else self._exit_text(rank, proc)
+        if pipe is None or not pipe.poll():
+            return None
+        try:
+            kind, value = pipe.recv()
+            why = value if kind == "error" else f"it said {kind!r}"
+        except (EOFError, OSError):
+            why = "its step channel closed (its host's log says why)"
+        return f"{self.who(rank)}, on another host: {why}; the group's KV is lost"
 
     def close(self) -> None:
         """Stop the ranks (each ends its loop on end-of-file) and leave the group."""
@@ -253,9 +331,12 @@ class RankGroup:
             return
         self._closed = True
         for pipe in self._pipes:
-            pipe.close()
+            if pipe is not None:
+                pipe.close()
         deadline = time.monotonic() + 5.0
         for proc in self._procs:
+            if proc is None:
+                continue
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.exitcode is None:
                 proc.kill()
@@ -287,9 +368,10 @@ class RankGroup:
         :class:`RankInfo` with its pool); a rank that reports an error instead, exits, or
         says nothing within :data:`START_TIMEOUT_S` fails start-up, named."""
         pipe, proc = self._pipes[rank - 1], self._procs[rank - 1]
-        ready = wait([pipe, proc.sentinel], timeout=START_TIMEOUT_S)
+        assert pipe is not None
+        ready = wait([pipe] + ([proc.sentinel] if proc else []), timeout=START_TIMEOUT_S)
         if pipe in ready:
-            with contextlib.suppress(EOFError):
+            with contextlib.suppress(EOFError, OSError):
                 kind, value = pipe.recv()
                 if kind == "error":
                     raise RankStartError(self.who(rank), value)
@@ -297,15 +379,19 @@ class RankGroup:
                 return value
         if not ready:
             raise RankStartError(self.who(rank), f"not {what} within {START_TIMEOUT_S:g}s")
+        if proc is None:
+            why = "its step channel closed (its host's log says why)"
+            raise RankStartError(self.who(rank), why)
         proc.join(1.0)
         raise RankStartError(self.who(rank), f"its process (pid {proc.pid}) {_how(proc)}")
 
     def _failure(self, exc: Exception) -> RankGroupFailure:
         """What a failed step means: a rank that exited if one did, else the error."""
         time.sleep(0.05)  # a rank killed mid-step may still be on its way out
-        for rank, proc in enumerate(self._procs, start=1):
-            if proc.exitcode is not None:
-                return RankGroupFailure(self._exit_text(rank, proc))
+        for rank in range(1, self.size):
+            gone = self._gone(rank)
+            if gone is not None:
+                return RankGroupFailure(gone)
         return RankGroupFailure(
             f"a parallel step failed ({type(exc).__name__}: {exc}); the ranks' "
             "collectives are out of step and the group's KV is lost"
@@ -329,15 +415,16 @@ def join(
     init: str,
     timeout_s: float,
     segments: list[Path | None],
+    device: torch.device,
 ) -> tuple[TensorParallel, PipelineStage]:
-    """Join the worker's ``torch.distributed`` group as ``rank``, with ``timeout_s`` on
-    every collective; this rank's place in it. Every rank makes each stage's
-    tensor-parallel group, in the same order (``new_group`` is collective), and maps its
-    stage's shared-memory all-reduce segment, if it has one."""
+    """Join the worker's ``torch.distributed`` group as ``rank`` (on ``device``), with
+    ``timeout_s`` on every collective; this rank's place in it. Every rank makes each
+    stage's tensor-parallel group, in the same order (``new_group`` is collective), and
+    maps its stage's shared-memory all-reduce segment, if it has one."""
     tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
     size = tp_size * pp_size
     timeout = timedelta(seconds=timeout_s)
-    backend = backend_for(rank_device(config.device, rank))
+    backend = backend_for(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=timeout)
     group = None  # the whole world, when it is one stage
     if pp_size > 1 and tp_size > 1:
@@ -362,14 +449,19 @@ def _segment_capacity(config: EngineConfig) -> int:
     return min(config.max_num_batched_tokens * hidden * 4, MAX_SEGMENT_SLOT)
 
 
-def _make_segments(config: EngineConfig, device: torch.device) -> list[Path | None]:
+def _make_segments(
+    config: EngineConfig, device: torch.device, stages: range | None = None
+) -> list[Path | None]:
     """Per pipeline stage, a shared-memory all-reduce segment for its tensor-parallel
-    ranks when they run on this host's CPU (None: they use gloo or NCCL alone)."""
+    ranks when they run on this host's CPU (None: they use gloo or NCCL alone): for
+    ``stages`` (default: those of this host, the first ones)."""
     tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
     segments: list[Path | None] = [None] * pp_size
     if device.type != "cpu" or tp_size == 1:
         return segments
-    for stage in range(pp_size):
+    if stages is None:
+        stages = range(pp_size - config.remote_pipeline_stages)
+    for stage in stages:
         path = segment_path(f"stage{stage}")
         if path is not None:
             try:
@@ -390,35 +482,50 @@ def rank_threads(config: EngineConfig) -> int:
     return max(1, (os.cpu_count() or 1) // ranks)
 
 
-def _free_port() -> int:
+def _free_port(address: str) -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return sock.getsockname()[1]
 
 
 def _rank_main(
-    pipe: Connection,
+    channel: Connection | Rendezvous,
     config: EngineConfig,
     rank: int,
+    device_index: int,
     init: str,
     timeout_s: float,
     threads: int,
     parent: int,
+    *,
     segments: list[Path | None],
+    host: str,
 ) -> None:
-    """A rank's process: join the group, load the shard, then run each step it is sent
-    until the driver's pipe closes."""
+    """A rank's process: reach the driver (its pipe, or for a remote rank the step
+    channel of the rendezvous), join the group when the driver says so, load the shard,
+    then run each step it is sent until the driver's end closes. ``device_index``: its
+    place among this host's ranks (its CUDA device after ``config.device``'s)."""
     die_with_parent(9, parent)  # SIGKILL: a rank has nothing to flush
     torch.set_num_threads(threads)
-    device = rank_device(config.device, rank)
+    device = rank_device(config.device, device_index)
+    pipe: Connection | None = channel if isinstance(channel, Connection) else None
     try:
-        pipe.send(("joining", None))
-        tp, pp = join(config, rank, init, timeout_s, segments)
+        if pipe is None:  # remote: the handshake names the rank
+            assert isinstance(channel, Rendezvous)
+            pipe = connect(channel.host, channel.port, channel.key, rank)
+        else:
+            pipe.send(("joining", rank))
+        if pipe.recv() != "join":
+            return
+        tp, pp = join(config, rank, init, timeout_s, segments, device)
         shard = load_shard(config, tp, pp, device)
-        host, pid = socket.gethostname(), os.getpid()
-        info = RankInfo(rank, host, str(device), pid, shard.weight_bytes, stage=pp.stage)
+        info = RankInfo(rank, host, str(device), os.getpid(), shard.weight_bytes, stage=pp.stage)
         pipe.send(("loaded", (info, shard.max_blocks)))
         num_blocks = pipe.recv()
+        # Sent once every rank has loaded, so has mapped its stage's segment: remove it,
+        # so that nothing is left in /dev/shm however the stage's ranks end.
+        if segments[pp.stage] is not None and tp.rank == 0:
+            segments[pp.stage].unlink(missing_ok=True)  # type: ignore[union-attr]
         runner = shard.runner(num_blocks)
         pipe.send(("ready", dataclasses.replace(info, kv_bytes=num_blocks * shard.block_bytes)))
         sends_logits = pp.last and not pp.first and tp.rank == 0  # to the driver
@@ -430,10 +537,80 @@ def _rank_main(
     except (EOFError, OSError):
         return  # the driver closed the pipe, or is gone
     except BaseException as exc:
-        with contextlib.suppress(Exception):
-            pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        if pipe is not None:
+            with contextlib.suppress(Exception):
+                pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         raise
     finally:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------- the stage host
+@dataclass
+class StageRanks:
+    """One pipeline stage's ranks on this host, joined to a driver on another."""
+
+    procs: list[multiprocessing.process.BaseProcess]
+    segment: Path | None
+
+    def running(self) -> bool:
+        """Whether every rank still runs (the group stands while they all do)."""
+        return all(proc.exitcode is None for proc in self.procs)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop what still runs (the driver then fails its group) and remove the segment."""
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(1.0)
+        if self.segment is not None:
+            self.segment.unlink(missing_ok=True)
+
+
+def start_stage(
+    rendezvous: Rendezvous, stage: int, model: Path, device: str, host: str, timeout_s: float
+) -> StageRanks:
+    """Start pipeline stage ``stage``'s ranks for the driver that published
+    ``rendezvous``: on ``device`` (the stage's tensor-parallel rank ``i`` on the ``i``-th
+    CUDA device after it), from ``model``, this host's copy of the driver's checkpoint
+    (ValueError if it is not the same, or the driver runs no such stage elsewhere).
+    ``host`` names this host in the ranks' reports; ``timeout_s`` bounds their
+    collectives (the driver's is the worker's; a stage host uses its own)."""
+    config = rendezvous.config
+    first_remote = config.pipeline_parallel_size - config.remote_pipeline_stages
+    if not first_remote <= stage < config.pipeline_parallel_size:
+        raise ValueError(
+            f"the worker runs no pipeline stage {stage} on another host (its stages "
+            f"{first_remote}-{config.pipeline_parallel_size - 1} are remote)"
+            if config.remote_pipeline_stages
+            else "the worker runs every pipeline stage itself (--remote-pipeline-stages 0)"
+        )
+    if checkpoint_digest(model) != rendezvous.digest:
+        raise ValueError(f"{model} is not the worker's checkpoint ({config.model}): they differ")
+    config = dataclasses.replace(config, model=model, device=device)
+    use_interface_toward(rendezvous.host)  # before the ranks start: they inherit it
+    tp_size = config.tensor_parallel_size
+    stages = range(stage, stage + 1)
+    segments = _make_segments(config, rank_device(device, 0), stages)
+    threads = max(1, (os.cpu_count() or 1) // tp_size)
+    context = multiprocessing.get_context("spawn")
+    procs = []
+    for index in range(tp_size):
+        rank = stage * tp_size + index
+        proc = context.Process(
+            target=_rank_main,
+            args=(rendezvous, config, rank, index, rendezvous.store, timeout_s, threads),
+            kwargs={"parent": os.getpid(), "segments": segments, "host": host},
+            name=f"lamina-rank-{rank}",
+            daemon=True,
+        )
+        proc.start()
+        procs.append(proc)
+    return StageRanks(procs, segments[stage])
