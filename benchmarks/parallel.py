@@ -1,7 +1,9 @@
 """Parallel workers on this machine: two tensor-parallel ranks and two pipeline stages
 (two processes, one thread each) against one process (two threads) on the same model and
-work, in one run; and the latency of one all-reduce between two processes, by gloo and
-through shared memory (which the ranks use on a CPU).
+work, in one run; the second stage also as a remote one (``PP=2 remote``: started from
+the rendezvous, its steps over the TCP step channel, here on loopback); and the latency
+of one all-reduce between two processes, by gloo and through shared memory (which the
+ranks use on a CPU).
 
 * decode: ``--batch`` sequences decoding together (greedy, ``ignore_eos``), after their
   prompts are prefilled; tokens/s over ``--tokens`` steps, the median of ``--runs`` runs
@@ -42,7 +44,8 @@ from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
 from lamina.services.engine_worker.engine.parallel import TensorParallel
 from lamina.services.engine_worker.engine.params import SamplingParams
-from lamina.services.engine_worker.engine.rank_group import pack
+from lamina.services.engine_worker.engine.rank_group import StageRanks, pack, start_stage
+from lamina.services.engine_worker.engine.remote_ranks import Rendezvous
 from lamina.services.engine_worker.engine.runner import StepInput
 
 
@@ -141,6 +144,13 @@ def all_reduce_us() -> dict[str, float]:
     return dict(out.get() for _ in range(2))
 
 
+def _stage(found: Rendezvous) -> StageRanks:
+    """Stage 1 started as a stage host on another host would start it: from the
+    rendezvous, over the step channel and the network store (here on loopback)."""
+    config = found.config
+    return start_stage(found, 1, config.model, config.device, "remote")  # type: ignore[arg-type]
+
+
 def throughput(args: argparse.Namespace) -> None:
     model = ensure_default_model("small")
     base = EngineConfig(
@@ -159,17 +169,20 @@ def throughput(args: argparse.Namespace) -> None:
     print(f"all-reduce of one 512-wide row between two processes: {latency}")
     # A process drives one parallel engine at a time (torch.distributed has one default
     # group per process), so each run builds each layout in turn, in a rotating order.
+    staged = dataclasses.replace(base, pipeline_parallel_size=2)
     layouts = {
         "one process": base,
         "TP=2": dataclasses.replace(base, tensor_parallel_size=2),
-        "PP=2": dataclasses.replace(base, pipeline_parallel_size=2),
+        "PP=2": staged,
+        "PP=2 remote": dataclasses.replace(staged, remote_pipeline_stages=1),
     }
     names = list(layouts)
     rates = {(name, batch): [] for name in names for batch in args.batch}
     shares: dict[int, list[float]] = {batch: [] for batch in args.batch}
     for run in range(args.runs):
-        for name in names[run % 3 :] + names[: run % 3]:
-            engine = Engine(layouts[name])
+        for name in names[run % len(names) :] + names[: run % len(names)]:
+            stages: list[StageRanks] = []
+            engine = Engine(layouts[name], 60.0, lambda found, s=stages: s.append(_stage(found)))
             try:
                 for batch in args.batch:
                     rate, share = decode(engine, batch, args.tokens, seed=run)
@@ -178,6 +191,8 @@ def throughput(args: argparse.Namespace) -> None:
                         shares[batch].append(share)
             finally:
                 engine.close()
+                for stage in stages:
+                    stage.stop()
     for batch in args.batch:
         one = statistics.median(rates["one process", batch])
         print(f"batch {batch}: median tok/s, range over {args.runs} runs, x one process")

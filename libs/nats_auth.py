@@ -166,6 +166,7 @@ def permissions(identity: str) -> Permissions:
                 subjects.worker_stats(wid),
                 subjects.worker_kv(wid),
                 subjects.worker_control(wid),  # "is my id free?" at start-up
+                subjects.worker_ranks(wid),  # its pipeline stages on other hosts ask
                 subjects.EVENTS_SERVICE,
                 # Its own stream subjects only (subjects.worker_stream): no worker can
                 # publish into a stream another worker holds.

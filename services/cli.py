@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from lamina.services.node import main as node
 
         return node(argv[1:])
+    if argv and argv[0] == "stage":  # a worker's companion on another host, not a service
+        from lamina.services.engine_worker.stage_host import main as stage
+
+        return stage(argv[1:])
     if argv[:2] == ["schemas", "export"]:
         from lamina.schemas.export import main as export
 
@@ -49,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("up", help="run the whole stack locally (see `lamina up --help`)")
     commands.add_parser(
         "node", help="run one host's share of a multi-host stack (see `lamina node --help`)"
+    )
+    commands.add_parser(
+        "stage", help="run a pipeline stage of a worker on another host (`lamina stage --help`)"
     )
     commands.add_parser("ctl", help="operate a running cluster (see `lamina ctl --help`)")
     commands.add_parser("creds", help="the bus's credentials (see `lamina creds --help`)")

@@ -93,6 +93,12 @@ class Stack:
     """Worker ids are ``<prefix>-<index>``: unique across the hosts of a cluster."""
     scheduler_id: str = ""
     """The scheduler replica's id (empty: its own default, ``<host>-<pid>``)."""
+    stages: tuple[tuple[str, int], ...] = ()
+    """Pipeline stages this host runs for workers on other hosts, as (worker id, stage):
+    each a stage host (``lamina stage``) on the bus as that worker, on ``stage_device``."""
+    stage_device: str = "cpu"
+    host_name: str = ""
+    """This host's name in its stage hosts' reports (empty: the host name)."""
     nats: NatsServer | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     specs: dict[str, tuple[str, list[str], str]] = field(default_factory=dict)
@@ -192,6 +198,14 @@ class Stack:
             f"worker.{wid}",
         )
 
+    def start_stage(self, worker_id: str, stage: int) -> subprocess.Popen:
+        """A stage host for pipeline stage ``stage`` of worker ``worker_id``."""
+        args = ["--worker-id", worker_id, "--stage", str(stage), "--model", str(self.model)]
+        args += ["--device", self.stage_device]
+        args += ["--host-name", self.host_name] if self.host_name else []
+        module = "lamina.services.engine_worker.stage_host"
+        return self._spawn(f"stage-{worker_id}-{stage}", module, args, f"worker.{worker_id}")
+
     def start_scheduler(self, scheduler_id: str) -> subprocess.Popen:
         """Another scheduler replica (the queue group splits submits between replicas)."""
         return self._spawn(
@@ -239,6 +253,8 @@ class Stack:
         if "worker" in self.services:
             for index in range(self.workers):
                 self.start_worker(index)
+        for worker_id, stage in self.stages:
+            self.start_stage(worker_id, stage)
         if "gateway" in self.services:
             self._spawn(
                 "gateway",

@@ -20,6 +20,7 @@ secret is what the NATS nodes admit each other's routes with.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import sys
@@ -56,7 +57,14 @@ class NodeConfig(UpConfig):
         "(default: the host name)"
     )  # fmt: skip
     services: str = option(
-        "gateway,scheduler,telemetry,worker", "the services this host runs, comma-separated"
+        "gateway,scheduler,telemetry,worker",
+        "the services this host runs, comma-separated (may be empty with --pipeline-stage)",
+    )
+    pipeline_stage: str = option(
+        "",
+        "pipeline stages this host runs for workers on other hosts, comma-separated "
+        "<worker id>:<stage> (each worker runs with --remote-pipeline-stages), with this "
+        "host's --model and --device",
     )
 
 
@@ -86,10 +94,27 @@ def node_name(config: NodeConfig) -> str:
     return config.node_name or re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())
 
 
+def parse_stages(text: str) -> list[tuple[str, int]]:
+    """``<worker id>:<stage>``, comma-separated; raises ValueError."""
+    stages = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        worker, _, stage = item.rpartition(":")
+        if not re.fullmatch(subjects.TOKEN, worker) or not stage.isdigit() or int(stage) < 1:
+            raise ValueError(
+                f"{item!r} is not <worker id>:<stage>, a stage from 1 (--pipeline-stage)"
+            )
+        stages.append((worker, int(stage)))
+    return stages
+
+
+def services_of(config: NodeConfig) -> frozenset[str]:
+    return frozenset(filter(None, (part.strip() for part in config.services.split(","))))
+
+
 def check(config: NodeConfig) -> str | None:
     """What is wrong with ``config`` as a node's, before anything starts; None if fine."""
-    services = set(config.services.split(","))
-    if not services or not services <= SERVICES:
+    services = services_of(config)
+    if not services <= SERVICES or not (services or config.pipeline_stage):
         return f"--services: {config.services!r}; each one of {', '.join(sorted(SERVICES))}"
     if not config.address:
         return "--address is required: the address the other hosts reach this one at"
@@ -99,6 +124,10 @@ def check(config: NodeConfig) -> str | None:
         return "--peers is required (the other hosts), unless --nats-url names the cluster"
     if not re.fullmatch(subjects.TOKEN, node_name(config)):
         return f"--node-name {node_name(config)!r}: letters, digits, '-' and '_' only"
+    try:
+        parse_stages(config.pipeline_stage)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -112,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"lamina node: {problem}", file=sys.stderr)
         return 2
-    name, services = node_name(config), frozenset(config.services.split(","))
+    if not config.engine.distributed_address:  # its workers' remote ranks reach it here
+        engine = dataclasses.replace(config.engine, distributed_address=config.address)
+        config = dataclasses.replace(config, engine=engine)
+    name, services = node_name(config), services_of(config)
+    stages = parse_stages(config.pipeline_stage)  # checked
     workers = config.workers if "worker" in services else 0
     http_host = config.http_host or config.address
     model = config.engine.model or ensure_default_model()
@@ -148,12 +181,16 @@ def main(argv: list[str] | None = None) -> int:
         worker_prefix=f"{name}-worker",
         scheduler_id=name,
         workers=workers,
+        stages=tuple(stages),
+        stage_device=config.engine.device,
+        host_name=name,
     )
     return serve(
         stack,
         "lamina node",
         lambda: [
-            f"Lamina node {name} is up: {', '.join(sorted(services))}; {workers} worker(s)",
+            f"Lamina node {name} is up: {', '.join(sorted(services))}; {workers} worker(s)"
+            + "".join(f"; stage {stage} of {worker}" for worker, stage in stages),
             *([f"  OpenAI API   {stack.base_url}/v1"] if "gateway" in services else []),
             *nats_banner(stack),
             *([f"  metrics      {stack.metrics_url}"] if "telemetry" in services else []),
@@ -163,4 +200,4 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
-__all__ = ["NodeConfig", "Peer", "check", "main", "parse_peers"]
+__all__ = ["NodeConfig", "Peer", "check", "main", "parse_peers", "parse_stages"]

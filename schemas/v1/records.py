@@ -119,7 +119,8 @@ class ServiceStarted(Message):
     may only listen)."""
 
     service: Id
-    """``gateway``, ``scheduler``, ``worker`` or ``telemetry``."""
+    """``gateway``, ``scheduler``, ``worker``, ``telemetry`` or ``stage`` (a worker's
+    pipeline stage on another host)."""
     instance: Id
     """Its id (a worker's id, a replica's)."""
     restarts: Count = 0

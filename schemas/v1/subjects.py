@@ -47,6 +47,12 @@ def gateway_alive(gateway_id: str) -> str:
     return f"{PREFIX}.gateway.{gateway_id}.alive"
 
 
+def worker_ranks(worker_id: str) -> str:
+    """Request/reply: a stage host asks the worker how to join its group
+    (``RanksRequest`` → ``RankRendezvous``)."""
+    return f"{PREFIX}.worker.{worker_id}.ranks"
+
+
 def worker_kv_sync(worker_id: str) -> str:
     """Request/reply: a scheduler asks the worker for a ``KvSnapshot`` of its cache."""
     return f"{PREFIX}.worker.{worker_id}.kv.sync"

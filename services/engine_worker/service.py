@@ -43,6 +43,7 @@ from lamina.schemas.v1.control import (
 )
 from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason
 from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
+from lamina.schemas.v1.ranks import RankRendezvous, RanksRequest
 from lamina.schemas.v1.stats import GatewayAlive, WorkerState, WorkerStats
 from lamina.services.engine_worker import wire
 from lamina.services.engine_worker.default_model import with_default_model
@@ -51,6 +52,7 @@ from lamina.services.engine_worker.engine.engine import Engine
 from lamina.services.engine_worker.engine.errors import EngineError, InvalidRequestError
 from lamina.services.engine_worker.engine.grammar import GrammarCompiler
 from lamina.services.engine_worker.engine.outputs import EngineStats
+from lamina.services.engine_worker.engine.remote_ranks import Rendezvous
 from lamina.services.engine_worker.engine.request import EngineRequest
 from lamina.services.engine_worker.engine.spec import EngineSpec
 from lamina.services.engine_worker.engine_thread import (
@@ -134,6 +136,9 @@ class WorkerService:
         """``WorkerStats.numerics`` once the model is loaded, as each ``Accepted`` says."""
         self.bus: Bus | None = None
         self.engine_thread: EngineThread | None = None
+        self.rendezvous: Rendezvous | None = None
+        """What the worker's pipeline stages on other hosts join it by, while its engine
+        waits for them (``remote_ranks.py``)."""
         self.spec: EngineSpec | None = None
         """What the engine is, once built (the event loop never reads the live engine)."""
         self.grammars: GrammarCompiler | None = None
@@ -165,10 +170,20 @@ class WorkerService:
         self._tasks = [asyncio.create_task(self._heartbeat())]
         await self._publish_stats()
         aio = asyncio.get_running_loop()
+        if engine_config.remote_pipeline_stages:  # its stage hosts ask while it starts
+            await bus.subscribe(subjects.worker_ranks(self.worker_id), RanksRequest, self._on_ranks)
+
+        def publish(found: Rendezvous) -> None:  # on the engine thread, while it builds
+            aio.call_soon_threadsafe(setattr, self, "rendezvous", found)
+
         self.engine_thread = EngineThread(
             # Built on the thread that steps it. A hung rank fails its collective well
             # inside the stall timeout, so the failure names the rank, not a stuck thread.
-            lambda: Engine(engine_config, collective_timeout_s=cfg.engine_stall_timeout / 2),
+            lambda: Engine(
+                engine_config,
+                collective_timeout_s=cfg.engine_stall_timeout / 2,
+                publish_rendezvous=publish,
+            ),
             self.worker_id,
             subjects.worker_kv(self.worker_id),
             emit=lambda batch: aio.call_soon_threadsafe(self._outbox.put_nowait, batch),
@@ -186,6 +201,8 @@ class WorkerService:
             self.spec = spec = self.engine_thread.wait_ready()
         except EngineError as exc:  # a checkpoint it cannot load, a rank that cannot start
             raise CannotStart(str(exc)) from exc
+        finally:
+            self.rendezvous = None  # its listener is closed: the group is formed, or failed
         self.grammars = spec.grammar_compiler()
         wid = self.worker_id
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
@@ -210,6 +227,25 @@ class WorkerService:
             engine_config.kv_cache_dtype,
         )
         await announce(bus, "worker", wid)
+
+    async def _on_ranks(self, request: RanksRequest, msg: Msg) -> None:
+        """A stage host asks how to join this worker's group: the rendezvous while the
+        engine waits for its remote ranks; otherwise not ready, and why."""
+        if self.rendezvous is not None:
+            answer = wire.rendezvous(self.rendezvous, self.worker_id, self.incarnation)
+        else:
+            why = (
+                "its group is formed (a new rendezvous comes when it restarts)"
+                if self.spec is not None
+                else "it is starting: its rendezvous comes once its own ranks have started"
+            )
+            answer = RankRendezvous(
+                worker_id=self.worker_id,
+                incarnation=self.incarnation,
+                ready=False,
+                message=f"worker {self.worker_id}: {why}",
+            )
+        await self.bus.reply(msg, answer)
 
     async def _check_id_is_free(self) -> None:
         """Refuse to start under an id a running worker already serves: both would take

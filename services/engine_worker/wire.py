@@ -8,6 +8,10 @@ messages. The core imports no schema; every other shell module speaks the wire.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from lamina.libs.grammar import GrammarError, check
 from lamina.schemas.v1.generate import (
@@ -18,8 +22,10 @@ from lamina.schemas.v1.generate import (
     TokenLogprob,
 )
 from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from lamina.schemas.v1.ranks import RankRendezvous
 from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS, Rank
 from lamina.services.engine_worker.engine import kv_events
+from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.grammar import (
     GrammarCompiler,
     GrammarState,
@@ -27,6 +33,7 @@ from lamina.services.engine_worker.engine.grammar import (
 )
 from lamina.services.engine_worker.engine.outputs import STEP_TOKEN_BUCKETS, Timings
 from lamina.services.engine_worker.engine.params import SamplingParams
+from lamina.services.engine_worker.engine.remote_ranks import Rendezvous
 from lamina.services.engine_worker.engine.request import EngineRequest
 from lamina.services.engine_worker.engine.sampler import SampledLogprob
 from lamina.services.engine_worker.engine.spec import EngineSpec, RankInfo
@@ -99,3 +106,40 @@ def kv_event(event: kv_events.KvEvent) -> KvEvent:
 def rank(info: RankInfo) -> Rank:
     """One of the engine's ranks as a heartbeat lists it."""
     return Rank(**dataclasses.asdict(info))
+
+
+def rendezvous(found: Rendezvous, worker_id: str, incarnation: str) -> RankRendezvous:
+    """What a stage host is told to join this worker's group."""
+    return RankRendezvous(
+        worker_id=worker_id,
+        incarnation=incarnation,
+        ready=True,
+        store=found.store,
+        host=found.host,
+        port=found.port,
+        key=found.key.hex(),
+        digest=found.digest,
+        timeout_s=found.timeout_s,
+        engine=msgspec.to_builtins(found.config, enc_hook=str),  # the model's path
+    )
+
+
+def rendezvous_from(message: RankRendezvous) -> Rendezvous:
+    """The engine's :class:`Rendezvous` from a ready ``message``; ValueError naming what
+    is wrong with one that does not make one (it came over the bus: checked here)."""
+    try:
+        config = msgspec.convert(message.engine, EngineConfig, dec_hook=_path)
+        key = bytes.fromhex(message.key)
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise ValueError(f"a rendezvous that does not decode: {exc}") from exc
+    if not (message.store.startswith("tcp://") and message.host and message.port and key):
+        raise ValueError("a rendezvous without its store, step channel or key")
+    return Rendezvous(
+        message.store, message.host, message.port, key, config, message.digest, message.timeout_s
+    )
+
+
+def _path(kind: type, value: Any) -> Any:
+    if kind is Path and isinstance(value, str):
+        return Path(value)
+    raise NotImplementedError(kind)

@@ -22,12 +22,12 @@ from tests.engine.test_tensor_parallel import GREEDY, no_segment_left  # noqa: F
 TIMEOUT_S = 30.0
 
 
-def _remote_engine(model, stage_model=None, **config) -> tuple[Engine, list[StageRanks]]:
+def _remote_engine(model, **config) -> tuple[Engine, list[StageRanks]]:
     """An engine of two stages, the second started by a stage host from its rendezvous."""
     stages: list[StageRanks] = []
 
     def publish(rendezvous):
-        stages.append(start_stage(rendezvous, 1, stage_model or model, "cpu", "far", TIMEOUT_S))
+        stages.append(start_stage(rendezvous, 1, model, "cpu", "far"))
 
     settings = dict(model=model, max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=32)
     settings |= dict(pipeline_parallel_size=2, remote_pipeline_stages=1) | config
@@ -80,9 +80,9 @@ def test_a_stage_host_refuses_a_checkpoint_that_is_not_the_workers(stories, smal
     def publish(rendezvous):
         seen.append(rendezvous)
         with pytest.raises(ValueError, match="is not the worker's checkpoint"):
-            start_stage(rendezvous, 1, small, "cpu", "far", TIMEOUT_S)
+            start_stage(rendezvous, 1, small, "cpu", "far")
         with pytest.raises(ValueError, match="no pipeline stage 0 on another host"):
-            start_stage(rendezvous, 0, stories, "cpu", "far", TIMEOUT_S)
+            start_stage(rendezvous, 0, stories, "cpu", "far")
         raise KeyboardInterrupt  # nothing will join: stop waiting
 
     with pytest.raises(KeyboardInterrupt):

@@ -61,9 +61,11 @@ def running(
     tmp: Path,
     delay_ms: float = 0.0,
     network: int = 0,
+    extra: dict[str, list[str]] | None = None,
 ) -> Iterator[Cluster]:
-    """Hosts named by ``roles`` (host -> its ``--services``), each a node; removed on exit.
-    Returns once the nodes are spawned: wait with :func:`converge`."""
+    """Hosts named by ``roles`` (host -> its ``--services``), each a node (``extra``:
+    more flags of some host's); removed on exit. Returns once the nodes are spawned: wait
+    with :func:`converge`."""
     home = tmp / "home"
     env = {**os.environ, "LAMINA_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     identities = [f"worker.{w}" for w in sorted(workers_of(roles))]
@@ -88,7 +90,7 @@ def running(
             host.spawn(
                 [*LAMINA, "node", "--address", host.address, "--peers", peers,
                  "--node-name", name, "--services", roles[name], *placement,
-                 "--model", str(model), *engine],
+                 "--model", str(model), *engine, *(extra or {}).get(name, [])],
                 env,
                 "node",
             )  # fmt: skip

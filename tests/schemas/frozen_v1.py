@@ -339,6 +339,27 @@ class BusHealth(Message):
     reconnects: int = 0
 
 
+# --- ranks.py -----------------------------------------------------------------------------
+
+
+class RanksRequest(Message):
+    stage: int
+
+
+class RankRendezvous(Message):
+    worker_id: str
+    incarnation: str
+    ready: bool
+    message: str = ""
+    store: str = ""
+    host: str = ""
+    port: int = 0
+    key: str = ""
+    digest: str = ""
+    timeout_s: float = 0.0
+    engine: dict = {}
+
+
 #: Every frozen message type by name (its wire tag).
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls

@@ -62,6 +62,7 @@ from lamina.schemas.v1.kv import (
     KvSnapshot,
     KvSyncRequest,
 )
+from lamina.schemas.v1.ranks import RankRendezvous, RanksRequest
 from lamina.schemas.v1.records import (
     BusHealth,
     PlacementRecord,
@@ -365,6 +366,20 @@ def golden_instances() -> dict[str, Message]:
             disconnects=2,
             reconnects=2,
             refused=3,
+        ),
+        RanksRequest(stage=1),
+        RankRendezvous(
+            worker_id=worker_id,
+            incarnation="5c1e0a9b7d3f4e21",
+            ready=True,
+            message="joining pipeline stage 1 of 2",
+            store="tcp://10.0.0.1:41234",
+            host="10.0.0.1",
+            port=41235,
+            key="9f" * 32,
+            digest="3b" * 32,
+            timeout_s=30.0,
+            engine={"model": "/models/lamina-small", "pipeline_parallel_size": 2},
         ),
     ]
     return {type(instance).__name__: instance for instance in instances}

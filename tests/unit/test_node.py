@@ -7,7 +7,7 @@ import pytest
 from lamina.libs.config import parse_config
 from lamina.libs.nats_server import ROUTE_USER, NatsCluster
 from lamina.services import node
-from lamina.services.node import NodeConfig, Peer, parse_peers
+from lamina.services.node import NodeConfig, Peer, parse_peers, parse_stages
 
 
 def test_peers_take_this_hosts_ports_unless_they_name_their_own():
@@ -33,6 +33,9 @@ def test_a_malformed_peer_is_refused_by_name(bad):
         (["--address", "a", "--peers", "b", "--nats-url", "nats://c"], "exclude each other"),
         (["--address", "a", "--peers", "b", "--services", "gateway,cache"], "--services"),
         (["--address", "a", "--peers", "b", "--node-name", "host.one"], "--node-name"),
+        (["--address", "a", "--peers", "b", "--services", ""], "--services"),
+        (["--address", "a", "--peers", "b", "--pipeline-stage", "w-0"], "--pipeline-stage"),
+        (["--address", "a", "--peers", "b", "--pipeline-stage", "w-0:0"], "--pipeline-stage"),
     ],
 )
 def test_a_node_that_cannot_work_is_refused_before_anything_starts(argv, problem, capsys):
@@ -44,6 +47,15 @@ def test_a_node_that_cannot_work_is_refused_before_anything_starts(argv, problem
 def test_a_valid_node_passes_its_checks():
     argv = ["--address", "10.0.0.1", "--peers", "10.0.0.2", "--services", "worker"]
     assert node.check(parse_config(NodeConfig, argv, env={})) is None
+    # A host that only runs another host's worker's pipeline stage.
+    argv = ["--address", "10.0.0.2", "--peers", "10.0.0.1", "--services", ""]
+    argv += ["--pipeline-stage", "a-worker-0:1"]
+    assert node.check(parse_config(NodeConfig, argv, env={})) is None
+
+
+def test_pipeline_stages_name_a_worker_and_a_stage_after_its_first():
+    assert parse_stages("a-worker-0:1, a-worker-1:2") == [("a-worker-0", 1), ("a-worker-1", 2)]
+    assert parse_stages("") == []
 
 
 def test_the_cluster_block_routes_to_every_peer_and_authenticates_routes_with_the_secret():

@@ -1,6 +1,7 @@
 """The step channel of a parallel engine's remote ranks (``remote_ranks.py``): real
 sockets on loopback. Only a peer that proves the rendezvous's key, and names a rank the
-driver waits for, gets through; anything else is dropped and the listener goes on."""
+driver waits for, gets through; anything else is dropped and the listener goes on. And
+the rendezvous on the wire (``wire.py``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
+import msgspec
 import pytest
 
+from lamina.libs.bus import decoder, encode
+from lamina.schemas.v1.ranks import RankRendezvous
+from lamina.services.engine_worker import wire
 from lamina.services.engine_worker.engine import remote_ranks
+from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.remote_ranks import (
+    Rendezvous,
     StepListener,
     checkpoint_digest,
     connect,
@@ -108,3 +116,20 @@ def test_a_checkpoint_digest_tells_apart_weights_that_share_their_shapes(tmp_pat
         (tmp_path / name / "model.safetensors").write_bytes(fill * 4096)
     a, b = checkpoint_digest(tmp_path / "a"), checkpoint_digest(tmp_path / "b")
     assert a != b and a == checkpoint_digest(tmp_path / "a")
+
+
+def test_a_rendezvous_crosses_the_wire_and_one_that_makes_none_is_refused():
+    config = EngineConfig(model=Path("/m"), pipeline_parallel_size=2, remote_pipeline_stages=1)
+    sent = Rendezvous("tcp://10.0.0.1:4100", "10.0.0.1", 4101, b"k" * 32, config, "d1", 30.0)
+    received = decoder(RankRendezvous).decode(encode(wire.rendezvous(sent, "w-0", "inc")))
+    assert wire.rendezvous_from(received) == sent
+    for bad in (
+        {"key": "not hex"},
+        {"key": ""},
+        {"port": 0},
+        {"store": "file:///etc/passwd"},
+        {"engine": {"tensor_parallel_size": "two"}},
+        {"engine": {"remote_pipeline_stages": 3}},  # more than its stages
+    ):
+        with pytest.raises(ValueError):
+            wire.rendezvous_from(msgspec.structs.replace(received, **bad))

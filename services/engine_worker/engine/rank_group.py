@@ -234,13 +234,14 @@ class RankGroup:
             listener.key,
             config,
             checkpoint_digest(config.model),  # type: ignore[arg-type]
+            self.timeout_s,
         )
         if publish is not None:
             publish(rendezvous)
+        first, last = self.local_size // self.tp_size, self.pp_size - 1
         log.info(
-            "waiting for pipeline stage(s) %d-%d to join from other hosts (step channel %s:%d)",
-            self.local_size // self.tp_size,
-            self.pp_size - 1,
+            "waiting for pipeline stage%s to join from other hosts (step channel %s:%d)",
+            f" {first}" if first == last else f"s {first}-{last}",
             listener.host,
             listener.port,
         )
@@ -575,14 +576,13 @@ class StageRanks:
 
 
 def start_stage(
-    rendezvous: Rendezvous, stage: int, model: Path, device: str, host: str, timeout_s: float
+    rendezvous: Rendezvous, stage: int, model: Path, device: str, host: str
 ) -> StageRanks:
     """Start pipeline stage ``stage``'s ranks for the driver that published
     ``rendezvous``: on ``device`` (the stage's tensor-parallel rank ``i`` on the ``i``-th
     CUDA device after it), from ``model``, this host's copy of the driver's checkpoint
     (ValueError if it is not the same, or the driver runs no such stage elsewhere).
-    ``host`` names this host in the ranks' reports; ``timeout_s`` bounds their
-    collectives (the driver's is the worker's; a stage host uses its own)."""
+    ``host`` names this host in the ranks' reports."""
     config = rendezvous.config
     first_remote = config.pipeline_parallel_size - config.remote_pipeline_stages
     if not first_remote <= stage < config.pipeline_parallel_size:
@@ -606,8 +606,8 @@ def start_stage(
         rank = stage * tp_size + index
         proc = context.Process(
             target=_rank_main,
-            args=(rendezvous, config, rank, index, rendezvous.store, timeout_s, threads),
-            kwargs={"parent": os.getpid(), "segments": segments, "host": host},
+            args=(rendezvous, config, rank, index, rendezvous.store, rendezvous.timeout_s),
+            kwargs={"threads": threads, "parent": os.getpid(), "segments": segments, "host": host},
             name=f"lamina-rank-{rank}",
             daemon=True,
         )

@@ -75,6 +75,9 @@ class Rendezvous:
     """The driver's engine configuration."""
     digest: str
     """The driver's :func:`checkpoint_digest`."""
+    timeout_s: float
+    """Most seconds a collective of the group waits (the worker's, derived from its
+    stall timeout: every rank fails a hung one alike)."""
 
 
 # ------------------------------------------------------------------------- the handshake
