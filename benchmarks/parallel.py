@@ -44,7 +44,12 @@ from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
 from lamina.services.engine_worker.engine.parallel import TensorParallel
 from lamina.services.engine_worker.engine.params import SamplingParams
-from lamina.services.engine_worker.engine.rank_group import StageRanks, pack, start_stage
+from lamina.services.engine_worker.engine.rank_group import (
+    StageRanks,
+    pack,
+    rank_threads,
+    start_stage,
+)
 from lamina.services.engine_worker.engine.remote_ranks import Rendezvous
 from lamina.services.engine_worker.engine.runner import StepInput
 
@@ -146,9 +151,11 @@ def all_reduce_us() -> dict[str, float]:
 
 def _stage(found: Rendezvous) -> StageRanks:
     """Stage 1 started as a stage host on another host would start it: from the
-    rendezvous, over the step channel and the network store (here on loopback)."""
+    rendezvous, over the step channel and the network store (here on loopback, so with
+    a local stage's threads: this host's cores are shared)."""
     config = found.config
-    return start_stage(found, 1, config.model, config.device, "remote")  # type: ignore[arg-type]
+    model, threads = config.model, rank_threads(config)
+    return start_stage(found, 1, model, config.device, "remote", threads)  # type: ignore[arg-type]
 
 
 def throughput(args: argparse.Namespace) -> None:

@@ -576,13 +576,19 @@ class StageRanks:
 
 
 def start_stage(
-    rendezvous: Rendezvous, stage: int, model: Path, device: str, host: str
+    rendezvous: Rendezvous,
+    stage: int,
+    model: Path,
+    device: str,
+    host: str,
+    threads: int | None = None,
 ) -> StageRanks:
     """Start pipeline stage ``stage``'s ranks for the driver that published
     ``rendezvous``: on ``device`` (the stage's tensor-parallel rank ``i`` on the ``i``-th
     CUDA device after it), from ``model``, this host's copy of the driver's checkpoint
     (ValueError if it is not the same, or the driver runs no such stage elsewhere).
-    ``host`` names this host in the ranks' reports."""
+    ``host`` names this host in the ranks' reports; on a CPU each rank runs ``threads``
+    torch threads (default: this host's cores split between them)."""
     config = rendezvous.config
     first_remote = config.pipeline_parallel_size - config.remote_pipeline_stages
     if not first_remote <= stage < config.pipeline_parallel_size:
@@ -599,7 +605,7 @@ def start_stage(
     tp_size = config.tensor_parallel_size
     stages = range(stage, stage + 1)
     segments = _make_segments(config, rank_device(device, 0), stages)
-    threads = max(1, (os.cpu_count() or 1) // tp_size)
+    threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
     context = multiprocessing.get_context("spawn")
     procs = []
     for index in range(tp_size):
