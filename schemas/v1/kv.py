@@ -8,24 +8,37 @@ as ``KvSnapshot`` parts, the events after ``next_event_id`` applying on top.
 
 from __future__ import annotations
 
-from lamina.schemas.v1.base import Id, Message
+from lamina.schemas.v1.base import Id, Message, OpenEnum
+
+
+class Medium(OpenEnum):
+    """Where a worker holds a cached block: its device pool, or its host tier (evicted
+    blocks that a hit loads back, cheaper than computing them, dearer than a device
+    hit). A reader that meets ``unknown`` (a newer worker's tier) keeps it apart from
+    both."""
+
+    DEVICE = "device"
+    HOST = "host"
+    UNKNOWN = "unknown"
 
 
 class BlockStored(Message, frozen=True):
-    """Consecutive full blocks of one sequence became reusable."""
+    """Consecutive full blocks of one sequence became reusable, in ``medium``."""
 
     event_id: int
     parent_hash: int
     """Hash of the block before the first one here (``ROOT_HASH`` at a sequence start)."""
     block_hashes: list[int]
     """Chained hashes (``lamina.libs.block_hash``), in sequence order."""
+    medium: Medium = Medium.DEVICE
 
 
 class BlockRemoved(Message, frozen=True):
-    """Blocks were evicted and can no longer be hit."""
+    """Blocks left ``medium``: they can no longer be hit there."""
 
     event_id: int
     block_hashes: list[int]
+    medium: Medium = Medium.DEVICE
 
 
 class AllBlocksCleared(Message, frozen=True):
@@ -63,5 +76,8 @@ class KvSnapshot(Message):
     block_size: int
     next_event_id: int
     block_hashes: list[int]
+    """The blocks cached on the device."""
     part: int = 0
     last: bool = True
+    host_block_hashes: list[int] = []
+    """The blocks in the host tier (some may be on the device as well)."""

@@ -121,6 +121,14 @@ class WorkerStats(Message, gc=False):
     ranks."""
     ranks: Annotated[list[Rank], msgspec.Meta(max_length=MAX_RANKS)] = []
     """Each of them once loaded, rank 0 (the worker's own process) first."""
+    host_kv_blocks: Count = 0
+    """Its KV host tier's capacity in blocks (``--kv-offload-bytes``; 0: none): prefix
+    blocks evicted from the device wait there to be loaded back."""
+    host_kv_blocks_used: Count = 0
+    host_kv_loads_total: Count = 0
+    """Blocks loaded back from the host tier instead of computed (cumulative)."""
+    host_kv_saves_total: Count = 0
+    """Evicted blocks saved to the host tier (cumulative)."""
 
     def numerics(self) -> str:
         """What a stream's tokens depend on beyond the model and the request: the device

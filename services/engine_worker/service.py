@@ -360,22 +360,24 @@ class WorkerService:
         """Answer a scheduler that lost track of this worker's cache with all of it."""
         if not msg.reply:
             return
-        taken: list[tuple[list[int], int]] = []
+        taken: list[tuple[list[int], list[int], int]] = []
         done = self.engine_thread.call(lambda engine: taken.append(engine.blocks.snapshot()))
         if not await asyncio.to_thread(done.wait, 5.0) or not taken:
             log.warning("no KV snapshot within 5 s; the scheduler will ask again")
             return
-        hashes, next_event_id = taken[0]
-        parts = [hashes[i : i + SNAPSHOT_PART] for i in range(0, len(hashes), SNAPSHOT_PART)]
-        for n, part in enumerate(parts or [[]]):
+        device, host, next_event_id = taken[0]
+        count = max(1, -(-max(len(device), len(host)) // SNAPSHOT_PART))
+        for n in range(count):
+            part = slice(n * SNAPSHOT_PART, (n + 1) * SNAPSHOT_PART)
             snapshot = KvSnapshot(
                 worker_id=self.worker_id,
                 incarnation=self.incarnation,
                 block_size=self.spec.block_size,
                 next_event_id=next_event_id,
-                block_hashes=part,
+                block_hashes=device[part],
+                host_block_hashes=host[part],
                 part=n,
-                last=n >= len(parts) - 1,
+                last=n == count - 1,
             )
             await self.bus.publish(msg.reply, snapshot)
 

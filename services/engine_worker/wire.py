@@ -21,7 +21,7 @@ from lamina.schemas.v1.generate import (
     StructuredOutput,
     TokenLogprob,
 )
-from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Medium
 from lamina.schemas.v1.ranks import RankRendezvous
 from lamina.schemas.v1.stats import ITERATION_TOKEN_BUCKETS, Rank
 from lamina.services.engine_worker.engine import kv_events
@@ -94,10 +94,14 @@ def token_logprobs(logprobs: list[SampledLogprob] | None) -> list[TokenLogprob] 
 
 def kv_event(event: kv_events.KvEvent) -> KvEvent:
     match event:
-        case kv_events.BlockStored(event_id=n, parent_hash=parent, block_hashes=hashes):
-            return BlockStored(event_id=n, parent_hash=parent, block_hashes=hashes)
-        case kv_events.BlockRemoved(event_id=n, block_hashes=hashes):
-            return BlockRemoved(event_id=n, block_hashes=hashes)
+        case kv_events.BlockStored(
+            event_id=n, parent_hash=parent, block_hashes=hashes, medium=medium
+        ):
+            return BlockStored(
+                event_id=n, parent_hash=parent, block_hashes=hashes, medium=Medium(medium)
+            )
+        case kv_events.BlockRemoved(event_id=n, block_hashes=hashes, medium=medium):
+            return BlockRemoved(event_id=n, block_hashes=hashes, medium=Medium(medium))
         case kv_events.AllBlocksCleared(event_id=n):
             return AllBlocksCleared(event_id=n)
     raise TypeError(f"not a KV event: {event!r}")

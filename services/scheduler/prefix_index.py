@@ -7,11 +7,12 @@ block ``i`` of a prompt cached has the whole prefix up to it in the same sequenc
 walk stops for a worker at its first miss.
 
 Each cached block is one entry, ``hash -> bitmask of worker slots``, per block size, and
-each worker keeps the set of hashes it holds (to clear them when it resets its cache,
-dies or restarts). A worker's events are applied in ``event_id`` order; a gap means
-events were lost, and the worker is marked unsynced: its entries are dropped, and the
-service asks it for a snapshot (``KvSnapshot``), buffering the events that arrive
-meanwhile and applying those the snapshot does not already cover.
+each worker keeps the hashes it holds (to clear them when it resets its cache, dies or
+restarts), each with the media it holds it in (its device pool, its host tier: a worker
+holds a block while it has it in either). A worker's events are applied in ``event_id``
+order; a gap means events were lost, and the worker is marked unsynced: its entries are
+dropped, and the service asks it for a snapshot (``KvSnapshot``), buffering the events
+that arrive meanwhile and applying those the snapshot does not already cover.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lamina.libs.block_hash import ROOT_HASH, hash_block
-from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Medium
 
 MAX_BUFFERED_EVENTS = 10_000
 """Events kept per worker while its snapshot is awaited; beyond this it resyncs again."""
+_MEDIA = {Medium.DEVICE: 1, Medium.HOST: 2}
+_ELSEWHERE = 4
+"""The bit of a medium this index does not know (a newer worker's): kept apart."""
 
 
 @dataclass
@@ -34,7 +38,8 @@ class WorkerKv:
     block_size: int
     incarnation: str
     next_event_id: int = 0
-    hashes: set[int] = field(default_factory=set)
+    hashes: dict[int, int] = field(default_factory=dict)
+    """Each block it holds -> the media it holds it in (a bitmask)."""
     synced: bool = True
     """False from a gap until its snapshot is applied."""
     buffered: list[KvEvent] = field(default_factory=list)
@@ -80,15 +85,14 @@ class PrefixIndex:
         block_size: int,
         block_hashes: list[int],
         next_event_id: int,
+        host_block_hashes: list[int] = (),  # type: ignore[assignment]
     ) -> None:
-        """Replace a worker's entries with its snapshot (its cache as of ``next_event_id``),
-        then apply what was buffered after it."""
+        """Replace a worker's entries with its snapshot (its cache as of ``next_event_id``:
+        its device's blocks and its host tier's), then apply what was buffered after it."""
         kv = self._worker(worker_id, incarnation, block_size)
         self._clear(kv)
-        owners, bit = self._owners.setdefault(kv.block_size, {}), 1 << kv.slot
-        for block_hash in block_hashes:
-            owners[block_hash] = owners.get(block_hash, 0) | bit
-        kv.hashes = set(block_hashes)
+        self._store(kv, block_hashes, _MEDIA[Medium.DEVICE])
+        self._store(kv, host_block_hashes, _MEDIA[Medium.HOST])
         kv.next_event_id = next_event_id
         kv.synced = True
         buffered, kv.buffered = kv.buffered, []
@@ -138,25 +142,32 @@ class PrefixIndex:
         kv.synced = False
 
     def _apply_one(self, kv: WorkerKv, event: KvEvent) -> None:
-        owners, bit = self._owners.setdefault(kv.block_size, {}), 1 << kv.slot
         match event:
-            case BlockStored(block_hashes=hashes):
+            case BlockStored(block_hashes=hashes, medium=medium):
+                self._store(kv, hashes, _MEDIA.get(medium, _ELSEWHERE))
+            case BlockRemoved(block_hashes=hashes, medium=medium):
+                owners, bit = self._owners.setdefault(kv.block_size, {}), 1 << kv.slot
+                gone = _MEDIA.get(medium, _ELSEWHERE)
                 for block_hash in hashes:
-                    owners[block_hash] = owners.get(block_hash, 0) | bit
-                kv.hashes.update(hashes)
-            case BlockRemoved(block_hashes=hashes):
-                for block_hash in hashes:
-                    if block_hash in kv.hashes:
-                        kv.hashes.discard(block_hash)
+                    media = kv.hashes.get(block_hash, 0) & ~gone
+                    if media:
+                        kv.hashes[block_hash] = media
+                    elif kv.hashes.pop(block_hash, None) is not None:
                         self._unset(owners, block_hash, bit)
             case AllBlocksCleared():
                 self._clear(kv)
+
+    def _store(self, kv: WorkerKv, hashes: list[int], media: int) -> None:
+        owners, bit = self._owners.setdefault(kv.block_size, {}), 1 << kv.slot
+        for block_hash in hashes:
+            owners[block_hash] = owners.get(block_hash, 0) | bit
+            kv.hashes[block_hash] = kv.hashes.get(block_hash, 0) | media
 
     def _clear(self, kv: WorkerKv) -> None:
         owners, bit = self._owners.get(kv.block_size, {}), 1 << kv.slot
         for block_hash in kv.hashes:
             self._unset(owners, block_hash, bit)
-        kv.hashes = set()
+        kv.hashes = {}
 
     @staticmethod
     def _unset(owners: dict[int, int], block_hash: int, bit: int) -> None:

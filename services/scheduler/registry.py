@@ -68,8 +68,9 @@ class Registry:
         """Replace a worker's index entries with its snapshot (all its parts)."""
         first = parts[0]
         hashes = [h for part in parts for h in part.block_hashes]
+        host = [h for part in parts for h in part.host_block_hashes]
         self.index.restore(
-            first.worker_id, first.incarnation, first.block_size, hashes, first.next_event_id
+            first.worker_id, first.incarnation, first.block_size, hashes, first.next_event_id, host
         )
 
     def assume_synced(self, worker_id: str) -> None:

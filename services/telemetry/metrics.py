@@ -111,6 +111,14 @@ WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
         "Pipeline stages the worker's model's layers are split across.",
         lambda s: s.pipeline_parallel_size,
     ),
+    "host_kv_blocks": (
+        "Blocks the worker's KV host tier holds at most (0: no tier).",
+        lambda s: s.host_kv_blocks,
+    ),
+    "host_kv_blocks_used": (
+        "Blocks in the worker's KV host tier.",
+        lambda s: s.host_kv_blocks_used,
+    ),
 }
 
 #: Per-worker counters from the worker's cumulative totals: name → (help, value).
@@ -130,6 +138,14 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
     ),
     "generation_tokens_total": ("Tokens generated.", lambda s: s.generation_tokens_total),
     "num_preemptions_total": ("Requests preempted.", lambda s: s.num_preemptions),
+    "host_kv_loads_total": (
+        "KV blocks loaded back from the host tier instead of computed.",
+        lambda s: s.host_kv_loads_total,
+    ),
+    "host_kv_saves_total": (
+        "Evicted KV blocks saved to the host tier.",
+        lambda s: s.host_kv_saves_total,
+    ),
 }
 
 

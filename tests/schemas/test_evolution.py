@@ -61,6 +61,7 @@ from lamina.schemas.v1.kv import (
     KvEventBatch,
     KvSnapshot,
     KvSyncRequest,
+    Medium,
 )
 from lamina.schemas.v1.ranks import RankRendezvous, RanksRequest
 from lamina.schemas.v1.records import (
@@ -180,6 +181,10 @@ def golden_instances() -> dict[str, Message]:
             )
             for rank in range(4)
         ],
+        host_kv_blocks=65536,
+        host_kv_blocks_used=40960,
+        host_kv_loads_total=1024,
+        host_kv_saves_total=52000,
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [
@@ -277,8 +282,8 @@ def golden_instances() -> dict[str, Message]:
         BadMessage(
             subject="lamina.v1.sched.submit", error="Object missing required field `request_id`"
         ),
-        BlockStored(event_id=41, parent_hash=0, block_hashes=hashes),
-        BlockRemoved(event_id=42, block_hashes=hashes[2:]),
+        BlockStored(event_id=41, parent_hash=0, block_hashes=hashes, medium=Medium.HOST),
+        BlockRemoved(event_id=42, block_hashes=hashes[2:], medium=Medium.HOST),
         AllBlocksCleared(event_id=43),
         KvEventBatch(
             worker_id=worker_id,
@@ -299,6 +304,7 @@ def golden_instances() -> dict[str, Message]:
             block_hashes=hashes,
             part=1,
             last=False,
+            host_block_hashes=hashes[1:],
         ),
         RequestRecord(
             request_id=request_id,

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from lamina.libs.block_hash import ROOT_HASH
-from lamina.services.engine_worker.engine.block_manager import BlockManager
+from lamina.services.engine_worker.engine.block_manager import (
+    NO_HIT,
+    NO_TRANSFERS,
+    BlockManager,
+    PrefixHit,
+)
 from lamina.services.engine_worker.engine.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
 )
+from lamina.services.engine_worker.engine.kv_tier import TierIndex
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.request import Request
 
@@ -21,9 +27,9 @@ def req(request_id: str, tokens: list[int]) -> Request:
     return r
 
 
-def compute_all(bm: BlockManager, r: Request, hit: list[int] | None = None) -> None:
+def compute_all(bm: BlockManager, r: Request, hit: PrefixHit = NO_HIT) -> None:
     """Admit ``r`` (with its prefix hit), pretend its tokens were computed, cache them."""
-    assert bm.allocate(r, r.num_tokens - len(hit or []) * BS, hit) is not None
+    assert bm.allocate(r, r.num_tokens - len(hit) * BS, hit) is not None
     r.num_computed_tokens = r.num_tokens
     bm.cache_computed_blocks(r)
 
@@ -54,14 +60,14 @@ def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute():
     compute_all(bm, a)
     b = req("b", list(range(12)))  # identical: the last block must still be computed
     hit = bm.match_prefix(b)
-    assert hit == [0, 1]
+    assert hit.blocks == [0, 1]
     assert bm.allocate(b, 4, hit) == [0, 1, 3]
     assert bm.block_table(b) == [0, 1, 3]
     assert b.num_computed_tokens == 0  # the scheduler advances it, not the block manager
     assert bm.ref_counts[:4] == [2, 2, 1, 1]
     c = req("c", [*range(8), 99, 98])
-    assert bm.match_prefix(c) == [0, 1]
-    assert bm.match_prefix(req("d", [5, *range(1, 12)])) == []
+    assert bm.match_prefix(c).blocks == [0, 1]
+    assert bm.match_prefix(req("d", [5, *range(1, 12)])).blocks == []
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_lru_tail_first():
@@ -80,8 +86,8 @@ def test_freed_blocks_stay_cached_and_are_evicted_lru_tail_first():
     c = req("c", list(range(200, 216)))  # 4 blocks: reuses 4, 5, then evicts 1, 0
     assert bm.allocate(c, 16) == [4, 5, 1, 0]
     assert [type(e) for e in bm.take_events()] == [BlockRemoved, BlockRemoved]
-    assert bm.match_prefix(req("a2", [*range(8), 7])) == []  # a's prefix is gone
-    assert bm.match_prefix(req("b2", list(range(100, 110)))) == [2, 3]  # b's survives
+    assert bm.match_prefix(req("a2", [*range(8), 7])).blocks == []  # a's prefix is gone
+    assert bm.match_prefix(req("b2", list(range(100, 110)))).blocks == [2, 3]  # b's survives
 
 
 def test_cache_hit_revives_a_free_block():
@@ -91,7 +97,7 @@ def test_cache_hit_revives_a_free_block():
     bm.free_request(a)
     b = req("b", list(range(9)))
     hit = bm.match_prefix(b)
-    assert hit == [0, 1]
+    assert hit.blocks == [0, 1]
     assert bm.allocate(b, 1, hit) == [0, 1, 2]
     assert 0 not in bm.free and 1 not in bm.free
     assert bm.ref_counts == [1, 1, 1, 0]
@@ -146,5 +152,49 @@ def test_prefix_caching_off_never_caches():
     a = req("a", list(range(8)))
     compute_all(bm, a)
     bm.free_request(a)
-    assert bm.match_prefix(req("b", list(range(9)))) == []
+    assert bm.match_prefix(req("b", list(range(9)))).blocks == []
     assert bm.take_events() == [] and bm.cached == {}
+
+
+# --------------------------------------------------------------------------- host tier
+def test_evicted_blocks_go_to_the_host_tier_and_a_prefix_there_is_loaded_back():
+    bm = BlockManager(num_blocks=4, block_size=BS, tier=TierIndex(3))
+    a = req("a", list(range(12)))  # 3 blocks
+    compute_all(bm, a)
+    bm.free_request(a)
+    bm.take_events()
+    b = req("b", list(range(100, 116)))
+    compute_all(bm, b)  # 4 blocks: a's 3 are evicted (tail first) and saved
+    moves = bm.take_transfers()
+    assert moves.saves.T.tolist() == [[2, 0], [1, 1], [0, 2]]  # (device block, slot)
+    events = bm.take_events()
+    assert [(type(e).__name__, e.medium) for e in events[:2]] == [
+        ("BlockRemoved", "device"),
+        ("BlockStored", "host"),
+    ]
+    assert bm.take_transfers() is NO_TRANSFERS  # taken once
+    bm.free_request(b)
+    again = req("a2", [*range(12), 50])
+    hit = bm.match_prefix(again)
+    assert hit.blocks == [None, None, None] and len(hit.loads) == 3
+    added = bm.allocate(again, 1, hit)
+    assert added is not None and len(added) == 4
+    moves = bm.take_transfers()
+    assert moves.loads[0].tolist() == [2, 1, 0]  # slots, in the prompt's order
+    assert moves.loads[1].tolist() == added[:3]
+    assert bm.tier_loads == 3
+    # b's blocks, evicted to make room for the loads, found every slot pinned by this
+    # step's loads: dropped, as without a tier. The tier keeps what it loaded back.
+    assert moves.saves.shape == (2, 0)
+    assert len(bm.tier) == 3 and all(h in bm.tier for h in again.block_hashes[:3])
+
+
+def test_a_full_tier_reuses_its_least_recently_used_slot_but_never_one_a_step_moves():
+    tier = TierIndex(2)
+    assert tier.put(1, 0) == (0, None)
+    assert tier.put(2, 1) == (1, None)
+    assert tier.put(3, 2) is None  # both slots written this step
+    tier.step_taken()
+    assert tier.take(1) == 0  # a load: most recently used, and pinned
+    assert tier.put(3, 2) == (1, 2)  # displaces 2, the least recently used unpinned
+    assert 2 not in tier and tier.hashes() == [1, 3]

@@ -4,7 +4,7 @@ events buffered meanwhile; dead and restarted workers; one walk over a prompt.""
 from __future__ import annotations
 
 from lamina.libs.block_hash import ROOT_HASH, hash_blocks
-from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored
+from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, Medium
 from lamina.services.scheduler.prefix_index import PrefixIndex
 
 BS = 4
@@ -40,6 +40,32 @@ def test_removed_and_cleared_blocks_stop_matching():
     # Removing a hash the worker does not hold leaves the other workers' entries alone.
     index.apply("b", "i1", BS, [BlockRemoved(event_id=2, block_hashes=HASHES[:1])])
     assert index.overlap(PROMPT, ["a"]) == {"a": 2}
+
+
+def test_a_block_counts_while_the_worker_holds_it_on_its_device_or_in_its_host_tier():
+    index = PrefixIndex()
+    host, device = Medium.HOST, Medium.DEVICE
+    events = [
+        stored(0, HASHES[:3]),
+        # Block 2 evicted to the host tier, then dropped from it; block 1 evicted to the
+        # tier and loaded back (held in both), then evicted from the device again.
+        BlockRemoved(event_id=1, block_hashes=HASHES[2:3]),
+        BlockStored(event_id=2, parent_hash=HASHES[1], block_hashes=HASHES[2:3], medium=host),
+        BlockRemoved(event_id=3, block_hashes=HASHES[1:2]),
+        BlockStored(event_id=4, parent_hash=HASHES[0], block_hashes=HASHES[1:2], medium=host),
+        BlockStored(event_id=5, parent_hash=HASHES[0], block_hashes=HASHES[1:2], medium=device),
+    ]
+    assert index.apply("a", "i1", BS, events)
+    assert index.overlap(PROMPT, ["a"]) == {"a": 3}
+    assert index.apply("a", "i1", BS, [BlockRemoved(event_id=6, block_hashes=HASHES[1:2])])
+    assert index.overlap(PROMPT, ["a"]) == {"a": 3}  # still in the tier
+    gone = BlockRemoved(event_id=7, block_hashes=HASHES[2:3], medium=host)
+    assert index.apply("a", "i1", BS, [gone])
+    assert index.overlap(PROMPT, ["a"]) == {"a": 2}
+    # A snapshot says which blocks are where.
+    index.restore("b", "i1", BS, HASHES[:1], 0, host_block_hashes=HASHES[:4])
+    assert index.apply("b", "i1", BS, [BlockRemoved(event_id=0, block_hashes=HASHES[:1])])
+    assert index.overlap(PROMPT, ["b"]) == {"b": 4}
 
 
 def test_a_gap_drops_the_worker_until_its_snapshot_and_keeps_later_events():

@@ -6,13 +6,16 @@ from __future__ import annotations
 import numpy as np
 
 from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
+from lamina.services.engine_worker.engine.block_manager import NO_TRANSFERS, Transfers
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.rank_group import pack, unpack
 from lamina.services.engine_worker.engine.request import Request
 from lamina.services.engine_worker.engine.runner import StepInput
 
 
-def _step(extra: list[int] | None, decodes_only: bool = False) -> StepInput:
+def _step(
+    extra: list[int] | None, decodes_only: bool = False, transfers: Transfers = NO_TRANSFERS
+) -> StepInput:
     decode = Request("d", [1, 2, 3, 4, 5], SamplingParams(), max_tokens=8)
     decode.num_computed_tokens = 4
     prefill = Request("p", list(range(10, 40)), SamplingParams(), max_tokens=8)
@@ -27,15 +30,19 @@ def _step(extra: list[int] | None, decodes_only: bool = False) -> StepInput:
         batch = ScheduledBatch(
             requests=[decode], num_new_tokens=[1], block_tables=[[3]], num_decodes=1
         )
-    return StepInput.of(batch, 16, extra)
+    return StepInput.of(batch, 16, extra, transfers)
 
 
 def test_a_packed_step_unpacks_to_the_same_step():
-    for step in (_step(None), _step([2, 4]), _step(None, decodes_only=True)):
+    moves = Transfers(np.array([[7, 8], [0, 1]]), np.array([[2], [7]]))  # save 7, 8; load 2
+    steps = (_step(None), _step([2, 4]), _step(None, decodes_only=True), _step(None, False, moves))
+    for step in steps:
         got = unpack(pack(step))
-        for field in ("ids", "positions", "slots", "num_new", "context", "table", "sampled"):
+        fields = ("ids", "positions", "slots", "num_new", "context", "table", "sampled")
+        for field in (*fields, "saves", "loads"):
             np.testing.assert_array_equal(getattr(got, field), getattr(step, field))
         assert got.table.shape == step.table.shape
+        assert got.saves.shape == step.saves.shape and got.loads.shape == step.loads.shape
         flags = ("num_decodes", "decodes_only", "all_sampled")
         assert [getattr(got, f) for f in flags] == [getattr(step, f) for f in flags]
         assert got.ids.flags.writeable  # torch takes it without a copy warning

@@ -15,7 +15,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from lamina.services.engine_worker.engine.block_manager import BlockManager
+from lamina.services.engine_worker.engine.block_manager import NO_HIT, BlockManager
 from lamina.services.engine_worker.engine.request import Request, Status
 
 
@@ -107,7 +107,8 @@ class BatchScheduler:
         ):
             request = self.waiting[0][1]
             # A request that wants its prompt's logprobs computes the whole prompt.
-            hit = [] if request.prompt_logprobs is not None else self.blocks.match_prefix(request)
+            wants_logprobs = request.prompt_logprobs is not None
+            hit = NO_HIT if wants_logprobs else self.blocks.match_prefix(request)
             if self._being_computed(request, len(hit), computing):
                 break  # a running request is computing its next blocks: wait, then share
             num_new = request.num_tokens - len(hit) * self.blocks.block_size

@@ -7,11 +7,20 @@ in ``cached``: a later request with the same prefix can take it back), or free a
 Free blocks sit in one LRU queue; allocation takes from the front, so empty blocks are
 placed there and cached ones at the back in the order they were released, and a cached
 block is only evicted (with a ``BlockRemoved`` event) when it is reused for something else.
+
+With a host tier (``kv_tier.py``), an evicted block is saved there first, and a prefix
+whose blocks are there is a hit too: each such block is loaded into a fresh device block
+before the step that reads it runs. This is the only place that decides what moves
+between the tiers; :meth:`BlockManager.take_transfers` hands a step's moves to the
+ranks, which copy their own share.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from lamina.libs.block_hash import ROOT_HASH
 from lamina.services.engine_worker.engine.kv_events import (
@@ -20,14 +29,61 @@ from lamina.services.engine_worker.engine.kv_events import (
     BlockStored,
     KvEvent,
 )
+from lamina.services.engine_worker.engine.kv_tier import TierIndex
 from lamina.services.engine_worker.engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached prefix of a request, block by block in token order: each block's hash,
+    and the device block that holds it, or None where the host tier does (a load)."""
+
+    hashes: list[int] = field(default_factory=list)
+    blocks: list[int | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def loads(self) -> list[int]:
+        """The hashes that come from the host tier."""
+        return [h for h, b in zip(self.hashes, self.blocks, strict=True) if b is None]
+
+
+NO_HIT = PrefixHit()
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """A step's moves between the tiers, as ``(2, n)`` int64 arrays: ``saves`` (device
+    block, host slot), done first; then ``loads`` (host slot, device block)."""
+
+    saves: np.ndarray
+    loads: np.ndarray
+
+
+NO_TRANSFERS = Transfers(np.zeros((2, 0), dtype=np.int64), np.zeros((2, 0), dtype=np.int64))
 
 
 class BlockManager:
     """Allocates KV blocks to requests and keeps the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        tier: TierIndex | None = None,
+    ):
         self.num_blocks = num_blocks
+        self.tier = tier if enable_prefix_caching else None
+        """The host tier's bookkeeping (None: an evicted block is gone)."""
+        self.parent_of: dict[int, int] = {}
+        """A cached block's hash -> the hash before it (what its events name)."""
+        self._saves: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self.tier_loads = 0  # blocks loaded back from the host tier
+        self.tier_saves = 0  # blocks saved to it
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -58,51 +114,76 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, request: Request) -> list[int]:
-        """Block ids of the longest cached prefix of ``request``.
+    def match_prefix(self, request: Request) -> PrefixHit:
+        """The longest cached prefix of ``request``, each block on the device or in the
+        host tier.
 
         At least one token is always left to compute, since the step that computes the last
         prompt token is the one that produces the first output token's logits.
         """
         if not self.enable_prefix_caching:
-            return []
+            return NO_HIT
         limit = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
+        hit = PrefixHit()
         for block_hash in request.block_hashes[:limit]:
             block_id = self.cached.get(block_hash)
-            if block_id is None:
+            if block_id is None and (self.tier is None or block_hash not in self.tier):
                 break
-            hits.append(block_id)
-        return hits
+            hit.hashes.append(block_hash)
+            hit.blocks.append(block_id)
+        return hit
 
     # -------------------------------------------------------------------------- allocation
     def allocate(
-        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+        self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT
     ) -> list[int] | None:
         """Blocks for ``num_new_tokens`` more tokens of ``request``: the block ids added to
         its table (``[]`` when its blocks already hold them), or None, changing nothing,
         when too few are free.
 
-        For a request being admitted, ``cached_blocks`` is its prefix hit (from
-        :meth:`match_prefix`): those blocks are shared, first in its table, and its
-        computed tokens (the caller's to advance) will start after them.
+        For a request being admitted, ``hit`` is its prefix hit (from
+        :meth:`match_prefix`): its device blocks are shared and its host-tier blocks
+        loaded into fresh ones, first in its table, and its computed tokens (the caller's
+        to advance) will start after them.
         """
-        cached_blocks = cached_blocks or []
         table = self._tables.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        have = len(table) + len(cached_blocks)
+        num_computed = request.num_computed_tokens + len(hit) * self.block_size
+        have = len(table) + len(hit)
         need = max(self.blocks_needed(num_computed + num_new_tokens) - have, 0)
-        revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
-        if need + revived > len(self.free):
+        on_device = [b for b in hit.blocks if b is not None]
+        revived = sum(1 for b in on_device if self.ref_counts[b] == 0)
+        loads = hit.loads
+        if need + revived + len(loads) > len(self.free):
             return None
-        for block_id in cached_blocks:
+        for block_id in on_device:  # first: taking free blocks must not evict them
             if self.ref_counts[block_id] == 0:
                 del self.free[block_id]
             self.ref_counts[block_id] += 1
-        added = cached_blocks + [self._take_free_block() for _ in range(need)]
+        # Pinned before any block is taken: no save this step displaces them.
+        slots = {h: self.tier.take(h) for h in loads}  # type: ignore[union-attr]
+        prefix = [
+            self._load(h, slots[h]) if b is None else b
+            for h, b in zip(hit.hashes, hit.blocks, strict=True)
+        ]
+        added = prefix + [self._take_free_block() for _ in range(need)]
         if added:
             self._tables[request.request_id] = table + added
         return added
+
+    def _load(self, block_hash: int, slot: int) -> int:
+        """A fresh device block that the step loads ``block_hash`` into from ``slot``,
+        cached (and in use) from now on."""
+        block_id = self._take_free_block()
+        parent = self.tier.parent(block_hash)  # type: ignore[union-attr]
+        self.cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+        self.parent_of[block_hash] = parent
+        self._loads.append((slot, block_id))
+        self.tier_loads += 1
+        self._emit(
+            BlockStored(event_id=self._event_id(), parent_hash=parent, block_hashes=[block_hash])
+        )
+        return block_id
 
     def record_prefix_lookup(self, request: Request, num_hit_blocks: int) -> None:
         """Count an admitted request's prompt against the prefix cache hit ratio."""
@@ -117,8 +198,44 @@ class BlockManager:
             del self.cached[block_hash]
             self.block_hash[block_id] = None
             self._emit(BlockRemoved(event_id=self._event_id(), block_hashes=[block_hash]))
+            self._offload(block_id, block_hash, self.parent_of.pop(block_hash))
         self.ref_counts[block_id] = 1
         return block_id
+
+    def _offload(self, block_id: int, block_hash: int, parent: int) -> None:
+        """Save an evicted block to the host tier, unless it holds it already (the tier
+        keeps what it loads back) or every slot is in use by this step (then it is gone,
+        as without a tier)."""
+        if self.tier is None or block_hash in self.tier:
+            return
+        placed = self.tier.put(block_hash, parent)
+        if placed is None:
+            return
+        slot, displaced = placed
+        if displaced is not None:
+            self._emit(
+                BlockRemoved(event_id=self._event_id(), block_hashes=[displaced], medium="host")
+            )
+        self._saves.append((block_id, slot))
+        self.tier_saves += 1
+        self._emit(
+            BlockStored(
+                event_id=self._event_id(),
+                parent_hash=parent,
+                block_hashes=[block_hash],
+                medium="host",
+            )
+        )
+
+    def take_transfers(self) -> Transfers:
+        """The moves between tiers that the next step must make before it runs (it
+        reuses the blocks saved from, and reads the blocks loaded into)."""
+        if self.tier is None or not (self._saves or self._loads):
+            return NO_TRANSFERS
+        moves = Transfers(_pairs(self._saves), _pairs(self._loads))
+        self._saves, self._loads = [], []
+        self.tier.step_taken()
+        return moves
 
     def free_request(self, request: Request) -> None:
         """Release every block of ``request``; cached ones stay reusable until evicted.
@@ -158,6 +275,7 @@ class BlockManager:
                 run_parent = request.block_hashes[index - 1] if index else ROOT_HASH
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
+            self.parent_of[block_hash] = request.block_hashes[index - 1] if index else ROOT_HASH
             run.append(block_hash)
         self._flush_stored(run_parent, run)
         self._num_registered[request.request_id] = last
@@ -170,14 +288,20 @@ class BlockManager:
                 )
             )
 
-    def snapshot(self) -> tuple[list[int], int]:
-        """Every cached block's hash, and the id of the first event the list does not
-        cover (events not yet taken are already reflected in it)."""
-        return list(self.cached), self._next_event_id
+    def snapshot(self) -> tuple[list[int], list[int], int]:
+        """Every cached block's hash on the device, every one in the host tier, and the
+        id of the first event the lists do not cover (events not yet taken are already
+        reflected in them)."""
+        tiered = self.tier.hashes() if self.tier is not None else []
+        return list(self.cached), tiered, self._next_event_id
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash; blocks in use stay with their requests."""
+        """Forget every cached hash, in both tiers; blocks in use stay with their
+        requests (moves already decided still run: they touch no hash)."""
         self.cached.clear()
+        self.parent_of.clear()
+        if self.tier is not None:
+            self.tier.forget()
         self.block_hash = [None] * self.num_blocks
         # All free blocks are now empty: their order no longer matters.
         self._emit(AllBlocksCleared(event_id=self._event_id()))
@@ -194,3 +318,8 @@ class BlockManager:
         """KV events since the last call, numbered without gaps."""
         events, self._events = self._events, []
         return events
+
+
+def _pairs(moves: list[tuple[int, int]]) -> np.ndarray:
+    """``[(a, b), ...]`` as a ``(2, n)`` int64 array."""
+    return np.asarray(moves, dtype=np.int64).reshape(-1, 2).T.copy()

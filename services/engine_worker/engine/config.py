@@ -65,6 +65,13 @@ class EngineConfig:
     block and KV head). Quantized caches hold 2-4x the tokens in the same memory."""
     gpu_memory_utilization: float = 0.9
     """On CUDA with no explicit budget: the fraction of device memory the engine may use."""
+    kv_offload_bytes: int = 0
+    """Host memory for a second KV tier, per rank (``kv_tier.py``): prefix blocks evicted
+    from the device pool are saved there, and a prefix found there is loaded back instead
+    of computed. 0: no tier (an evicted block is gone)."""
+    kv_offload_dir: str = ""
+    """Keep the host tier in a file under this directory (mapped: the OS pages it to
+    local disk) instead of anonymous memory (pinned, on CUDA)."""
     num_kv_blocks: int | None = None
     """Exact number of KV blocks, overriding ``kv_cache_memory_bytes`` (tests, tiny pools)."""
     max_num_batched_tokens: int = 2048
@@ -137,6 +144,8 @@ class EngineConfig:
                 f"pipeline_parallel_size ({self.pipeline_parallel_size}): the first stage is "
                 "this worker's"
             )
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes ({self.kv_offload_bytes}) must be 0 or more")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:

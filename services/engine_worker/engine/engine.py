@@ -28,6 +28,7 @@ from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.errors import DuplicateRequestError
 from lamina.services.engine_worker.engine.grammar import BatchMasks, GrammarState
 from lamina.services.engine_worker.engine.kv_events import KvEvent
+from lamina.services.engine_worker.engine.kv_tier import TierIndex
 from lamina.services.engine_worker.engine.outputs import (
     STEP_TOKEN_BUCKETS,
     EngineStats,
@@ -78,9 +79,9 @@ class Engine:
         try:
             tp, pp = (self.ranks.tp, self.ranks.pp) if self.ranks else (SINGLE, WHOLE)
             shard = load_shard(config, tp, pp, self.device)
-            num_blocks = shard.max_blocks
+            num_blocks, host_slots = shard.max_blocks, shard.host_slots()
             if self.ranks is not None:
-                num_blocks = self.ranks.agree_blocks(num_blocks)
+                num_blocks = self.ranks.agree_blocks(num_blocks, host_slots)
             max_model_len, bs = shard.max_model_len, config.block_size
             if num_blocks * bs < max_model_len:
                 raise ValueError(
@@ -88,7 +89,7 @@ class Engine:
                     f"max_model_len ({max_model_len}) sequence needs; raise "
                     "kv_cache_memory_bytes or lower max_model_len"
                 )
-            self.runner = shard.runner(num_blocks)
+            self.runner = shard.runner(num_blocks, host_slots)
         except BaseException:
             self.close()
             raise
@@ -96,7 +97,10 @@ class Engine:
         model = shard.model
         # Decode graphs pad their batches into a block of their own: the pool's last.
         self.blocks = BlockManager(
-            num_blocks - 1 if shard.graphs else num_blocks, bs, config.enable_prefix_caching
+            num_blocks - 1 if shard.graphs else num_blocks,
+            bs,
+            config.enable_prefix_caching,
+            TierIndex(host_slots) if host_slots else None,
         )
         self.scheduler = BatchScheduler(
             self.blocks,
@@ -277,7 +281,7 @@ class Engine:
     def _start(self, batch: ScheduledBatch, extra: list[int] | None) -> Callable[[], torch.Tensor]:
         """Run this process's share of ``batch`` (with pipeline stages, the first);
         what it returns waits for the logits (:meth:`forward`'s)."""
-        step = StepInput.of(batch, self.config.block_size, extra)
+        step = StepInput.of(batch, self.config.block_size, extra, self.blocks.take_transfers())
         if self.ranks is not None:
             return self.ranks.launch(step, self.runner)
         logits = self.runner.run(step)
@@ -470,6 +474,10 @@ class Engine:
             generation_tokens_total=self._generation_tokens,
             prefill_tokens_per_s=self._prefill_rate,
             decode_tokens_per_s=self._decode_rate,
+            host_kv_blocks=blocks.tier.capacity if blocks.tier is not None else 0,
+            host_kv_blocks_used=len(blocks.tier) if blocks.tier is not None else 0,
+            host_kv_loads_total=blocks.tier_loads,
+            host_kv_saves_total=blocks.tier_saves,
         )
 
     def take_kv_events(self) -> list[KvEvent]:

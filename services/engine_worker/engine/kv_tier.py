@@ -80,7 +80,8 @@ class TierIndex:
         (a later step's copies run after this one's)."""
         self._pinned.clear()
 
-    def clear(self) -> None:
+    def forget(self) -> None:
+        """Hold nothing (a reset prefix cache); moves already decided still run."""
         self._slots.clear()
         self._free = list(range(self.capacity - 1, -1, -1))
         self._pinned.clear()

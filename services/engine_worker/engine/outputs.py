@@ -86,6 +86,13 @@ class EngineStats:
     iteration_tokens: tuple[int, ...] = ()
     """Steps by tokens computed, in :data:`STEP_TOKEN_BUCKETS` (and one above the last)."""
     iteration_tokens_sum: int = 0
+    host_kv_blocks: int = 0
+    """The host tier's capacity, in blocks (0: none)."""
+    host_kv_blocks_used: int = 0
+    host_kv_loads_total: int = 0
+    """Blocks loaded back from the host tier instead of computed."""
+    host_kv_saves_total: int = 0
+    """Evicted blocks saved to the host tier."""
 
     @property
     def prefix_cache_hit_ratio(self) -> float:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -10,7 +11,9 @@ import torch
 from lamina.kernels.reference import AttentionMetadata, kv_quant
 from lamina.kernels.transfer import upload
 from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
+from lamina.services.engine_worker.engine.block_manager import NO_TRANSFERS, Transfers
 from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
+from lamina.services.engine_worker.engine.kv_tier import HostPool
 from lamina.services.engine_worker.engine.model import CausalLM
 
 
@@ -56,12 +59,24 @@ class ModelRunner:
                 if scales is not None:
                     self.kv_scales[layer].copy_(scales)
         self._block_writes = kind == "int8"
+        self.host: HostPool | None = None
+        """The host tier's storage for this rank's KV (:meth:`add_host_tier`)."""
         self.decode_graphs: DecodeGraphs | None = None
         """Set by the engine when decode-only steps run from CUDA graphs."""
 
+    def add_host_tier(self, slots: int, directory: Path | None = None) -> None:
+        """A host tier of ``slots`` blocks of this rank's KV (in a file under
+        ``directory``, if given)."""
+        self.host = HostPool(self.kv_caches, self.kv_scales, slots, directory)
+
     def run(self, step: StepInput) -> torch.Tensor:
         """The model over one step's input (this rank's share): the logits of its
-        ``sampled`` rows (``Engine.forward``)."""
+        ``sampled`` rows (``Engine.forward``), after the step's moves between the tiers."""
+        if self.host is not None:
+            if step.saves.shape[1]:
+                self.host.save(self.kv_caches, self.kv_scales, step.saves[0], step.saves[1])
+            if step.loads.shape[1]:
+                self.host.load(self.kv_caches, self.kv_scales, step.loads[0], step.loads[1])
         graphs = self.decode_graphs
         if graphs is not None and step.decodes_only and graphs.bucket(len(step.ids)):
             return graphs.run(step.ids, step.positions, step.slots, step.context, step.table)
@@ -121,9 +136,19 @@ class StepInput:
     """Every sequence decodes one token and nothing extra is asked for."""
     all_sampled: bool
     """Every sequence finishes its tokens this step."""
+    saves: np.ndarray = field(default_factory=lambda: NO_TRANSFERS.saves)
+    """``(2, n)``: device blocks to save to the host tier first, and their slots."""
+    loads: np.ndarray = field(default_factory=lambda: NO_TRANSFERS.loads)
+    """``(2, n)``: host slots to load into device blocks next, before the model runs."""
 
     @classmethod
-    def of(cls, batch: ScheduledBatch, block_size: int, extra: list[int] | None) -> StepInput:
+    def of(
+        cls,
+        batch: ScheduledBatch,
+        block_size: int,
+        extra: list[int] | None,
+        transfers: Transfers = NO_TRANSFERS,
+    ) -> StepInput:
         requests, num_new = batch.requests, batch.num_new_tokens
         context = [r.num_computed_tokens for r in requests]
         ids: list[int] = []
@@ -154,4 +179,6 @@ class StepInput:
             num_decodes=batch.num_decodes,
             decodes_only=batch.num_decodes == len(requests) and not extra,
             all_sampled=bool(done.all()),
+            saves=transfers.saves,
+            loads=transfers.loads,
         )

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -49,13 +50,20 @@ class Shard:
         """Whether decode steps replay CUDA graphs (the pool's last block pads them)."""
         return self.config.graphs_for(self.device, self.model.ops.backend)
 
-    def runner(self, num_blocks: int) -> ModelRunner:
+    def host_slots(self) -> int:
+        """The host tier's blocks in this rank's ``kv_offload_bytes``."""
+        return self.config.kv_offload_bytes // self.block_bytes
+
+    def runner(self, num_blocks: int, host_slots: int = 0) -> ModelRunner:
         """The KV pool of ``num_blocks`` blocks and the runner over it (with its decode
-        graphs, captured now, where they apply)."""
+        graphs, captured now, where they apply), and a host tier of ``host_slots``."""
         config = self.config
         runner = ModelRunner(
             self.model, num_blocks, config.block_size, self.device, config.kv_cache_dtype
         )
+        if host_slots:
+            directory = Path(config.kv_offload_dir) if config.kv_offload_dir else None
+            runner.add_host_tier(host_slots, directory)
         if self.graphs:
             runner.decode_graphs = DecodeGraphs(
                 self.model,
