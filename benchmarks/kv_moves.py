@@ -66,6 +66,7 @@ def serve(engine: Engine, requests: list[list[int]], warmup: int) -> dict[str, f
         "p50": statistics.median(ttfts),
         "p90": ttfts[int(0.9 * (len(ttfts) - 1))],
         "loads": after.host_kv_loads_total - before.host_kv_loads_total,
+        "load_rate": after.host_kv_load_blocks_per_s,
     }
 
 
@@ -125,6 +126,7 @@ def main() -> None:
             f"  {name:10s} hit rate {s['hit_rate']:.2f}  TTFT p50 {s['p50']:7.1f} ms "
             f"({min(p50s):.1f}-{max(p50s):.1f})  p90 {s['p90']:7.1f} ms  "
             f"blocks loaded {s['loads']:.0f}"
+            + (f" at {s['load_rate']:,.0f} blocks/s" if s["load_rate"] else "")
         )
     none, host = summary["no tier"], summary["host tier"]
     print(

@@ -77,6 +77,8 @@ class ScoredWorker(msgspec.Struct, kw_only=True):
     kv_usage: float
     """The fraction of its KV blocks in use, counting this request's uncached blocks."""
     num_running: int
+    host_blocks: int = 0
+    """Of ``overlap_blocks``, those only its host tier holds: loaded back, not computed."""
 
 
 class PlacementRecord(Message):

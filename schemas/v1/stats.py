@@ -129,6 +129,9 @@ class WorkerStats(Message, gc=False):
     """Blocks loaded back from the host tier instead of computed (cumulative)."""
     host_kv_saves_total: Count = 0
     """Evicted blocks saved to the host tier (cumulative)."""
+    host_kv_load_blocks_per_s: Rate = 0.0
+    """Blocks per second its loads from the host tier took, measured (0: not measured:
+    no load yet, or copies queued on a GPU stream, which the host does not time)."""
 
     def numerics(self) -> str:
         """What a stream's tokens depend on beyond the model and the request: the device

@@ -10,11 +10,13 @@ with the context for it). Among them the policy chooses:
   request's prompt tokens that w does not have cached (the cluster prefix index), R_p
   and R_d its measured prefill and decode rates, and N the sequences it is decoding::
 
-      ttft(w) = (Q + U) / R_p  +  decode_weight * N / R_d
+      ttft(w) = (Q + U) / R_p  +  H / R_h  +  decode_weight * N / R_d
 
   The first term is the prefill work ahead of the request's first token, its own
   included; reuse enters through U, in the same unit as load, so a long cached prefix
   wins exactly when skipping its prefill saves more time than the worker's queue costs.
+  H is the cached blocks only w's host tier holds and R_h the rate w measured loading
+  blocks back from it: a host hit costs more than a device hit, and less than computing.
   The second term is one engine step's worth of the decodes that share the steps. Both
   rates are measured over whole engine steps, which already mix prefill and decode, so
   the decode term is a correction for a worker busier than when its rates were
@@ -72,6 +74,9 @@ class CostModel:
     """Decode tokens/s assumed likewise."""
     decode_weight: float = 1.0
     """Scale of the running-decodes term (0: prefill work alone)."""
+    host_load_rate_prior: float = 5000.0
+    """Blocks/s a worker's host tier is assumed to load back at before it measured its
+    own (or where it cannot: copies queued on a GPU)."""
 
     def uncached_tokens(self, prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
         """Prompt tokens a worker must compute: at least one (the engine always computes
@@ -79,17 +84,23 @@ class CostModel:
         return prompt_tokens - min(overlap_blocks * block_size, prompt_tokens - 1)
 
     def predict_ttft(
-        self, worker: Candidate, uncached: int, rates: tuple[float, float] | None = None
+        self,
+        worker: Candidate,
+        uncached: int,
+        rates: tuple[float, float] | None = None,
+        host_blocks: int = 0,
     ) -> float:
-        """``ttft(w)`` above; ``rates`` (prefill, decode) stand in for rates the worker
-        has not measured (default: the priors)."""
+        """``ttft(w)`` above, plus the time to load ``host_blocks`` back from the
+        worker's host tier at its measured rate; ``rates`` (prefill, decode) stand in for
+        rates the worker has not measured (default: the priors)."""
         s = worker.stats
         prefill_prior, decode_prior = rates or (self.prefill_rate_prior, self.decode_rate_prior)
         prefill_rate = s.prefill_tokens_per_s or prefill_prior
         decode_rate = s.decode_tokens_per_s or decode_prior
         queued = worker.queued_tokens
         decode = self.decode_weight * s.num_running / decode_rate
-        return (queued + uncached) / prefill_rate + decode
+        load = host_blocks / (s.host_kv_load_blocks_per_s or self.host_load_rate_prior)
+        return (queued + uncached) / prefill_rate + load + decode
 
     def peer_rates(self, workers: list[Candidate]) -> tuple[float, float]:
         """The median prefill and decode rates the workers measured (the priors where
@@ -142,8 +153,9 @@ def load_score(entry: Candidate) -> float:
     )
 
 
-Overlap = Callable[[list[int], list[str]], dict[str, int]]
-"""``(prompt token ids, worker ids) -> {worker id: cached leading blocks}``."""
+Overlap = Callable[[list[int], list[str]], dict[str, tuple[int, int]]]
+"""``(prompt token ids, worker ids) -> {worker id: (cached leading blocks, of which only
+its host tier holds)}`` (``PrefixIndex.overlap_by_medium``)."""
 
 
 @dataclass
@@ -240,25 +252,30 @@ class Placer:
         prompt = request.prompt_token_ids
         hits = overlap(prompt, [w.stats.worker_id for w in workers])
         rates = self.cost.peer_rates(workers)
-        return [self._score(w, len(prompt), hits[w.stats.worker_id], rates) for w in workers]
+        return [self._score(w, len(prompt), *hits[w.stats.worker_id], rates) for w in workers]
 
     def _score(
         self,
         worker: Candidate,
         prompt_tokens: int,
         overlap_blocks: int,
+        host_blocks: int,
         rates: tuple[float, float],
     ) -> ScoredWorker:
         s = worker.stats
         uncached = self.cost.uncached_tokens(prompt_tokens, overlap_blocks, s.block_size)
-        new_blocks = math.ceil(uncached / s.block_size)
+        # Host-tier blocks load into fresh device blocks; the engine uses at most the hit
+        # that leaves a token to compute.
+        loaded = min(host_blocks, (prompt_tokens - uncached) // s.block_size)
+        new_blocks = math.ceil(uncached / s.block_size) + loaded
         used = s.total_kv_blocks - s.free_kv_blocks + new_blocks
         return ScoredWorker(
             worker_id=s.worker_id,
             overlap_blocks=overlap_blocks,
-            predicted_ttft_s=self.cost.predict_ttft(worker, uncached, rates),
+            predicted_ttft_s=self.cost.predict_ttft(worker, uncached, rates, loaded),
             kv_usage=used / s.total_kv_blocks if s.total_kv_blocks else 1.0,
             num_running=s.num_running + worker.pending,
+            host_blocks=loaded,
         )
 
     @staticmethod

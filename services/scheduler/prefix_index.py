@@ -24,7 +24,8 @@ from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, Kv
 
 MAX_BUFFERED_EVENTS = 10_000
 """Events kept per worker while its snapshot is awaited; beyond this it resyncs again."""
-_MEDIA = {Medium.DEVICE: 1, Medium.HOST: 2}
+_DEVICE = 1
+_MEDIA = {Medium.DEVICE: _DEVICE, Medium.HOST: 2}
 _ELSEWHERE = 4
 """The bit of a medium this index does not know (a newer worker's): kept apart."""
 
@@ -51,6 +52,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerKv] = {}
         self._owners: dict[int, dict[int, int]] = {}  # block size -> hash -> worker mask
+        self._device_owners: dict[int, dict[int, int]] = {}  # the same, on their devices
         self._free_slots: list[int] = []
         self._next_slot = 0
 
@@ -147,26 +149,37 @@ class PrefixIndex:
                 self._store(kv, hashes, _MEDIA.get(medium, _ELSEWHERE))
             case BlockRemoved(block_hashes=hashes, medium=medium):
                 owners, bit = self._owners.setdefault(kv.block_size, {}), 1 << kv.slot
+                on_device = self._device_owners.setdefault(kv.block_size, {})
                 gone = _MEDIA.get(medium, _ELSEWHERE)
                 for block_hash in hashes:
-                    media = kv.hashes.get(block_hash, 0) & ~gone
+                    if block_hash not in kv.hashes:
+                        continue
+                    if gone == _DEVICE:
+                        self._unset(on_device, block_hash, bit)
+                    media = kv.hashes[block_hash] & ~gone
                     if media:
                         kv.hashes[block_hash] = media
-                    elif kv.hashes.pop(block_hash, None) is not None:
+                    else:
+                        del kv.hashes[block_hash]
                         self._unset(owners, block_hash, bit)
             case AllBlocksCleared():
                 self._clear(kv)
 
     def _store(self, kv: WorkerKv, hashes: list[int], media: int) -> None:
         owners, bit = self._owners.setdefault(kv.block_size, {}), 1 << kv.slot
+        on_device = self._device_owners.setdefault(kv.block_size, {})
         for block_hash in hashes:
             owners[block_hash] = owners.get(block_hash, 0) | bit
             kv.hashes[block_hash] = kv.hashes.get(block_hash, 0) | media
+            if media == _DEVICE:
+                on_device[block_hash] = on_device.get(block_hash, 0) | bit
 
     def _clear(self, kv: WorkerKv) -> None:
         owners, bit = self._owners.get(kv.block_size, {}), 1 << kv.slot
+        on_device = self._device_owners.get(kv.block_size, {})
         for block_hash in kv.hashes:
             self._unset(owners, block_hash, bit)
+            self._unset(on_device, block_hash, bit)
         kv.hashes = {}
 
     @staticmethod
@@ -180,9 +193,19 @@ class PrefixIndex:
     # ------------------------------------------------------------------------- lookups
     def overlap(self, token_ids: list[int], worker_ids: list[str]) -> dict[str, int]:
         """Leading blocks of ``token_ids`` each of ``worker_ids`` has cached (0 for a
-        worker the index does not know, or has not synced). One pass over the prompt per
-        block size in use, hashing a block only while some worker still matches."""
-        result = dict.fromkeys(worker_ids, 0)
+        worker the index does not know, or has not synced)."""
+        return {
+            w: blocks for w, (blocks, _) in self.overlap_by_medium(token_ids, worker_ids).items()
+        }
+
+    def overlap_by_medium(
+        self, token_ids: list[int], worker_ids: list[str]
+    ) -> dict[str, tuple[int, int]]:
+        """For each of ``worker_ids``: the leading blocks of ``token_ids`` it has cached,
+        and how many of them only its host tier holds (a hit loads those back). One pass
+        over the prompt per block size in use, hashing a block only while some worker
+        still matches."""
+        result = dict.fromkeys(worker_ids, (0, 0))
         by_size: dict[int, dict[int, str]] = {}  # block size -> slot -> worker id
         for worker_id in worker_ids:
             kv = self.workers.get(worker_id)
@@ -190,18 +213,25 @@ class PrefixIndex:
                 by_size.setdefault(kv.block_size, {})[kv.slot] = worker_id
         for block_size, slots in by_size.items():
             owners = self._owners.get(block_size, {})
+            on_device = self._device_owners.get(block_size, {})
             matching = sum(1 << slot for slot in slots)
+            host = dict.fromkeys(slots, 0)
             parent, blocks = ROOT_HASH, 0
             for start in range(0, len(token_ids) - block_size + 1, block_size):
                 parent = hash_block(parent, token_ids[start : start + block_size])
                 still = matching & owners.get(parent, 0)
                 if still != matching:
-                    _settle(result, slots, matching & ~still, blocks)
+                    _settle(result, slots, matching & ~still, blocks, host)
                     matching = still
                     if not matching:
                         break
+                elsewhere = matching & ~on_device.get(parent, 0)
+                while elsewhere:  # the workers holding this block only in their host tier
+                    slot = elsewhere.bit_length() - 1
+                    host[slot] += 1
+                    elsewhere &= ~(1 << slot)
                 blocks += 1
-            _settle(result, slots, matching, blocks)
+            _settle(result, slots, matching, blocks, host)
         return result
 
     def __len__(self) -> int:
@@ -209,8 +239,14 @@ class PrefixIndex:
         return sum(len(kv.hashes) for kv in self.workers.values())
 
 
-def _settle(result: dict[str, int], slots: dict[int, str], mask: int, blocks: int) -> None:
-    """Record ``blocks`` for every worker whose slot is set in ``mask``."""
+def _settle(
+    result: dict[str, tuple[int, int]],
+    slots: dict[int, str],
+    mask: int,
+    blocks: int,
+    host: dict[int, int],
+) -> None:
+    """Record ``blocks`` (and its host-only count) for every worker set in ``mask``."""
     for slot, worker_id in slots.items():
         if mask >> slot & 1:
-            result[worker_id] = blocks
+            result[worker_id] = (blocks, host[slot])

@@ -287,7 +287,7 @@ class SchedulerService:
     def _place(self, request: GenerateRequest, live: list[Candidate]) -> Decision:
         """Where ``request`` goes now among ``live``, or why not; a deadline the chosen
         worker cannot meet by the prediction is a refusal."""
-        decision = self.placer.place(request, live, self.registry.index.overlap)
+        decision = self.placer.place(request, live, self.registry.index.overlap_by_medium)
         if decision.reason == RejectReason.NO_WORKER and (held := self._held_back()):
             # With every live worker held back, admission saw none "alive": say which.
             said = decision.message if live else "no other engine worker is alive"
@@ -326,7 +326,9 @@ class SchedulerService:
         its deadline cannot be met after the work ahead of it."""
         live = self.registry.candidates()
         drain = self._drain_time(live)
-        wait = drain + self.placer.earliest_ttft(request, live, self.registry.index.overlap)
+        wait = drain + self.placer.earliest_ttft(
+            request, live, self.registry.index.overlap_by_medium
+        )
         deadline = request.sla.deadline_ms
         if deadline is not None and time.time() * 1000 + wait * 1000 > deadline:
             message = f"the work ahead of it takes ~{wait:.2f}s, past its deadline"

@@ -185,6 +185,7 @@ def golden_instances() -> dict[str, Message]:
         host_kv_blocks_used=40960,
         host_kv_loads_total=1024,
         host_kv_saves_total=52000,
+        host_kv_load_blocks_per_s=31250.5,
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [
@@ -345,6 +346,7 @@ def golden_instances() -> dict[str, Message]:
                     predicted_ttft_s=0.8125,
                     kv_usage=0.1,
                     num_running=12,
+                    host_blocks=1,
                 )
             ],
             timestamp_ms=1767225600600,

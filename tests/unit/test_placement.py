@@ -37,8 +37,8 @@ def request(prompt_len: int = 10, max_tokens: int = 10, model: str = "m") -> Gen
     )
 
 
-def no_overlap(prompt: list[int], workers: list[str]) -> dict[str, int]:
-    return dict.fromkeys(workers, 0)
+def no_overlap(prompt: list[int], workers: list[str]) -> dict[str, tuple[int, int]]:
+    return dict.fromkeys(workers, (0, 0))
 
 
 def place(submitted: GenerateRequest, live: list, policy: Policy = Policy.LOAD):
@@ -144,8 +144,10 @@ def test_the_predicted_ttft_by_the_numbers():
     assert cost.uncached_tokens(100, overlap_blocks=2, block_size=16) == 68
 
 
-def overlap_of(hits: dict[str, int]):
-    return lambda prompt, workers: {w: hits.get(w, 0) for w in workers}
+def overlap_of(hits: dict[str, int], host: dict[str, int] | None = None):
+    """Cached leading blocks per worker (``host``: of which only its host tier holds)."""
+    host = host or {}
+    return lambda prompt, workers: {w: (hits.get(w, 0), host.get(w, 0)) for w in workers}
 
 
 def test_kv_placement_goes_where_the_prefix_is_cached_unless_the_queue_costs_more():
@@ -168,6 +170,29 @@ def test_kv_placement_goes_where_the_prefix_is_cached_unless_the_queue_costs_mor
     registry.heartbeat(stats("cached", num_queued_prefill_tokens=200, prefill_tokens_per_s=1000.0))
     load = Placer(Policy.LOAD).place(long_prompt, registry.candidates(), overlap_of({"cached": 48}))
     assert load.worker_id == "cold"
+
+
+def test_a_host_tier_hit_costs_its_measured_load_time_between_a_device_hit_and_none():
+    registry = registry_at(Clock())
+    fast = dict(prefill_tokens_per_s=1000.0, total_kv_blocks=1000, free_kv_blocks=1000)
+    registry.heartbeat(stats("device", **fast))
+    registry.heartbeat(stats("host", host_kv_load_blocks_per_s=400.0, **fast))
+    registry.heartbeat(stats("cold", **fast))
+    placer = Placer(Policy.KV, CostModel(decode_weight=0.0))
+    cached = overlap_of({"device": 48, "host": 48}, host={"host": 48})
+    decision = placer.place(request(prompt_len=800), registry.candidates(), cached)
+    scored = {s.worker_id: s for s in decision.scored}
+    assert decision.worker_id == "device"
+    # 32 uncached tokens at 1000/s; the host tier's 48 blocks at 400/s on top; 800 cold.
+    assert scored["device"].predicted_ttft_s == pytest.approx(0.032)
+    assert scored["host"].predicted_ttft_s == pytest.approx(0.032 + 48 / 400)
+    assert scored["cold"].predicted_ttft_s == pytest.approx(0.8)
+    assert (scored["host"].host_blocks, scored["device"].host_blocks) == (48, 0)
+    # Its loads take device blocks too.
+    assert scored["host"].kv_usage == pytest.approx(scored["device"].kv_usage + 48 / 1000)
+    # Without the device worker, the host tier's hit beats computing the prompt.
+    registry.heartbeat(stats("device", state="draining", **fast))
+    assert placer.place(request(prompt_len=800), registry.candidates(), cached).worker_id == "host"
 
 
 def test_kv_placement_skips_a_worker_without_room_and_breaks_ties_by_load():

@@ -56,16 +56,18 @@ def test_a_block_counts_while_the_worker_holds_it_on_its_device_or_in_its_host_t
         BlockStored(event_id=5, parent_hash=HASHES[0], block_hashes=HASHES[1:2], medium=device),
     ]
     assert index.apply("a", "i1", BS, events)
-    assert index.overlap(PROMPT, ["a"]) == {"a": 3}
+    # Blocks 0 and 1 on its device, block 2 only in its host tier.
+    assert index.overlap_by_medium(PROMPT, ["a"]) == {"a": (3, 1)}
     assert index.apply("a", "i1", BS, [BlockRemoved(event_id=6, block_hashes=HASHES[1:2])])
-    assert index.overlap(PROMPT, ["a"]) == {"a": 3}  # still in the tier
+    assert index.overlap_by_medium(PROMPT, ["a"]) == {"a": (3, 2)}  # block 1: the tier's
     gone = BlockRemoved(event_id=7, block_hashes=HASHES[2:3], medium=host)
     assert index.apply("a", "i1", BS, [gone])
     assert index.overlap(PROMPT, ["a"]) == {"a": 2}
     # A snapshot says which blocks are where.
     index.restore("b", "i1", BS, HASHES[:1], 0, host_block_hashes=HASHES[:4])
+    assert index.overlap_by_medium(PROMPT, ["a", "b"]) == {"a": (2, 1), "b": (4, 3)}
     assert index.apply("b", "i1", BS, [BlockRemoved(event_id=0, block_hashes=HASHES[:1])])
-    assert index.overlap(PROMPT, ["b"]) == {"b": 4}
+    assert index.overlap_by_medium(PROMPT, ["b"]) == {"b": (4, 4)}
 
 
 def test_a_gap_drops_the_worker_until_its_snapshot_and_keeps_later_events():

@@ -456,7 +456,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------ state
     def stats(self) -> EngineStats:
-        blocks = self.blocks
+        blocks, runner = self.blocks, self.runner
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -478,6 +478,9 @@ class Engine:
             host_kv_blocks_used=len(blocks.tier) if blocks.tier is not None else 0,
             host_kv_loads_total=blocks.tier_loads,
             host_kv_saves_total=blocks.tier_saves,
+            host_kv_load_blocks_per_s=(
+                runner.loaded_blocks / runner.load_seconds if runner.load_seconds else 0.0
+            ),
         )
 
     def take_kv_events(self) -> list[KvEvent]:

@@ -93,6 +93,8 @@ class EngineStats:
     """Blocks loaded back from the host tier instead of computed."""
     host_kv_saves_total: int = 0
     """Evicted blocks saved to the host tier."""
+    host_kv_load_blocks_per_s: float = 0.0
+    """How fast this rank's loads from the host tier ran, where it times them."""
 
     @property
     def prefix_cache_hit_ratio(self) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,9 @@ class ModelRunner:
         self._block_writes = kind == "int8"
         self.host: HostPool | None = None
         """The host tier's storage for this rank's KV (:meth:`add_host_tier`)."""
+        self.loaded_blocks, self.load_seconds = 0, 0.0
+        """Blocks loaded from the host tier, and the time their copies took (timed on a
+        CPU device only)."""
         self.decode_graphs: DecodeGraphs | None = None
         """Set by the engine when decode-only steps run from CUDA graphs."""
 
@@ -76,7 +80,11 @@ class ModelRunner:
             if step.saves.shape[1]:
                 self.host.save(self.kv_caches, self.kv_scales, step.saves[0], step.saves[1])
             if step.loads.shape[1]:
+                started = time.perf_counter()
                 self.host.load(self.kv_caches, self.kv_scales, step.loads[0], step.loads[1])
+                if self.device.type == "cpu":  # on a GPU the copies are queued, not done
+                    self.load_seconds += time.perf_counter() - started
+                    self.loaded_blocks += step.loads.shape[1]
         graphs = self.decode_graphs
         if graphs is not None and step.decodes_only and graphs.bucket(len(step.ids)):
             return graphs.run(step.ids, step.positions, step.slots, step.context, step.table)
