@@ -44,14 +44,10 @@ from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
 from lamina.services.engine_worker.engine.parallel import TensorParallel
 from lamina.services.engine_worker.engine.params import SamplingParams
-from lamina.services.engine_worker.engine.rank_group import (
-    StageRanks,
-    pack,
-    rank_threads,
-    start_stage,
-)
+from lamina.services.engine_worker.engine.rank_group import pack, rank_threads
 from lamina.services.engine_worker.engine.remote_ranks import Rendezvous
 from lamina.services.engine_worker.engine.runner import StepInput
+from lamina.services.engine_worker.engine.stage_ranks import StageRanks, start_stage
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 The worker (``--pipeline-parallel-size P --remote-pipeline-stages R``) runs its first
 stages itself and waits for the last R to join. On each of their hosts a stage host asks
 the worker, over the bus, how (``worker.<id>.ranks``, as the worker's own identity), starts
-the stage's ranks from the answer (``rank_group.start_stage``: this host's copy of the
+the stage's ranks from the answer (``stage_ranks.start_stage``: this host's copy of the
 checkpoint, checked against the worker's, on this host's device) and watches them. When
 they end (the worker closed its group, failed or restarted) it asks again, and joins the
 worker's next group: a new rendezvous, never the one that just ended. ``lamina node
@@ -31,7 +31,7 @@ from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.ranks import RankRendezvous, RanksRequest
 from lamina.services.engine_worker import wire
 from lamina.services.engine_worker.default_model import ensure_default_model
-from lamina.services.engine_worker.engine.rank_group import StageRanks, start_stage
+from lamina.services.engine_worker.engine.stage_ranks import StageRanks, start_stage
 
 log = logging.getLogger("lamina.stage")
 

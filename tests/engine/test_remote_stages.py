@@ -1,5 +1,5 @@
 """Pipeline stages on another host (``remote_ranks.py``), here over loopback: the worker's
-engine publishes its rendezvous and waits; a stage host (``rank_group.start_stage``, in
+engine publishes its rendezvous and waits; a stage host (``stage_ranks.start_stage``, in
 this process) starts the last stage's ranks from it, which join over the step channel
 and the network store as a host elsewhere would. The tokens are one process's.
 
@@ -15,7 +15,7 @@ import pytest
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
 from lamina.services.engine_worker.engine.errors import RankGroupFailure
-from lamina.services.engine_worker.engine.rank_group import StageRanks, start_stage
+from lamina.services.engine_worker.engine.stage_ranks import StageRanks, start_stage
 from tests.engine.helpers import greedy, make_engine, run_to_completion
 from tests.engine.test_tensor_parallel import GREEDY, no_segment_left  # noqa: F401
 

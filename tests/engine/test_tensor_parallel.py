@@ -90,23 +90,24 @@ def test_two_way_tensor_parallel_matches_one_process(make_checkpoint, family, ov
 
 
 # ------------------------------------------------------------------------- shard shapes
+def _models(path, size: int) -> tuple[ModelConfig, CausalLM, list[CausalLM]]:
+    """The checkpoint's config, its model whole, and each of ``size`` ranks' share."""
+    config = ModelConfig.from_dir(path)
+    cpu = torch.device("cpu")
+    whole = CausalLM(config, CheckpointTensors(path), torch.float32, cpu)
+    shares = [
+        CausalLM(config, CheckpointTensors(path), torch.float32, cpu, TensorParallel(rank, size))
+        for rank in range(size)
+    ]
+    return config, whole, shares
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_each_rank_holds_its_share_of_every_architecture(make_checkpoint, monkeypatch, family):
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "torch")  # linears that keep their weight
     path = make_checkpoint(family)
-    config = ModelConfig.from_dir(path)
-    whole = CausalLM(config, CheckpointTensors(path), torch.float32, torch.device("cpu"))
     size = 2
-    shares = [
-        CausalLM(
-            config,
-            CheckpointTensors(path),
-            torch.float32,
-            torch.device("cpu"),
-            TensorParallel(rank, size),
-        )
-        for rank in range(size)
-    ]
+    config, whole, shares = _models(path, size)
     d, kv = config.head_dim, config.num_kv_heads
     local_kv = max(1, kv // size)  # mistral's one KV head is on both ranks
     for rank, share in enumerate(shares):
@@ -198,22 +199,11 @@ def test_an_act_order_row_parallel_share_is_whole_groups_of_the_stored_order(
 ):
     torch.manual_seed(5)
     path = int4_checkpoint(make_checkpoint("llama"), tmp_path / "gptq", "gptq", 32, True)
-    config = ModelConfig.from_dir(path)
-    whole = CausalLM(config, CheckpointTensors(path), torch.float32, torch.device("cpu"))
+    config, whole, shares = _models(path, 2)
     full = whole.layers[0].down
-    shares = [
-        CausalLM(
-            config,
-            CheckpointTensors(path),
-            torch.float32,
-            torch.device("cpu"),
-            TensorParallel(rank, 2),
-        ).layers[0]
-        for rank in range(2)
-    ]
     assert not isinstance(full, GatheredInput)
     halves = []
-    for layer in shares:
+    for layer in (share.layers[0] for share in shares):
         assert isinstance(layer.down, GatheredInput) and isinstance(layer.o, GatheredInput)
         down = layer.down.linear
         assert (down.in_features, down.group) == (config.intermediate_size // 2, 32)

@@ -29,8 +29,8 @@ which the ranks' collectives are out of step), raises :class:`RankGroupFailure`,
 group's KV is lost with it. Its owner restarts the whole group.
 
 The last pipeline stages may run on other hosts (``remote_pipeline_stages``): their ranks
-are started there (:func:`start_stage`, by a stage host) and reach the driver over the
-step channel of ``remote_ranks.py`` instead of a pipe; the driver publishes the
+are started there (``stage_ranks.start_stage``, by a stage host) and reach the driver
+over the step channel of ``remote_ranks.py`` instead of a pipe; the driver publishes the
 :class:`~lamina.services.engine_worker.engine.remote_ranks.Rendezvous` they need.
 """
 
@@ -46,7 +46,6 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -191,7 +190,7 @@ class RankGroup:
         if self.local_size < self.size:
             use_interface_toward(address)  # before the local ranks start: they inherit it
         init = f"tcp://{address}:{_free_port(address)}"
-        self._segments = _make_segments(config, self.device)
+        self._segments = make_segments(config, self.device)
         threads = rank_threads(config)
         self._threads = torch.get_num_threads()  # restored by close()
         if self.device.type == "cpu":
@@ -201,7 +200,7 @@ class RankGroup:
             for rank in range(1, self.local_size):
                 ours, theirs = context.Pipe()
                 proc = context.Process(
-                    target=_rank_main,
+                    target=rank_main,
                     args=(theirs, config, rank, rank, init, timeout_s, threads, parent),
                     kwargs={"segments": self._segments, "host": host},
                     name=f"lamina-rank-{rank}",
@@ -457,7 +456,7 @@ def _segment_capacity(config: EngineConfig) -> int:
     return min(config.max_num_batched_tokens * hidden * 4, MAX_SEGMENT_SLOT)
 
 
-def _make_segments(
+def make_segments(
     config: EngineConfig, device: torch.device, stages: range | None = None
 ) -> list[Path | None]:
     """Per pipeline stage, a shared-memory all-reduce segment for its tensor-parallel
@@ -496,7 +495,7 @@ def _free_port(address: str) -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(
+def rank_main(
     channel: Connection | Rendezvous,
     config: EngineConfig,
     rank: int,
@@ -553,77 +552,3 @@ def _rank_main(
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------- the stage host
-@dataclass
-class StageRanks:
-    """One pipeline stage's ranks on this host, joined to a driver on another."""
-
-    procs: list[multiprocessing.process.BaseProcess]
-    segment: Path | None
-
-    def running(self) -> bool:
-        """Whether every rank still runs (the group stands while they all do)."""
-        return all(proc.exitcode is None for proc in self.procs)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop what still runs (the driver then fails its group) and remove the segment."""
-        for proc in self.procs:
-            if proc.exitcode is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(1.0)
-        if self.segment is not None:
-            self.segment.unlink(missing_ok=True)
-
-
-def start_stage(
-    rendezvous: Rendezvous,
-    stage: int,
-    model: Path,
-    device: str,
-    host: str,
-    threads: int | None = None,
-) -> StageRanks:
-    """Start pipeline stage ``stage``'s ranks for the driver that published
-    ``rendezvous``: on ``device`` (the stage's tensor-parallel rank ``i`` on the ``i``-th
-    CUDA device after it), from ``model``, this host's copy of the driver's checkpoint
-    (ValueError if it is not the same, or the driver runs no such stage elsewhere).
-    ``host`` names this host in the ranks' reports; on a CPU each rank runs ``threads``
-    torch threads (default: this host's cores split between them)."""
-    config = rendezvous.config
-    first_remote = config.pipeline_parallel_size - config.remote_pipeline_stages
-    if not first_remote <= stage < config.pipeline_parallel_size:
-        raise ValueError(
-            f"the worker runs no pipeline stage {stage} on another host (its stages "
-            f"{first_remote}-{config.pipeline_parallel_size - 1} are remote)"
-            if config.remote_pipeline_stages
-            else "the worker runs every pipeline stage itself (--remote-pipeline-stages 0)"
-        )
-    if checkpoint_digest(model) != rendezvous.digest:
-        raise ValueError(f"{model} is not the worker's checkpoint ({config.model}): they differ")
-    config = dataclasses.replace(config, model=model, device=device)
-    use_interface_toward(rendezvous.host)  # before the ranks start: they inherit it
-    tp_size = config.tensor_parallel_size
-    stages = range(stage, stage + 1)
-    segments = _make_segments(config, rank_device(device, 0), stages)
-    threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
-    context = multiprocessing.get_context("spawn")
-    procs = []
-    for index in range(tp_size):
-        rank = stage * tp_size + index
-        proc = context.Process(
-            target=_rank_main,
-            args=(rendezvous, config, rank, index, rendezvous.store, rendezvous.timeout_s),
-            kwargs={"threads": threads, "parent": os.getpid(), "segments": segments, "host": host},
-            name=f"lamina-rank-{rank}",
-            daemon=True,
-        )
-        proc.start()
-        procs.append(proc)
-    return StageRanks(procs, segments[stage])

@@ -5,7 +5,7 @@ A worker with ``remote_pipeline_stages`` R runs its first P - R stages as its ow
 processes (``rank_group.py``) and waits for the ranks of the last R to join from other
 hosts, each stage's from a stage host (``lamina node --pipeline-stage <worker
 id>:<stage>``: ``services/engine_worker/stage_host.py``, which calls
-``rank_group.start_stage``).
+``stage_ranks.start_stage``).
 What a stage host needs is a :class:`Rendezvous`, which the worker answers on the bus
 (``worker.<id>.ranks``: only the worker's own identity may ask, so a stage host connects
 as the worker it serves). Nothing is configured by hand:
