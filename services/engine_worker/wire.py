@@ -8,8 +8,6 @@ messages. The core imports no schema; every other shell module speaks the wire.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -131,8 +129,11 @@ def rendezvous(found: Rendezvous, worker_id: str, incarnation: str) -> RankRende
 def rendezvous_from(message: RankRendezvous) -> Rendezvous:
     """The engine's :class:`Rendezvous` from a ready ``message``; ValueError naming what
     is wrong with one that does not make one (it came over the bus: checked here)."""
+    fields = dict(message.engine)
+    model = fields.pop("model", None)  # a path: msgspec converts no Path; the config does
     try:
-        config = msgspec.convert(message.engine, EngineConfig, dec_hook=_path)
+        config = msgspec.convert(fields, EngineConfig)
+        config = dataclasses.replace(config, model=model if isinstance(model, str) else None)
         key = bytes.fromhex(message.key)
     except (msgspec.ValidationError, ValueError, TypeError) as exc:
         raise ValueError(f"a rendezvous that does not decode: {exc}") from exc
@@ -141,9 +142,3 @@ def rendezvous_from(message: RankRendezvous) -> Rendezvous:
     return Rendezvous(
         message.store, message.host, message.port, key, config, message.digest, message.timeout_s
     )
-
-
-def _path(kind: type, value: Any) -> Any:
-    if kind is Path and isinstance(value, str):
-        return Path(value)
-    raise NotImplementedError(kind)
