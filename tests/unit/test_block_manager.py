@@ -198,3 +198,16 @@ def test_a_full_tier_reuses_its_least_recently_used_slot_but_never_one_a_step_mo
     assert tier.take(1) == 0  # a load: most recently used, and pinned
     assert tier.put(3, 2) == (1, 2)  # displaces 2, the least recently used unpinned
     assert 2 not in tier and tier.hashes() == [1, 3]
+
+
+def test_adopted_blocks_are_cached_free_and_never_displace_each_other():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    hashes = req("a", list(range(16))).block_hashes  # 4 blocks, room for 3
+    placed = bm.adopt(ROOT_HASH, hashes)
+    assert [index for index, _ in placed] == [0, 1, 2]
+    assert bm.num_free_blocks == 3 and bm.match_prefix(req("b", list(range(13)))).blocks == [
+        b for _, b in placed
+    ]
+    (stored,) = bm.take_events()
+    assert (stored.parent_hash, stored.block_hashes) == (ROOT_HASH, hashes[:3])
+    assert bm.adopt(ROOT_HASH, hashes[:3]) == []  # already cached

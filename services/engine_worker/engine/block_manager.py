@@ -227,6 +227,39 @@ class BlockManager:
             )
         )
 
+    def adopt(self, parent_hash: int, hashes: list[int]) -> list[tuple[int, int]]:
+        """Cache blocks computed elsewhere (``Engine.import_blocks``): for each of
+        ``hashes``, a sequence's consecutive blocks after ``parent_hash``, that is not
+        cached yet, a free block for its KV, cached and free (most recently used) from now
+        on. Stops when every block free at the start is taken. Returns ``(index in
+        hashes, block id)`` of each, for the caller to write before any step runs."""
+        if not self.enable_prefix_caching:
+            return []
+        placed: list[tuple[int, int]] = []
+        run: list[int] = []
+        run_parent = parent = parent_hash
+        room = len(self.free)
+        for index, block_hash in enumerate(hashes):
+            if block_hash in self.cached or len(placed) == room:
+                self._flush_stored(run_parent, run)
+                run = []
+                if block_hash not in self.cached:
+                    break
+            else:
+                block_id = self._take_free_block()
+                self.ref_counts[block_id] = 0
+                self.free[block_id] = None  # at the back: the most recently used
+                self.cached[block_hash] = block_id
+                self.block_hash[block_id] = block_hash
+                self.parent_of[block_hash] = parent
+                if not run:
+                    run_parent = parent
+                run.append(block_hash)
+                placed.append((index, block_id))
+            parent = block_hash
+        self._flush_stored(run_parent, run)
+        return placed
+
     def take_transfers(self) -> Transfers:
         """The moves between tiers that the next step must make before it runs (it
         reuses the blocks saved from, and reads the blocks loaded into)."""

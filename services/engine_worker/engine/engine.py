@@ -22,13 +22,18 @@ from dataclasses import dataclass
 import torch
 
 from lamina.kernels.transfer import upload
+from lamina.libs.block_hash import ROOT_HASH
 from lamina.services.engine_worker.engine.batch_scheduler import BatchScheduler, ScheduledBatch
 from lamina.services.engine_worker.engine.block_manager import BlockManager
 from lamina.services.engine_worker.engine.config import EngineConfig
-from lamina.services.engine_worker.engine.errors import DuplicateRequestError
+from lamina.services.engine_worker.engine.errors import (
+    DuplicateRequestError,
+    EngineError,
+    KvLayoutMismatch,
+)
 from lamina.services.engine_worker.engine.grammar import BatchMasks, GrammarState
 from lamina.services.engine_worker.engine.kv_events import KvEvent
-from lamina.services.engine_worker.engine.kv_tier import TierIndex
+from lamina.services.engine_worker.engine.kv_tier import KvBlocks, TierIndex, cache_layout
 from lamina.services.engine_worker.engine.outputs import (
     STEP_TOKEN_BUCKETS,
     EngineStats,
@@ -487,6 +492,61 @@ class Engine:
         """Prefix cache events since the last call, numbered without gaps."""
         return self.blocks.take_events()
 
+    # -------------------------------------------------------------------- KV that moves
+    def export_blocks(self, hashes: list[int]) -> KvBlocks:
+        """The leading run of ``hashes`` (a sequence's block hashes, from its start) that
+        this engine's device holds, copied to the host: for another engine to
+        :meth:`import_blocks`. Moves between the tiers that a step was to make are made
+        first, so each block holds what its hash says."""
+        self._one_rank("export")
+        ids = []
+        for block_hash in hashes:
+            block_id = self.blocks.cached.get(block_hash)
+            if block_id is None:
+                break
+            ids.append(block_id)
+        moves = self.blocks.take_transfers()
+        self.runner.transfer(moves.saves, moves.loads)
+        index = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        runner = self.runner
+        return KvBlocks(
+            cache_layout(runner.kv_caches, self.config.block_size),
+            ROOT_HASH,
+            hashes[: len(ids)],
+            [cache.index_select(1, index).cpu() for cache in runner.kv_caches],
+            [_per_block(scales, index) for scales in runner.kv_scales],
+        )
+
+    def import_blocks(self, blocks: KvBlocks) -> int:
+        """Cache ``blocks`` (another engine's :meth:`export_blocks`) as if computed here,
+        so that a request with their prefix hits them; the number newly cached (fewer
+        when free blocks run out, none of those already cached). Refused whole, typed,
+        when their layout is not this engine's (:class:`KvLayoutMismatch`)."""
+        self._one_rank("import")
+        runner = self.runner
+        ours = cache_layout(runner.kv_caches, self.config.block_size)
+        if blocks.layout != ours:
+            raise KvLayoutMismatch(ours, blocks.layout)
+        placed = self.blocks.adopt(blocks.parent_hash, blocks.hashes)
+        moves = self.blocks.take_transfers()  # evicted blocks are saved before overwritten
+        runner.transfer(moves.saves, moves.loads)
+        if placed:
+            source = torch.tensor([i for i, _ in placed], dtype=torch.int64)
+            target = torch.tensor([b for _, b in placed], dtype=torch.int64, device=self.device)
+            for layer, cache in enumerate(runner.kv_caches):
+                cache[:, target] = blocks.caches[layer][:, source].to(self.device)
+                scales, theirs = runner.kv_scales[layer], blocks.scales[layer]
+                if scales is not None and theirs is not None:
+                    scales[:, target] = theirs[:, source].to(self.device)
+        return len(placed)
+
+    def _one_rank(self, what: str) -> None:
+        if self.ranks is not None:
+            raise EngineError(
+                f"KV blocks' {what} is not built for a parallel engine yet (each rank holds "
+                "a share of every block)"
+            )
+
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
 
@@ -524,3 +584,11 @@ def _timings(request: Request) -> Timings:
         decode_s=max(0.0, request.last_token_at - request.first_token_at),
         num_preemptions=request.num_preemptions,
     )
+
+
+def _per_block(scales: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    """An int8 cache's per-block scales of the blocks at ``index`` (others' scales are
+    per layer and fixed by the checkpoint: nothing to carry)."""
+    if scales is None or scales.dim() != 3:
+        return None
+    return scales.index_select(1, index).cpu()

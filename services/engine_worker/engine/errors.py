@@ -69,3 +69,12 @@ class RankStartError(EngineError):
 class RankGroupFailure(EngineError):
     """The group can no longer step (a rank exited or hung, or a step broke): every
     request it held lost its KV; restart the whole group."""
+
+
+class KvLayoutMismatch(EngineError):
+    """KV blocks from an engine whose cache is laid out otherwise (block size, dtype,
+    layers, KV heads, head size): they cannot be imported, and are refused whole."""
+
+    def __init__(self, ours: str, theirs: str) -> None:
+        super().__init__(f"KV blocks laid out {theirs} cannot join a cache laid out {ours}")
+        self.ours, self.theirs = ours, theirs

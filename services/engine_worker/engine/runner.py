@@ -73,18 +73,24 @@ class ModelRunner:
         ``directory``, if given)."""
         self.host = HostPool(self.kv_caches, self.kv_scales, slots, directory)
 
+    def transfer(self, saves: np.ndarray, loads: np.ndarray) -> None:
+        """Moves between the tiers (``(2, n)`` each: see :class:`StepInput`), saves
+        first."""
+        if self.host is None:
+            return
+        if saves.shape[1]:
+            self.host.save(self.kv_caches, self.kv_scales, saves[0], saves[1])
+        if loads.shape[1]:
+            started = time.perf_counter()
+            self.host.load(self.kv_caches, self.kv_scales, loads[0], loads[1])
+            if self.device.type == "cpu":  # on a GPU the copies are queued, not done
+                self.load_seconds += time.perf_counter() - started
+                self.loaded_blocks += loads.shape[1]
+
     def run(self, step: StepInput) -> torch.Tensor:
         """The model over one step's input (this rank's share): the logits of its
         ``sampled`` rows (``Engine.forward``), after the step's moves between the tiers."""
-        if self.host is not None:
-            if step.saves.shape[1]:
-                self.host.save(self.kv_caches, self.kv_scales, step.saves[0], step.saves[1])
-            if step.loads.shape[1]:
-                started = time.perf_counter()
-                self.host.load(self.kv_caches, self.kv_scales, step.loads[0], step.loads[1])
-                if self.device.type == "cpu":  # on a GPU the copies are queued, not done
-                    self.load_seconds += time.perf_counter() - started
-                    self.loaded_blocks += step.loads.shape[1]
+        self.transfer(step.saves, step.loads)
         graphs = self.decode_graphs
         if graphs is not None and step.decodes_only and graphs.bucket(len(step.ids)):
             return graphs.run(step.ids, step.positions, step.slots, step.context, step.table)
