@@ -505,8 +505,7 @@ class Engine:
             if block_id is None:
                 break
             ids.append(block_id)
-        moves = self.blocks.take_transfers()
-        self.runner.transfer(moves.saves, moves.loads)
+        self._make_pending_moves()
         index = torch.tensor(ids, dtype=torch.int64, device=self.device)
         runner = self.runner
         return KvBlocks(
@@ -528,8 +527,7 @@ class Engine:
         if blocks.layout != ours:
             raise KvLayoutMismatch(ours, blocks.layout)
         placed = self.blocks.adopt(blocks.parent_hash, blocks.hashes)
-        moves = self.blocks.take_transfers()  # evicted blocks are saved before overwritten
-        runner.transfer(moves.saves, moves.loads)
+        self._make_pending_moves()  # the blocks it evicted are saved before overwritten
         if placed:
             source = torch.tensor([i for i, _ in placed], dtype=torch.int64)
             target = torch.tensor([b for _, b in placed], dtype=torch.int64, device=self.device)
@@ -539,6 +537,11 @@ class Engine:
                 if scales is not None and theirs is not None:
                     scales[:, target] = theirs[:, source].to(self.device)
         return len(placed)
+
+    def _make_pending_moves(self) -> None:
+        """Make now the moves between the tiers that the next step would make first."""
+        moves = self.blocks.take_transfers()
+        self.runner.transfer(moves.saves, moves.loads)
 
     def _one_rank(self, what: str) -> None:
         if self.ranks is not None:

@@ -106,9 +106,6 @@ class HostPool:
         if any(s is not None and s.dim() == 3 for s in scales):  # int8: per block
             shapes = [(s.shape[0], slots, s.shape[2]) for s in scales]  # type: ignore[union-attr]
             self.scales = _allocate(shapes, torch.float32, pin, directory)  # type: ignore[assignment]
-        self.nbytes = sum(c.nbytes for c in self.caches) + sum(
-            s.nbytes for s in self.scales if s is not None
-        )
 
     def save(
         self,
