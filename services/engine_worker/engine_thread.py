@@ -12,6 +12,13 @@ for every thread that ever ran a parallel op, and once pools and their owners ou
 the cores it stops spinning between parallel regions and sleeps instead (libgomp's
 throttled spin): with the engine built on an executor thread and stepped on this one,
 each parallel op ran slower (``docs/performance.md``, "Stack overhead").
+
+Keep-alives come from a timer thread of their own, not from the loop between steps: one
+step can take seconds (a long prefill, a loaded CPU), and a stream's keep-alive must not
+wait for it. The streams are this thread's except while it steps the engine or waits for
+commands: it holds ``_turn`` otherwise, and emits under it, so events leave in ``seq``
+order whichever thread numbered them. A step that never returns is the worker's to find
+(``engine_stall_timeout``), not the gateway's.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +55,7 @@ STREAM_KEEPALIVE_S = 5.0
 often, so that its gateway knows it waits and is not lost: the gateway's stall timeout
 counts silence from a worker that still heartbeats."""
 _KEEPALIVE_CHECK_S = 1.0
+_WEDGED_TURN_WAIT_S = 1.0
 HANDOFF_WAIT_S = 0.002
 """Most seconds :meth:`EngineThread.submit` blocks the event loop handing a request to an
 idle engine thread (it normally takes tens of microseconds)."""
@@ -108,8 +116,10 @@ class EngineThread(threading.Thread):
         self._deadlines = Deadlines()
         self._stopping = threading.Event()
         self._stats_at = 0.0
-        self._keepalive_at = 0.0
         self._lock = threading.Lock()
+        self._turn = threading.Lock()
+        """Who may touch the streams: the engine thread but while it steps or waits for
+        commands, when the keep-alive timer may."""
         self._pending_adds = 0
         self._idle = False  # the thread is (about to be) blocked on an empty queue
         self._handoff_wait = handoff_wait
@@ -199,7 +209,14 @@ class EngineThread(threading.Thread):
         """The thread is stuck (no loop iteration for too long): fail what it held, as
         the dead thread would have, and stop it should it ever come back."""
         self._stopping.set()
-        self._die(reason)
+        # Stuck in a step, it has lent out the streams; stuck elsewhere, it holds them
+        # and never gives them back, so the wait is short and the failing goes on anyway.
+        turn = self._turn.acquire(timeout=_WEDGED_TURN_WAIT_S)
+        try:
+            self._die(reason)
+        finally:
+            if turn:
+                self._turn.release()
 
     @property
     def dead(self) -> bool:
@@ -217,14 +234,17 @@ class EngineThread(threading.Thread):
             return
         finally:
             self._ready.set()
+        threading.Thread(target=self._keep_alive, name="keep-alive", daemon=True).start()
         try:
-            self._serve()
-        except RankGroupFailure as exc:  # a rank exited or hung: the group is lost
-            log.critical("%s", exc)
-            self._die(str(exc))
-        except BaseException as exc:  # whatever ends the thread ends the worker's service
-            log.exception("the engine thread died")
-            self._die(f"the engine thread died: {type(exc).__name__}: {exc}")
+            with self._turn:
+                try:
+                    self._serve()
+                except RankGroupFailure as exc:  # a rank exited or hung: the group is lost
+                    log.critical("%s", exc)
+                    self._die(str(exc))
+                except BaseException as exc:  # whatever ends the thread ends the service
+                    log.exception("the engine thread died")
+                    self._die(f"the engine thread died: {type(exc).__name__}: {exc}")
         finally:
             self.engine.close()
 
@@ -236,7 +256,8 @@ class EngineThread(threading.Thread):
             if engine.has_work():
                 started = self._tracer.start()
                 try:
-                    result = engine.step()
+                    with self._lend_streams():
+                        result = engine.step()
                 except RankGroupFailure:
                     raise  # not this step's failure: the engine's (see run)
                 except Exception:  # a bug in a step must not leave clients hanging
@@ -255,8 +276,16 @@ class EngineThread(threading.Thread):
                 if batch:
                     self.emit(batch)
                 self._stop_expired()
-                self._keep_alive()
             self._refresh_stats()
+
+    @contextlib.contextmanager
+    def _lend_streams(self) -> Iterator[None]:
+        """Let the keep-alive timer at the streams while this thread waits."""
+        self._turn.release()
+        try:
+            yield
+        finally:
+            self._turn.acquire()
 
     def _die(self, reason: str) -> None:
         with self._lock:
@@ -298,7 +327,8 @@ class EngineThread(threading.Thread):
             if block:
                 self._idle = True
                 try:
-                    command = self._commands.get(timeout=_STATS_PERIOD_S)
+                    with self._lend_streams():
+                        command = self._commands.get(timeout=_STATS_PERIOD_S)
                 finally:
                     self._idle = False
             while True:
@@ -380,14 +410,15 @@ class EngineThread(threading.Thread):
             self.emit(batch)
 
     def _keep_alive(self) -> None:
-        """Keep-alives to the streams silent for ``keepalive_s`` (looked for at most once
-        a second, or each keep-alive period if shorter)."""
-        now = time.monotonic()
-        if now - self._keepalive_at < min(_KEEPALIVE_CHECK_S, self.keepalive_s):
-            return
-        self._keepalive_at = now
-        if batch := self._streams.keepalives(now, self.keepalive_s):
-            self.emit(batch)
+        """The keep-alive timer (its own thread): keep-alives to the streams silent for
+        ``keepalive_s``, looked for once a second, or each keep-alive period if shorter."""
+        period = min(_KEEPALIVE_CHECK_S, self.keepalive_s)
+        while not self._stopping.wait(period):
+            with self._turn:
+                if self._dead:
+                    return
+                if batch := self._streams.keepalives(time.monotonic(), self.keepalive_s):
+                    self.emit(batch)  # under the turn: before the thread's next events
 
     def _kv_events(self, step: Any = None) -> list[Outgoing]:
         """The prefix cache's events since the last call, as one message (or none);

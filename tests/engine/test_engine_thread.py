@@ -17,6 +17,7 @@ from lamina.schemas.v1.generate import (
     RejectReason,
     Sampling,
     Sla,
+    Tokens,
 )
 from lamina.services.engine_worker.engine_thread import EngineThread
 from tests.engine.helpers import make_engine
@@ -212,6 +213,54 @@ def test_a_resubmission_of_a_request_still_running_here_replaces_it(tiny_model):
         assert finished[0][1].usage.completion_tokens == 200
         done = thread.call(lambda e: None)
         assert done.wait(5) and not engine.has_work()
+    finally:
+        thread.stop()
+        thread.join(timeout=5)
+
+
+def test_streams_are_kept_alive_through_a_long_step_in_seq_order(tiny_model):
+    """A step that takes seconds (a long prefill, a loaded machine) does not silence the
+    streams: the keep-alive timer runs while the engine steps, and every stream's events
+    leave numbered 1, 2, 3... in the order they were emitted, whichever thread made them."""
+    seen: list[tuple[str, object]] = []
+    thread = EngineThread(
+        lambda: make_engine(tiny_model),
+        "w",
+        "kv",
+        emit=lambda batch: seen.extend((subject, m) for subject, m, _ in batch),
+        keepalive_s=0.05,
+    )
+    thread.start()
+    try:
+        thread.wait_ready()
+        engine = thread.engine
+        step, slow = engine.step, threading.Event()
+
+        def sometimes_slow():
+            if engine.stats().num_running and not slow.is_set():  # once, mid-decode
+                slow.set()
+                time.sleep(1.0)
+            return step()
+
+        engine.step = sometimes_slow
+        for rid in ("r0", "r1"):
+            thread.submit(
+                msgspec.structs.replace(
+                    long_request(rid), sampling=Sampling(max_tokens=30, ignore_eos=True)
+                ),
+                reply=f"inbox.{rid}",
+            )
+        deadline = time.monotonic() + 30
+        while sum(isinstance(m, Finished) for _, m in seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slow.is_set()
+        for rid in ("r0", "r1"):
+            events = [m for subject, m in seen if subject == f"inbox.{rid}"]
+            assert [m.seq for m in events] == list(range(1, len(events) + 1))
+            assert isinstance(events[-1], Finished)
+            assert sum(len(m.token_ids) for m in events) == 30
+            keepalives = [m for m in events if isinstance(m, Tokens) and not m.token_ids]
+            assert len(keepalives) >= 5  # sent during the one long step
     finally:
         thread.stop()
         thread.join(timeout=5)
