@@ -128,6 +128,7 @@ def permissions(identity: str) -> Permissions:
             publish=(
                 subjects.worker_generate("*"),
                 subjects.worker_kv_sync("*"),
+                subjects.worker_kv_send("*"),  # grants: which blocks go where
                 subjects.worker_control("*"),  # Ping, to take a worker out of quarantine
                 subjects.EVENTS_PLACEMENT,
                 subjects.EVENTS_SERVICE,

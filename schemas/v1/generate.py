@@ -7,6 +7,7 @@ from typing import Annotated
 import msgspec
 
 from lamina.schemas.v1.base import Id, Message, OpenEnum, Text
+from lamina.schemas.v1.kv_transfer import KvSource
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -169,6 +170,10 @@ class GenerateRequest(Message):
     (presence and frequency penalties, a seed's random stream), so a move is exact. A
     worker that predates the field reads them as prompt: the move is then approximate
     under those settings, as it was, but never wrong in length."""
+    kv_source: KvSource | None = None
+    """Set by the scheduler only (it drops a gateway's): the worker fetches the
+    request's leading KV blocks from this other worker before it runs the request, and
+    computes them itself if the transfer fails."""
 
 
 class Usage(msgspec.Struct, kw_only=True):

@@ -79,6 +79,11 @@ class ScoredWorker(msgspec.Struct, kw_only=True):
     num_running: int
     host_blocks: int = 0
     """Of ``overlap_blocks``, those only its host tier holds: loaded back, not computed."""
+    fetch_from: Id = ""
+    """The worker it would fetch the prompt's leading blocks from, when a transfer
+    predicts the earlier first token (``predicted_ttft_s`` counts it); empty: none."""
+    fetch_blocks: int = 0
+    """The blocks that transfer would carry."""
 
 
 class PlacementRecord(Message):

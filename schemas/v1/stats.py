@@ -132,6 +132,22 @@ class WorkerStats(Message, gc=False):
     host_kv_load_blocks_per_s: Rate = 0.0
     """Blocks per second its loads from the host tier took, measured (0: not measured:
     no load yet, or copies queued on a GPU stream, which the host does not time)."""
+    kv_layout: Id = ""
+    """``block_size/dtype/layers/KV heads/head dim`` of its KV cache: blocks move only
+    between workers whose layouts are equal. Empty: its KV cannot move (a parallel
+    engine's blocks are split across its ranks)."""
+    kv_address: Id = ""
+    """``host:port`` its KV transfer listener takes receivers on (empty: it sends none)."""
+    kv_fetches_total: Count = 0
+    """Requests whose leading blocks it fetched from another worker (cumulative)."""
+    kv_fetch_failures_total: Count = 0
+    """Fetches that failed or timed out: those requests computed their prefix here."""
+    kv_fetched_blocks_total: Count = 0
+    kv_sent_blocks_total: Count = 0
+    """Blocks it sent to other workers (cumulative)."""
+    kv_fetch_blocks_per_s: Rate = 0.0
+    """Blocks per second its last fetch took, from its request to the blocks imported
+    (0: none yet): placement's transfer rate for it."""
 
     def numerics(self) -> str:
         """What a stream's tokens depend on beyond the model and the request: the device

@@ -53,6 +53,11 @@ def worker_ranks(worker_id: str) -> str:
     return f"{PREFIX}.worker.{worker_id}.ranks"
 
 
+def worker_kv_send(worker_id: str) -> str:
+    """A scheduler's ``KvGrant``: blocks the worker may send to another, once."""
+    return f"{PREFIX}.worker.{worker_id}.kv.send"
+
+
 def worker_kv_sync(worker_id: str) -> str:
     """Request/reply: a scheduler asks the worker for a ``KvSnapshot`` of its cache."""
     return f"{PREFIX}.worker.{worker_id}.kv.sync"

@@ -43,6 +43,7 @@ from lamina.schemas.v1.control import (
 )
 from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason
 from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
+from lamina.schemas.v1.kv_transfer import KvGrant
 from lamina.schemas.v1.ranks import RankRendezvous, RanksRequest
 from lamina.schemas.v1.stats import GatewayAlive, WorkerState, WorkerStats
 from lamina.services.engine_worker import wire
@@ -60,6 +61,7 @@ from lamina.services.engine_worker.engine_thread import (
     EngineThread,
     Outgoing,
 )
+from lamina.services.engine_worker.kv_moves import KvMoves
 from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Lifecycle
 
 log = logging.getLogger("lamina.worker")
@@ -100,6 +102,11 @@ class WorkerConfig:
         STREAM_KEEPALIVE_S,
         "most seconds a request's stream goes without an event while it waits in the engine "
         "(an empty Tokens): keep it under every gateway's --stall-timeout",
+    )
+    kv_fetch_timeout: float = option(
+        10.0,
+        "most seconds a request waits for its prefix's KV blocks from another worker (the "
+        "scheduler's choice) before it computes them here",
     )
     health_host: str = option("0.0.0.0", "address /health and /ready are served on")
     health_port: int = option(0, "port for /health and /ready (ready: taking requests; 0: off)")
@@ -148,6 +155,11 @@ class WorkerService:
         self.health: HealthServer | None = None
         seqs = config.engine.max_num_seqs
         self.max_held = seqs + (config.max_waiting_seqs or seqs)
+        self.kv: KvMoves | None = None
+        """Its KV transfers to and from other workers, once the engine is built."""
+        self._fetching: dict[str, bool] = {}
+        """Requests accepted that wait for their prefix's blocks -> cancelled meanwhile."""
+        self._fetches: set[asyncio.Task] = set()
         """Requests the engine may hold, running and waiting, before new ones are refused."""
 
     def ready(self) -> bool:
@@ -204,7 +216,13 @@ class WorkerService:
         finally:
             self.rendezvous = None  # its listener is closed: the group is formed, or failed
         self.grammars = spec.grammar_compiler()
+        # Its transfer listener: where its host is reached from other hosts (a node's
+        # --address), else the loopback, every worker on this host.
+        host = engine_config.distributed_address or "127.0.0.1"
+        self.kv = KvMoves(self.engine_thread, host, cfg.kv_fetch_timeout)
+        await self.kv.start()
         wid = self.worker_id
+        await bus.subscribe(subjects.worker_kv_send(wid), KvGrant, self._on_kv_grant)
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
         await bus.subscribe(subjects.worker_control(wid), ControlCommand, self._on_control)
@@ -274,7 +292,7 @@ class WorkerService:
             message = f"worker {self.worker_id} is {state}"
             await self._refuse(msg.reply, rid, reason, message, retryable=True)
             return
-        if (held := self.engine_thread.num_requests) >= self.max_held:
+        if (held := self.engine_thread.num_requests + len(self._fetching)) >= self.max_held:
             # Placed on a stale view (schedulers queue well before this): refused up front
             # rather than left to wait behind a queue this long.
             message = f"worker {self.worker_id} holds {held} requests, its most"
@@ -300,7 +318,28 @@ class WorkerService:
             request_id=request.request_id, worker_id=self.worker_id, numerics=self.numerics
         )
         self._outbox.put_nowait([(msg.reply, accepted, context)])
-        self.engine_thread.submit(request, msg.reply, context, checked)
+        if request.kv_source is None or self.kv is None:
+            self.engine_thread.submit(request, msg.reply, context, checked)
+            return
+        self._fetching[rid] = False
+        task = asyncio.create_task(self._fetch_then_submit(request, msg.reply, context, checked))
+        self._fetches.add(task)
+        task.add_done_callback(self._fetches.discard)
+
+    async def _fetch_then_submit(
+        self, request: GenerateRequest, reply: str, context: object, checked: EngineRequest
+    ) -> None:
+        """Fetch the request's leading blocks from the worker the scheduler named, then
+        hand the request to the engine, which finds them cached (or, when the fetch
+        failed, computes them)."""
+        rid = request.request_id
+        try:
+            assert self.kv is not None and request.kv_source is not None
+            await self.kv.fetch(rid, request.kv_source)
+        finally:
+            cancelled = self._fetching.pop(rid, True)
+        if not cancelled:
+            self.engine_thread.submit(request, reply, context, checked)
 
     def _constrained(self, request: GenerateRequest) -> EngineRequest:
         """A request with a structured output constraint, compiled and checked."""
@@ -403,7 +442,13 @@ class WorkerService:
         return seen is not None and now - seen[0] > MISSED_HEARTBEATS * seen[1]
 
     async def _on_cancel(self, cancel: Cancel, msg: Msg) -> None:
+        if cancel.request_id in self._fetching:
+            self._fetching[cancel.request_id] = True
         self.engine_thread.cancel(cancel.request_id)
+
+    async def _on_kv_grant(self, grant: KvGrant, msg: Msg) -> None:
+        assert self.kv is not None
+        await self.kv.grant(grant)
 
     async def _on_control(self, command: ControlCommand, msg: Msg) -> None:
         ok, message = True, ""
@@ -496,6 +541,7 @@ class WorkerService:
             ranks=[wire.rank(info) for info in spec.ranks] if spec is not None else [],
             prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
             **dataclasses.asdict(counters),
+            **(self.kv.stats() if self.kv is not None else {}),
         )
 
     async def _publish_stats(self) -> None:
@@ -525,7 +571,10 @@ class WorkerService:
         if thread is None or self.spec is None:  # stopped while starting
             return
         deadline = time.monotonic() + self.config.drain_timeout
-        while not thread.dead and thread.num_requests and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            (not thread.dead and (thread.num_requests or self._fetching))
+            or (self.kv is not None and self.kv.pending)  # its blocks' receivers may come
+        ):
             await asyncio.sleep(0.05)
         await self._outbox.join()
 
@@ -534,6 +583,8 @@ class WorkerService:
             await self.health.stop()
         if self.engine_thread is not None:
             self.engine_thread.stop()
+        if self.kv is not None:
+            await self.kv.close()
         for task in self._tasks:
             task.cancel()
         if self.bus is not None:

@@ -24,6 +24,12 @@ with the context for it). Among them the policy chooses:
   rate yet (it has served nothing) is given the median of the rates its peers measured,
   else the configured prior: a fresh worker must look as fast as its peers, or it would
   never be given the work that measures it.
+
+  A worker may also fetch the prompt's leading blocks from another worker that holds
+  more of them on its device (a busy, cordoned or draining one included) instead of
+  computing them: with F the blocks fetched at R_x, w's measured transfer rate, and U'
+  what is left to compute, ``ttft_fetch(w) = (Q + U') / R_p + F / R_x + decode``; the
+  worker is scored by the lower of the two, and the decision says which.
 * ``load``: least queued work (queued prefill tokens plus a per-request charge), blind
   to the cache.
 * ``round-robin``: each ready worker in turn.
@@ -40,9 +46,11 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+import msgspec
 
 from lamina.libs.bounded import BoundedDict
 from lamina.libs.context_length import context_overflow
@@ -77,6 +85,9 @@ class CostModel:
     host_load_rate_prior: float = 5000.0
     """Blocks/s a worker's host tier is assumed to load back at before it measured its
     own (or where it cannot: copies queued on a GPU)."""
+    transfer_rate_prior: float = 1000.0
+    """Blocks/s a worker is assumed to fetch another's blocks at before it measured its
+    own fetch (about 2 GB/s for a 7B model's 2 MiB blocks)."""
 
     def uncached_tokens(self, prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
         """Prompt tokens a worker must compute: at least one (the engine always computes
@@ -128,6 +139,9 @@ class Decision:
     scored: list[ScoredWorker] = field(default_factory=list)
     decision_s: float | None = None
     """How long deciding took (set by the scheduler service, which times it)."""
+    fetch_from: str = ""
+    """The worker to fetch the prompt's leading blocks from (empty: none)."""
+    fetch_blocks: int = 0
 
 
 def drain_time(workers: list[Candidate], queued_tokens: int, rate_prior: float) -> float:
@@ -192,21 +206,13 @@ class Placer:
         if request.numerics:  # a moved stream: where it continues as it began, if it can
             same = [w for w in fits if w.stats.numerics() == request.numerics]
             fits = same or fits
-        scored = self._score_all(request, fits, overlap)
+        senders = [w for w in live if w.stats.model == request.model and _can_send(w)]
+        scored = self._score_all(request, fits, overlap, senders)
         by_id = {s.worker_id: s for s in scored}
         pinned = self._pinned.get(request.affinity) if request.affinity else None
         if pinned in by_id:  # its group's worker can take it: there, to share the prefill
             best = by_id[pinned]
-            return Decision(
-                best.worker_id,
-                None,
-                "",
-                len(fits),
-                best.predicted_ttft_s,
-                prefix_hit_blocks=best.overlap_blocks,
-                predicted_ttft_s=best.predicted_ttft_s,
-                scored=scored,
-            )
+            return _placed(best, len(fits), best.predicted_ttft_s, scored)
         if self.policy == Policy.KV:
             roomy = [s for s, w in zip(scored, fits, strict=True) if self._has_room(w, s)]
             best = min(
@@ -223,16 +229,7 @@ class Placer:
             best, score = by_id[chosen.stats.worker_id], None
         if request.affinity:
             self._pinned[request.affinity] = best.worker_id
-        return Decision(
-            best.worker_id,
-            None,
-            "",
-            len(fits),
-            score,
-            prefix_hit_blocks=best.overlap_blocks,
-            predicted_ttft_s=best.predicted_ttft_s,
-            scored=scored,
-        )
+        return _placed(best, len(fits), score, scored)
 
     def earliest_ttft(
         self, request: GenerateRequest, live: list[Candidate], overlap: Overlap
@@ -244,15 +241,72 @@ class Placer:
         return min((s.predicted_ttft_s for s in scored), default=0.0)
 
     def _score_all(
-        self, request: GenerateRequest, workers: list[Candidate], overlap: Overlap
+        self,
+        request: GenerateRequest,
+        workers: list[Candidate],
+        overlap: Overlap,
+        senders: Sequence[Candidate] = (),
     ) -> list[ScoredWorker]:
-        """Each of ``workers`` scored for ``request``, in order."""
+        """Each of ``workers`` scored for ``request``, in order, each with the best
+        fetch from one of ``senders`` where that predicts the earlier first token."""
         if not workers:
             return []
         prompt = request.prompt_token_ids
-        hits = overlap(prompt, [w.stats.worker_id for w in workers])
+        ids = [w.stats.worker_id for w in workers]
+        hits = overlap(prompt, list(dict.fromkeys(ids + [w.stats.worker_id for w in senders])))
+        held = []  # (device blocks, sender): what each could send, most first
+        for w in senders:
+            total, host = hits[w.stats.worker_id]
+            if total > host:
+                held.append((total - host, w))
+        held.sort(key=lambda h: -h[0])
         rates = self.cost.peer_rates(workers)
-        return [self._score(w, len(prompt), *hits[w.stats.worker_id], rates) for w in workers]
+        scored = []
+        for w in workers:
+            local = self._score(w, len(prompt), *hits[w.stats.worker_id], rates)
+            scored.append(self._with_fetch(w, local, len(prompt), held, rates))
+        return scored
+
+    def _with_fetch(
+        self,
+        worker: Candidate,
+        local: ScoredWorker,
+        prompt_tokens: int,
+        held: list[tuple[int, Candidate]],
+        rates: tuple[float, float],
+    ) -> ScoredWorker:
+        """``local``, or ``worker`` fetching from the sender that holds the most of the
+        prompt in a layout like its own, if that predicts the earlier first token."""
+        s = worker.stats
+        sender = next(
+            (
+                (blocks, w)
+                for blocks, w in held
+                if w.stats.worker_id != s.worker_id and w.stats.kv_layout == s.kv_layout
+            ),
+            None,
+        )
+        if not s.kv_layout or sender is None:
+            return local
+        usable = (prompt_tokens - 1) // s.block_size  # a token is left to compute
+        blocks = min(sender[0], usable)
+        if blocks <= local.overlap_blocks:
+            return local
+        uncached = self.cost.uncached_tokens(prompt_tokens, blocks, s.block_size)
+        rate = s.kv_fetch_blocks_per_s or self.cost.transfer_rate_prior
+        ttft = self.cost.predict_ttft(worker, uncached, rates) + blocks / rate
+        if ttft >= local.predicted_ttft_s:
+            return local
+        new_blocks = math.ceil(uncached / s.block_size) + blocks - local.overlap_blocks
+        used = s.total_kv_blocks - s.free_kv_blocks + new_blocks
+        return msgspec.structs.replace(
+            local,
+            predicted_ttft_s=ttft,
+            kv_usage=used / s.total_kv_blocks if s.total_kv_blocks else 1.0,
+            host_blocks=0,
+            fetch_from=sender[1].stats.worker_id,
+            fetch_blocks=blocks,
+        )
 
     def _score(
         self,
@@ -284,6 +338,31 @@ class Placer:
         s = worker.stats
         pending_blocks = math.ceil(worker.pending_tokens / s.block_size)
         return scored.kv_usage * s.total_kv_blocks + pending_blocks <= s.total_kv_blocks
+
+
+def _placed(best: ScoredWorker, candidates: int, score: float | None, scored: list) -> Decision:
+    return Decision(
+        best.worker_id,
+        None,
+        "",
+        candidates,
+        score,
+        prefix_hit_blocks=best.overlap_blocks,
+        predicted_ttft_s=best.predicted_ttft_s,
+        scored=scored,
+        fetch_from=best.fetch_from,
+        fetch_blocks=best.fetch_blocks,
+    )
+
+
+def _can_send(worker: Candidate) -> bool:
+    """Whether ``worker`` can send KV blocks: it advertises a layout and a listener, and
+    its engine still serves (a draining worker's blocks are what a move wants most)."""
+    s = worker.stats
+    return bool(s.kv_layout and s.kv_address) and s.state in (
+        WorkerState.READY,
+        WorkerState.DRAINING,
+    )
 
 
 def _shown_state(worker: Candidate) -> str:

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link
 
 from lamina.libs import spans
+from lamina.libs.block_hash import hash_blocks
 from lamina.libs.bounded import BoundedDict
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.config import option
@@ -39,6 +41,7 @@ from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel, ControlAck, Ping
 from lamina.schemas.v1.generate import GenerateRequest, Queued, Rejected, RejectReason
 from lamina.schemas.v1.kv import KvEventBatch, KvSnapshot, KvSyncRequest
+from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
 from lamina.schemas.v1.records import PLACED, QUEUED, PlacementRecord
 from lamina.schemas.v1.stats import (
     ClusterStatus,
@@ -393,6 +396,28 @@ class SchedulerService:
         if self.queue.remove(cancel.request_id) is not None:
             log.info("request %s left the queue (cancelled)", cancel.request_id)
 
+    async def _grant(self, request: GenerateRequest, decision: Decision) -> KvSource | None:
+        """Authorise the transfer ``decision`` chose, if any: a one-time grant to its
+        sender, and the source (with the same token) for the receiving worker."""
+        sender = self.registry.view.workers.get(decision.fetch_from)
+        if sender is None or not decision.fetch_blocks:
+            return None
+        hashes = hash_blocks(request.prompt_token_ids, sender.stats.block_size)
+        grant = KvGrant(
+            grant_id=secrets.token_hex(16),
+            token=secrets.token_hex(32),
+            receiver=decision.worker_id or "",
+            block_hashes=hashes[: decision.fetch_blocks],
+        )
+        await self.bus.publish(subjects.worker_kv_send(decision.fetch_from), grant)
+        return KvSource(
+            worker_id=decision.fetch_from,
+            address=sender.stats.kv_address,
+            grant_id=grant.grant_id,
+            token=grant.token,
+            block_hashes=grant.block_hashes,
+        )
+
     async def _send(
         self,
         request: GenerateRequest,
@@ -414,7 +439,11 @@ class SchedulerService:
                 ),
             )
         else:
-            forwarded = msgspec.structs.replace(request, worker_id=decision.worker_id)
+            forwarded = msgspec.structs.replace(
+                request,
+                worker_id=decision.worker_id,
+                kv_source=await self._grant(request, decision),  # never the gateway's
+            )
             try:
                 await self.bus.publish(  # the worker's span is this one's child
                     subjects.worker_generate(decision.worker_id),
@@ -440,7 +469,7 @@ class SchedulerService:
                 worker = self.registry.view.workers[decision.worker_id]
                 uncached = self.placer.cost.uncached_tokens(
                     len(request.prompt_token_ids),
-                    decision.prefix_hit_blocks,
+                    max(decision.prefix_hit_blocks, decision.fetch_blocks),
                     worker.stats.block_size,
                 )
                 self.registry.placed(decision.worker_id, uncached)

@@ -119,6 +119,10 @@ WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
         "Blocks in the worker's KV host tier.",
         lambda s: s.host_kv_blocks_used,
     ),
+    "kv_fetch_blocks_per_second": (
+        "KV blocks per second of the worker's last fetch from another worker (0: none).",
+        lambda s: s.kv_fetch_blocks_per_s,
+    ),
 }
 
 #: Per-worker counters from the worker's cumulative totals: name → (help, value).
@@ -145,6 +149,22 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
     "host_kv_saves_total": (
         "Evicted KV blocks saved to the host tier.",
         lambda s: s.host_kv_saves_total,
+    ),
+    "kv_fetches_total": (
+        "Requests whose leading KV blocks the worker fetched from another worker.",
+        lambda s: s.kv_fetches_total,
+    ),
+    "kv_fetch_failures_total": (
+        "KV fetches that failed or timed out (the request computed its prefix instead).",
+        lambda s: s.kv_fetch_failures_total,
+    ),
+    "kv_fetched_blocks_total": (
+        "KV blocks fetched from other workers.",
+        lambda s: s.kv_fetched_blocks_total,
+    ),
+    "kv_sent_blocks_total": (
+        "KV blocks sent to other workers.",
+        lambda s: s.kv_sent_blocks_total,
     ),
 }
 

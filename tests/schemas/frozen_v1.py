@@ -10,6 +10,8 @@ Docstrings are left out; they are not part of the contract.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 
@@ -337,6 +339,16 @@ class BusHealth(Message):
     errors: int = 0
     disconnects: int = 0
     reconnects: int = 0
+
+
+# --- kv_transfer.py -----------------------------------------------------------------------
+
+
+class KvGrant(Message):
+    grant_id: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+    token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+    receiver: str
+    block_hashes: list[int]
 
 
 # --- ranks.py -----------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from lamina.schemas.v1.kv import (
     KvSyncRequest,
     Medium,
 )
+from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
 from lamina.schemas.v1.ranks import RankRendezvous, RanksRequest
 from lamina.schemas.v1.records import (
     BusHealth,
@@ -186,6 +187,13 @@ def golden_instances() -> dict[str, Message]:
         host_kv_loads_total=1024,
         host_kv_saves_total=52000,
         host_kv_load_blocks_per_s=31250.5,
+        kv_layout="16/bfloat16/32/8/128",
+        kv_address="10.0.0.2:40123",
+        kv_fetches_total=12,
+        kv_fetch_failures_total=1,
+        kv_fetched_blocks_total=3072,
+        kv_sent_blocks_total=2048,
+        kv_fetch_blocks_per_s=812.5,
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [
@@ -234,6 +242,13 @@ def golden_instances() -> dict[str, Message]:
             affinity="9f2c41d07a5b4e1c",
             replayed_output_tokens=2,
             numerics="cuda/bfloat16/int8/fp8",
+            kv_source=KvSource(
+                worker_id="worker-node-3-7",
+                address="10.0.0.3:40123",
+                grant_id="5c" * 16,
+                token="a7" * 32,
+                block_hashes=[4011226427183372811, 772199912007465535],
+            ),
         ),
         Accepted(
             request_id=request_id, worker_id=worker_id, seq=0, numerics="cuda/bfloat16/int8/fp8"
@@ -347,6 +362,8 @@ def golden_instances() -> dict[str, Message]:
                     kv_usage=0.1,
                     num_running=12,
                     host_blocks=1,
+                    fetch_from="worker-node-3-7",
+                    fetch_blocks=2,
                 )
             ],
             timestamp_ms=1767225600600,
@@ -374,6 +391,12 @@ def golden_instances() -> dict[str, Message]:
             disconnects=2,
             reconnects=2,
             refused=3,
+        ),
+        KvGrant(
+            grant_id="5c" * 16,
+            token="a7" * 32,
+            receiver=worker_id,
+            block_hashes=[4011226427183372811, 772199912007465535],
         ),
         RanksRequest(stage=1),
         RankRendezvous(

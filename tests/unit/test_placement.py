@@ -195,6 +195,45 @@ def test_a_host_tier_hit_costs_its_measured_load_time_between_a_device_hit_and_n
     assert placer.place(request(prompt_len=800), registry.candidates(), cached).worker_id == "host"
 
 
+def test_a_worker_fetches_a_prefix_another_holds_when_that_beats_computing_it():
+    """The holder of a prompt's prefix is draining (or busy): the worker placed fetches
+    the blocks from it when F / R_x beats computing them, and the decision names the
+    sender; a worker of another KV layout, or a transfer dearer than computing, does not."""
+    registry = registry_at(Clock())
+    kv = dict(kv_layout="16/float32/2/4/8", kv_address="127.0.0.1:4000")
+    fast = dict(prefill_tokens_per_s=1000.0, total_kv_blocks=1000, free_kv_blocks=1000)
+    registry.heartbeat(stats("holder", state="draining", **fast, **kv))
+    registry.heartbeat(stats("cold", kv_fetch_blocks_per_s=2000.0, **fast, **kv))
+    placer = Placer(Policy.KV, CostModel(decode_weight=0.0))
+    cached = overlap_of({"holder": 48})
+    decision = placer.place(request(prompt_len=800), registry.candidates(), cached)
+    (cold,) = decision.scored
+    assert (decision.worker_id, decision.fetch_from, decision.fetch_blocks) == (
+        "cold",
+        "holder",
+        48,
+    )
+    # 32 tokens computed at 1000/s, 48 blocks fetched at 2000/s: not 800 tokens computed.
+    assert cold.predicted_ttft_s == pytest.approx(0.032 + 48 / 2000)
+    assert (cold.fetch_from, cold.fetch_blocks, cold.overlap_blocks) == ("holder", 48, 0)
+    assert cold.kv_usage == pytest.approx(50 / 1000)  # 48 fetched and 2 computed blocks
+    # A transfer slower than computing: none.
+    registry.heartbeat(stats("cold", kv_fetch_blocks_per_s=50.0, **fast, **kv))
+    slow = placer.place(request(prompt_len=800), registry.candidates(), cached)
+    assert (slow.worker_id, slow.fetch_from, slow.fetch_blocks) == ("cold", "", 0)
+    # Another layout (here a KV cache of another dtype), or a holder that sends nothing.
+    other = dict(kv, kv_layout="16/int8/2/4/8")
+    registry.heartbeat(stats("cold", kv_fetch_blocks_per_s=2000.0, **fast, **other))
+    assert placer.place(request(prompt_len=800), registry.candidates(), cached).fetch_from == ""
+    registry.heartbeat(stats("cold", kv_fetch_blocks_per_s=2000.0, **fast, **kv))
+    registry.heartbeat(stats("holder", state="draining", **fast, kv_layout=kv["kv_layout"]))
+    assert placer.place(request(prompt_len=800), registry.candidates(), cached).fetch_from == ""
+    # A worker that holds the prefix itself computes nothing and fetches nothing.
+    registry.heartbeat(stats("holder", **fast, **kv))
+    here = placer.place(request(prompt_len=800), registry.candidates(), cached)
+    assert (here.worker_id, here.fetch_from) == ("holder", "")
+
+
 def test_kv_placement_skips_a_worker_without_room_and_breaks_ties_by_load():
     registry = registry_at(Clock())
     registry.heartbeat(stats("full", total_kv_blocks=100, free_kv_blocks=2))

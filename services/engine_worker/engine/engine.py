@@ -131,6 +131,7 @@ class Engine:
             dtype=str(model.dtype).removeprefix("torch."),
             weight_dtype=model.weight_dtype,
             ranks=(rank0, *(self.ranks.ranks if self.ranks else ())),
+            kv_layout="" if self.ranks else cache_layout(self.runner.kv_caches, bs),
         )
         """What this engine is, for any thread to read (and where requests are checked)."""
         self.requests: dict[str, Request] = {}

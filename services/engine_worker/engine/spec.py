@@ -59,6 +59,9 @@ class EngineSpec:
     ranks: tuple[RankInfo, ...] = ()
     """Every rank of the model, this process (rank 0) first: one without tensor
     parallelism."""
+    kv_layout: str = ""
+    """Its KV blocks' layout (``KvBlocks.layout``) when they can leave it or come in
+    (``Engine.export_blocks``, ``import_blocks``); empty for a parallel engine."""
 
     @property
     def block_size(self) -> int:

@@ -1,0 +1,98 @@
+"""KV between two worker services on a real nats-server, this test acting as their
+scheduler: a grant to the worker that holds a prefix and the source in the request to
+the other. The receiver fetches the blocks, serves the prompt as a cache hit with the
+holder's own tokens, and both heartbeats count what moved; a fetch that cannot happen
+(the grant never reached the sender) costs the request nothing but the recompute."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from lamina.libs.block_hash import hash_blocks
+from lamina.libs.bus import Bus
+from lamina.schemas.v1 import subjects
+from lamina.schemas.v1.generate import Finished, GenerateRequest, Sampling, Tokens
+from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
+from lamina.services.engine_worker.service import WorkerService
+from tests.bus.test_worker import _stream, worker_config
+
+PREFIX = list(range(5, 69))  # 4 blocks of 16
+QUESTION = [*PREFIX, 100, 101, 102]
+OTHER = [*range(200, 264), 7]  # 4 blocks of its own
+
+
+def _request(rid: str, prompt: list[int], source: KvSource | None = None) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        model="lamina-tiny",
+        prompt_token_ids=prompt,
+        sampling=Sampling(max_tokens=8, temperature=0, ignore_eos=True),
+        kv_source=source,
+    )
+
+
+def _output(events) -> tuple[list[int], Finished]:
+    *_, last = events
+    assert isinstance(last, Finished), events
+    tokens = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+    return tokens + last.token_ids, last
+
+
+def test_a_worker_serves_a_prefix_fetched_from_another_and_falls_back_when_it_cannot(
+    nats_url, tiny_model
+):
+    async def main() -> None:
+        holder = WorkerService(worker_config(nats_url, "holder", tiny_model))
+        receiver = WorkerService(worker_config(nats_url, "receiver", tiny_model))
+        await holder.start()
+        await receiver.start()
+        bus = await Bus.connect(nats_url, "bus-test-scheduler")
+        try:
+            assert holder.worker_stats().kv_layout == receiver.worker_stats().kv_layout != ""
+            address = holder.worker_stats().kv_address
+            assert address.startswith("127.0.0.1:")
+            want, _ = _output(await _stream(bus, _request("a", QUESTION), "holder"))
+            other, _ = _output(await _stream(bus, _request("b", OTHER), "holder"))
+
+            hashes = hash_blocks(QUESTION, 16)
+            grant = KvGrant(
+                grant_id=secrets.token_hex(16),
+                token=secrets.token_hex(32),
+                receiver="receiver",
+                block_hashes=hashes,
+            )
+            await bus.publish(subjects.worker_kv_send("holder"), grant)
+            source = KvSource(
+                worker_id="holder",
+                address=address,
+                grant_id=grant.grant_id,
+                token=grant.token,
+                block_hashes=hashes,
+            )
+            got, finished = _output(await _stream(bus, _request("c", QUESTION, source), "receiver"))
+            assert got == want
+            assert finished.usage.cached_tokens == len(PREFIX)  # fetched, not computed
+            stats = receiver.worker_stats()
+            assert (stats.kv_fetches_total, stats.kv_fetched_blocks_total) == (1, 4)
+            assert stats.kv_fetch_blocks_per_s > 0 and stats.kv_fetch_failures_total == 0
+            assert holder.worker_stats().kv_sent_blocks_total == 4
+
+            # A grant the holder never got: the receiver computes the prompt, exactly.
+            unknown = KvSource(
+                worker_id="holder",
+                address=address,
+                grant_id=secrets.token_hex(16),
+                token=secrets.token_hex(32),
+                block_hashes=hash_blocks(OTHER, 16),
+            )
+            got, finished = _output(await _stream(bus, _request("d", OTHER, unknown), "receiver"))
+            assert got == other and finished.usage.cached_tokens == 0
+            assert receiver.worker_stats().kv_fetch_failures_total == 1
+        finally:
+            await bus.close()
+            for worker in (receiver, holder):
+                await worker.drain()
+                await worker.close()
+
+    asyncio.run(main())

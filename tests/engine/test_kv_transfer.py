@@ -1,0 +1,158 @@
+"""KV blocks between two engines over the transfer stream (``kv_transfer.py``): the
+receiver gets exactly what the sender exported, and so gives the sender's tokens and
+logprobs; a transfer without its grant, with another token, or of other blocks than
+the receiver was told of delivers nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+
+from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
+from lamina.services.engine_worker import kv_transfer
+from lamina.services.engine_worker.kv_transfer import KvSender, TransferFailed
+from tests.engine.helpers import make_engine
+from tests.engine.test_kv_tier import PREFIX, QUESTION, _hashes, _run
+
+
+def _grant(hashes: list[int]) -> KvGrant:
+    return KvGrant(
+        grant_id=secrets.token_hex(16),
+        token=secrets.token_hex(32),
+        receiver="b",
+        block_hashes=hashes,
+    )
+
+
+def _source(sender: KvSender, grant: KvGrant, **changes) -> KvSource:
+    fields = dict(
+        worker_id="a",
+        address=sender.address,
+        grant_id=grant.grant_id,
+        token=grant.token,
+        block_hashes=grant.block_hashes,
+    )
+    return KvSource(**(fields | changes))
+
+
+async def _transfer(engine, grant: KvGrant | None, source_of, timeout_s: float = 10.0):
+    async def export(hashes):
+        return engine.export_blocks(hashes)
+
+    sender = KvSender(export, "127.0.0.1", "127.0.0.1")
+    await sender.start()
+    try:
+        real = grant or _grant(_hashes(engine, QUESTION))
+        if grant is not None:
+            await sender.grant(grant)
+        return await kv_transfer.fetch(source_of(sender, real), timeout_s), sender
+    finally:
+        await sender.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_blocks_fetched_give_the_senders_tokens_and_logprobs(stories, kv_cache_dtype):
+    sender = make_engine(stories, num_kv_blocks=16, kv_cache_dtype=kv_cache_dtype)
+    want = _run(sender, {"p": PREFIX, "q": QUESTION})["q"]
+    grant = _grant(_hashes(sender, QUESTION))
+    blocks, server = asyncio.run(_transfer(sender, grant, _source))
+    assert blocks.hashes == grant.block_hashes[:4] and server.sent_blocks == 4
+    assert server.pending == 0  # spent: one use
+
+    receiver = make_engine(stories, num_kv_blocks=16, kv_cache_dtype=kv_cache_dtype)
+    assert receiver.import_blocks(blocks) == 4
+    assert _run(receiver, {"q": QUESTION})["q"] == want
+
+
+def test_a_grant_is_spent_by_its_first_transfer(stories):
+    sender = make_engine(stories, num_kv_blocks=16)
+    _run(sender, {"p": PREFIX})
+    grant = _grant(_hashes(sender, PREFIX))
+
+    async def twice():
+        async def export(hashes):
+            return sender.export_blocks(hashes)
+
+        server = KvSender(export, "127.0.0.1", "127.0.0.1")
+        await server.start()
+        try:
+            await server.grant(grant)
+            first = await kv_transfer.fetch(_source(server, grant), 10)
+            with pytest.raises(TransferFailed):
+                await kv_transfer.fetch(_source(server, grant), 10)
+            return first
+        finally:
+            await server.close()
+
+    assert len(asyncio.run(twice()).hashes) == 4
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        {"token": "0" * 64},  # another token: the sender's proof check fails
+        {"grant_id": "f" * 32},  # a grant the sender never had
+    ],
+)
+def test_a_receiver_without_the_grant_gets_nothing(stories, wrong):
+    sender = make_engine(stories, num_kv_blocks=16)
+    _run(sender, {"p": PREFIX})
+    grant = _grant(_hashes(sender, PREFIX))
+    with pytest.raises(TransferFailed):
+        asyncio.run(_transfer(sender, grant, lambda s, g: _source(s, g, **wrong)))
+
+
+def test_blocks_other_than_those_the_receiver_was_told_of_are_refused(stories):
+    sender = make_engine(stories, num_kv_blocks=16)
+    _run(sender, {"p": PREFIX})
+    grant = _grant(_hashes(sender, PREFIX))
+    told = [h + 1 for h in grant.block_hashes]
+    with pytest.raises(TransferFailed, match="not the ones asked for"):
+        asyncio.run(_transfer(sender, grant, lambda s, g: _source(s, g, block_hashes=told)))
+
+
+def test_blocks_altered_on_the_way_are_refused(stories):
+    """A proxy between the two flips one byte of the blocks' data (after the handshake
+    and the header): the MAC no longer matches, and the receiver keeps nothing."""
+    sender = make_engine(stories, num_kv_blocks=16)
+    _run(sender, {"p": PREFIX})
+    grant = _grant(_hashes(sender, PREFIX))
+
+    async def main():
+        async def export(hashes):
+            return sender.export_blocks(hashes)
+
+        server = KvSender(export, "127.0.0.1", "127.0.0.1")
+        await server.start()
+        host, port = server.address.rsplit(":", 1)
+
+        async def pipe(reader, writer, flip_at: int | None):
+            seen = 0
+            while chunk := await reader.read(65536):
+                if flip_at is not None and seen <= flip_at < seen + len(chunk):
+                    chunk = bytearray(chunk)
+                    chunk[flip_at - seen] ^= 0x01
+                seen += len(chunk)
+                writer.write(bytes(chunk))
+                await writer.drain()
+            writer.close()
+
+        async def proxy(client_reader, client_writer):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            await asyncio.gather(
+                pipe(client_reader, writer, None), pipe(reader, client_writer, 4096)
+            )
+
+        relay = await asyncio.start_server(proxy, "127.0.0.1", 0)
+        relayed = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
+        try:
+            await server.grant(grant)
+            with pytest.raises(TransferFailed, match="MAC"):
+                await kv_transfer.fetch(_source(server, grant, address=relayed), 10)
+        finally:
+            relay.close()
+            await server.close()
+
+    asyncio.run(main())
