@@ -1,5 +1,7 @@
-"""KV that moves, part one: the host tier against none, on a multi-tenant prefix workload
-whose working set is four times the device pool.
+"""KV that moves: the host tier against none (``--part tier``, the default), and a prefix
+fetched from another worker against computing it (``--part transfer``).
+
+The tier: a multi-tenant prefix workload whose working set is four times the device pool.
 
 Each of ``--tenants`` tenants has a system prompt of ``--prefix`` tokens; each request is
 a random tenant's prompt plus a fresh question of ``--question`` tokens, with a few
@@ -10,23 +12,40 @@ first token (from ``add_request`` to its first token), blocks loaded back, and t
 ratios of the tier's to none's. Both layouts see the same requests; the runs alternate
 which goes first.
 
+The transfer: for each ``--contexts`` length, one engine computes a prompt, and a second
+engine serves it three ways, cold each time: computing it (the baseline), and fetching
+its blocks from the first over the transfer stream (``kv_transfer.py``: handshake,
+export, bytes over loopback TCP, MAC, import) before computing its last token. Printed:
+TTFT of each and their ratio, and the stream's time against the same bytes' through a
+real nats-server in 512 KiB messages, the other path a transfer could take (the
+stream's time counts its handshake, export and MAC as well; the bus's, bytes alone).
+
 Not a test: run it by hand on an otherwise idle machine.
 
     .venv/bin/python benchmarks/kv_moves.py            # small preset, 16 tenants x 512
+    .venv/bin/python benchmarks/kv_moves.py --part transfer
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
 import random
+import secrets
 import statistics
 import time
 
+from lamina.libs.block_hash import hash_blocks
+from lamina.libs.bus import Bus
+from lamina.libs.nats_server import NatsServer
+from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
+from lamina.services.engine_worker import kv_transfer
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
+from lamina.services.engine_worker.engine.kv_tier import KvBlocks
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.runner import kv_block_bytes
 
@@ -70,8 +89,124 @@ def serve(engine: Engine, requests: list[list[int]], warmup: int) -> dict[str, f
     }
 
 
+def ttft(engine: Engine, prompt: list[int], rid: str) -> float:
+    """Seconds from ``add_request`` to the prompt's first token."""
+    started = time.perf_counter()
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - started
+
+
+async def fetch(server: kv_transfer.KvSender, hashes: list[int]) -> tuple[KvBlocks, float]:
+    """The blocks over the transfer stream, and the seconds it took (grant to verified)."""
+    grant = KvGrant(
+        grant_id=secrets.token_hex(16),
+        token=secrets.token_hex(32),
+        receiver="bench",
+        block_hashes=hashes,
+    )
+    started = time.perf_counter()
+    await server.grant(grant)
+    source = KvSource(
+        worker_id="sender",
+        address=server.address,
+        grant_id=grant.grant_id,
+        token=grant.token,
+        block_hashes=hashes,
+    )
+    blocks = await kv_transfer.fetch(source, 60.0)
+    return blocks, time.perf_counter() - started
+
+
+async def through_nats(sender: Bus, receiver: Bus, payload: bytes, chunk: int = 512 << 10) -> float:
+    """Seconds to carry ``payload`` from one client to another through the nats-server, in
+    ``chunk``-byte messages (the receiver counts them all in)."""
+    parts = [payload[i : i + chunk] for i in range(0, len(payload), chunk)]
+    done, got = asyncio.Event(), [0]
+
+    async def on_part(msg) -> None:
+        got[0] += 1
+        if got[0] == len(parts):
+            done.set()
+
+    subscription = await receiver.nc.subscribe("bench.kv", cb=on_part)
+    await receiver.nc.flush()
+    started = time.perf_counter()
+    for part in parts:
+        await sender.nc.publish("bench.kv", part)
+    await sender.nc.flush()
+    await asyncio.wait_for(done.wait(), 60)
+    took = time.perf_counter() - started
+    await subscription.unsubscribe()
+    return took
+
+
+async def transfer_part(args: argparse.Namespace, nats_url: str) -> None:
+    """Each context: TTFT computed vs fetched, and the stream's time vs the bus's. The
+    engines run on the event loop (no engine thread): the loop, the listener and the bus
+    connections live through every run, as a worker's do."""
+    model = ensure_default_model(args.preset)
+    longest = max(args.contexts)
+    config = EngineConfig(
+        model=model, block_size=16, max_model_len=longest + 16, num_kv_blocks=2 * longest // 16
+    )
+    sender, receiver = Engine(config), Engine(config)
+    vocab = sender.model_config.vocab_size
+    block_bytes = kv_block_bytes(sender.runner.model, 16)
+    print(
+        f"model: {args.preset} preset; {os.cpu_count()} cores; blocks of 16 tokens, "
+        f"{block_bytes / 1024:.0f} KiB each; medians of {args.runs} runs"
+    )
+
+    async def export(wanted: list[int]) -> KvBlocks:
+        return sender.export_blocks(wanted)
+
+    server = kv_transfer.KvSender(export, "127.0.0.1", "127.0.0.1")
+    await server.start()
+    a, b = await Bus.connect(nats_url, "bench-a"), await Bus.connect(nats_url, "bench-b")
+    rng = random.Random(0)
+    try:
+        for context in args.contexts:
+            prompt = [rng.randrange(3, vocab) for _ in range(context + 1)]
+            ttft(sender, prompt, f"s{context}")
+            hashes = hash_blocks(prompt, 16)
+            computed, fetched, moved, stream_s, nats_s = [], [], [], [], []
+            for run in range(args.runs):
+                receiver.reset_prefix_cache()
+                computed.append(ttft(receiver, prompt, f"c{context}.{run}"))
+                receiver.reset_prefix_cache()
+                started = time.perf_counter()
+                blocks, took = await fetch(server, hashes)
+                receiver.import_blocks(blocks)
+                ttft(receiver, prompt, f"f{context}.{run}")
+                fetched.append(time.perf_counter() - started)
+                moved.append(len(blocks.hashes))
+                stream_s.append(took)
+                payload = bytes(sum(t.numel() * t.element_size() for t in blocks.caches))
+                nats_s.append(await through_nats(a, b, payload))
+            size = statistics.median(moved) * block_bytes / 2**20
+            c, f = statistics.median(computed), statistics.median(fetched)
+            t, n = statistics.median(stream_s), statistics.median(nats_s)
+            print(
+                f"  {context:5d} tokens: TTFT computed {c * 1e3:7.1f} ms, fetched "
+                f"{f * 1e3:7.1f} ms ({min(fetched) * 1e3:.1f}-{max(fetched) * 1e3:.1f}): "
+                f"{f / c:.2f}x; {size:.1f} MiB over the stream {t * 1e3:.1f} ms "
+                f"({size / t:,.0f} MiB/s), through NATS {n * 1e3:.1f} ms "
+                f"({size / n:,.0f} MiB/s): stream/NATS time {t / n:.2f}x"
+            )
+    finally:
+        await a.close()
+        await b.close()
+        await server.close()
+        sender.close()
+        receiver.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=["tier", "transfer"], default="tier")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--tenants", type=int, default=16)
     parser.add_argument("--prefix", type=int, default=512, help="tokens of each system prompt")
@@ -81,6 +216,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kv-offload-dir", default="", help="the tier in a file here")
     args = parser.parse_args()
+    if args.part == "transfer":
+        with NatsServer() as nats:
+            asyncio.run(transfer_part(args, nats.url))
+        return
     model = ensure_default_model(args.preset)
     block = 16
     working_set = args.tenants * (args.prefix // block)

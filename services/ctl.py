@@ -100,6 +100,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         )
         sub.add_argument("workers", nargs="*", help="worker ids")
         sub.add_argument("--all", action="store_true", help="every worker the scheduler knows")
+        if name == "drain":
+            sub.add_argument(
+                "--move",
+                action="store_true",
+                help="hand running requests to other workers, with their KV, instead of "
+                "finishing them",
+            )
     args = parser.parse_args(argv)
     if args.command in COMMANDS and bool(args.workers) == args.all:
         parser.error(f"{args.command}: name the workers, or pass --all (not both)")
@@ -167,7 +174,7 @@ async def control(args: argparse.Namespace, bus: Bus) -> list[str]:
         try:
             ack = await bus.request(
                 subjects.worker_control(worker_id),
-                COMMANDS[args.command](),
+                Drain(move=args.move) if args.command == "drain" else COMMANDS[args.command](),
                 ControlAck,
                 timeout=args.timeout,
             )

@@ -13,7 +13,13 @@ class Cancel(Message):
 
 
 class Drain(Message):
-    """Stop taking new requests, finish in-flight ones."""
+    """Stop taking new requests, finish in-flight ones (or, with ``move``, hand them to
+    other workers)."""
+
+    move: bool = False
+    """Fail the running requests as retryable at once, so that their gateways move them,
+    and keep serving their KV blocks to the workers they move to (the worker's
+    ``--drain-moves`` does this for every drain)."""
 
 
 class Resume(Message):

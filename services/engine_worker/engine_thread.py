@@ -205,6 +205,12 @@ class EngineThread(threading.Thread):
         self._stopping.set()
         self._commands.put(None)
 
+    def hand_off(self, reason: str) -> threading.Event:
+        """Fail every request the engine holds as retryable (``draining``), so that their
+        gateways move them; set once done. Their computed blocks stay cached here, for
+        the workers they move to to fetch."""
+        return self.call(lambda engine: self._fail_all(reason, RejectReason.DRAINING))
+
     def declare_wedged(self, reason: str) -> None:
         """The thread is stuck (no loop iteration for too long): fail what it held, as
         the dead thread would have, and stop it should it ever come back."""
@@ -439,7 +445,8 @@ class EngineThread(threading.Thread):
 
     def _fail_all(self, reason: str, kind: RejectReason) -> None:
         """Fail every request the engine holds, as retryable: another worker may run it
-        (``kind``: ``degraded`` after a failed step, ``failed`` when the engine is gone)."""
+        (``kind``: ``degraded`` after a failed step, ``failed`` when the engine is gone,
+        ``draining`` when it hands them off)."""
         batch: list[Outgoing] = []
         for rid in list(self._streams):
             with contextlib.suppress(Exception):  # a dead engine may not abort cleanly

@@ -92,6 +92,11 @@ class WorkerConfig:
         "a collective between the worker's ranks that waits half of this fails the group",
     )
     drain_timeout: float = option(300.0, "most seconds SIGTERM waits for in-flight work")
+    drain_moves: bool = option(
+        False,
+        "a drain (SIGTERM, lamina ctl drain) hands running requests to other workers, which "
+        "fetch their KV from this one, instead of finishing them here",
+    )
     max_waiting_seqs: int = option(
         0,
         "requests that may wait in the engine beyond max_num_seqs running ones before new "
@@ -454,8 +459,10 @@ class WorkerService:
         ok, message = True, ""
         try:
             match command:
-                case Drain():
+                case Drain(move=move):
                     self.lifecycle.move(Event.DRAIN, "drained by an operator")
+                    if move or self.config.drain_moves:
+                        await self._hand_off("drained by an operator")
                 case ResetPrefixCache():
                     done = self.engine_thread.call(lambda engine: engine.reset_prefix_cache())
                     await asyncio.to_thread(done.wait, 5.0)
@@ -570,6 +577,8 @@ class WorkerService:
         thread = self.engine_thread
         if thread is None or self.spec is None:  # stopped while starting
             return
+        if self.config.drain_moves:
+            await self._hand_off("shutting down (SIGTERM)")
         deadline = time.monotonic() + self.config.drain_timeout
         while time.monotonic() < deadline and (
             (not thread.dead and (thread.num_requests or self._fetching))
@@ -577,6 +586,19 @@ class WorkerService:
         ):
             await asyncio.sleep(0.05)
         await self._outbox.join()
+
+    async def _hand_off(self, why: str) -> None:
+        """Move every request this worker holds elsewhere: the engine fails them as
+        retryable, so their gateways resubmit them, and the scheduler has their new
+        workers fetch the blocks they computed here (this worker stays up, within its
+        drain timeout, until those grants are spent or lapse)."""
+        assert self.engine_thread is not None
+        for request_id in self._fetching:  # they would start here after their fetch
+            self._fetching[request_id] = True
+        held = self.engine_thread.num_requests
+        done = self.engine_thread.hand_off(f"worker {self.worker_id} moved it: {why}")
+        await asyncio.to_thread(done.wait, 30.0)
+        log.info("handed %d requests to other workers (%s)", held, why)
 
     async def close(self) -> None:
         if self.health is not None:

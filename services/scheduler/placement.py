@@ -56,7 +56,7 @@ from lamina.libs.bounded import BoundedDict
 from lamina.libs.context_length import context_overflow
 from lamina.schemas.v1.generate import GenerateRequest, RejectReason
 from lamina.schemas.v1.records import ScoredWorker
-from lamina.schemas.v1.stats import WorkerState
+from lamina.schemas.v1.stats import WorkerState, WorkerStats
 from lamina.services.scheduler.registry import Candidate
 
 _PINNED_KEYS = 4096
@@ -85,9 +85,16 @@ class CostModel:
     host_load_rate_prior: float = 5000.0
     """Blocks/s a worker's host tier is assumed to load back at before it measured its
     own (or where it cannot: copies queued on a GPU)."""
-    transfer_rate_prior: float = 1000.0
-    """Blocks/s a worker is assumed to fetch another's blocks at before it measured its
-    own fetch (about 2 GB/s for a 7B model's 2 MiB blocks)."""
+    transfer_bytes_prior: float = 1e9
+    """Bytes/s a worker is assumed to fetch another's blocks at before it measured its
+    own fetch (500 blocks/s of a 7B model's 2 MiB blocks)."""
+
+    def transfer_rate(self, worker: WorkerStats) -> float:
+        """Blocks/s ``worker`` fetches at: measured, else the prior over its block's
+        bytes."""
+        if worker.kv_fetch_blocks_per_s:
+            return worker.kv_fetch_blocks_per_s
+        return self.transfer_bytes_prior / max(1, kv_block_bytes(worker.kv_layout))
 
     def uncached_tokens(self, prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
         """Prompt tokens a worker must compute: at least one (the engine always computes
@@ -193,9 +200,17 @@ class Placer:
             or s.num_waiting + worker.pending >= s.max_num_seqs
         )
 
-    def place(self, request: GenerateRequest, live: list[Candidate], overlap: Overlap) -> Decision:
+    def place(
+        self,
+        request: GenerateRequest,
+        live: list[Candidate],
+        overlap: Overlap,
+        senders: Sequence[Candidate] | None = None,
+    ) -> Decision:
         """Where ``request`` goes; a refusal from admission; or, when every worker that
-        could run it is saturated, ``reason=OVERLOADED`` (the caller queues it)."""
+        could run it is saturated, ``reason=OVERLOADED`` (the caller queues it).
+        ``senders``: the workers a placement may fetch blocks from (default: ``live``;
+        also those placement holds back, whose blocks are as good)."""
         admitted, refusal = admit(request, live)
         if refusal is not None:
             return refusal
@@ -206,7 +221,11 @@ class Placer:
         if request.numerics:  # a moved stream: where it continues as it began, if it can
             same = [w for w in fits if w.stats.numerics() == request.numerics]
             fits = same or fits
-        senders = [w for w in live if w.stats.model == request.model and _can_send(w)]
+        senders = [
+            w
+            for w in (live if senders is None else senders)
+            if w.stats.model == request.model and _can_send(w)
+        ]
         scored = self._score_all(request, fits, overlap, senders)
         by_id = {s.worker_id: s for s in scored}
         pinned = self._pinned.get(request.affinity) if request.affinity else None
@@ -293,8 +312,7 @@ class Placer:
         if blocks <= local.overlap_blocks:
             return local
         uncached = self.cost.uncached_tokens(prompt_tokens, blocks, s.block_size)
-        rate = s.kv_fetch_blocks_per_s or self.cost.transfer_rate_prior
-        ttft = self.cost.predict_ttft(worker, uncached, rates) + blocks / rate
+        ttft = self.cost.predict_ttft(worker, uncached, rates) + blocks / self.cost.transfer_rate(s)
         if ttft >= local.predicted_ttft_s:
             return local
         new_blocks = math.ceil(uncached / s.block_size) + blocks - local.overlap_blocks
@@ -353,6 +371,20 @@ def _placed(best: ScoredWorker, candidates: int, score: float | None, scored: li
         fetch_from=best.fetch_from,
         fetch_blocks=best.fetch_blocks,
     )
+
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+def kv_block_bytes(layout: str) -> int:
+    """Bytes of one KV block (keys and values) of a ``WorkerStats.kv_layout``
+    (``block_size/dtype/layers/KV heads/head dim``); 0 for one it cannot read."""
+    try:
+        block, dtype, layers, heads, dim = layout.split("/")
+        size = _ELEMENT_BYTES.get(dtype, 1)  # fp8 and any other 1-byte type
+        return 2 * int(block) * int(layers) * int(heads) * int(dim) * size
+    except ValueError:
+        return 0
 
 
 def _can_send(worker: Candidate) -> bool:

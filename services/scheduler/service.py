@@ -290,7 +290,10 @@ class SchedulerService:
     def _place(self, request: GenerateRequest, live: list[Candidate]) -> Decision:
         """Where ``request`` goes now among ``live``, or why not; a deadline the chosen
         worker cannot meet by the prediction is a refusal."""
-        decision = self.placer.place(request, live, self.registry.index.overlap_by_medium)
+        # A held-back worker (one a moved request left) may still send its blocks: a failed
+        # fetch costs the receiver only the compute it would have done anyway.
+        senders = [Candidate(entry.stats) for entry in self.registry.view.live()]
+        decision = self.placer.place(request, live, self.registry.index.overlap_by_medium, senders)
         if decision.reason == RejectReason.NO_WORKER and (held := self._held_back()):
             # With every live worker held back, admission saw none "alive": say which.
             said = decision.message if live else "no other engine worker is alive"

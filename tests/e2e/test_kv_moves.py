@@ -2,11 +2,12 @@
 worker the scheduler no longer places on (cordoned) is fetched by the worker it places
 the prompt on instead, which the placement record says; the client sees the prefix
 cached and gets the text the first worker gave; heartbeats and telemetry count what
-moved."""
+moved. A drain that moves hands running streams to another worker with their KV."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 
@@ -15,6 +16,20 @@ from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import PlacementRecord
 from tests.e2e.conftest import make_stack
 from tests.e2e.test_ctl import lamina_ctl, wait_for_status
+
+
+def ctl(capsys, url: str, *args: str) -> None:
+    """``lamina ctl`` that must succeed (waiting longer than its default on a loaded
+    machine), or the test fails with what it said."""
+    code, out = lamina_ctl(capsys, url, *args, "--timeout", "30")
+    assert code == 0, out
+
+
+def both_ready(capsys, url: str) -> None:
+    """The stack is up once one worker is; a worker answers control once it is ready."""
+    for worker in ("worker-0", "worker-1"):
+        wait_for_status(capsys, url, worker, "ready")
+
 
 PREFIX = list(range(5, 133))  # 8 blocks of 16
 QUESTION = [*PREFIX, 140, 141, 142]
@@ -26,6 +41,7 @@ def test_a_prefix_cached_on_a_cordoned_worker_is_fetched_by_the_one_placed(
     args = ["--max-model-len", "256"]
     with make_stack(stories, tmp_path, workers=2, worker_args=args) as stack:
         url = stack.nats_url
+        both_ready(capsys, url)
 
         def complete() -> dict:
             body = {"prompt": QUESTION, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -34,8 +50,8 @@ def test_a_prefix_cached_on_a_cordoned_worker_is_fetched_by_the_one_placed(
             return response.json()
 
         def move_to(worker: str, away_from: str) -> None:
-            assert lamina_ctl(capsys, url, "uncordon", worker)[0] == 0
-            assert lamina_ctl(capsys, url, "cordon", away_from)[0] == 0
+            ctl(capsys, url, "uncordon", worker)
+            ctl(capsys, url, "cordon", away_from)
             wait_for_status(capsys, url, away_from, "cordoned")
 
         async def placed(call) -> tuple[dict, PlacementRecord]:
@@ -74,3 +90,70 @@ def test_a_prefix_cached_on_a_cordoned_worker_is_fetched_by_the_one_placed(
         metrics = httpx.get(stack.metrics_url, timeout=10).text
         labels = f'model="{stories.name}",worker_id="worker-1"'
         assert f"lamina:kv_fetched_blocks_total{{{labels}}} 8.0" in metrics
+
+
+MOVED = [[*range(5 + i, 133 + i), 7] for i in range(3)]  # 8 blocks of their own, and a token
+
+
+def test_a_drain_that_moves_hands_running_streams_and_their_kv_to_another_worker(
+    tiny_model, tmp_path, capsys
+):
+    """``lamina ctl drain --move``: the drained worker fails its running requests as
+    retryable, their gateways move them, and the worker they move to fetches the blocks
+    they computed so far instead of computing them again; every stream ends with the text
+    it would have had unmoved."""
+    args = ["--max-model-len", "2048"]
+    with make_stack(tiny_model, tmp_path, workers=2, worker_args=args) as stack:
+        url = stack.nats_url
+        body = {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}
+        both_ready(capsys, url)
+        ctl(capsys, url, "cordon", "worker-1")
+        wait_for_status(capsys, url, "worker-1", "cordoned")
+
+        async def unmoved(client: httpx.AsyncClient, prompt: list[int]) -> str:
+            response = await client.post("/v1/completions", json=body | {"prompt": prompt})
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["text"]
+
+        async def streamed(client: httpx.AsyncClient, prompt: list[int], accepted) -> str:
+            text = ""
+            request = body | {"prompt": prompt, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=request) as response:
+                accepted.set()  # the gateway answers once a worker accepted the request
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        text += chunk["choices"][0]["text"]
+            return text
+
+        def move() -> None:
+            ctl(capsys, url, "uncordon", "worker-1")
+            ctl(capsys, url, "drain", "--move", "worker-0")
+
+        async def main() -> tuple[list[str], list[str]]:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
+                want = [await unmoved(client, prompt) for prompt in MOVED]
+                accepted = [asyncio.Event() for _ in MOVED]
+                streams = [
+                    asyncio.create_task(streamed(client, prompt, event))
+                    for prompt, event in zip(MOVED, accepted, strict=True)
+                ]
+                for event in accepted:
+                    await event.wait()
+
+                # Each stream is accepted (its headers came) and has ~1900 tokens to go.
+                await asyncio.to_thread(move)
+                return want, list(await asyncio.gather(*streams))
+
+        want, got = asyncio.run(main())
+        assert got == want
+        cluster = httpx.get(stack.metrics_url.replace("/metrics", "/v1/cluster"), timeout=10)
+        workers = {w["worker_id"]: w for w in cluster.json()["workers"]}
+        moved_to = workers["worker-1"]
+        assert moved_to["kv_fetches_total"] == len(MOVED)
+        assert moved_to["kv_fetch_failures_total"] == 0
+        # What it computed of the moved prompts: each one's last, partial block at most.
+        computed = moved_to["prompt_tokens_total"] - moved_to["prompt_tokens_cached"]
+        assert computed <= 16 * len(MOVED), moved_to
+        assert workers["worker-0"]["kv_sent_blocks_total"] == moved_to["kv_fetched_blocks_total"]

@@ -282,7 +282,7 @@ def golden_instances() -> dict[str, Message]:
             reason="deadline_exceeded",
         ),
         Cancel(request_id=request_id),
-        Drain(),
+        Drain(move=True),
         Resume(),
         Cordon(),
         Uncordon(),

@@ -14,6 +14,7 @@ from lamina.services.scheduler.placement import (
     Placer,
     Policy,
     drain_time,
+    kv_block_bytes,
     retry_after,
 )
 from lamina.services.scheduler.registry import Candidate, Registry
@@ -232,6 +233,16 @@ def test_a_worker_fetches_a_prefix_another_holds_when_that_beats_computing_it():
     registry.heartbeat(stats("holder", **fast, **kv))
     here = placer.place(request(prompt_len=800), registry.candidates(), cached)
     assert (here.worker_id, here.fetch_from) == ("holder", "")
+
+
+def test_a_worker_that_has_not_fetched_yet_is_given_the_priors_bytes_over_its_blocks():
+    assert kv_block_bytes("16/bfloat16/32/8/128") == 2 << 20  # a 7B model's block
+    assert kv_block_bytes("16/float32/2/4/8") == 8192 and kv_block_bytes("") == 0
+    cost = CostModel(transfer_bytes_prior=1e9)
+    fresh = stats("w", kv_layout="16/bfloat16/32/8/128")
+    assert cost.transfer_rate(fresh) == pytest.approx(1e9 / (2 << 20))
+    measured = stats("w", kv_layout="16/bfloat16/32/8/128", kv_fetch_blocks_per_s=300.0)
+    assert cost.transfer_rate(measured) == 300.0
 
 
 def test_kv_placement_skips_a_worker_without_room_and_breaks_ties_by_load():
