@@ -206,7 +206,7 @@ async def transfer_part(args: argparse.Namespace, nats_url: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["tier", "transfer"], default="tier")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1536])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--tenants", type=int, default=16)
     parser.add_argument("--prefix", type=int, default=512, help="tokens of each system prompt")
