@@ -12,6 +12,10 @@ import logging
 import time
 from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry.trace import StatusCode
+
+from lamina.libs import spans
 from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
 from lamina.services.engine_worker.engine.engine import Engine
 from lamina.services.engine_worker.engine.errors import EngineError
@@ -20,6 +24,7 @@ from lamina.services.engine_worker.engine_thread import EngineThread
 from lamina.services.engine_worker.kv_transfer import KvSender, TransferFailed, fetch
 
 log = logging.getLogger("lamina.worker.kv_moves")
+tracer = spans.Tracer("lamina.worker")
 
 ENGINE_CALL_TIMEOUT_S = 30.0
 """Most seconds an export or import waits for the engine thread (one step, normally)."""
@@ -60,15 +65,26 @@ class KvMoves:
             return
         await self.sender.grant(grant)
 
-    async def fetch(self, request_id: str, source: KvSource) -> int:
+    async def fetch(
+        self, request_id: str, source: KvSource, context: otel_context.Context | None = None
+    ) -> int:
         """Fetch ``source``'s blocks into the engine; the blocks newly cached (0 when the
-        transfer failed: the request computes them)."""
+        transfer failed: the request computes them). Traced as its own span under
+        ``context`` (the request's), between the scheduler's placement and the steps."""
         started = time.monotonic()
+        attributes = {
+            "lamina.request_id": request_id,
+            "lamina.kv.source": source.worker_id,
+            "lamina.kv.blocks_granted": len(source.block_hashes),
+        }
+        span = spans.start(tracer, f"kv fetch {source.worker_id}", context, attributes=attributes)
         try:
             blocks = await fetch(source, self.fetch_timeout_s)
             placed = await self._on_engine(lambda engine: engine.import_blocks(blocks))
         except (TransferFailed, TimeoutError, EngineError) as exc:
             self.failures += 1
+            span.set_status(StatusCode.ERROR, f"{exc or type(exc).__name__}"[:200])
+            span.end()
             log.warning(
                 "request %s computes its prefix: fetching %d blocks from %s failed (%s)",
                 request_id,
@@ -80,6 +96,10 @@ class KvMoves:
         self.fetches += 1
         self.fetched_blocks += len(blocks.hashes)
         self.rate = len(blocks.hashes) / max(time.monotonic() - started, 1e-6)
+        span.set_attributes(
+            {"lamina.kv.blocks_fetched": len(blocks.hashes), "lamina.kv.blocks_new": placed}
+        )
+        span.end()
         return placed
 
     async def _export(self, hashes: list[int]) -> KvBlocks:

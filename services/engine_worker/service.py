@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
@@ -160,12 +161,12 @@ class WorkerService:
         self.health: HealthServer | None = None
         seqs = config.engine.max_num_seqs
         self.max_held = seqs + (config.max_waiting_seqs or seqs)
+        """Requests the engine may hold, running and waiting, before new ones are refused."""
         self.kv: KvMoves | None = None
         """Its KV transfers to and from other workers, once the engine is built."""
         self._fetching: dict[str, bool] = {}
         """Requests accepted that wait for their prefix's blocks -> cancelled meanwhile."""
         self._fetches: set[asyncio.Task] = set()
-        """Requests the engine may hold, running and waiting, before new ones are refused."""
 
     def ready(self) -> bool:
         """Taking requests: loaded, ``ready`` and on the bus (the readiness probe)."""
@@ -332,7 +333,7 @@ class WorkerService:
         task.add_done_callback(self._fetches.discard)
 
     async def _fetch_then_submit(
-        self, request: GenerateRequest, reply: str, context: object, checked: EngineRequest
+        self, request: GenerateRequest, reply: str, context: Any, checked: EngineRequest
     ) -> None:
         """Fetch the request's leading blocks from the worker the scheduler named, then
         hand the request to the engine, which finds them cached (or, when the fetch
@@ -340,7 +341,7 @@ class WorkerService:
         rid = request.request_id
         try:
             assert self.kv is not None and request.kv_source is not None
-            await self.kv.fetch(rid, request.kv_source)
+            await self.kv.fetch(rid, request.kv_source, context)
         finally:
             cancelled = self._fetching.pop(rid, True)
         if not cancelled:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
+import time
 
 import httpx
 
 from lamina.libs.bus import Bus
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.records import PlacementRecord
-from tests.e2e.conftest import make_stack
+from tests.e2e.conftest import make_stack, read_spans
 from tests.e2e.test_ctl import lamina_ctl, wait_for_status
 
 
@@ -39,13 +41,20 @@ def test_a_prefix_cached_on_a_cordoned_worker_is_fetched_by_the_one_placed(
     stories, tmp_path, capsys
 ):
     args = ["--max-model-len", "256"]
-    with make_stack(stories, tmp_path, workers=2, worker_args=args) as stack:
+    spans_at = tmp_path / "spans.jsonl"
+    env = {"LAMINA_TRACE_FILE": str(spans_at)}
+    with make_stack(stories, tmp_path, workers=2, worker_args=args, extra_env=env) as stack:
         url = stack.nats_url
         both_ready(capsys, url)
 
+        trace_id = secrets.token_hex(16)
+
         def complete() -> dict:
             body = {"prompt": QUESTION, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-            response = httpx.post(stack.base_url + "/v1/completions", json=body, timeout=60)
+            traced = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+            response = httpx.post(
+                stack.base_url + "/v1/completions", json=body, headers=traced, timeout=60
+            )
             assert response.status_code == 200, response.text
             return response.json()
 
@@ -90,6 +99,15 @@ def test_a_prefix_cached_on_a_cordoned_worker_is_fetched_by_the_one_placed(
         metrics = httpx.get(stack.metrics_url, timeout=10).text
         labels = f'model="{stories.name}",worker_id="worker-1"'
         assert f"lamina:kv_fetched_blocks_total{{{labels}}} 8.0" in metrics
+        # The transfer is a span of its own in the request's trace, on the receiver.
+        deadline, fetches = time.monotonic() + 10, []
+        while not fetches and time.monotonic() < deadline:
+            spans = [s for s in read_spans(spans_at) if s["trace_id"] == trace_id]
+            fetches = [s for s in spans if s["name"] == "kv fetch worker-0"]
+            time.sleep(0.2)
+        (fetch,) = fetches
+        assert fetch["attributes"]["lamina.kv.blocks_fetched"] == 8
+        assert fetch["parent_id"] in {s["span_id"] for s in spans}
 
 
 MOVED = [[*range(5 + i, 133 + i), 7] for i in range(3)]  # 8 blocks of their own, and a token

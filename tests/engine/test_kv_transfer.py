@@ -6,6 +6,7 @@ the receiver was told of delivers nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 
 import pytest
@@ -37,19 +38,27 @@ def _source(sender: KvSender, grant: KvGrant, **changes) -> KvSource:
     return KvSource(**(fields | changes))
 
 
-async def _transfer(engine, grant: KvGrant | None, source_of, timeout_s: float = 10.0):
+@contextlib.asynccontextmanager
+async def _serving(engine):
+    """A transfer listener that sends ``engine``'s blocks."""
+
     async def export(hashes):
         return engine.export_blocks(hashes)
 
     sender = KvSender(export, "127.0.0.1", "127.0.0.1")
     await sender.start()
     try:
-        real = grant or _grant(_hashes(engine, QUESTION))
-        if grant is not None:
-            await sender.grant(grant)
-        return await kv_transfer.fetch(source_of(sender, real), timeout_s), sender
+        yield sender
     finally:
         await sender.close()
+
+
+async def _transfer(engine, grant: KvGrant, source_of):
+    """One fetch of ``grant`` from ``engine``, the receiver told ``source_of(sender,
+    grant)``; the blocks and the sender."""
+    async with _serving(engine) as sender:
+        await sender.grant(grant)
+        return await kv_transfer.fetch(source_of(sender, grant), 10.0), sender
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -72,19 +81,12 @@ def test_a_grant_is_spent_by_its_first_transfer(stories):
     grant = _grant(_hashes(sender, PREFIX))
 
     async def twice():
-        async def export(hashes):
-            return sender.export_blocks(hashes)
-
-        server = KvSender(export, "127.0.0.1", "127.0.0.1")
-        await server.start()
-        try:
+        async with _serving(sender) as server:
             await server.grant(grant)
             first = await kv_transfer.fetch(_source(server, grant), 10)
             with pytest.raises(TransferFailed):
                 await kv_transfer.fetch(_source(server, grant), 10)
             return first
-        finally:
-            await server.close()
 
     assert len(asyncio.run(twice()).hashes) == 4
 
@@ -120,39 +122,34 @@ def test_blocks_altered_on_the_way_are_refused(stories):
     _run(sender, {"p": PREFIX})
     grant = _grant(_hashes(sender, PREFIX))
 
+    async def pipe(reader, writer, flip_at: int | None):
+        seen = 0
+        while chunk := await reader.read(65536):
+            if flip_at is not None and seen <= flip_at < seen + len(chunk):
+                chunk = bytearray(chunk)
+                chunk[flip_at - seen] ^= 0x01
+            seen += len(chunk)
+            writer.write(bytes(chunk))
+            await writer.drain()
+        writer.close()
+
     async def main():
-        async def export(hashes):
-            return sender.export_blocks(hashes)
+        async with _serving(sender) as server:
+            host, port = server.address.rsplit(":", 1)
 
-        server = KvSender(export, "127.0.0.1", "127.0.0.1")
-        await server.start()
-        host, port = server.address.rsplit(":", 1)
+            async def proxy(client_reader, client_writer):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                await asyncio.gather(
+                    pipe(client_reader, writer, None), pipe(reader, client_writer, 4096)
+                )
 
-        async def pipe(reader, writer, flip_at: int | None):
-            seen = 0
-            while chunk := await reader.read(65536):
-                if flip_at is not None and seen <= flip_at < seen + len(chunk):
-                    chunk = bytearray(chunk)
-                    chunk[flip_at - seen] ^= 0x01
-                seen += len(chunk)
-                writer.write(bytes(chunk))
-                await writer.drain()
-            writer.close()
-
-        async def proxy(client_reader, client_writer):
-            reader, writer = await asyncio.open_connection(host, int(port))
-            await asyncio.gather(
-                pipe(client_reader, writer, None), pipe(reader, client_writer, 4096)
-            )
-
-        relay = await asyncio.start_server(proxy, "127.0.0.1", 0)
-        relayed = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
-        try:
-            await server.grant(grant)
-            with pytest.raises(TransferFailed, match="MAC"):
-                await kv_transfer.fetch(_source(server, grant, address=relayed), 10)
-        finally:
-            relay.close()
-            await server.close()
+            relay = await asyncio.start_server(proxy, "127.0.0.1", 0)
+            relayed = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
+            try:
+                await server.grant(grant)
+                with pytest.raises(TransferFailed, match="MAC"):
+                    await kv_transfer.fetch(_source(server, grant, address=relayed), 10)
+            finally:
+                relay.close()
 
     asyncio.run(main())
