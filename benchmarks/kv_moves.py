@@ -162,7 +162,7 @@ async def transfer_part(args: argparse.Namespace, nats_url: str) -> None:
     async def export(wanted: list[int]) -> KvBlocks:
         return sender.export_blocks(wanted)
 
-    server = kv_transfer.KvSender(export, "127.0.0.1", "127.0.0.1")
+    server = kv_transfer.KvSender(export, "127.0.0.1")
     await server.start()
     a, b = await Bus.connect(nats_url, "bench-a"), await Bus.connect(nats_url, "bench-b")
     rng = random.Random(0)

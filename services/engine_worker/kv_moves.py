@@ -47,7 +47,7 @@ class KvMoves:
     async def start(self) -> None:
         """Listen for receivers (a worker whose KV cannot move sends nothing)."""
         if self.layout:
-            self.sender = KvSender(self._export, self._host, self._host)
+            self.sender = KvSender(self._export, self._host)
             await self.sender.start()
 
     async def close(self) -> None:

@@ -101,22 +101,21 @@ class KvSender:
     """A worker's side that sends: the grants the scheduler gave it, and the listener its
     receivers connect to."""
 
-    def __init__(self, export: Export, host: str, advertised: str) -> None:
+    def __init__(self, export: Export, host: str) -> None:
         self._export = export
         self._host = host
-        self._advertised = advertised
+        """The address it listens on, and that receivers are told."""
         self._grants: dict[str, tuple[KvGrant, float]] = {}
         self._arrived = asyncio.Condition()
         self._server: asyncio.Server | None = None
         self.sent_blocks = 0
-        self.transfers = 0
 
     @property
     def address(self) -> str:
         """``host:port`` receivers connect to (what the worker's heartbeat advertises)."""
         assert self._server is not None, "start first"
         port = self._server.sockets[0].getsockname()[1]
-        return f"{self._advertised}:{port}"
+        return f"{self._host}:{port}"
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self._host, 0)
@@ -166,7 +165,6 @@ class KvSender:
             token = bytes.fromhex(grant.token)
             blocks = await self._export(grant.block_hashes)
             await _send(writer, blocks, token)
-            self.transfers += 1
             self.sent_blocks += len(blocks.hashes)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, TransferFailed) as exc:
             log.warning("KV transfer to %s failed: %s", peer, exc or type(exc).__name__)

@@ -316,11 +316,10 @@ class Placer:
         if ttft >= local.predicted_ttft_s:
             return local
         new_blocks = math.ceil(uncached / s.block_size) + blocks - local.overlap_blocks
-        used = s.total_kv_blocks - s.free_kv_blocks + new_blocks
         return msgspec.structs.replace(
             local,
             predicted_ttft_s=ttft,
-            kv_usage=used / s.total_kv_blocks if s.total_kv_blocks else 1.0,
+            kv_usage=_usage_after(s, new_blocks),
             host_blocks=0,
             fetch_from=sender[1].stats.worker_id,
             fetch_blocks=blocks,
@@ -340,12 +339,11 @@ class Placer:
         # that leaves a token to compute.
         loaded = min(host_blocks, (prompt_tokens - uncached) // s.block_size)
         new_blocks = math.ceil(uncached / s.block_size) + loaded
-        used = s.total_kv_blocks - s.free_kv_blocks + new_blocks
         return ScoredWorker(
             worker_id=s.worker_id,
             overlap_blocks=overlap_blocks,
             predicted_ttft_s=self.cost.predict_ttft(worker, uncached, rates, loaded),
-            kv_usage=used / s.total_kv_blocks if s.total_kv_blocks else 1.0,
+            kv_usage=_usage_after(s, new_blocks),
             num_running=s.num_running + worker.pending,
             host_blocks=loaded,
         )
@@ -356,6 +354,12 @@ class Placer:
         s = worker.stats
         pending_blocks = math.ceil(worker.pending_tokens / s.block_size)
         return scored.kv_usage * s.total_kv_blocks + pending_blocks <= s.total_kv_blocks
+
+
+def _usage_after(stats: WorkerStats, new_blocks: int) -> float:
+    """The fraction of a worker's KV blocks in use once a request takes ``new_blocks``."""
+    used = stats.total_kv_blocks - stats.free_kv_blocks + new_blocks
+    return used / stats.total_kv_blocks if stats.total_kv_blocks else 1.0
 
 
 def _placed(best: ScoredWorker, candidates: int, score: float | None, scored: list) -> Decision:

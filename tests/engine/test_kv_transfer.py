@@ -45,7 +45,7 @@ async def _serving(engine):
     async def export(hashes):
         return engine.export_blocks(hashes)
 
-    sender = KvSender(export, "127.0.0.1", "127.0.0.1")
+    sender = KvSender(export, "127.0.0.1")
     await sender.start()
     try:
         yield sender
