@@ -91,6 +91,9 @@ class Stack:
     group of ranks on CUDA takes the next devices after the previous group's."""
     worker_prefix: str = "worker"
     """Worker ids are ``<prefix>-<index>``: unique across the hosts of a cluster."""
+    prefill_workers: int = 0
+    """Disaggregated serving: the first this-many workers are ``--role prefill``, the
+    others ``--role decode`` (0: every worker is ``mixed``)."""
     scheduler_id: str = ""
     """The scheduler replica's id (empty: its own default, ``<host>-<pid>``)."""
     stages: tuple[tuple[str, int], ...] = ()
@@ -188,13 +191,20 @@ class Stack:
     def worker_id(self, index: int) -> str:
         return f"{self.worker_prefix}-{index}"
 
+    def worker_role(self, index: int) -> list[str]:
+        """Worker ``index``'s ``--role`` flag (none: its own default, mixed)."""
+        if not self.prefill_workers:
+            return []
+        return ["--role", "prefill" if index < self.prefill_workers else "decode"]
+
     def start_worker(self, index: int) -> subprocess.Popen:
         wid = self.worker_id(index)
         return self._spawn(
             wid,
             "lamina.services.engine_worker",
             ["--worker-id", wid, "--model", str(self.model), *self.worker_args]
-            + (["--device", self.worker_device(index)] if self.worker_device else []),
+            + (["--device", self.worker_device(index)] if self.worker_device else [])
+            + self.worker_role(index),
             f"worker.{wid}",
         )
 
@@ -338,6 +348,11 @@ class UpConfig:
     `lamina gateway` serves goes to the gateway."""
 
     workers: int = option(1, "engine workers to start")
+    prefill_workers: int = option(
+        0,
+        "disaggregated serving: this many of the workers compute prompts (--role prefill) "
+        "and the others stream from the KV they fetch (--role decode); 0: all mixed",
+    )
     model_name: str = option("", "served model name (default: the model directory's name)")
     http_host: str = option("127.0.0.1", "address the gateway and telemetry listen on")
     http_port: int = option(8000, "the gateway's HTTP port (the OpenAI API)")
@@ -376,6 +391,8 @@ def preflight(config: UpConfig, model: Path, ports: list[tuple[str, str, int]]) 
     for flag, host, port in ports:
         if port and not port_is_free(host, port):
             return f"port {port} on {host} is in use ({flag})"
+    if not 0 <= config.prefill_workers <= config.workers:
+        return f"--prefill-workers {config.prefill_workers}: 0 to --workers ({config.workers})"
     if bool(config.nats_tls_cert) != bool(config.nats_tls_key):
         return "--nats-tls-cert and --nats-tls-key go together"
     for flag, path in (
@@ -434,6 +451,7 @@ def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
     fields: dict[str, object] = dict(
         model=model,
         workers=config.workers,
+        prefill_workers=config.prefill_workers,
         http_host=config.http_host,
         http_port=config.http_port,
         metrics_port=config.metrics_port,

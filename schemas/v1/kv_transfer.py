@@ -25,6 +25,9 @@ class KvGrant(Message):
     """The worker the blocks go to (for the sender's log; the token is what it checks)."""
     block_hashes: list[int]
     """A sequence's leading block hashes: the sender sends the leading run it holds."""
+    prefill_token_ids: list[int] = []
+    """A prefill leg (disaggregated serving): the sender computes these tokens first,
+    whose KV the blocks are, and sends once it has (empty: it sends what it holds)."""
 
 
 class KvSource(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -38,3 +41,6 @@ class KvSource(msgspec.Struct, kw_only=True, omit_defaults=True):
     token: Token
     block_hashes: list[int]
     """The blocks granted (the request's leading blocks the sender holds)."""
+    prefill: bool = False
+    """The sender computes the blocks first (a prefill leg): the receiver waits for them
+    its ``--kv-prefill-timeout``, not its fetch timeout."""

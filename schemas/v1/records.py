@@ -84,6 +84,9 @@ class ScoredWorker(msgspec.Struct, kw_only=True):
     predicts the earlier first token (``predicted_ttft_s`` counts it); empty: none."""
     fetch_blocks: int = 0
     """The blocks that transfer would carry."""
+    prefill: bool = False
+    """``fetch_from`` is a prefill worker that computes those blocks first (the
+    request's prefill leg; this worker, its decode leg, computes what is left)."""
 
 
 class PlacementRecord(Message):

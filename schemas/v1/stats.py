@@ -41,6 +41,22 @@ class WorkerState(OpenEnum):
     """A state this peer does not know: not ready, so nothing is placed there."""
 
 
+class WorkerRole(OpenEnum):
+    """What a worker is placed for (``--role``): disaggregated serving splits a request
+    into a prefill leg and a decode leg on different workers."""
+
+    MIXED = "mixed"
+    """Both: it runs a request whole (the default)."""
+    PREFILL = "prefill"
+    """Prefill legs: it computes prompts' KV for decode workers to fetch (requests are
+    placed on it whole only when no other worker serves the model)."""
+    DECODE = "decode"
+    """Decode legs: a prefill worker computes its requests' prompts when one has room
+    (it computes a prompt itself otherwise, and a short prompt always)."""
+    UNKNOWN = "unknown"
+    """A role this peer does not know: taken as ``mixed``."""
+
+
 MAX_RANKS = 1024
 """Most ranks a heartbeat may list (a hostile one listing more fails to decode)."""
 
@@ -148,6 +164,9 @@ class WorkerStats(Message, gc=False):
     kv_fetch_blocks_per_s: Rate = 0.0
     """Blocks per second its last fetch took, from its request to the blocks imported
     (0: none yet): placement's transfer rate for it."""
+    role: WorkerRole = WorkerRole.MIXED
+    kv_prefills_total: Count = 0
+    """Prefill legs it computed for other workers (cumulative)."""
 
     def numerics(self) -> str:
         """What a stream's tokens depend on beyond the model and the request: the device

@@ -68,6 +68,13 @@ class _Add:
     reply: str
     context: Any
     taken: threading.Event | None = None  # set once the engine has the request
+    seq: int = 1  # its stream's next event's (0 was Accepted; the worker may have sent more)
+
+
+@dataclass
+class _Prefill:
+    checked: EngineRequest
+    done: Callable[[], None]
 
 
 @dataclass
@@ -112,6 +119,8 @@ class EngineThread(threading.Thread):
         self._startup_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams = Streams()
+        self._prefills: dict[str, Callable[[], None]] = {}
+        """Prefill legs in the engine (streamless) -> what to call when they end."""
         self._tracer = StepTracer(worker_id)
         self._deadlines = Deadlines()
         self._stopping = threading.Event()
@@ -143,9 +152,11 @@ class EngineThread(threading.Thread):
         reply: str,
         context: Any = None,
         checked: EngineRequest | None = None,
+        seq: int = 1,
     ) -> None:
         """Queue ``request``; ``checked``: it as ``wire.engine_request`` made it (made here
-        if None, raising the engine's ``InvalidRequestError`` before anything is queued).
+        if None, raising the engine's ``InvalidRequestError`` before anything is queued);
+        ``seq``: its stream's next event's (the worker sent keep-alives while it waited).
 
         When the engine thread is idle, wait (at most ``handoff_wait`` s) until it has
         added the request. Woken by the queue, it still needs the GIL, which this thread
@@ -159,9 +170,15 @@ class EngineThread(threading.Thread):
         with self._lock:
             self._pending_adds += 1
         taken = threading.Event() if self._idle else None
-        self._commands.put(_Add(request, checked, reply, context, taken))
+        self._commands.put(_Add(request, checked, reply, context, taken, seq))
         if taken is not None:
             taken.wait(self._handoff_wait)
+
+    def prefill(self, checked: EngineRequest, done: Callable[[], None]) -> None:
+        """Compute ``checked``'s prompt into the prefix cache, streaming nothing (a prefill
+        leg: another worker fetches the blocks); ``done()`` is called on this thread once
+        the request ended, computed or failed."""
+        self._commands.put(_Prefill(checked, done))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))
@@ -271,6 +288,7 @@ class EngineThread(threading.Thread):
                     self._fail_all("engine step failed", RejectReason.DEGRADED)
                     self.on_step_failure("engine step failed")
                     continue
+                self._end_prefills(result.outputs)
                 traced = self._tracer.requests(result.batch, self._streams, started)
                 batch = self._streams.outputs(result.outputs)
                 if traced is not None:  # its tokens go first: they do not wait for spans
@@ -308,10 +326,10 @@ class EngineThread(threading.Thread):
         with contextlib.suppress(queue.Empty):
             while True:
                 match self._commands.get_nowait():
-                    case _Add(request=request, reply=reply, context=context, taken=taken):
+                    case _Add(request=request, reply=reply, context=context, taken=taken, seq=seq):
                         failed = Failed(
                             request_id=request.request_id,
-                            seq=1,
+                            seq=seq,
                             message=reason,
                             retryable=True,
                             tokens_sent=False,
@@ -322,6 +340,8 @@ class EngineThread(threading.Thread):
                             taken.set()
                     case _Call(done=done):
                         done.set()
+                    case _Prefill(done=ended):
+                        ended()
         with self._lock:
             self._pending_adds = 0
         if batch:
@@ -346,14 +366,22 @@ class EngineThread(threading.Thread):
 
     def _apply(self, command: Any) -> None:
         match command:
-            case _Add(request, checked, reply, context, taken):
+            case _Add(request, checked, reply, context, taken, seq):
                 try:
                     with self._lock:
-                        self._add(request, checked, reply, context)
+                        self._add(request, checked, reply, context, seq)
                         self._pending_adds -= 1
                 finally:
                     if taken is not None:
                         taken.set()
+            case _Prefill(checked, done):
+                try:
+                    self.engine.add(checked)
+                except Exception:  # a duplicate id: the leg ends at once, computing nothing
+                    log.exception("prefill leg %s refused", checked.request_id)
+                    done()
+                else:
+                    self._prefills[checked.request_id] = done
             case _Cancel(request_id):
                 if self.engine.abort(request_id):
                     stream = self._streams.pop(request_id, None)
@@ -368,7 +396,7 @@ class EngineThread(threading.Thread):
                     done.set()
 
     def _add(
-        self, request: GenerateRequest, checked: EngineRequest, reply: str, context: Any
+        self, request: GenerateRequest, checked: EngineRequest, reply: str, context: Any, seq: int
     ) -> None:
         """Queue a checked request, already answered ``Accepted``. If the engine refuses
         it after all (its id is running here), that request fails alone."""
@@ -388,7 +416,7 @@ class EngineThread(threading.Thread):
                 log.exception("adding request %s failed", rid)
             message = exc.message if isinstance(exc, InvalidRequestError) else repr(exc)
             failed = Failed(
-                request_id=rid, seq=1, message=message, retryable=False, tokens_sent=False
+                request_id=rid, seq=seq, message=message, retryable=False, tokens_sent=False
             )
             self.emit([(reply, failed, context)])
             return
@@ -396,7 +424,7 @@ class EngineThread(threading.Thread):
         if span is not None:
             context = trace.set_span_in_context(span, context)
             self._tracer.traced.add(rid)
-        self._streams[rid] = Stream(reply, context, span=span)
+        self._streams[rid] = Stream(reply, context, seq=seq, span=span)
         self._deadlines.add(rid, checked.deadline_ms)
 
     def _stop_expired(self) -> None:
@@ -453,6 +481,17 @@ class EngineThread(threading.Thread):
                 self.engine.abort(rid)
             batch += self._streams.fail(rid, reason, retryable=True, reason=kind)
         self.emit(batch)
+        for rid, done in list(self._prefills.items()):
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+            del self._prefills[rid]
+            done()
+
+    def _end_prefills(self, outputs: list) -> None:
+        """Tell the prefill legs that ended in this step (their blocks are cached)."""
+        for out in outputs:
+            if out.finished and (done := self._prefills.pop(out.request_id, None)):
+                done()
 
     def _refresh_stats(self) -> None:
         """New stats every ``_STATS_PERIOD_S``, when the engine is also checked (a rank

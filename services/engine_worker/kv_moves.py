@@ -3,6 +3,12 @@
 the scheduler named (``GenerateRequest.kv_source``), importing them into its engine. A
 fetch that fails or times out is counted and logged, and the request computes its prefix
 here as it would have without one: a transfer can only save work, never lose a request.
+
+A grant may be a prefill leg (disaggregated serving): it names the prompt tokens to
+compute, and this worker computes them at once, streaming nothing, and sends their
+blocks once they are cached. The decode worker that fetches them computes what is left
+(the prompt's last, partial block) and samples the first token itself, so a request's
+sampling state (seed, penalties, grammar) lives on one worker only.
 """
 
 from __future__ import annotations
@@ -18,10 +24,16 @@ from opentelemetry.trace import StatusCode
 from lamina.libs import spans
 from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
 from lamina.services.engine_worker.engine.engine import Engine
-from lamina.services.engine_worker.engine.errors import EngineError
+from lamina.services.engine_worker.engine.errors import EngineError, InvalidRequestError
 from lamina.services.engine_worker.engine.kv_tier import KvBlocks
+from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine_thread import EngineThread
-from lamina.services.engine_worker.kv_transfer import KvSender, TransferFailed, fetch
+from lamina.services.engine_worker.kv_transfer import (
+    GRANT_TTL_S,
+    KvSender,
+    TransferFailed,
+    fetch,
+)
 
 log = logging.getLogger("lamina.worker.kv_moves")
 tracer = spans.Tracer("lamina.worker")
@@ -33,10 +45,21 @@ ENGINE_CALL_TIMEOUT_S = 30.0
 class KvMoves:
     """Sends and fetches for one worker; its counters go into the heartbeat."""
 
-    def __init__(self, thread: EngineThread, host: str, fetch_timeout_s: float) -> None:
+    def __init__(
+        self,
+        thread: EngineThread,
+        host: str,
+        fetch_timeout_s: float,
+        prefill_timeout_s: float | None = None,
+    ) -> None:
         self._thread = thread
         self._host = host
         self.fetch_timeout_s = fetch_timeout_s
+        self.prefill_timeout_s = prefill_timeout_s or fetch_timeout_s
+        """Most seconds a prefill leg's blocks are waited for, by either side."""
+        self._legs: dict[str, asyncio.Future[None]] = {}
+        """Prefill legs computing here, by grant id: done once their blocks are cached."""
+        self.prefills = 0
         self.layout = thread.spec.kv_layout if thread.spec is not None else ""
         self.sender: KvSender | None = None
         self.fetches = 0
@@ -59,11 +82,49 @@ class KvMoves:
         """Grants that a receiver may still come for."""
         return self.sender.pending if self.sender is not None else 0
 
-    async def grant(self, grant: KvGrant) -> None:
+    async def grant(self, grant: KvGrant, context: otel_context.Context | None = None) -> None:
+        """Take the scheduler's grant; start computing a prefill leg's prompt (traced
+        under ``context``, the grant's)."""
         if self.sender is None:
             log.warning("a KV grant for %s, but this worker's KV cannot move", grant.receiver)
             return
+        if grant.prefill_token_ids:
+            self._prefill(grant, context)
         await self.sender.grant(grant)
+
+    def _prefill(self, grant: KvGrant, context: otel_context.Context | None) -> None:
+        """Compute a prefill leg's prompt into the prefix cache, now (the receiver may
+        connect before it is done: the export waits for it)."""
+        assert self._thread.spec is not None
+        if self._thread.dead:  # nothing computes it: the receiver finds no blocks
+            log.warning("prefill leg for %s refused: the engine is gone", grant.receiver)
+            return
+        tokens = grant.prefill_token_ids
+        attributes = {"lamina.kv.receiver": grant.receiver, "lamina.prompt_tokens": len(tokens)}
+        span = spans.start(
+            tracer, f"kv prefill for {grant.receiver}", context, attributes=attributes
+        )
+        try:
+            checked = self._thread.spec.request(
+                f"prefill-{grant.grant_id}", tokens, SamplingParams(max_tokens=1, temperature=0)
+            )
+        except InvalidRequestError as exc:  # the receiver finds no blocks, and computes
+            span.set_status(StatusCode.ERROR, exc.message[:200])
+            span.end()
+            log.warning("prefill leg for %s refused: %s", grant.receiver, exc.message)
+            return
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def end() -> None:
+            if not ended.done():
+                ended.set_result(None)
+                span.end()
+                loop.call_later(GRANT_TTL_S, self._legs.pop, grant.grant_id, None)
+
+        self._legs[grant.grant_id] = ended
+        self.prefills += 1
+        self._thread.prefill(checked, lambda: loop.call_soon_threadsafe(end))
 
     async def fetch(
         self, request_id: str, source: KvSource, context: otel_context.Context | None = None
@@ -78,8 +139,9 @@ class KvMoves:
             "lamina.kv.blocks_granted": len(source.block_hashes),
         }
         span = spans.start(tracer, f"kv fetch {source.worker_id}", context, attributes=attributes)
+        timeout = self.prefill_timeout_s if source.prefill else self.fetch_timeout_s
         try:
-            blocks = await fetch(source, self.fetch_timeout_s)
+            blocks = await fetch(source, timeout)
             placed = await self._on_engine(lambda engine: engine.import_blocks(blocks))
         except (TransferFailed, TimeoutError, EngineError) as exc:
             self.failures += 1
@@ -102,8 +164,11 @@ class KvMoves:
         span.end()
         return placed
 
-    async def _export(self, hashes: list[int]) -> KvBlocks:
-        return await self._on_engine(lambda engine: engine.export_blocks(hashes))
+    async def _export(self, grant: KvGrant) -> KvBlocks:
+        leg = self._legs.pop(grant.grant_id, None)
+        if leg is not None:  # computing them: the receiver waits (its own timeout bounds it)
+            await asyncio.wait_for(asyncio.shield(leg), self.prefill_timeout_s)
+        return await self._on_engine(lambda engine: engine.export_blocks(grant.block_hashes))
 
     async def _on_engine(self, fn: Any) -> Any:
         """``fn(engine)`` run on the engine thread, its result or what it raised."""
@@ -133,4 +198,5 @@ class KvMoves:
             kv_fetched_blocks_total=self.fetched_blocks,
             kv_sent_blocks_total=sender.sent_blocks if sender is not None else 0,
             kv_fetch_blocks_per_s=self.rate,
+            kv_prefills_total=self.prefills,
         )

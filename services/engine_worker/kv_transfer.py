@@ -93,8 +93,9 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 
 
 # ---------------------------------------------------------------------------- the sender
-Export = Callable[[list[int]], Awaitable[KvBlocks]]
-"""Copy the leading run of these block hashes that the engine holds to the host."""
+Export = Callable[[KvGrant], Awaitable[KvBlocks]]
+"""Copy the leading run of the grant's block hashes that the engine holds to the host
+(once it computed them, for a prefill leg)."""
 
 
 class KvSender:
@@ -163,7 +164,7 @@ class KvSender:
             if grant is None:
                 return
             token = bytes.fromhex(grant.token)
-            blocks = await self._export(grant.block_hashes)
+            blocks = await self._export(grant)
             await _send(writer, blocks, token)
             self.sent_blocks += len(blocks.hashes)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, TransferFailed) as exc:

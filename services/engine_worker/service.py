@@ -42,11 +42,11 @@ from lamina.schemas.v1.control import (
     Resume,
     Uncordon,
 )
-from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason
+from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason, Tokens
 from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
 from lamina.schemas.v1.kv_transfer import KvGrant
 from lamina.schemas.v1.ranks import RankRendezvous, RanksRequest
-from lamina.schemas.v1.stats import GatewayAlive, WorkerState, WorkerStats
+from lamina.schemas.v1.stats import GatewayAlive, WorkerRole, WorkerState, WorkerStats
 from lamina.services.engine_worker import wire
 from lamina.services.engine_worker.default_model import with_default_model
 from lamina.services.engine_worker.engine.config import EngineConfig
@@ -114,9 +114,25 @@ class WorkerConfig:
         "most seconds a request waits for its prefix's KV blocks from another worker (the "
         "scheduler's choice) before it computes them here",
     )
+    kv_prefill_timeout: float = option(
+        30.0,
+        "most seconds a request waits for a prefill worker to compute and send its prompt's "
+        "KV (disaggregated serving) before it computes the prompt here",
+    )
+    role: WorkerRole = option(
+        WorkerRole.MIXED,
+        "what schedulers place here: mixed (whole requests), prefill (prompts' KV for "
+        "decode workers) or decode (requests whose prompts a prefill worker computes)",
+    )
     health_host: str = option("0.0.0.0", "address /health and /ready are served on")
     health_port: int = option(0, "port for /health and /ready (ready: taking requests; 0: off)")
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        role = WorkerRole(self.role)
+        if role == WorkerRole.UNKNOWN:
+            raise ValueError(f"--role must be mixed, prefill or decode, not {self.role!r}")
+        object.__setattr__(self, "role", role)
 
 
 class WorkerIdInUse(RuntimeError):
@@ -225,7 +241,7 @@ class WorkerService:
         # Its transfer listener: where its host is reached from other hosts (a node's
         # --address), else the loopback, every worker on this host.
         host = engine_config.distributed_address or "127.0.0.1"
-        self.kv = KvMoves(self.engine_thread, host, cfg.kv_fetch_timeout)
+        self.kv = KvMoves(self.engine_thread, host, cfg.kv_fetch_timeout, cfg.kv_prefill_timeout)
         await self.kv.start()
         wid = self.worker_id
         await bus.subscribe(subjects.worker_kv_send(wid), KvGrant, self._on_kv_grant)
@@ -337,15 +353,24 @@ class WorkerService:
     ) -> None:
         """Fetch the request's leading blocks from the worker the scheduler named, then
         hand the request to the engine, which finds them cached (or, when the fetch
-        failed, computes them)."""
+        failed, computes them). The stream is kept alive meanwhile (a prefill leg takes
+        as long as the prompt's prefill on the other worker)."""
         rid = request.request_id
+        assert self.kv is not None and request.kv_source is not None
+        fetching = asyncio.create_task(self.kv.fetch(rid, request.kv_source, context))
+        seq = 1  # 0 was Accepted
         try:
-            assert self.kv is not None and request.kv_source is not None
-            await self.kv.fetch(rid, request.kv_source, context)
+            while not fetching.done():
+                await asyncio.wait({fetching}, timeout=self.config.stream_keepalive)
+                if not fetching.done() and not self._fetching.get(rid, True):
+                    alive = Tokens(request_id=rid, seq=seq, token_ids=[])
+                    self._outbox.put_nowait([(reply, alive, context)])
+                    seq += 1
         finally:
+            fetching.cancel()
             cancelled = self._fetching.pop(rid, True)
         if not cancelled:
-            self.engine_thread.submit(request, reply, context, checked)
+            self.engine_thread.submit(request, reply, context, checked, seq)
 
     def _constrained(self, request: GenerateRequest) -> EngineRequest:
         """A request with a structured output constraint, compiled and checked."""
@@ -454,7 +479,7 @@ class WorkerService:
 
     async def _on_kv_grant(self, grant: KvGrant, msg: Msg) -> None:
         assert self.kv is not None
-        await self.kv.grant(grant)
+        await self.kv.grant(grant, otel_context.get_current())
 
     async def _on_control(self, command: ControlCommand, msg: Msg) -> None:
         ok, message = True, ""
@@ -550,6 +575,7 @@ class WorkerService:
             prefix_cache_hit_ratio=counters.prefix_cache_hit_ratio,
             **dataclasses.asdict(counters),
             **(self.kv.stats() if self.kv is not None else {}),
+            role=self.config.role,
         )
 
     async def _publish_stats(self) -> None:

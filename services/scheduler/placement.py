@@ -30,6 +30,16 @@ with the context for it). Among them the policy chooses:
   computing them: with F the blocks fetched at R_x, w's measured transfer rate, and U'
   what is left to compute, ``ttft_fetch(w) = (Q + U') / R_p + F / R_x + decode``; the
   worker is scored by the lower of the two, and the decision says which.
+
+  Disaggregated serving (workers' ``--role``): a request is placed on a decode (or
+  mixed) worker; a prefill worker is a candidate only when no other serves the model.
+  A decode worker's request whose uncached prompt is ``prefill_min_tokens`` or more has
+  a prefill leg when a prefill worker has room: the prefill worker P computes the
+  prompt's full blocks and the decode worker fetches them, so
+  ``ttft(w) = ttft_P(blocks) + F / R_x + (Q + U') / R_p + decode``, with ``ttft_P``
+  P's own prediction for those tokens (its queue, its cache). The leg is taken
+  whenever one is possible, even where computing locally predicts the earlier first
+  token: keeping long prefills out of the decode workers' steps is what the role asks.
 * ``load``: least queued work (queued prefill tokens plus a per-request charge), blind
   to the cache.
 * ``round-robin``: each ready worker in turn.
@@ -56,7 +66,7 @@ from lamina.libs.bounded import BoundedDict
 from lamina.libs.context_length import context_overflow
 from lamina.schemas.v1.generate import GenerateRequest, RejectReason
 from lamina.schemas.v1.records import ScoredWorker
-from lamina.schemas.v1.stats import WorkerState, WorkerStats
+from lamina.schemas.v1.stats import WorkerRole, WorkerState, WorkerStats
 from lamina.services.scheduler.registry import Candidate
 
 _PINNED_KEYS = 4096
@@ -149,6 +159,8 @@ class Decision:
     fetch_from: str = ""
     """The worker to fetch the prompt's leading blocks from (empty: none)."""
     fetch_blocks: int = 0
+    prefill: bool = False
+    """``fetch_from`` computes those blocks first: the request's prefill leg."""
 
 
 def drain_time(workers: list[Candidate], queued_tokens: int, rate_prior: float) -> float:
@@ -189,6 +201,9 @@ class Placer:
     """A worker whose queued prefill exceeds this many engine steps' token budget, or whose
     waiting requests reach ``max_num_seqs``, takes nothing more: requests wait in the
     scheduler's queue instead, where priority and deadline order them."""
+    prefill_min_tokens: int = 256
+    """A decode worker computes a prompt itself when fewer of its tokens are uncached
+    there (a prefill leg's round trip is not worth it)."""
     _turn: itertools.count = field(default_factory=itertools.count)
     _pinned: BoundedDict[str, str] = field(default_factory=lambda: BoundedDict(_PINNED_KEYS))
     """Affinity key -> the worker its first request went to (the latest keys kept)."""
@@ -214,7 +229,17 @@ class Placer:
         admitted, refusal = admit(request, live)
         if refusal is not None:
             return refusal
-        fits = [w for w in admitted if not self.saturated(w)]
+        decoders = [w for w in admitted if w.stats.role != WorkerRole.PREFILL]
+        prefillers = [
+            w
+            for w in admitted
+            if decoders
+            and w.stats.role == WorkerRole.PREFILL
+            and _can_send(w)
+            and not self.saturated(w)
+        ]
+        decoders = decoders or admitted  # prefill workers alone: they run requests whole
+        fits = [w for w in decoders if not self.saturated(w)]
         if not fits:
             message = f"all {len(admitted)} workers for this model are saturated"
             return Decision(None, RejectReason.OVERLOADED, message, len(admitted))
@@ -226,7 +251,7 @@ class Placer:
             for w in (live if senders is None else senders)
             if w.stats.model == request.model and _can_send(w)
         ]
-        scored = self._score_all(request, fits, overlap, senders)
+        scored = self._score_all(request, fits, overlap, senders, prefillers)
         by_id = {s.worker_id: s for s in scored}
         pinned = self._pinned.get(request.affinity) if request.affinity else None
         if pinned in by_id:  # its group's worker can take it: there, to share the prefill
@@ -265,14 +290,16 @@ class Placer:
         workers: list[Candidate],
         overlap: Overlap,
         senders: Sequence[Candidate] = (),
+        prefillers: Sequence[Candidate] = (),
     ) -> list[ScoredWorker]:
-        """Each of ``workers`` scored for ``request``, in order, each with the best
-        fetch from one of ``senders`` where that predicts the earlier first token."""
+        """Each of ``workers`` scored for ``request``, in order: a decode worker with its
+        prefill leg on one of ``prefillers`` if it has one, else each with the best fetch
+        from one of ``senders`` where that predicts the earlier first token."""
         if not workers:
             return []
         prompt = request.prompt_token_ids
-        ids = [w.stats.worker_id for w in workers]
-        hits = overlap(prompt, list(dict.fromkeys(ids + [w.stats.worker_id for w in senders])))
+        ids = [w.stats.worker_id for w in [*workers, *senders, *prefillers]]
+        hits = overlap(prompt, list(dict.fromkeys(ids)))
         held = []  # (device blocks, sender): what each could send, most first
         for w in senders:
             total, host = hits[w.stats.worker_id]
@@ -283,8 +310,57 @@ class Placer:
         scored = []
         for w in workers:
             local = self._score(w, len(prompt), *hits[w.stats.worker_id], rates)
-            scored.append(self._with_fetch(w, local, len(prompt), held, rates))
+            leg = self._with_prefill(w, local, len(prompt), prefillers, hits, rates)
+            scored.append(leg or self._with_fetch(w, local, len(prompt), held, rates))
         return scored
+
+    def _with_prefill(
+        self,
+        worker: Candidate,
+        local: ScoredWorker,
+        prompt_tokens: int,
+        prefillers: Sequence[Candidate],
+        hits: dict[str, tuple[int, int]],
+        rates: tuple[float, float],
+    ) -> ScoredWorker | None:
+        """``worker`` (a decode worker) with the prompt's full blocks computed by the
+        prefill worker that predicts them soonest among those with room for them; None
+        when it computes the prompt itself (a short one, or no prefill worker fits)."""
+        s = worker.stats
+        if s.role != WorkerRole.DECODE or not s.kv_layout:
+            return None
+        usable = (prompt_tokens - 1) // s.block_size  # a token is left to compute
+        if usable <= local.overlap_blocks or (
+            self.cost.uncached_tokens(prompt_tokens, local.overlap_blocks, s.block_size)
+            < self.prefill_min_tokens
+        ):
+            return None
+        tokens = usable * s.block_size
+        legs = [
+            (p, self._score(p, tokens, *hits[p.stats.worker_id], rates))
+            for p in prefillers
+            if p.stats.kv_layout == s.kv_layout and tokens < p.stats.max_model_len
+        ]
+        roomy = [leg for p, leg in legs if self._has_room(p, leg)]
+        if not roomy:
+            return None
+        leg = min(roomy, key=lambda leg: (leg.predicted_ttft_s, leg.worker_id))
+        uncached = self.cost.uncached_tokens(prompt_tokens, usable, s.block_size)
+        ttft = (
+            leg.predicted_ttft_s
+            + usable / self.cost.transfer_rate(s)
+            + self.cost.predict_ttft(worker, uncached, rates)
+        )
+        new_blocks = math.ceil(uncached / s.block_size) + usable - local.overlap_blocks
+        return msgspec.structs.replace(
+            local,
+            predicted_ttft_s=ttft,
+            kv_usage=_usage_after(s, new_blocks),
+            host_blocks=0,
+            fetch_from=leg.worker_id,
+            fetch_blocks=usable,
+            prefill=True,
+        )
 
     def _with_fetch(
         self,
@@ -374,6 +450,7 @@ def _placed(best: ScoredWorker, candidates: int, score: float | None, scored: li
         scored=scored,
         fetch_from=best.fetch_from,
         fetch_blocks=best.fetch_blocks,
+        prefill=best.prefill,
     )
 
 

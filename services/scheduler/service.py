@@ -93,6 +93,11 @@ class SchedulerConfig:
     saturation_steps: float = option(
         4.0, "queue requests when every worker has more than this many steps of prefill queued"
     )
+    prefill_min_tokens: int = option(
+        Placer.prefill_min_tokens,
+        "a decode worker (--role decode) computes a prompt itself when fewer of its tokens "
+        "are uncached there; from this many, a prefill worker with room computes it",
+    )
     max_queue_requests: int = option(1024, "most requests waiting in this replica's queue")
     max_queue_tokens: int = option(1 << 20, "most prompt tokens waiting in its queue")
     max_queue_wait: float = option(30.0, "seconds a request may wait in the queue")
@@ -109,7 +114,12 @@ class SchedulerService:
         self.scheduler_id = config.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
         self.registry = Registry(prefill_rate_prior=config.prefill_rate_prior)
         cost = CostModel(config.prefill_rate_prior, config.decode_rate_prior, config.decode_weight)
-        self.placer = Placer(config.placement, cost, config.saturation_steps)
+        self.placer = Placer(
+            config.placement,
+            cost,
+            config.saturation_steps,
+            prefill_min_tokens=config.prefill_min_tokens,
+        )
         self.queue = AdmissionQueue(config.max_queue_requests, config.max_queue_tokens)
         self._tasks: list[asyncio.Task] = []
         self.bus: Bus | None = None
@@ -405,12 +415,15 @@ class SchedulerService:
         sender = self.registry.view.workers.get(decision.fetch_from)
         if sender is None or not decision.fetch_blocks:
             return None
-        hashes = hash_blocks(request.prompt_token_ids, sender.stats.block_size)
+        block_size = sender.stats.block_size
+        hashes = hash_blocks(request.prompt_token_ids, block_size)
+        tokens = decision.fetch_blocks * block_size
         grant = KvGrant(
             grant_id=secrets.token_hex(16),
             token=secrets.token_hex(32),
             receiver=decision.worker_id or "",
             block_hashes=hashes[: decision.fetch_blocks],
+            prefill_token_ids=request.prompt_token_ids[:tokens] if decision.prefill else [],
         )
         await self.bus.publish(subjects.worker_kv_send(decision.fetch_from), grant)
         return KvSource(
@@ -419,6 +432,7 @@ class SchedulerService:
             grant_id=grant.grant_id,
             token=grant.token,
             block_hashes=grant.block_hashes,
+            prefill=decision.prefill,
         )
 
     async def _send(
@@ -470,12 +484,15 @@ class SchedulerService:
                 )
             else:
                 worker = self.registry.view.workers[decision.worker_id]
+                block_size = worker.stats.block_size
                 uncached = self.placer.cost.uncached_tokens(
                     len(request.prompt_token_ids),
                     max(decision.prefix_hit_blocks, decision.fetch_blocks),
-                    worker.stats.block_size,
+                    block_size,
                 )
                 self.registry.placed(decision.worker_id, uncached)
+                if decision.prefill:  # its prefill leg's tokens are queued there
+                    self.registry.placed(decision.fetch_from, decision.fetch_blocks * block_size)
                 self._placed_on[request.request_id] = decision.worker_id
         # The record is for telemetry: off the request's critical path. Yielding once lets
         # the client's flusher task put the forward on the wire before the record is built.
@@ -574,4 +591,8 @@ def _placement_attributes(decision: Decision, policy: str) -> dict:
         attributes["lamina.placement.worker_id"] = decision.worker_id
     if decision.predicted_ttft_s is not None:
         attributes["lamina.placement.predicted_ttft_s"] = decision.predicted_ttft_s
+    if decision.fetch_from:  # the worker its leading blocks come from, and why
+        leg = "prefill_worker_id" if decision.prefill else "fetch_from"
+        attributes[f"lamina.placement.{leg}"] = decision.fetch_from
+        attributes["lamina.placement.fetch_blocks"] = decision.fetch_blocks
     return attributes

@@ -45,6 +45,7 @@ from prometheus_client.registry import Collector
 from lamina.libs.bounded import BoundedDict
 from lamina.libs.cluster import MISSED_HEARTBEATS, Clock, ClusterView, WorkerEntry
 from lamina.schemas.v1.records import (
+    PLACED,
     BusHealth,
     Outcome,
     PlacementRecord,
@@ -166,6 +167,10 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
         "KV blocks sent to other workers.",
         lambda s: s.kv_sent_blocks_total,
     ),
+    "kv_prefills_total": (
+        "Prefill legs the worker computed for decode workers (disaggregated serving).",
+        lambda s: s.kv_prefills_total,
+    ),
 }
 
 
@@ -251,11 +256,17 @@ class WorkerCollector(Collector):
             "1 for the live worker's current state, 0 for the others.",
             (*WORKER_LABELS, "state"),
         )
+        role = _gauge(
+            "worker_role",
+            "1 for the live worker's role (--role: mixed, prefill or decode).",
+            (*WORKER_LABELS, "role"),
+        )
         for entry, alive in snapshot:
             stats = entry.stats
             up.add_metric([stats.worker_id, stats.model], 1.0 if alive else 0.0)
             if not alive:
                 continue
+            role.add_metric([stats.worker_id, stats.model, stats.role], 1.0)
             for name in WorkerState:
                 if name == WorkerState.UNKNOWN and stats.state != name:
                     continue  # a series for "unknown" only when a worker reports one
@@ -263,6 +274,7 @@ class WorkerCollector(Collector):
                 state.add_metric([stats.worker_id, stats.model, name], value)
         yield up
         yield state
+        yield role
 
     def _load_gauges(self, live: list[WorkerStats]) -> Iterator[Metric]:
         for name, (help_text, value) in WORKER_GAUGES.items():
@@ -613,6 +625,13 @@ class PlacementMetrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
+        self.legs = Counter(
+            PREFIX + "disaggregated_placements_total",
+            "Requests placed with a prefill leg: the prefill worker computes the prompt's "
+            "KV, the decode worker fetches it and streams.",
+            ["prefill_worker_id", "decode_worker_id"],
+            registry=registry,
+        )
         self.queue_depth = Gauge(
             PREFIX + "scheduler_queue_depth",
             "Requests in each scheduler replica's queue, as of its latest decision.",
@@ -629,6 +648,9 @@ class PlacementMetrics:
             self.queue_wait.labels(record.reason).observe(record.queued_s)
         if record.scheduler_id:
             self.queue_depth.labels(record.scheduler_id).set(record.queue_depth)
+        chosen = next((s for s in record.scored if s.worker_id == record.worker_id), None)
+        if record.reason == PLACED and chosen is not None and chosen.prefill:
+            self.legs.labels(chosen.fetch_from, chosen.worker_id).inc()
 
 
 COMPAT = ("", "vllm")

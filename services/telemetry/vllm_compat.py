@@ -44,7 +44,8 @@ NOT_SERVED: dict[str, str] = {
     "lora_requests_info": "no LoRA adapters yet (issue 43)",
     "spec_decode_": "no speculative decoding yet (issue 43)",
     "diffusion_": "no diffusion language models",
-    "num_requests_kv_fetch_by_stage": "KV does not move between workers yet (issue 42)",
+    "num_requests_kv_fetch_by_stage": "fetches between workers are Lamina's own "
+    "lamina:kv_fetches_total and lamina:kv_prefills_total, per worker, not by stage",
     **dict.fromkeys(
         (
             "nixl_",
@@ -56,7 +57,8 @@ NOT_SERVED: dict[str, str] = {
             "kv_offload_",
             "kvcr_",
         ),
-        "KV connectors and offload tiers: KV does not move or leave the device yet (issue 42)",
+        "KV connectors and offload tiers: Lamina's host tier and transfers between workers "
+        "are its own lamina:host_kv_* and lamina:kv_* families, not a connector's",
     ),
     "tool_call_parser_invocations": "the gateway's tool-call parsing is not counted",
     "request_render_duration_seconds": "the gateway's chat rendering is not timed",

@@ -96,3 +96,81 @@ def test_a_worker_serves_a_prefix_fetched_from_another_and_falls_back_when_it_ca
                 await worker.close()
 
     asyncio.run(main())
+
+
+def _grant_and_source(
+    sender: WorkerService, receiver: str, prompt: list[int], blocks: int, prefill: bool
+) -> tuple[KvGrant, KvSource]:
+    hashes = hash_blocks(prompt, 16)[:blocks]
+    grant = KvGrant(
+        grant_id=secrets.token_hex(16),
+        token=secrets.token_hex(32),
+        receiver=receiver,
+        block_hashes=hashes,
+        prefill_token_ids=prompt[: 16 * blocks] if prefill else [],
+    )
+    source = KvSource(
+        worker_id=sender.worker_id,
+        address=sender.worker_stats().kv_address,
+        grant_id=grant.grant_id,
+        token=grant.token,
+        block_hashes=hashes,
+        prefill=prefill,
+    )
+    return grant, source
+
+
+def test_a_prefill_leg_computes_the_prompt_on_one_worker_and_the_other_streams_from_it(
+    nats_url, tiny_model
+):
+    """Disaggregated: the grant names the prompt's full blocks' tokens; the prefill worker
+    computes them at once (streaming nothing), the decode worker fetches them once they
+    are cached and computes only the last partial block. Its output equals its own run of
+    the whole prompt. A leg whose grant never reaches the prefill worker: the decode
+    worker waits (its stream kept alive, in seq order) and computes the prompt itself."""
+
+    async def main() -> None:
+        prefiller = WorkerService(worker_config(nats_url, "prefiller", tiny_model, role="prefill"))
+        decoder = WorkerService(
+            worker_config(nats_url, "decoder", tiny_model, role="decode", stream_keepalive=0.2)
+        )
+        await prefiller.start()
+        await decoder.start()
+        bus = await Bus.connect(nats_url, "bus-test-scheduler")
+        try:
+            assert (prefiller.worker_stats().role, decoder.worker_stats().role) == (
+                "prefill",
+                "decode",
+            )
+            question, _ = _output(await _stream(bus, _request("q", QUESTION), "decoder"))
+
+            grant, source = _grant_and_source(prefiller, "decoder", QUESTION, 4, prefill=True)
+            await bus.publish(subjects.worker_kv_send("prefiller"), grant)
+            got, finished = _output(
+                await _stream(bus, _request("leg", QUESTION, source), "decoder")
+            )
+            assert got == question
+            assert finished.usage.cached_tokens == len(PREFIX)  # computed there, not here
+            assert prefiller.worker_stats().kv_prefills_total == 1
+            assert prefiller.worker_stats().kv_sent_blocks_total == 4
+            await asyncio.sleep(0.3)  # the engine's stats, refreshed every 0.1 s
+            assert prefiller.engine_thread.stats.prompt_tokens_total == len(PREFIX)
+
+            # The grant is lost on the way: the decode worker computes the prompt.
+            _, lost = _grant_and_source(prefiller, "decoder", OTHER, 4, prefill=True)
+            events = await _stream(bus, _request("lost", OTHER, lost), "decoder")
+            got, finished = _output(events)
+            assert finished.usage.cached_tokens == 0
+            assert got == _output(await _stream(bus, _request("whole", OTHER), "prefiller"))[0]
+            seqs = [e.seq for e in events if isinstance(e, Tokens | Finished)]
+            assert seqs == list(range(1, len(seqs) + 1))
+            waiting = [e for e in events if isinstance(e, Tokens) and not e.token_ids]
+            assert len(waiting) >= 3  # the sender waits 2 s for a grant; 0.2 s keep-alives
+            assert decoder.worker_stats().kv_fetch_failures_total == 1
+        finally:
+            await bus.close()
+            for worker in (decoder, prefiller):
+                await worker.drain()
+                await worker.close()
+
+    asyncio.run(main())

@@ -10,6 +10,7 @@ import time
 import msgspec
 import pytest
 
+from lamina.libs.block_hash import hash_blocks
 from lamina.schemas.v1.generate import (
     Failed,
     Finished,
@@ -19,6 +20,7 @@ from lamina.schemas.v1.generate import (
     Sla,
     Tokens,
 )
+from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine_thread import EngineThread
 from tests.engine.helpers import make_engine
 
@@ -264,3 +266,34 @@ def test_streams_are_kept_alive_through_a_long_step_in_seq_order(tiny_model):
     finally:
         thread.stop()
         thread.join(timeout=5)
+
+
+def test_a_prefill_leg_caches_its_prompt_streams_nothing_and_says_when_it_ended(tiny_model):
+    """``prefill``: the prompt's full blocks are cached for another worker to fetch, and
+    ``done`` is called once; nothing is emitted for it, and a stream submitted after it
+    with a later ``seq`` (the worker's keep-alives came first) continues from there."""
+    seen = Recorder()
+    loop = EngineThread(lambda: make_engine(tiny_model), "w", "kv", emit=seen.emit)
+    loop.start()
+    spec = loop.wait_ready()
+    prompt = list(range(5, 5 + 64))  # 4 blocks of 16
+    ended = threading.Event()
+    calls: list[None] = []
+    checked = spec.request("prefill-1", prompt, SamplingParams(max_tokens=1, temperature=0))
+    loop.prefill(checked, lambda: (calls.append(None), ended.set()))
+    assert ended.wait(30)
+    hashes = hash_blocks(prompt, 16)
+    exported: list = []
+    loop.call(lambda engine: exported.append(engine.export_blocks(hashes))).wait(30)
+    assert exported[0].hashes == hashes
+    assert not [m for m in seen.messages if getattr(m, "request_id", "") == "prefill-1"]
+    assert loop.num_requests == 0 and len(calls) == 1
+
+    request = msgspec.structs.replace(long_request("r"), sampling=Sampling(max_tokens=2))
+    loop.submit(request, reply="inbox", seq=4)
+    deadline = time.monotonic() + 30
+    while not any(isinstance(m, Finished) for m in seen.messages) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seqs = [m.seq for m in seen.messages if getattr(m, "request_id", "") == "r"]
+    assert seqs == list(range(4, 4 + len(seqs))) and len(seqs) >= 2
+    loop.stop()

@@ -194,6 +194,8 @@ def golden_instances() -> dict[str, Message]:
         kv_fetched_blocks_total=3072,
         kv_sent_blocks_total=2048,
         kv_fetch_blocks_per_s=812.5,
+        role="decode",
+        kv_prefills_total=0,
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [
@@ -248,6 +250,7 @@ def golden_instances() -> dict[str, Message]:
                 grant_id="5c" * 16,
                 token="a7" * 32,
                 block_hashes=[4011226427183372811, 772199912007465535],
+                prefill=True,
             ),
         ),
         Accepted(
@@ -364,6 +367,7 @@ def golden_instances() -> dict[str, Message]:
                     host_blocks=1,
                     fetch_from="worker-node-3-7",
                     fetch_blocks=2,
+                    prefill=True,
                 )
             ],
             timestamp_ms=1767225600600,
@@ -397,6 +401,7 @@ def golden_instances() -> dict[str, Message]:
             token="a7" * 32,
             receiver=worker_id,
             block_hashes=[4011226427183372811, 772199912007465535],
+            prefill_token_ids=list(range(1000, 1032)),
         ),
         RanksRequest(stage=1),
         RankRendezvous(

@@ -235,6 +235,54 @@ def test_a_worker_fetches_a_prefix_another_holds_when_that_beats_computing_it():
     assert (here.worker_id, here.fetch_from) == ("holder", "")
 
 
+def test_a_decode_workers_long_prompt_gets_a_prefill_leg_on_the_prefill_worker_with_room():
+    """Disaggregated: requests go to decode workers; a prompt of prefill_min_tokens or more
+    uncached there is computed by the prefill worker predicted soonest (its queue, its
+    cache), the decode worker fetching its full blocks; the prediction adds both legs. A
+    short prompt, a saturated or full prefill worker, or a mixed worker: no leg."""
+    registry = registry_at(Clock())
+    kv = dict(kv_layout="16/float32/2/4/8", kv_address="127.0.0.1:4000")
+    fast = dict(prefill_tokens_per_s=1000.0, total_kv_blocks=1000, free_kv_blocks=1000)
+    registry.heartbeat(stats("p0", role="prefill", num_queued_prefill_tokens=300, **fast, **kv))
+    registry.heartbeat(stats("p1", role="prefill", **fast, **kv))
+    registry.heartbeat(stats("d", role="decode", kv_fetch_blocks_per_s=2000.0, **fast, **kv))
+    placer = Placer(Policy.KV, CostModel(decode_weight=0.0), prefill_min_tokens=256)
+    cached = overlap_of({"p1": 16})
+    decision = placer.place(request(prompt_len=801), registry.candidates(), cached)
+    (d,) = decision.scored  # a prefill worker is no candidate while a decode worker is
+    assert (decision.worker_id, decision.fetch_from, decision.fetch_blocks) == ("d", "p1", 50)
+    assert decision.prefill and d.prefill
+    # p1 computes 800 - 256 cached tokens at 1000/s (p0: 300 queued + 800), 50 blocks move
+    # at 2000/s, and d computes the last token.
+    assert d.predicted_ttft_s == pytest.approx(0.544 + 50 / 2000 + 0.001)
+    assert d.kv_usage == pytest.approx(51 / 1000)
+    # p1 saturated (or without room for the blocks): p0 computes it.
+    registry.heartbeat(stats("p1", role="prefill", num_waiting=256, max_num_seqs=256, **fast, **kv))
+    assert placer.place(request(prompt_len=801), registry.candidates(), cached).fetch_from == "p0"
+    full = dict(fast, free_kv_blocks=10)
+    registry.heartbeat(stats("p1", role="prefill", **full, **kv))
+    assert placer.place(request(prompt_len=801), registry.candidates(), cached).fetch_from == "p0"
+    # No prefill worker with room: the decode worker computes the prompt itself (it may
+    # still fetch what a prefill worker holds already, as any worker may).
+    registry.heartbeat(stats("p0", role="prefill", **full, **kv))
+    local = placer.place(request(prompt_len=801), registry.candidates(), cached)
+    assert (local.worker_id, local.fetch_from, local.fetch_blocks) == ("d", "p1", 16)
+    assert not local.prefill
+    assert placer.place(request(prompt_len=801), registry.candidates(), no_overlap).fetch_from == ""
+    registry.heartbeat(stats("p0", role="prefill", **fast, **kv))
+    registry.heartbeat(stats("p1", role="prefill", **fast, **kv))
+    # A short prompt is computed where it decodes.
+    short = placer.place(request(prompt_len=200), registry.candidates(), no_overlap)
+    assert (short.worker_id, short.fetch_from) == ("d", "")
+    # A mixed worker computes its own prompts.
+    registry.heartbeat(stats("d", kv_fetch_blocks_per_s=2000.0, **fast, **kv))
+    assert placer.place(request(prompt_len=801), registry.candidates(), no_overlap).fetch_from == ""
+    # Prefill workers alone: they run requests whole.
+    registry.heartbeat(stats("d", state="draining", **fast, **kv))
+    alone = placer.place(request(prompt_len=801), registry.candidates(), no_overlap)
+    assert alone.worker_id in ("p0", "p1") and not alone.prefill
+
+
 def test_a_worker_that_has_not_fetched_yet_is_given_the_priors_bytes_over_its_blocks():
     assert kv_block_bytes("16/bfloat16/32/8/128") == 2 << 20  # a 7B model's block
     assert kv_block_bytes("16/float32/2/4/8") == 8192 and kv_block_bytes("") == 0
