@@ -20,10 +20,20 @@ TTFT of each and their ratio, and the stream's time against the same bytes' thro
 real nats-server in 512 KiB messages, the other path a transfer could take (the
 stream's time counts its handshake, export and MAC as well; the bus's, bytes alone).
 
+Disaggregated prefill and decode (``--part pd``): the whole stack (gateway, scheduler,
+two workers, one engine thread each) twice, mixed (two mixed workers) and disaggregated
+(one prefill, one decode worker), alternating which runs first. ``--streams`` decode
+streams (short prompts, ``--stream-tokens`` each, restarted as they end) run while a
+long prompt (``--long-prompt`` tokens, a few output tokens) arrives every
+``--long-every`` seconds for ``--duration`` seconds. Printed: the streams' inter-token
+latency (gaps between token-bearing SSE chunks, ``return_token_ids``) p50/p99, the long
+requests' TTFT p50/p99, and disaggregated over mixed for each.
+
 Not a test: run it by hand on an otherwise idle machine.
 
     .venv/bin/python benchmarks/kv_moves.py            # small preset, 16 tenants x 512
     .venv/bin/python benchmarks/kv_moves.py --part transfer
+    .venv/bin/python benchmarks/kv_moves.py --part pd
 """
 
 from __future__ import annotations
@@ -31,23 +41,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
+import json
 import os
 import random
 import secrets
 import statistics
+import tempfile
 import time
+from pathlib import Path
+
+import httpx
 
 from lamina.libs.block_hash import hash_blocks
 from lamina.libs.bus import Bus
-from lamina.libs.nats_server import NatsServer
+from lamina.libs.nats_server import NatsServer, free_port
 from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
 from lamina.services.engine_worker import kv_transfer
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
 from lamina.services.engine_worker.engine.kv_tier import KvBlocks
+from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.runner import kv_block_bytes
+from lamina.services.launcher import Stack
 
 
 def workload(args: argparse.Namespace, vocab: int, seed: int) -> list[list[int]]:
@@ -159,8 +177,8 @@ async def transfer_part(args: argparse.Namespace, nats_url: str) -> None:
         f"{block_bytes / 1024:.0f} KiB each; medians of {args.runs} runs"
     )
 
-    async def export(wanted: list[int]) -> KvBlocks:
-        return sender.export_blocks(wanted)
+    async def export(grant: KvGrant) -> KvBlocks:
+        return sender.export_blocks(grant.block_hashes)
 
     server = kv_transfer.KvSender(export, "127.0.0.1")
     await server.start()
@@ -203,9 +221,146 @@ async def transfer_part(args: argparse.Namespace, nats_url: str) -> None:
         receiver.close()
 
 
+async def stream_gaps(
+    client: httpx.AsyncClient, prompt: list[int], max_tokens: int
+) -> tuple[float, list[float]]:
+    """One streamed completion: its TTFT and the gaps between its token-bearing chunks
+    (seconds)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("token_ids"):
+                    arrivals.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    return arrivals[0] - started, gaps
+
+
+async def pd_load(base_url: str, args: argparse.Namespace, vocab: int) -> dict[str, list]:
+    """The streams and the long prompts against one stack; what each saw."""
+    rng = random.Random(1)
+    seen: dict[str, list] = {"gaps": [], "long_ttft": []}
+    stop = time.perf_counter() + args.duration
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+        await stream_gaps(client, prompt(args.long_prompt), 2)  # warm both paths
+
+        async def streamer() -> None:
+            while time.perf_counter() < stop:
+                _, gaps = await stream_gaps(client, prompt(64), args.stream_tokens)
+                seen["gaps"] += gaps
+
+        async def long_one() -> None:
+            ttft_s, _ = await stream_gaps(client, prompt(args.long_prompt), 4)
+            seen["long_ttft"].append(ttft_s)
+
+        streams = [asyncio.create_task(streamer()) for _ in range(args.streams)]
+        longs = []
+        await asyncio.sleep(1.0)  # the streams are decoding
+        while time.perf_counter() < stop:
+            longs.append(asyncio.create_task(long_one()))
+            await asyncio.sleep(args.long_every)
+        await asyncio.gather(*streams, *longs)
+    return seen
+
+
+def pd_stack(model, logs, prefill_workers: int) -> Stack:
+    return Stack(
+        model=model,
+        workers=2,
+        prefill_workers=prefill_workers,
+        http_port=free_port(),
+        metrics_port=free_port(),
+        log_dir=logs,
+        worker_args=["--max-model-len", "4096"],
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
+
+
+def wait_for_workers(stack: Stack, count: int) -> None:
+    deadline = time.monotonic() + 120
+    cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
+    while time.monotonic() < deadline:
+        workers = httpx.get(cluster, timeout=10).json()["workers"]
+        if sum(w["state"] == "ready" for w in workers) >= count:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{count} workers never were ready")
+
+
+def pd_part(args: argparse.Namespace) -> None:
+    model = ensure_default_model(args.preset)
+    vocab = ModelConfig.from_dir(model).vocab_size
+    print(
+        f"model: {args.preset} preset; {os.cpu_count()} cores; 2 workers (one engine thread "
+        f"each); {args.streams} streams of {args.stream_tokens} tokens, a "
+        f"{args.long_prompt}-token prompt every {args.long_every:g}s for {args.duration:g}s; "
+        f"{args.runs} runs"
+    )
+    layouts = {"mixed": 0, "disaggregated": 1}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in layouts}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(args.runs):
+            order = list(layouts) if run % 2 == 0 else list(reversed(layouts))
+            for name in order:
+                with pd_stack(model, Path(tmp) / f"{name}{run}", layouts[name]) as stack:
+                    wait_for_workers(stack, 2)
+                    seen = asyncio.run(pd_load(stack.base_url, args, vocab))
+                gaps = [g * 1e3 for g in seen["gaps"]]
+                longs = [t * 1e3 for t in seen["long_ttft"]]
+                rows[name].append(
+                    {
+                        "itl50": pct(gaps, 0.5),
+                        "itl99": pct(gaps, 0.99),
+                        "ttft50": pct(longs, 0.5),
+                        "ttft99": pct(longs, 0.99),
+                    }
+                )
+    summary = {}
+    for name, runs in rows.items():
+        summary[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        s = summary[name]
+        spread = [r["itl99"] for r in runs]
+        print(
+            f"  {name:14s} stream ITL p50 {s['itl50']:6.1f} ms  p99 {s['itl99']:7.1f} ms "
+            f"({min(spread):.1f}-{max(spread):.1f})   long prompts' TTFT p50 "
+            f"{s['ttft50']:7.1f} ms  p99 {s['ttft99']:7.1f} ms"
+        )
+    d, m = summary["disaggregated"], summary["mixed"]
+    print(
+        f"disaggregated / mixed: ITL p50 {d['itl50'] / m['itl50']:.2f}x, p99 "
+        f"{d['itl99'] / m['itl99']:.2f}x; long TTFT p50 {d['ttft50'] / m['ttft50']:.2f}x, "
+        f"p99 {d['ttft99'] / m['ttft99']:.2f}x"
+    )
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["tier", "transfer"], default="tier")
+    parser.add_argument("--part", choices=["tier", "transfer", "pd"], default="tier")
+    parser.add_argument("--streams", type=int, default=4, help="pd: decode streams")
+    parser.add_argument("--stream-tokens", type=int, default=128, help="pd: each one's tokens")
+    parser.add_argument("--long-prompt", type=int, default=1536, help="pd: long prompts' tokens")
+    parser.add_argument("--long-every", type=float, default=1.5, help="pd: seconds between")
+    parser.add_argument("--duration", type=float, default=20.0, help="pd: seconds of load")
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1536])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--tenants", type=int, default=16)
@@ -216,6 +371,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kv-offload-dir", default="", help="the tier in a file here")
     args = parser.parse_args()
+    if args.part == "pd":
+        pd_part(args)
+        return
     if args.part == "transfer":
         with NatsServer() as nats:
             asyncio.run(transfer_part(args, nats.url))

@@ -6,15 +6,20 @@ which blocks may go under which token (:class:`KvGrant`), and puts the same gran
 token in the request it sends B (``GenerateRequest.kv_source``). B connects to A's
 transfer address (A's heartbeat's ``kv_address``) and names the grant; each side proves
 it holds the token (HMAC-SHA256 over the other side's nonce, each under its own role, so
-neither proof can be replayed to the other), and the grant is spent. A exports the blocks
-(on its engine thread) and sends them: a header (layout, hashes, each tensor's dtype and
-shape), each tensor's bytes, then an HMAC-SHA256 of all of it under the token. B
-imports nothing unless the MAC, the layout and the hashes (a leading run of those it was
-told of) all check: a block whose hash does not match is never served.
+neither proof can be replayed to the other), and the grant is spent. A exports the
+blocks (on its engine thread) and sends them sealed with AES-256-GCM under a key both
+derive from the token and both nonces (fresh for every transfer): a header (layout,
+hashes, each tensor's dtype and shape), each tensor's bytes in frames of at most 4 MiB,
+then an empty last frame. Each
+frame's nonce is its number and its cleartext prefix (length, last-frame flag) is
+authenticated with it, so a frame altered, dropped, reordered or cut off fails to open.
+B imports nothing unless every frame opens and the layout and the hashes (a leading run
+of those it was told of) check: a block whose hash does not match is never served.
 
 Only holders of the bus's credentials learn a token (the scheduler, A and B), so this
-stream is no way around the closed bus; the bytes themselves travel in the clear (the
-bus's TLS does not cover them).
+stream is no way around the closed bus, and its bytes are no more readable on the wire
+than the bus's own under TLS. AES-GCM (AES-NI) also runs at over twice the HMAC-SHA256
+that authenticated the bytes before it, so sealing costs less than the MAC alone did.
 
 Why a TCP stream and not the bus: a block of a 7B model is about 2 MiB, larger than a
 NATS server's default ``max_payload`` (1 MiB), and every byte through the bus crosses
@@ -37,6 +42,8 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
 from lamina.services.engine_worker.engine.kv_tier import KvBlocks
@@ -51,8 +58,11 @@ GRANT_ARRIVAL_S = 2.0
 """Most seconds a sender waits for a grant its receiver names (the scheduler sends the
 grant and the request at once, on different subjects: the receiver may come first)."""
 _NONCE = 32
-_MAC = 32
 _MAX_HEADER = 1 << 20
+_CHUNK = 4 << 20
+"""Most plaintext bytes per sealed frame (a tensor goes in as many as it needs)."""
+_TAG = 16
+_PREFIX = struct.Struct("<IB")  # the sealed frame's length, and 1 on the last frame
 
 
 class TransferFailed(Exception):
@@ -75,10 +85,42 @@ def _proof(token: bytes, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(token, role + nonce, hashlib.sha256).digest()
 
 
-def _mac(token: bytes) -> hmac.HMAC:
-    """The blocks' MAC: HMAC-SHA256 under the token (SHA-256 runs on the CPU's SHA
-    extensions, about twice BLAKE2b's rate here, and both ends hash every byte)."""
-    return hmac.new(token, digestmod=hashlib.sha256)
+def _session_key(token: bytes, receiver_nonce: bytes, sender_nonce: bytes) -> AESGCM:
+    """The transfer's AES-256-GCM key: the token's HMAC over both nonces, so that no two
+    transfers share a key (and so no two frames a nonce) even were a token reused."""
+    key = hmac.new(token, b"lamina kv stream" + receiver_nonce + sender_nonce, hashlib.sha256)
+    return AESGCM(key.digest())
+
+
+class _Sealer:
+    """Numbered frames under one key: frame ``n`` is sealed with nonce ``n``."""
+
+    def __init__(self, key: AESGCM) -> None:
+        self._key = key
+        self._frames = 0
+
+    def _nonce(self) -> bytes:
+        nonce = self._frames.to_bytes(12, "little")
+        self._frames += 1
+        return nonce
+
+    def seal(self, plain: bytes | memoryview, last: bool = False) -> tuple[bytes, bytes]:
+        """``(prefix, sealed)``: the frame as it goes on the wire."""
+        prefix = _PREFIX.pack(len(plain) + _TAG, int(last))
+        return prefix, self._key.encrypt(self._nonce(), plain, prefix)
+
+    async def open(self, reader: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
+        """The next frame's plaintext (at most ``limit`` bytes) and whether it is the
+        last; raise :class:`TransferFailed` if it does not open."""
+        prefix = await reader.readexactly(_PREFIX.size)
+        length, last = _PREFIX.unpack(prefix)
+        if not _TAG <= length <= limit + _TAG or last > 1:
+            raise TransferFailed(f"a frame of {length} bytes (flag {last})")
+        sealed = await reader.readexactly(length)
+        try:
+            return self._key.decrypt(self._nonce(), sealed, prefix), bool(last)
+        except InvalidTag as exc:
+            raise TransferFailed("a frame that does not open (altered, reordered or cut)") from exc
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -160,12 +202,12 @@ class KvSender:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         try:
-            grant = await self._handshake(reader, writer)
-            if grant is None:
+            agreed = await self._handshake(reader, writer)
+            if agreed is None:
                 return
-            token = bytes.fromhex(grant.token)
+            grant, key = agreed
             blocks = await self._export(grant)
-            await _send(writer, blocks, token)
+            await _send(writer, blocks, _Sealer(key))
             self.sent_blocks += len(blocks.hashes)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, TransferFailed) as exc:
             log.warning("KV transfer to %s failed: %s", peer, exc or type(exc).__name__)
@@ -178,8 +220,9 @@ class KvSender:
 
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> KvGrant | None:
-        """The grant the peer proves it holds (spent now), or None (it is dropped)."""
+    ) -> tuple[KvGrant, AESGCM] | None:
+        """The grant the peer proves it holds (spent now) and the transfer's key, or None
+        (it is dropped)."""
         hello = await _read(reader, 2 + 64 + _NONCE)
         (length,) = struct.unpack("<H", hello[:2])
         if length > 64:
@@ -200,14 +243,14 @@ class KvSender:
         self._grants.pop(grant_id, None)  # one use
         writer.write(_proof(token, b"sender", theirs))
         await writer.drain()
-        return grant
+        return grant, _session_key(token, theirs, ours)
 
 
 async def _read(reader: asyncio.StreamReader, n: int) -> bytes:
     return await asyncio.wait_for(reader.readexactly(n), HANDSHAKE_TIMEOUT_S)
 
 
-async def _send(writer: asyncio.StreamWriter, blocks: KvBlocks, token: bytes) -> None:
+async def _send(writer: asyncio.StreamWriter, blocks: KvBlocks, sealer: _Sealer) -> None:
     tensors = [*blocks.caches, *blocks.scales]
     header = msgspec.json.encode(
         _Header(
@@ -220,17 +263,14 @@ async def _send(writer: asyncio.StreamWriter, blocks: KvBlocks, token: bytes) ->
             ],
         )
     )
-    mac = _mac(token)
-    frame = struct.pack("<I", len(header)) + header
-    mac.update(frame)
-    writer.write(frame)
+    writer.writelines(sealer.seal(header))
     for tensor in tensors:
         if tensor is not None:
             raw = _raw(tensor)
-            mac.update(raw)
-            writer.write(raw)
-            await writer.drain()
-    writer.write(mac.digest())
+            for start in range(0, len(raw), _CHUNK):
+                writer.writelines(sealer.seal(raw[start : start + _CHUNK]))
+                await writer.drain()
+    writer.writelines(sealer.seal(b"", last=True))
     await writer.drain()
 
 
@@ -264,19 +304,14 @@ async def _receive(
     await writer.drain()
     if not hmac.compare_digest(await reader.readexactly(32), _proof(token, b"sender", ours)):
         raise TransferFailed(f"{source.address} did not prove the grant's token")
-    mac = _mac(token)
-    prefix = await reader.readexactly(4)
-    (length,) = struct.unpack("<I", prefix)
-    if length > _MAX_HEADER:
-        raise TransferFailed(f"a {length}-byte header")
-    raw_header = await reader.readexactly(length)
-    mac.update(prefix + raw_header)
+    sealer = _Sealer(_session_key(token, ours, theirs))
+    raw_header, last = await sealer.open(reader, _MAX_HEADER)
     try:
         header = _HEADER.decode(raw_header)
     except msgspec.DecodeError as exc:
         raise TransferFailed(f"an undecodable header: {exc}") from exc
     wanted = source.block_hashes
-    if not header.hashes or header.hashes != wanted[: len(header.hashes)]:
+    if last or not header.hashes or header.hashes != wanted[: len(header.hashes)]:
         raise TransferFailed("the sender's blocks are not the ones asked for")
     tensors: list[torch.Tensor | None] = []
     for spec in header.tensors:
@@ -287,11 +322,16 @@ async def _receive(
         if len(shape) < 2 or shape[1] != len(header.hashes):  # (2, blocks, ...): theirs
             raise TransferFailed(f"a tensor of shape {shape} for {len(header.hashes)} blocks")
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        raw = bytearray(await reader.readexactly(size))
-        mac.update(raw)
+        raw = bytearray()
+        while len(raw) < size:
+            chunk, last = await sealer.open(reader, min(_CHUNK, size - len(raw)))
+            if last or not chunk:
+                raise TransferFailed("the blocks ended early")
+            raw += chunk
         tensors.append(torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape))
-    if not hmac.compare_digest(await reader.readexactly(_MAC), mac.digest()):
-        raise TransferFailed("the blocks do not match their MAC (altered or cut on the way)")
+    _, last = await sealer.open(reader, 0)
+    if not last:
+        raise TransferFailed("more bytes than the header said")
     layers = len(tensors) // 2
     if len(tensors) != 2 * layers or any(t is None for t in tensors[:layers]):
         raise TransferFailed("the header's tensors are not a layout's caches and scales")

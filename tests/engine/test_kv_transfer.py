@@ -1,7 +1,7 @@
 """KV blocks between two engines over the transfer stream (``kv_transfer.py``): the
 receiver gets exactly what the sender exported, and so gives the sender's tokens and
 logprobs; a transfer without its grant, with another token, or of other blocks than
-the receiver was told of delivers nothing."""
+the receiver was told of delivers nothing, and the bytes cross the wire sealed."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import contextlib
 import secrets
 
 import pytest
+import torch
 
 from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
 from lamina.services.engine_worker import kv_transfer
@@ -42,8 +43,8 @@ def _source(sender: KvSender, grant: KvGrant, **changes) -> KvSource:
 async def _serving(engine):
     """A transfer listener that sends ``engine``'s blocks."""
 
-    async def export(hashes):
-        return engine.export_blocks(hashes)
+    async def export(grant):
+        return engine.export_blocks(grant.block_hashes)
 
     sender = KvSender(export, "127.0.0.1")
     await sender.start()
@@ -115,21 +116,19 @@ def test_blocks_other_than_those_the_receiver_was_told_of_are_refused(stories):
         asyncio.run(_transfer(sender, grant, lambda s, g: _source(s, g, block_hashes=told)))
 
 
-def test_blocks_altered_on_the_way_are_refused(stories):
-    """A proxy between the two flips one byte of the blocks' data (after the handshake
-    and the header): the MAC no longer matches, and the receiver keeps nothing."""
-    sender = make_engine(stories, num_kv_blocks=16)
-    _run(sender, {"p": PREFIX})
-    grant = _grant(_hashes(sender, PREFIX))
+def _relayed(sender, grant, change):
+    """Fetch ``grant`` from ``sender`` through a proxy that hands every chunk the sender
+    sends to ``change(offset, chunk)`` and forwards what it returns (None: it hangs up);
+    the blocks, or what the fetch raised."""
 
-    async def pipe(reader, writer, flip_at: int | None):
+    async def pipe(reader, writer, alter):
         seen = 0
         while chunk := await reader.read(65536):
-            if flip_at is not None and seen <= flip_at < seen + len(chunk):
-                chunk = bytearray(chunk)
-                chunk[flip_at - seen] ^= 0x01
+            forward = alter(seen, chunk)
             seen += len(chunk)
-            writer.write(bytes(chunk))
+            if forward is None:
+                break
+            writer.write(bytes(forward))
             await writer.drain()
         writer.close()
 
@@ -140,16 +139,54 @@ def test_blocks_altered_on_the_way_are_refused(stories):
             async def proxy(client_reader, client_writer):
                 reader, writer = await asyncio.open_connection(host, int(port))
                 await asyncio.gather(
-                    pipe(client_reader, writer, None), pipe(reader, client_writer, 4096)
+                    pipe(client_reader, writer, lambda _, chunk: chunk),
+                    pipe(reader, client_writer, change),
                 )
 
             relay = await asyncio.start_server(proxy, "127.0.0.1", 0)
             relayed = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
             try:
                 await server.grant(grant)
-                with pytest.raises(TransferFailed, match="MAC"):
-                    await kv_transfer.fetch(_source(server, grant, address=relayed), 10)
+                return await kv_transfer.fetch(_source(server, grant, address=relayed), 10)
+            except TransferFailed as exc:
+                return exc
             finally:
                 relay.close()
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_blocks_altered_or_cut_on_the_way_are_refused(stories):
+    """A proxy between the two flips one byte of the blocks' data (after the handshake
+    and the header), or hangs up before the last frame: the receiver keeps nothing."""
+    sender = make_engine(stories, num_kv_blocks=16)
+    _run(sender, {"p": PREFIX})
+    grant = _grant(_hashes(sender, PREFIX))
+
+    def flip(offset, chunk):
+        if offset <= 4096 < offset + len(chunk):
+            chunk = bytearray(chunk)
+            chunk[4096 - offset] ^= 0x01
+        return chunk
+
+    failed = _relayed(sender, grant, flip)
+    assert isinstance(failed, TransferFailed) and "does not open" in str(failed)
+    grant = _grant(_hashes(sender, PREFIX))
+    cut = _relayed(sender, grant, lambda offset, chunk: chunk if offset < 8192 else None)
+    assert isinstance(cut, TransferFailed)
+
+
+def test_the_blocks_cross_the_wire_sealed(stories):
+    """What the sender puts on the wire holds none of the blocks' bytes in the clear, nor
+    their hashes; the receiver gets them whole."""
+    sender = make_engine(stories, num_kv_blocks=16)
+    _run(sender, {"p": PREFIX})
+    grant = _grant(_hashes(sender, PREFIX))
+    wire = bytearray()
+    blocks = _relayed(sender, grant, lambda _, chunk: (wire.extend(chunk), chunk)[1])
+    assert not isinstance(blocks, Exception) and blocks.hashes == grant.block_hashes
+    cache = blocks.caches[0].contiguous().view(torch.uint8).numpy().tobytes()
+    assert len(wire) > len(cache)
+    for start in range(0, len(cache) - 32, len(cache) // 8):
+        assert cache[start : start + 32] not in wire
+    assert str(grant.block_hashes[0]).encode() not in wire
