@@ -29,11 +29,19 @@ long prompt (``--long-prompt`` tokens, a few output tokens) arrives every
 latency (gaps between token-bearing SSE chunks, ``return_token_ids``) p50/p99, the long
 requests' TTFT p50/p99, and disaggregated over mixed for each.
 
+A drain that moves (``--part drain``): for each ``--contexts`` length, a stack of two
+workers, ``--streams`` streams of that many prompt tokens decoding on worker-0; then
+``lamina ctl drain --move worker-0``. Printed: the time from the drain until every moved
+stream's next token, with the receiving worker fetching the streams' blocks (transfer)
+and with its fetches failing at once (``--kv-fetch-timeout 0``: recompute, the same move
+otherwise), and their ratio.
+
 Not a test: run it by hand on an otherwise idle machine.
 
     .venv/bin/python benchmarks/kv_moves.py            # small preset, 16 tenants x 512
     .venv/bin/python benchmarks/kv_moves.py --part transfer
     .venv/bin/python benchmarks/kv_moves.py --part pd
+    .venv/bin/python benchmarks/kv_moves.py --part drain --contexts 512 2048 8192
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from lamina.libs.block_hash import hash_blocks
 from lamina.libs.bus import Bus
 from lamina.libs.nats_server import NatsServer, free_port
 from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
+from lamina.services import ctl
 from lamina.services.engine_worker import kv_transfer
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.engine.config import EngineConfig
@@ -348,6 +357,121 @@ def pd_part(args: argparse.Namespace) -> None:
     )
 
 
+async def moved_lag(stack: Stack, context: int, streams: int, vocab: int) -> tuple[float, int, int]:
+    """Seconds from ``ctl drain --move worker-0`` until each of ``streams`` streams of
+    ``context`` prompt tokens running there has its next token (the slowest one's), and
+    the fetches worker-1 made and failed."""
+    rng = random.Random(context)
+    url = stack.nats_url
+    assert url is not None
+    await asyncio.to_thread(ctl.main, ["--nats-url", url, "cordon", "worker-1"])
+    await asyncio.sleep(1.5)  # the scheduler has the cordon's heartbeat
+    drained_at: list[float] = []
+    started = [asyncio.Event() for _ in range(streams)]
+    lags: list[float] = []
+
+    async def stream(client: httpx.AsyncClient, index: int) -> None:
+        body = {
+            "prompt": [rng.randrange(3, vocab) for _ in range(context)],
+            "max_tokens": 1000,  # running still when the drain comes
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        chunks, after = 0, []
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if not (json.loads(line[6:]).get("choices") or [{}])[0].get("token_ids"):
+                    continue
+                chunks += 1
+                if chunks == 3:
+                    started[index].set()
+                if drained_at:
+                    after.append(time.perf_counter())
+                    if len(after) == 24:
+                        break
+        # The move is the longest silence after the drain (worker-0's tokens in flight
+        # may come first): its end is the moved stream's next token.
+        edges = [drained_at[0], *after]
+        resumed = max(range(1, len(edges)), key=lambda i: edges[i] - edges[i - 1])
+        lags.append(edges[resumed] - drained_at[0])
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
+        tasks = [asyncio.create_task(stream(client, i)) for i in range(streams)]
+        for event in started:
+            await event.wait()
+        await asyncio.to_thread(ctl.main, ["--nats-url", url, "uncordon", "worker-1"])
+        await asyncio.sleep(1.5)
+        drained_at.append(time.perf_counter())
+        drain = ["--nats-url", url, "--timeout", "30", "drain", "--move", "worker-0"]
+        await asyncio.to_thread(ctl.main, drain)
+        await asyncio.gather(*tasks)
+    await asyncio.sleep(1.0)  # worker-1's next heartbeat counts its fetches
+    cluster = httpx.get(stack.metrics_url.replace("/metrics", "/v1/cluster"), timeout=10)
+    (moved_to,) = [w for w in cluster.json()["workers"] if w["worker_id"] == "worker-1"]
+    return max(lags), moved_to["kv_fetches_total"], moved_to["kv_fetch_failures_total"]
+
+
+def longer(model: Path, context: int, into: Path) -> Path:
+    """A copy of ``model`` whose configured context holds ``context`` tokens (its
+    ``max_position_embeddings`` raised: the presets stop at 2048; RoPE and random
+    weights run at any length, and the time per token is what is measured)."""
+    config = json.loads((model / "config.json").read_text())
+    if config["max_position_embeddings"] >= context:
+        return model
+    into.mkdir(parents=True, exist_ok=True)
+    for item in model.iterdir():
+        if item.name != "config.json" and not (into / item.name).exists():
+            (into / item.name).symlink_to(item)
+    config["max_position_embeddings"] = context
+    (into / "config.json").write_text(json.dumps(config, indent=2))
+    return into
+
+
+def drain_part(args: argparse.Namespace) -> None:
+    model = ensure_default_model(args.preset)
+    vocab = ModelConfig.from_dir(model).vocab_size
+    print(
+        f"model: {args.preset} preset; {os.cpu_count()} cores; 2 workers; {args.streams} "
+        f"streams per drain; medians of {args.runs} runs"
+    )
+    ways = {"transfer": [], "recompute": ["--kv-fetch-timeout", "0"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        for context in args.contexts:
+            lags: dict[str, list[float]] = {way: [] for way in ways}
+            moves: dict[str, list[str]] = {way: [] for way in ways}
+            for run in range(args.runs):
+                order = list(ways) if run % 2 == 0 else list(reversed(ways))
+                for way in order:
+                    stack = Stack(
+                        model=longer(model, context + 1024, Path(tmp) / f"model-{context}"),
+                        workers=2,
+                        http_port=free_port(),
+                        metrics_port=free_port(),
+                        log_dir=Path(tmp) / f"{context}-{way}-{run}",
+                        worker_args=["--max-model-len", str(context + 1024), *ways[way]],
+                    )
+                    with stack:
+                        wait_for_workers(stack, 2)
+                        lag, fetched, failed = asyncio.run(
+                            moved_lag(stack, context, args.streams, vocab)
+                        )
+                    lags[way].append(lag)
+                    moves[way].append(f"{fetched}/{failed}")
+            t, r = statistics.median(lags["transfer"]), statistics.median(lags["recompute"])
+            print(
+                f"  {context:5d} tokens: drain to every moved stream's next token: transfer "
+                f"{t * 1e3:7.1f} ms ({min(lags['transfer']) * 1e3:.0f}-"
+                f"{max(lags['transfer']) * 1e3:.0f}), recompute {r * 1e3:7.1f} ms "
+                f"({min(lags['recompute']) * 1e3:.0f}-{max(lags['recompute']) * 1e3:.0f}): "
+                f"{t / r:.2f}x; fetches/failures per run: {moves}"
+            )
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -355,8 +479,8 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["tier", "transfer", "pd"], default="tier")
-    parser.add_argument("--streams", type=int, default=4, help="pd: decode streams")
+    parser.add_argument("--part", choices=["tier", "transfer", "pd", "drain"], default="tier")
+    parser.add_argument("--streams", type=int, default=4, help="pd, drain: streams")
     parser.add_argument("--stream-tokens", type=int, default=128, help="pd: each one's tokens")
     parser.add_argument("--long-prompt", type=int, default=1536, help="pd: long prompts' tokens")
     parser.add_argument("--long-every", type=float, default=1.5, help="pd: seconds between")
@@ -373,6 +497,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.part == "pd":
         pd_part(args)
+        return
+    if args.part == "drain":
+        drain_part(args)
         return
     if args.part == "transfer":
         with NatsServer() as nats:

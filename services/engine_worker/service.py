@@ -114,6 +114,12 @@ class WorkerConfig:
         "most seconds a request waits for its prefix's KV blocks from another worker (the "
         "scheduler's choice) before it computes them here",
     )
+    kv_host: str = option(
+        "",
+        "address the KV transfer listener binds and advertises to other workers; auto: "
+        "the address this host's name resolves to (a container's own); empty: "
+        "--distributed-address, else the loopback (workers on this host only)",
+    )
     kv_prefill_timeout: float = option(
         30.0,
         "most seconds a request waits for a prefill worker to compute and send its prompt's "
@@ -133,6 +139,16 @@ class WorkerConfig:
         if role == WorkerRole.UNKNOWN:
             raise ValueError(f"--role must be mixed, prefill or decode, not {self.role!r}")
         object.__setattr__(self, "role", role)
+
+
+def transfer_host(kv_host: str, distributed_address: str) -> str:
+    """Where a worker's KV transfer listener listens, which its heartbeat advertises:
+    ``--kv-host`` (``auto``: what this host's name resolves to, a container's own
+    address), else where other hosts reach this one (a node's ``--address``), else the
+    loopback (every worker on this host)."""
+    if kv_host == "auto":
+        return socket.gethostbyname(socket.gethostname())
+    return kv_host or distributed_address or "127.0.0.1"
 
 
 class WorkerIdInUse(RuntimeError):
@@ -238,9 +254,7 @@ class WorkerService:
         finally:
             self.rendezvous = None  # its listener is closed: the group is formed, or failed
         self.grammars = spec.grammar_compiler()
-        # Its transfer listener: where its host is reached from other hosts (a node's
-        # --address), else the loopback, every worker on this host.
-        host = engine_config.distributed_address or "127.0.0.1"
+        host = transfer_host(cfg.kv_host, engine_config.distributed_address)
         self.kv = KvMoves(self.engine_thread, host, cfg.kv_fetch_timeout, cfg.kv_prefill_timeout)
         await self.kv.start()
         wid = self.worker_id

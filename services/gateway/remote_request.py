@@ -49,6 +49,7 @@ from lamina.schemas.v1.generate import (
     PromptLogprobs,
     Queued,
     Rejected,
+    RejectReason,
     Tokens,
     Usage,
 )
@@ -68,7 +69,13 @@ class _Expired:
 
 
 class _WorkerLost(Exception):
-    """The accepted attempt cannot finish where it is; the request may move."""
+    """The accepted attempt cannot finish where it is; the request may move.
+    ``handed_off``: its worker moved it on purpose (a drain that moves), so it goes
+    again at once, without the backoff that a failure waits."""
+
+    def __init__(self, why: str, handed_off: bool = False) -> None:
+        super().__init__(why)
+        self.handed_off = handed_off
 
 
 @dataclass(frozen=True)
@@ -181,27 +188,30 @@ class RemoteRequest:
                         yield event
                     return
                 except _WorkerLost as lost:
-                    await self._move(str(lost))
+                    await self._move(str(lost), at_once=lost.handed_off)
         except GenerationError as exc:
             self.error = exc
             raise
 
-    async def _move(self, why: str) -> None:
-        """Submit the request again, continued after what was streamed, elsewhere."""
+    async def _move(self, why: str, at_once: bool = False) -> None:
+        """Submit the request again, continued after what was streamed, elsewhere
+        (``at_once``: without waiting the retry backoff first)."""
         if self.attempts >= self.settings.max_attempts:
             raise GenerationError(503, "service_unavailable", why)
         log.warning("%s; moving request %s", why, self.request.request_id)
         self.moves += 1
         await self._cancel()
-        await self._submit_until_accepted(self._resume_request())
+        await self._submit_until_accepted(self._resume_request(), at_once)
 
-    async def _submit_until_accepted(self, request: GenerateRequest) -> None:
-        """Submit ``request`` until a worker accepts it, within the attempts left."""
+    async def _submit_until_accepted(self, request: GenerateRequest, at_once: bool = False) -> None:
+        """Submit ``request`` until a worker accepts it, within the attempts left (the
+        first time without the backoff when ``at_once``)."""
         s = self.settings
         error = GenerationError(503, "service_unavailable", "no engine worker is available")
         while self.attempts < s.max_attempts:
-            if self.attempts:
+            if self.attempts and not at_once:
                 await asyncio.sleep(s.retry_backoff * 2 ** (self.attempts - 1))
+            at_once = False
             event = await self._submit(request)
             while isinstance(event, Queued):  # the scheduler answers within its queue wait
                 self.queued = True
@@ -311,7 +321,8 @@ class RemoteRequest:
                     return
                 case Failed(retryable=True):
                     raise _WorkerLost(
-                        f"generation failed on worker {self.worker_id}: {event.message}"
+                        f"generation failed on worker {self.worker_id}: {event.message}",
+                        handed_off=event.reason == RejectReason.DRAINING,
                     )
                 case Failed():  # the request itself cannot run (or its deadline passed)
                     raise GenerationError.from_failed(event, self.worker_id)

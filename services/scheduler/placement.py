@@ -26,7 +26,8 @@ with the context for it). Among them the policy chooses:
   never be given the work that measures it.
 
   A worker may also fetch the prompt's leading blocks from another worker that holds
-  more of them on its device (a busy, cordoned or draining one included) instead of
+  more of them, on its device or in its host tier (a busy, cordoned or draining one
+  included) instead of
   computing them: with F the blocks fetched at R_x, w's measured transfer rate, and U'
   what is left to compute, ``ttft_fetch(w) = (Q + U') / R_p + F / R_x + decode``; the
   worker is scored by the lower of the two, and the decision says which.
@@ -300,11 +301,11 @@ class Placer:
         prompt = request.prompt_token_ids
         ids = [w.stats.worker_id for w in [*workers, *senders, *prefillers]]
         hits = overlap(prompt, list(dict.fromkeys(ids)))
-        held = []  # (device blocks, sender): what each could send, most first
+        held = []  # (blocks, sender): what each could send (device or host tier), most first
         for w in senders:
-            total, host = hits[w.stats.worker_id]
-            if total > host:
-                held.append((total - host, w))
+            total, _ = hits[w.stats.worker_id]
+            if total:
+                held.append((total, w))
         held.sort(key=lambda h: -h[0])
         rates = self.cost.peer_rates(workers)
         scored = []

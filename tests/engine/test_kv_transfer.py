@@ -16,7 +16,7 @@ from lamina.schemas.v1.kv_transfer import KvGrant, KvSource
 from lamina.services.engine_worker import kv_transfer
 from lamina.services.engine_worker.kv_transfer import KvSender, TransferFailed
 from tests.engine.helpers import make_engine
-from tests.engine.test_kv_tier import PREFIX, QUESTION, _hashes, _run
+from tests.engine.test_kv_tier import FILLERS, PREFIX, QUESTION, _engine, _hashes, _run
 
 
 def _grant(hashes: list[int]) -> KvGrant:
@@ -71,6 +71,22 @@ def test_blocks_fetched_give_the_senders_tokens_and_logprobs(stories, kv_cache_d
     assert blocks.hashes == grant.block_hashes[:4] and server.sent_blocks == 4
     assert server.pending == 0  # spent: one use
 
+    receiver = make_engine(stories, num_kv_blocks=16, kv_cache_dtype=kv_cache_dtype)
+    assert receiver.import_blocks(blocks) == 4
+    assert _run(receiver, {"q": QUESTION})["q"] == want
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_blocks_in_the_senders_host_tier_are_sent_too(stories, kv_cache_dtype):
+    """The prefix was evicted from the sender's device to its host tier: the export reads
+    the tier, and the receiver gets the tokens and logprobs the sender gives."""
+    sender = _engine(stories, kv_cache_dtype=kv_cache_dtype)
+    want = _run(sender, {"p": PREFIX, "q": QUESTION})["q"]
+    _run(sender, FILLERS)
+    hashes = _hashes(sender, QUESTION)
+    assert not any(sender.blocks.cached.get(h) is not None for h in hashes)  # all on the host
+    blocks, _ = asyncio.run(_transfer(sender, _grant(hashes), _source))
+    assert blocks.hashes == hashes[:4]
     receiver = make_engine(stories, num_kv_blocks=16, kv_cache_dtype=kv_cache_dtype)
     assert receiver.import_blocks(blocks) == 4
     assert _run(receiver, {"q": QUESTION})["q"] == want

@@ -3,13 +3,14 @@ flattened, and ``to_argv`` as the inverse that a launcher uses."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
 from lamina.libs.config import parse_config, settings, to_argv
 from lamina.services.engine_worker.engine.config import EngineConfig
-from lamina.services.engine_worker.service import WorkerConfig
+from lamina.services.engine_worker.service import WorkerConfig, transfer_host
 from lamina.services.launcher import UpConfig
 
 
@@ -75,3 +76,18 @@ def test_lamina_up_takes_every_engine_setting():
     names = {s.name for s in settings(UpConfig)}
     assert {s.name for s in settings(EngineConfig)} <= names
     assert {"model_name", "nats_port", "nats_url", "workers"} <= names
+
+
+def test_a_workers_role_and_transfer_host():
+    """``--role`` is one of three (a typo is refused, naming them); the transfer listener
+    is ``--kv-host`` (``auto``: this host's resolved address), else the distributed
+    address, else the loopback."""
+    assert parse_config(WorkerConfig, ["--role", "decode"], env={}).role == "decode"
+    assert parse_config(WorkerConfig, [], env={"LAMINA_ROLE": "prefill"}).role == "prefill"
+    assert parse_config(WorkerConfig, [], env={}).role == "mixed"
+    with pytest.raises((SystemExit, ValueError)):
+        parse_config(WorkerConfig, ["--role", "prefil"], env={})
+    assert transfer_host("", "") == "127.0.0.1"
+    assert transfer_host("", "10.0.0.2") == "10.0.0.2"
+    assert transfer_host("10.0.0.9", "10.0.0.2") == "10.0.0.9"
+    assert transfer_host("auto", "") == socket.gethostbyname(socket.gethostname())

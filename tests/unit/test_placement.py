@@ -218,6 +218,9 @@ def test_a_worker_fetches_a_prefix_another_holds_when_that_beats_computing_it():
     assert cold.predicted_ttft_s == pytest.approx(0.032 + 48 / 2000)
     assert (cold.fetch_from, cold.fetch_blocks, cold.overlap_blocks) == ("holder", 48, 0)
     assert cold.kv_usage == pytest.approx(50 / 1000)  # 48 fetched and 2 computed blocks
+    # Blocks in the holder's host tier are sent as well (its export reads the tier).
+    in_tier = overlap_of({"holder": 48}, host={"holder": 48})
+    assert placer.place(request(prompt_len=800), registry.candidates(), in_tier).fetch_blocks == 48
     # A transfer slower than computing: none.
     registry.heartbeat(stats("cold", kv_fetch_blocks_per_s=50.0, **fast, **kv))
     slow = placer.place(request(prompt_len=800), registry.candidates(), cached)

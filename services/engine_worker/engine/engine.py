@@ -496,25 +496,37 @@ class Engine:
     # -------------------------------------------------------------------- KV that moves
     def export_blocks(self, hashes: list[int]) -> KvBlocks:
         """The leading run of ``hashes`` (a sequence's block hashes, from its start) that
-        this engine's device holds, copied to the host: for another engine to
-        :meth:`import_blocks`. Moves between the tiers that a step was to make are made
-        first, so each block holds what its hash says."""
+        this engine holds, on its device or in its host tier, copied to the host: for
+        another engine to :meth:`import_blocks`. Moves between the tiers that a step was
+        to make are made first, so each block holds what its hash says."""
         self._one_rank("export")
-        ids = []
+        tier = self.blocks.tier
+        where: list[tuple[bool, int]] = []  # (on the device, its block id or host slot)
         for block_hash in hashes:
             block_id = self.blocks.cached.get(block_hash)
-            if block_id is None:
+            if block_id is not None:
+                where.append((True, block_id))
+            elif tier is not None and (slot := tier.slot(block_hash)) is not None:
+                where.append((False, slot))
+            else:
                 break
-            ids.append(block_id)
         self._make_pending_moves()
-        index = torch.tensor(ids, dtype=torch.int64, device=self.device)
         runner = self.runner
+        host = runner.host
+        if host is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the saves are queued
+        layers = range(len(runner.kv_caches))
         return KvBlocks(
             cache_layout(runner.kv_caches, self.config.block_size),
             ROOT_HASH,
-            hashes[: len(ids)],
-            [cache.index_select(1, index).cpu() for cache in runner.kv_caches],
-            [_per_block(scales, index) for scales in runner.kv_scales],
+            hashes[: len(where)],
+            [_gather(runner.kv_caches[i], host.caches[i] if host else None, where) for i in layers],
+            [
+                _gather(runner.kv_scales[i], host.scales[i] if host else None, where)
+                if _per_block_scales(runner.kv_scales[i])
+                else None
+                for i in layers
+            ],
         )
 
     def import_blocks(self, blocks: KvBlocks) -> int:
@@ -590,9 +602,22 @@ def _timings(request: Request) -> Timings:
     )
 
 
-def _per_block(scales: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
-    """An int8 cache's per-block scales of the blocks at ``index`` (others' scales are
+def _per_block_scales(scales: torch.Tensor | None) -> bool:
+    """Whether a layer's cache has per-block scales (an int8 cache's; others' scales are
     per layer and fixed by the checkpoint: nothing to carry)."""
-    if scales is None or scales.dim() != 3:
-        return None
-    return scales.index_select(1, index).cpu()
+    return scales is not None and scales.dim() == 3
+
+
+def _gather(
+    device: torch.Tensor, host: torch.Tensor | None, where: list[tuple[bool, int]]
+) -> torch.Tensor:
+    """The blocks ``where`` names (dimension 1: device blocks, or host-tier slots of
+    ``host``), in order, on the host."""
+    out = torch.empty((device.shape[0], len(where), *device.shape[2:]), dtype=device.dtype)
+    for on_device, source in ((True, device), (False, host)):
+        rows = [n for n, (d, _) in enumerate(where) if d == on_device]
+        if rows:
+            assert source is not None, "a host slot without a host tier"
+            index = torch.tensor([where[n][1] for n in rows], device=source.device)
+            out[:, rows] = source.index_select(1, index).cpu()
+    return out

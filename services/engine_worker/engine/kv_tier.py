@@ -49,6 +49,12 @@ class TierIndex:
     def hashes(self) -> list[int]:
         return list(self._slots)
 
+    def slot(self, block_hash: int) -> int | None:
+        """The slot holding ``block_hash``, if any, left as it is (an export reads it
+        after the step's moves were made)."""
+        entry = self._slots.get(block_hash)
+        return None if entry is None else entry[0]
+
     def take(self, block_hash: int) -> int:
         """The slot holding ``block_hash`` (KeyError if none), now the most recently used
         and pinned until the step runs: a load reads it."""
