@@ -346,21 +346,8 @@ class Placer:
         if not roomy:
             return None
         leg = min(roomy, key=lambda leg: (leg.predicted_ttft_s, leg.worker_id))
-        uncached = self.cost.uncached_tokens(prompt_tokens, usable, s.block_size)
-        ttft = (
-            leg.predicted_ttft_s
-            + usable / self.cost.transfer_rate(s)
-            + self.cost.predict_ttft(worker, uncached, rates)
-        )
-        new_blocks = math.ceil(uncached / s.block_size) + usable - local.overlap_blocks
-        return msgspec.structs.replace(
-            local,
-            predicted_ttft_s=ttft,
-            kv_usage=_usage_after(s, new_blocks),
-            host_blocks=0,
-            fetch_from=leg.worker_id,
-            fetch_blocks=usable,
-            prefill=True,
+        return self._fetching(
+            worker, local, prompt_tokens, usable, leg.worker_id, rates, leg.predicted_ttft_s
         )
 
     def _with_fetch(
@@ -388,18 +375,39 @@ class Placer:
         blocks = min(sender[0], usable)
         if blocks <= local.overlap_blocks:
             return local
+        fetching = self._fetching(
+            worker, local, prompt_tokens, blocks, sender[1].stats.worker_id, rates
+        )
+        return fetching if fetching.predicted_ttft_s < local.predicted_ttft_s else local
+
+    def _fetching(
+        self,
+        worker: Candidate,
+        local: ScoredWorker,
+        prompt_tokens: int,
+        blocks: int,
+        sender: str,
+        rates: tuple[float, float],
+        prefill_s: float | None = None,
+    ) -> ScoredWorker:
+        """``worker`` fetching the prompt's leading ``blocks`` from ``sender``: computed
+        there first, in ``prefill_s`` predicted seconds (a prefill leg), or held there."""
+        s = worker.stats
         uncached = self.cost.uncached_tokens(prompt_tokens, blocks, s.block_size)
-        ttft = self.cost.predict_ttft(worker, uncached, rates) + blocks / self.cost.transfer_rate(s)
-        if ttft >= local.predicted_ttft_s:
-            return local
+        ttft = (
+            (prefill_s or 0.0)
+            + blocks / self.cost.transfer_rate(s)
+            + self.cost.predict_ttft(worker, uncached, rates)
+        )
         new_blocks = math.ceil(uncached / s.block_size) + blocks - local.overlap_blocks
         return msgspec.structs.replace(
             local,
             predicted_ttft_s=ttft,
             kv_usage=_usage_after(s, new_blocks),
             host_blocks=0,
-            fetch_from=sender[1].stats.worker_id,
+            fetch_from=sender,
             fetch_blocks=blocks,
+            prefill=prefill_s is not None,
         )
 
     def _score(

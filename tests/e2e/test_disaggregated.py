@@ -16,12 +16,9 @@ import time
 
 import httpx
 
-from lamina.libs.bus import Bus
-from lamina.schemas.v1 import subjects
-from lamina.schemas.v1.records import PlacementRecord
 from tests.e2e.conftest import make_stack, read_spans
 from tests.e2e.test_ctl import lamina_ctl
-from tests.e2e.test_kv_moves import ctl
+from tests.e2e.test_kv_moves import ctl, placed
 
 PROMPT = list(range(5, 305))  # 300 tokens: 18 full blocks of 16 and 12 tokens
 OTHER = list(range(100, 400))
@@ -77,23 +74,6 @@ def test_a_prefill_worker_computes_long_prompts_for_the_decode_workers(stories, 
             assert response.status_code == 200, response.text
             return response.json()
 
-        async def placed(call) -> tuple[dict, PlacementRecord]:
-            records: list[PlacementRecord] = []
-            bus = await Bus.connect(url, "test-disaggregated")
-            try:
-
-                async def on_record(record: PlacementRecord, _msg) -> None:
-                    records.append(record)
-
-                await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, on_record)
-                await bus.flush()
-                result = await asyncio.to_thread(call)
-                await asyncio.sleep(0.5)
-            finally:
-                await bus.close()
-            (record,) = records
-            return result, record
-
         # The reference: with the decode workers cordoned, the prefill worker is the only
         # one placeable, and runs each request whole; then it forgets what it cached.
         for worker in DECODERS:
@@ -101,7 +81,7 @@ def test_a_prefill_worker_computes_long_prompts_for_the_decode_workers(stories, 
             wait_until(capsys, url, worker, "cordoned")
         whole = {}
         for name, prompt in (("prompt", PROMPT), ("other", OTHER)):
-            whole[name], record = asyncio.run(placed(lambda p=prompt: complete(p)))
+            whole[name], record = asyncio.run(placed(url, lambda p=prompt: complete(p)))
             assert record.worker_id == "worker-0" and not record.scored[0].prefill
         ctl(capsys, url, "reset-prefix-cache", "worker-0")
         for worker in DECODERS:
@@ -109,7 +89,7 @@ def test_a_prefill_worker_computes_long_prompts_for_the_decode_workers(stories, 
             wait_until(capsys, url, worker, "ready")
 
         trace_id = secrets.token_hex(16)
-        split, record = asyncio.run(placed(lambda: complete(PROMPT, trace_id)))
+        split, record = asyncio.run(placed(url, lambda: complete(PROMPT, trace_id)))
         decoder = record.worker_id
         assert decoder in DECODERS
         (chosen,) = [s for s in record.scored if s.worker_id == decoder]
@@ -149,7 +129,7 @@ def test_a_prefill_worker_computes_long_prompts_for_the_decode_workers(stories, 
         prefiller = stack.procs["worker-0"]
         os.kill(prefiller.pid, signal.SIGSTOP)
         try:
-            fallback, record = asyncio.run(placed(lambda: complete(OTHER)))
+            fallback, record = asyncio.run(placed(url, lambda: complete(OTHER)))
         finally:
             os.kill(prefiller.pid, signal.SIGKILL)
         (chosen,) = [s for s in record.scored if s.worker_id == record.worker_id]

@@ -33,6 +33,25 @@ def both_ready(capsys, url: str) -> None:
         wait_for_status(capsys, url, worker, "ready")
 
 
+async def placed(url: str, call) -> tuple[object, PlacementRecord]:
+    """``call()``'s result (run off the loop) and the one placement record it caused."""
+    records: list[PlacementRecord] = []
+    bus = await Bus.connect(url, "test-placed")
+    try:
+
+        async def on_record(record: PlacementRecord, _msg) -> None:
+            records.append(record)
+
+        await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, on_record)
+        await bus.flush()
+        result = await asyncio.to_thread(call)
+        await asyncio.sleep(0.5)
+    finally:
+        await bus.close()
+    (record,) = records
+    return result, record
+
+
 PREFIX = list(range(5, 133))  # 8 blocks of 16
 QUESTION = [*PREFIX, 140, 141, 142]
 
@@ -63,28 +82,11 @@ def test_a_prefix_cached_on_a_cordoned_worker_is_fetched_by_the_one_placed(
             ctl(capsys, url, "cordon", away_from)
             wait_for_status(capsys, url, away_from, "cordoned")
 
-        async def placed(call) -> tuple[dict, PlacementRecord]:
-            records: list[PlacementRecord] = []
-            bus = await Bus.connect(url, "test-kv-moves")
-            try:
-
-                async def on_record(record: PlacementRecord, _msg) -> None:
-                    records.append(record)
-
-                await bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, on_record)
-                await bus.flush()
-                result = await asyncio.to_thread(call)
-                await asyncio.sleep(0.5)
-            finally:
-                await bus.close()
-            (record,) = records
-            return result, record
-
         move_to("worker-0", away_from="worker-1")
-        first, record = asyncio.run(placed(complete))
+        first, record = asyncio.run(placed(url, complete))
         assert record.worker_id == "worker-0"
         move_to("worker-1", away_from="worker-0")
-        again, record = asyncio.run(placed(complete))
+        again, record = asyncio.run(placed(url, complete))
 
         assert record.worker_id == "worker-1"
         (scored,) = record.scored
