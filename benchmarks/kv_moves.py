@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 import httpx
+from timing import pct
 
 from lamina.libs.block_hash import hash_blocks
 from lamina.libs.bus import Bus
@@ -230,12 +231,10 @@ async def transfer_part(args: argparse.Namespace, nats_url: str) -> None:
         receiver.close()
 
 
-async def stream_gaps(
-    client: httpx.AsyncClient, prompt: list[int], max_tokens: int
-) -> tuple[float, list[float]]:
-    """One streamed completion: its TTFT and the gaps between its token-bearing chunks
-    (seconds)."""
-    body = {
+def streamed(prompt: list[int], max_tokens: int) -> dict:
+    """A greedy streamed completion's body whose chunks carry their token ids (a chunk
+    of text held back for a partial character still says a token came)."""
+    return {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
@@ -243,6 +242,19 @@ async def stream_gaps(
         "stream": True,
         "return_token_ids": True,
     }
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the runs."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+async def stream_gaps(
+    client: httpx.AsyncClient, prompt: list[int], max_tokens: int
+) -> tuple[float, list[float]]:
+    """One streamed completion: its TTFT and the gaps between its token-bearing chunks
+    (seconds)."""
+    body = streamed(prompt, max_tokens)
     started = time.perf_counter()
     arrivals: list[float] = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -341,7 +353,7 @@ def pd_part(args: argparse.Namespace) -> None:
                 )
     summary = {}
     for name, runs in rows.items():
-        summary[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        summary[name] = medians(runs)
         s = summary[name]
         spread = [r["itl99"] for r in runs]
         print(
@@ -371,14 +383,8 @@ async def moved_lag(stack: Stack, context: int, streams: int, vocab: int) -> tup
     lags: list[float] = []
 
     async def stream(client: httpx.AsyncClient, index: int) -> None:
-        body = {
-            "prompt": [rng.randrange(3, vocab) for _ in range(context)],
-            "max_tokens": 1000,  # running still when the drain comes
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-            "return_token_ids": True,
-        }
+        prompt = [rng.randrange(3, vocab) for _ in range(context)]
+        body = streamed(prompt, 1000)  # running still when the drain comes
         chunks, after = 0, []
         async with client.stream("POST", "/v1/completions", json=body) as response:
             response.raise_for_status()
@@ -472,11 +478,6 @@ def drain_part(args: argparse.Namespace) -> None:
             )
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["tier", "transfer", "pd", "drain"], default="tier")
@@ -543,7 +544,7 @@ def main() -> None:
     print(f"medians of {args.runs} runs ({args.requests - args.warmup} measured requests each):")
     summary = {}
     for name, runs in results.items():
-        summary[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        summary[name] = medians(runs)
         s = summary[name]
         p50s = [r["p50"] for r in runs]
         print(

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from timing import stream_completion
+from timing import pct, stream_completion
 
 from lamina.libs.block_hash import hash_blocks
 from lamina.libs.nats_server import free_port
@@ -149,11 +149,6 @@ def stack_for(model: Path, policy: str, kv_blocks: int, logs: Path) -> Stack:
         worker_args=["--num-kv-blocks", str(kv_blocks), "--max-model-len", "2048"],
         extra_env={"OMP_NUM_THREADS": "1", "LAMINA_PLACEMENT": policy},
     )
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def report(name: str, result: Result) -> dict[str, float]:

@@ -48,3 +48,9 @@ async def stream_completion(
             usage = event.get("usage") or usage
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return ttft, cached, usage.get("completion_tokens", 0)
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the nearest rank at or below it)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

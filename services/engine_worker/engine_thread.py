@@ -489,6 +489,8 @@ class EngineThread(threading.Thread):
 
     def _end_prefills(self, outputs: list) -> None:
         """Tell the prefill legs that ended in this step (their blocks are cached)."""
+        if not self._prefills:  # the usual step: nothing to look for
+            return
         for out in outputs:
             if out.finished and (done := self._prefills.pop(out.request_id, None)):
                 done()
