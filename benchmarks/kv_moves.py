@@ -1,16 +1,20 @@
-"""KV that moves: the host tier against none (``--part tier``, the default), and a prefix
-fetched from another worker against computing it (``--part transfer``).
+"""KV that moves: the lower tiers against none (``--part tier``, the default), and a
+prefix fetched from another worker against computing it (``--part transfer``).
 
-The tier: a multi-tenant prefix workload whose working set is four times the device pool.
+The tiers: a multi-tenant prefix workload whose working set is four times the device
+pool.
 
 Each of ``--tenants`` tenants has a system prompt of ``--prefix`` tokens; each request is
 a random tenant's prompt plus a fresh question of ``--question`` tokens, with a few
 output tokens, one request at a time, in process (the engine alone: no bus). The device
-pool holds a quarter of the tenants' prompts; with ``--kv-offload-bytes`` the rest wait
-in the host tier. Printed per layout: the prefix-cache hit rate, p50 and p90 time to
-first token (from ``add_request`` to its first token), blocks loaded back, and the
-ratios of the tier's to none's. Both layouts see the same requests; the runs alternate
-which goes first.
+pool holds a quarter of the tenants' prompts. Three layouts: no tier (the rest is
+computed again), a host tier that holds the whole working set (``--kv-offload-bytes``),
+and a host tier as small as the device pool over a disk tier that holds the rest
+(``--kv-offload-disk-bytes``, in ``--kv-offload-dir``: a temporary directory by
+default). Printed per layout: the prefix-cache hit rate, p50 and p90 time to first token
+(from ``add_request`` to its first token), blocks loaded back from each tier, and the
+ratios of each tiered layout's to none's. Every layout sees the same requests; the runs
+rotate which goes first.
 
 The transfer: for each ``--contexts`` length, one engine computes a prompt, and a second
 engine serves it three ways, cold each time: computing it (the baseline), and fetching
@@ -112,8 +116,10 @@ def serve(engine: Engine, requests: list[list[int]], warmup: int) -> dict[str, f
         "hit_rate": hits / queries if queries else 0.0,
         "p50": statistics.median(ttfts),
         "p90": ttfts[int(0.9 * (len(ttfts) - 1))],
-        "loads": after.host_kv_loads_total - before.host_kv_loads_total,
-        "load_rate": after.host_kv_load_blocks_per_s,
+        "host_loads": after.host_kv_loads_total - before.host_kv_loads_total,
+        "disk_loads": after.disk_kv_loads_total - before.disk_kv_loads_total,
+        "host_rate": after.host_kv_load_blocks_per_s,
+        "disk_rate": after.disk_kv_load_blocks_per_s,
     }
 
 
@@ -494,7 +500,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--warmup", type=int, default=32, help="requests before measuring")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--kv-offload-dir", default="", help="the tier in a file here")
+    parser.add_argument("--kv-offload-dir", default="", help="tier: the disk tier's directory")
     args = parser.parse_args()
     if args.part == "pd":
         pd_part(args)
@@ -506,6 +512,11 @@ def main() -> None:
         with NatsServer() as nats:
             asyncio.run(transfer_part(args, nats.url))
         return
+    with tempfile.TemporaryDirectory(prefix="lamina-kv-disk-") as scratch:
+        tier_part(args, args.kv_offload_dir or scratch)
+
+
+def tier_part(args: argparse.Namespace, directory: str) -> None:
     model = ensure_default_model(args.preset)
     block = 16
     working_set = args.tenants * (args.prefix // block)
@@ -520,22 +531,29 @@ def main() -> None:
     block_bytes = kv_block_bytes(probe.runner.model, block)
     vocab = probe.model_config.vocab_size
     probe.close()
-    tier = dataclasses.replace(
-        base, kv_offload_bytes=2 * working_set * block_bytes, kv_offload_dir=args.kv_offload_dir
-    )
-    where = f"in {args.kv_offload_dir}" if args.kv_offload_dir else "in memory"
+    whole = 2 * working_set * block_bytes  # (room to spare: the questions' blocks too)
+    layouts = {
+        "no tier": base,
+        "host": dataclasses.replace(base, kv_offload_bytes=whole),
+        "host+disk": dataclasses.replace(
+            base,
+            kv_offload_bytes=base.num_kv_blocks * block_bytes,  # type: ignore[operator]
+            kv_offload_disk_bytes=whole,
+            kv_offload_dir=directory,
+        ),
+    }
     print(
         f"model: {args.preset} preset; {os.cpu_count()} cores; {args.tenants} tenants x "
         f"{args.prefix} tokens = {working_set} blocks of working set; device pool "
-        f"{base.num_kv_blocks} blocks ({block_bytes / 1024:.0f} KiB each); tier "
-        f"{tier.kv_offload_bytes / 2**20:.0f} MiB {where}"
+        f"{base.num_kv_blocks} blocks ({block_bytes / 1024:.0f} KiB each); host: "
+        f"{whole / 2**20:.0f} MiB in memory; host+disk: {base.num_kv_blocks} blocks in "
+        f"memory over {whole / 2**20:.0f} MiB in {directory}"
     )
-    layouts = {"no tier": base, "host tier": tier}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in layouts}
     for run in range(args.runs):
         requests = workload(args, vocab, seed=run)
-        order = list(layouts) if run % 2 == 0 else list(reversed(layouts))
-        for name in order:
+        names = list(layouts)
+        for name in names[run % len(names) :] + names[: run % len(names)]:
             engine = Engine(layouts[name])
             try:
                 results[name].append(serve(engine, requests, args.warmup))
@@ -544,21 +562,26 @@ def main() -> None:
     print(f"medians of {args.runs} runs ({args.requests - args.warmup} measured requests each):")
     summary = {}
     for name, runs in results.items():
-        summary[name] = medians(runs)
-        s = summary[name]
+        summary[name] = s = medians(runs)
         p50s = [r["p50"] for r in runs]
+        loads = "".join(
+            f"  {s[f'{m}_loads']:.0f} from {m} at {s[f'{m}_rate']:,.0f}/s"
+            for m in ("host", "disk")
+            if s[f"{m}_loads"]
+        )
         print(
             f"  {name:10s} hit rate {s['hit_rate']:.2f}  TTFT p50 {s['p50']:7.1f} ms "
-            f"({min(p50s):.1f}-{max(p50s):.1f})  p90 {s['p90']:7.1f} ms  "
-            f"blocks loaded {s['loads']:.0f}"
-            + (f" at {s['load_rate']:,.0f} blocks/s" if s["load_rate"] else "")
+            f"({min(p50s):.1f}-{max(p50s):.1f})  p90 {s['p90']:7.1f} ms  blocks loaded:"
+            + (loads or " none")
         )
-    none, host = summary["no tier"], summary["host tier"]
-    print(
-        f"host tier / no tier: TTFT p50 {host['p50'] / none['p50']:.2f}x, "
-        f"p90 {host['p90'] / none['p90']:.2f}x; hit rate {host['hit_rate']:.2f} vs "
-        f"{none['hit_rate']:.2f}"
-    )
+    none = summary["no tier"]
+    for name in ("host", "host+disk"):
+        got = summary[name]
+        print(
+            f"{name} / no tier: TTFT p50 {got['p50'] / none['p50']:.2f}x, "
+            f"p90 {got['p90'] / none['p90']:.2f}x; hit rate {got['hit_rate']:.2f} vs "
+            f"{none['hit_rate']:.2f}"
+        )
 
 
 if __name__ == "__main__":

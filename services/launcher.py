@@ -35,6 +35,7 @@ from lamina.libs.lifetime import PARENT_ENV
 from lamina.libs.nats_auth import DEPLOYMENT, CredentialStore
 from lamina.libs.nats_server import NatsCluster, NatsServer, free_port
 from lamina.libs.service import RESTARTS_ENV
+from lamina.schemas.v1.stats import WorkerRole
 from lamina.services import up_state
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.engine.config import EngineConfig
@@ -93,7 +94,10 @@ class Stack:
     """Worker ids are ``<prefix>-<index>``: unique across the hosts of a cluster."""
     prefill_workers: int = 0
     """Disaggregated serving: the first this-many workers are ``--role prefill``, the
-    others ``--role decode`` (0: every worker is ``mixed``)."""
+    others ``--role decode`` (0: every worker has ``worker_role``)."""
+    worker_role: str = "mixed"
+    """Every worker's ``--role`` where ``prefill_workers`` is 0 (a host of a
+    disaggregated cluster whose workers all do one job)."""
     scheduler_id: str = ""
     """The scheduler replica's id (empty: its own default, ``<host>-<pid>``)."""
     stages: tuple[tuple[str, int], ...] = ()
@@ -191,11 +195,11 @@ class Stack:
     def worker_id(self, index: int) -> str:
         return f"{self.worker_prefix}-{index}"
 
-    def worker_role(self, index: int) -> list[str]:
+    def role_of(self, index: int) -> list[str]:
         """Worker ``index``'s ``--role`` flag (none: its own default, mixed)."""
-        if not self.prefill_workers:
-            return []
-        return ["--role", "prefill" if index < self.prefill_workers else "decode"]
+        if self.prefill_workers:
+            return ["--role", "prefill" if index < self.prefill_workers else "decode"]
+        return [] if self.worker_role == "mixed" else ["--role", self.worker_role]
 
     def start_worker(self, index: int) -> subprocess.Popen:
         wid = self.worker_id(index)
@@ -204,7 +208,7 @@ class Stack:
             "lamina.services.engine_worker",
             ["--worker-id", wid, "--model", str(self.model), *self.worker_args]
             + (["--device", self.worker_device(index)] if self.worker_device else [])
-            + self.worker_role(index),
+            + self.role_of(index),
             f"worker.{wid}",
         )
 
@@ -353,6 +357,11 @@ class UpConfig:
         "disaggregated serving: this many of the workers compute prompts (--role prefill) "
         "and the others stream from the KV they fetch (--role decode); 0: all mixed",
     )
+    worker_role: str = option(
+        "mixed",
+        "every worker's --role (mixed, prefill or decode): a host of a disaggregated "
+        "cluster whose workers all do one job; --prefill-workers splits one host's instead",
+    )
     model_name: str = option("", "served model name (default: the model directory's name)")
     http_host: str = option("127.0.0.1", "address the gateway and telemetry listen on")
     http_port: int = option(8000, "the gateway's HTTP port (the OpenAI API)")
@@ -393,6 +402,10 @@ def preflight(config: UpConfig, model: Path, ports: list[tuple[str, str, int]]) 
             return f"port {port} on {host} is in use ({flag})"
     if not 0 <= config.prefill_workers <= config.workers:
         return f"--prefill-workers {config.prefill_workers}: 0 to --workers ({config.workers})"
+    if WorkerRole(config.worker_role) == WorkerRole.UNKNOWN:
+        return f"--worker-role must be mixed, prefill or decode, not {config.worker_role!r}"
+    if config.prefill_workers and config.worker_role != "mixed":
+        return "--prefill-workers splits the workers' roles; --worker-role gives them all one"
     if bool(config.nats_tls_cert) != bool(config.nats_tls_key):
         return "--nats-tls-cert and --nats-tls-key go together"
     for flag, path in (
@@ -452,6 +465,7 @@ def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
         model=model,
         workers=config.workers,
         prefill_workers=config.prefill_workers,
+        worker_role=config.worker_role,
         http_host=config.http_host,
         http_port=config.http_port,
         metrics_port=config.metrics_port,

@@ -12,13 +12,14 @@ from lamina.schemas.v1.base import Id, Message, OpenEnum
 
 
 class Medium(OpenEnum):
-    """Where a worker holds a cached block: its device pool, or its host tier (evicted
-    blocks that a hit loads back, cheaper than computing them, dearer than a device
-    hit). A reader that meets ``unknown`` (a newer worker's tier) keeps it apart from
-    both."""
+    """Where a worker holds a cached block: its device pool, its host tier or its disk
+    tier (evicted blocks that a hit loads back: cheaper than computing them, dearer than
+    a device hit, the disk dearer than the host). A reader that meets ``unknown`` (a
+    newer worker's tier) keeps it apart from the others."""
 
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"
     UNKNOWN = "unknown"
 
 
@@ -81,3 +82,5 @@ class KvSnapshot(Message):
     last: bool = True
     host_block_hashes: list[int] = []
     """The blocks in the host tier (some may be on the device as well)."""
+    disk_block_hashes: list[int] = []
+    """The blocks in the disk tier (some may be in the tiers above as well)."""

@@ -78,7 +78,10 @@ class ScoredWorker(msgspec.Struct, kw_only=True):
     """The fraction of its KV blocks in use, counting this request's uncached blocks."""
     num_running: int
     host_blocks: int = 0
-    """Of ``overlap_blocks``, those only its host tier holds: loaded back, not computed."""
+    """Of ``overlap_blocks``, those its host tier holds and its device does not: loaded
+    back, not computed."""
+    disk_blocks: int = 0
+    """Of ``overlap_blocks``, those only its disk tier holds: loaded back, slower."""
     fetch_from: Id = ""
     """The worker it would fetch the prompt's leading blocks from, when a transfer
     predicts the earlier first token (``predicted_ttft_s`` counts it); empty: none."""

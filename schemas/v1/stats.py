@@ -148,6 +148,17 @@ class WorkerStats(Message, gc=False):
     host_kv_load_blocks_per_s: Rate = 0.0
     """Blocks per second its loads from the host tier took, measured (0: not measured:
     no load yet, or copies queued on a GPU stream, which the host does not time)."""
+    disk_kv_blocks: Count = 0
+    """Its KV disk tier's capacity in blocks (``--kv-offload-disk-bytes``; 0: none):
+    blocks the host tier evicts (or the device, with no host tier) wait there."""
+    disk_kv_blocks_used: Count = 0
+    disk_kv_loads_total: Count = 0
+    """Blocks loaded back from the disk tier instead of computed (cumulative)."""
+    disk_kv_saves_total: Count = 0
+    """Blocks saved to the disk tier (cumulative)."""
+    disk_kv_load_blocks_per_s: Rate = 0.0
+    """Blocks per second its loads from the disk tier took, measured (as
+    ``host_kv_load_blocks_per_s``)."""
     kv_layout: Id = ""
     """``block_size/dtype/layers/KV heads/head dim`` of its KV cache: blocks move only
     between workers whose layouts are equal. Empty: its KV cannot move (a parallel

@@ -444,13 +444,14 @@ class WorkerService:
         """Answer a scheduler that lost track of this worker's cache with all of it."""
         if not msg.reply:
             return
-        taken: list[tuple[list[int], list[int], int]] = []
+        taken: list[tuple[list[int], dict[str, list[int]], int]] = []
         done = self.engine_thread.call(lambda engine: taken.append(engine.blocks.snapshot()))
         if not await asyncio.to_thread(done.wait, 5.0) or not taken:
             log.warning("no KV snapshot within 5 s; the scheduler will ask again")
             return
-        device, host, next_event_id = taken[0]
-        count = max(1, -(-max(len(device), len(host)) // SNAPSHOT_PART))
+        device, tiers, next_event_id = taken[0]
+        host, disk = tiers.get("host", []), tiers.get("disk", [])
+        count = max(1, -(-max(len(device), len(host), len(disk)) // SNAPSHOT_PART))
         for n in range(count):
             part = slice(n * SNAPSHOT_PART, (n + 1) * SNAPSHOT_PART)
             snapshot = KvSnapshot(
@@ -460,6 +461,7 @@ class WorkerService:
                 next_event_id=next_event_id,
                 block_hashes=device[part],
                 host_block_hashes=host[part],
+                disk_block_hashes=disk[part],
                 part=n,
                 last=n == count - 1,
             )

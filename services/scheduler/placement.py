@@ -10,13 +10,14 @@ with the context for it). Among them the policy chooses:
   request's prompt tokens that w does not have cached (the cluster prefix index), R_p
   and R_d its measured prefill and decode rates, and N the sequences it is decoding::
 
-      ttft(w) = (Q + U) / R_p  +  H / R_h  +  decode_weight * N / R_d
+      ttft(w) = (Q + U) / R_p  +  H / R_h  +  D / R_k  +  decode_weight * N / R_d
 
   The first term is the prefill work ahead of the request's first token, its own
   included; reuse enters through U, in the same unit as load, so a long cached prefix
   wins exactly when skipping its prefill saves more time than the worker's queue costs.
-  H is the cached blocks only w's host tier holds and R_h the rate w measured loading
-  blocks back from it: a host hit costs more than a device hit, and less than computing.
+  H is the cached blocks w's host tier holds and its device does not, and R_h the rate
+  w measured loading blocks back from it; D and R_k the same for its disk tier: a host
+  hit costs more than a device hit, a disk hit more again, and each less than computing.
   The second term is one engine step's worth of the decodes that share the steps. Both
   rates are measured over whole engine steps, which already mix prefill and decode, so
   the decode term is a correction for a worker busier than when its rates were
@@ -26,7 +27,7 @@ with the context for it). Among them the policy chooses:
   never be given the work that measures it.
 
   A worker may also fetch the prompt's leading blocks from another worker that holds
-  more of them, on its device or in its host tier (a busy, cordoned or draining one
+  more of them, on its device or in a lower tier (a busy, cordoned or draining one
   included) instead of
   computing them: with F the blocks fetched at R_x, w's measured transfer rate, and U'
   what is left to compute, ``ttft_fetch(w) = (Q + U') / R_p + F / R_x + decode``; the
@@ -96,6 +97,8 @@ class CostModel:
     host_load_rate_prior: float = 5000.0
     """Blocks/s a worker's host tier is assumed to load back at before it measured its
     own (or where it cannot: copies queued on a GPU)."""
+    disk_load_rate_prior: float = 1000.0
+    """Blocks/s its disk tier is assumed to load back at, likewise."""
     transfer_bytes_prior: float = 1e9
     """Bytes/s a worker is assumed to fetch another's blocks at before it measured its
     own fetch (500 blocks/s of a 7B model's 2 MiB blocks)."""
@@ -118,10 +121,11 @@ class CostModel:
         uncached: int,
         rates: tuple[float, float] | None = None,
         host_blocks: int = 0,
+        disk_blocks: int = 0,
     ) -> float:
-        """``ttft(w)`` above, plus the time to load ``host_blocks`` back from the
-        worker's host tier at its measured rate; ``rates`` (prefill, decode) stand in for
-        rates the worker has not measured (default: the priors)."""
+        """``ttft(w)`` above, with ``host_blocks`` and ``disk_blocks`` loaded back from
+        the worker's lower tiers at its measured rates; ``rates`` (prefill, decode) stand
+        in for rates the worker has not measured (default: the priors)."""
         s = worker.stats
         prefill_prior, decode_prior = rates or (self.prefill_rate_prior, self.decode_rate_prior)
         prefill_rate = s.prefill_tokens_per_s or prefill_prior
@@ -129,6 +133,7 @@ class CostModel:
         queued = worker.queued_tokens
         decode = self.decode_weight * s.num_running / decode_rate
         load = host_blocks / (s.host_kv_load_blocks_per_s or self.host_load_rate_prior)
+        load += disk_blocks / (s.disk_kv_load_blocks_per_s or self.disk_load_rate_prior)
         return (queued + uncached) / prefill_rate + load + decode
 
     def peer_rates(self, workers: list[Candidate]) -> tuple[float, float]:
@@ -187,9 +192,10 @@ def load_score(entry: Candidate) -> float:
     )
 
 
-Overlap = Callable[[list[int], list[str]], dict[str, tuple[int, int]]]
-"""``(prompt token ids, worker ids) -> {worker id: (cached leading blocks, of which only
-its host tier holds)}`` (``PrefixIndex.overlap_by_medium``)."""
+Overlap = Callable[[list[int], list[str]], dict[str, tuple[int, int, int]]]
+"""``(prompt token ids, worker ids) -> {worker id: (cached leading blocks, of which its
+host tier holds and its device does not, of which only its disk tier holds)}``
+(``PrefixIndex.overlap_by_medium``)."""
 
 
 @dataclass
@@ -301,9 +307,9 @@ class Placer:
         prompt = request.prompt_token_ids
         ids = [w.stats.worker_id for w in [*workers, *senders, *prefillers]]
         hits = overlap(prompt, list(dict.fromkeys(ids)))
-        held = []  # (blocks, sender): what each could send (device or host tier), most first
+        held = []  # (blocks, sender): what each could send (from any tier), most first
         for w in senders:
-            total, _ = hits[w.stats.worker_id]
+            total = hits[w.stats.worker_id][0]
             if total:
                 held.append((total, w))
         held.sort(key=lambda h: -h[0])
@@ -405,6 +411,7 @@ class Placer:
             predicted_ttft_s=ttft,
             kv_usage=_usage_after(s, new_blocks),
             host_blocks=0,
+            disk_blocks=0,
             fetch_from=sender,
             fetch_blocks=blocks,
             prefill=prefill_s is not None,
@@ -416,21 +423,25 @@ class Placer:
         prompt_tokens: int,
         overlap_blocks: int,
         host_blocks: int,
+        disk_blocks: int,
         rates: tuple[float, float],
     ) -> ScoredWorker:
         s = worker.stats
         uncached = self.cost.uncached_tokens(prompt_tokens, overlap_blocks, s.block_size)
-        # Host-tier blocks load into fresh device blocks; the engine uses at most the hit
-        # that leaves a token to compute.
-        loaded = min(host_blocks, (prompt_tokens - uncached) // s.block_size)
-        new_blocks = math.ceil(uncached / s.block_size) + loaded
+        # Lower tiers' blocks load into fresh device blocks; the engine uses at most the
+        # hit that leaves a token to compute (the host's counted first).
+        usable = (prompt_tokens - uncached) // s.block_size
+        host = min(host_blocks, usable)
+        disk = min(disk_blocks, usable - host)
+        new_blocks = math.ceil(uncached / s.block_size) + host + disk
         return ScoredWorker(
             worker_id=s.worker_id,
             overlap_blocks=overlap_blocks,
-            predicted_ttft_s=self.cost.predict_ttft(worker, uncached, rates, loaded),
+            predicted_ttft_s=self.cost.predict_ttft(worker, uncached, rates, host, disk),
             kv_usage=_usage_after(s, new_blocks),
             num_running=s.num_running + worker.pending,
-            host_blocks=loaded,
+            host_blocks=host,
+            disk_blocks=disk,
         )
 
     @staticmethod

@@ -8,8 +8,8 @@ walk stops for a worker at its first miss.
 
 Each cached block is one entry, ``hash -> bitmask of worker slots``, per block size, and
 each worker keeps the hashes it holds (to clear them when it resets its cache, dies or
-restarts), each with the media it holds it in (its device pool, its host tier: a worker
-holds a block while it has it in either). A worker's events are applied in ``event_id``
+restarts), each with the media it holds it in (its device pool, its host tier, its disk
+tier: a worker holds a block while it has it in any). A worker's events are applied in ``event_id``
 order; a gap means events were lost, and the worker is marked unsynced: its entries are
 dropped, and the service asks it for a snapshot (``KvSnapshot``), buffering the events
 that arrive meanwhile and applying those the snapshot does not already cover.
@@ -24,9 +24,9 @@ from lamina.schemas.v1.kv import AllBlocksCleared, BlockRemoved, BlockStored, Kv
 
 MAX_BUFFERED_EVENTS = 10_000
 """Events kept per worker while its snapshot is awaited; beyond this it resyncs again."""
-_DEVICE = 1
-_MEDIA = {Medium.DEVICE: _DEVICE, Medium.HOST: 2}
-_ELSEWHERE = 4
+_DEVICE, _HOST = 1, 2
+_MEDIA = {Medium.DEVICE: _DEVICE, Medium.HOST: _HOST, Medium.DISK: 4}
+_ELSEWHERE = 8
 """The bit of a medium this index does not know (a newer worker's): kept apart."""
 
 
@@ -88,13 +88,16 @@ class PrefixIndex:
         block_hashes: list[int],
         next_event_id: int,
         host_block_hashes: list[int] = (),  # type: ignore[assignment]
+        disk_block_hashes: list[int] = (),  # type: ignore[assignment]
     ) -> None:
         """Replace a worker's entries with its snapshot (its cache as of ``next_event_id``:
-        its device's blocks and its host tier's), then apply what was buffered after it."""
+        its device's blocks and its lower tiers'), then apply what was buffered after
+        it."""
         kv = self._worker(worker_id, incarnation, block_size)
         self._clear(kv)
         self._store(kv, block_hashes, _MEDIA[Medium.DEVICE])
         self._store(kv, host_block_hashes, _MEDIA[Medium.HOST])
+        self._store(kv, disk_block_hashes, _MEDIA[Medium.DISK])
         kv.next_event_id = next_event_id
         kv.synced = True
         buffered, kv.buffered = kv.buffered, []
@@ -194,18 +197,17 @@ class PrefixIndex:
     def overlap(self, token_ids: list[int], worker_ids: list[str]) -> dict[str, int]:
         """Leading blocks of ``token_ids`` each of ``worker_ids`` has cached (0 for a
         worker the index does not know, or has not synced)."""
-        return {
-            w: blocks for w, (blocks, _) in self.overlap_by_medium(token_ids, worker_ids).items()
-        }
+        return {w: hit[0] for w, hit in self.overlap_by_medium(token_ids, worker_ids).items()}
 
     def overlap_by_medium(
         self, token_ids: list[int], worker_ids: list[str]
-    ) -> dict[str, tuple[int, int]]:
+    ) -> dict[str, tuple[int, int, int]]:
         """For each of ``worker_ids``: the leading blocks of ``token_ids`` it has cached,
-        and how many of them only its host tier holds (a hit loads those back). One pass
-        over the prompt per block size in use, hashing a block only while some worker
-        still matches."""
-        result = dict.fromkeys(worker_ids, (0, 0))
+        how many of them its host tier holds and its device does not, and how many only
+        its disk tier (or a tier this index does not know) holds: a hit loads those back
+        from the fastest tier holding them. One pass over the prompt per block size in
+        use, hashing a block only while some worker still matches."""
+        result = dict.fromkeys(worker_ids, (0, 0, 0))
         by_size: dict[int, dict[int, str]] = {}  # block size -> slot -> worker id
         for worker_id in worker_ids:
             kv = self.workers.get(worker_id)
@@ -215,23 +217,24 @@ class PrefixIndex:
             owners = self._owners.get(block_size, {})
             on_device = self._device_owners.get(block_size, {})
             matching = sum(1 << slot for slot in slots)
-            host = dict.fromkeys(slots, 0)
+            lower = {slot: [0, 0] for slot in slots}  # host, disk
             parent, blocks = ROOT_HASH, 0
             for start in range(0, len(token_ids) - block_size + 1, block_size):
                 parent = hash_block(parent, token_ids[start : start + block_size])
                 still = matching & owners.get(parent, 0)
                 if still != matching:
-                    _settle(result, slots, matching & ~still, blocks, host)
+                    _settle(result, slots, matching & ~still, blocks, lower)
                     matching = still
                     if not matching:
                         break
                 elsewhere = matching & ~on_device.get(parent, 0)
-                while elsewhere:  # the workers holding this block only in their host tier
+                while elsewhere:  # the workers holding this block only in lower tiers
                     slot = elsewhere.bit_length() - 1
-                    host[slot] += 1
+                    media = self.workers[slots[slot]].hashes[parent]
+                    lower[slot][0 if media & _HOST else 1] += 1
                     elsewhere &= ~(1 << slot)
                 blocks += 1
-            _settle(result, slots, matching, blocks, host)
+            _settle(result, slots, matching, blocks, lower)
         return result
 
     def __len__(self) -> int:
@@ -240,13 +243,13 @@ class PrefixIndex:
 
 
 def _settle(
-    result: dict[str, tuple[int, int]],
+    result: dict[str, tuple[int, int, int]],
     slots: dict[int, str],
     mask: int,
     blocks: int,
-    host: dict[int, int],
+    lower: dict[int, list[int]],
 ) -> None:
-    """Record ``blocks`` (and its host-only count) for every worker set in ``mask``."""
+    """Record ``blocks`` (and its host and disk counts) for every worker set in ``mask``."""
     for slot, worker_id in slots.items():
         if mask >> slot & 1:
-            result[worker_id] = (blocks, host[slot])
+            result[worker_id] = (blocks, *lower[slot])  # type: ignore[assignment]

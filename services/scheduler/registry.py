@@ -69,8 +69,15 @@ class Registry:
         first = parts[0]
         hashes = [h for part in parts for h in part.block_hashes]
         host = [h for part in parts for h in part.host_block_hashes]
+        disk = [h for part in parts for h in part.disk_block_hashes]
         self.index.restore(
-            first.worker_id, first.incarnation, first.block_size, hashes, first.next_event_id, host
+            first.worker_id,
+            first.incarnation,
+            first.block_size,
+            hashes,
+            first.next_event_id,
+            host,
+            disk,
         )
 
     def assume_synced(self, worker_id: str) -> None:

@@ -120,6 +120,22 @@ WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
         "Blocks in the worker's KV host tier.",
         lambda s: s.host_kv_blocks_used,
     ),
+    "host_kv_load_blocks_per_second": (
+        "KV blocks per second the worker's loads from its host tier ran at (0: not timed).",
+        lambda s: s.host_kv_load_blocks_per_s,
+    ),
+    "disk_kv_blocks": (
+        "Blocks the worker's KV disk tier holds at most (0: no tier).",
+        lambda s: s.disk_kv_blocks,
+    ),
+    "disk_kv_blocks_used": (
+        "Blocks in the worker's KV disk tier.",
+        lambda s: s.disk_kv_blocks_used,
+    ),
+    "disk_kv_load_blocks_per_second": (
+        "KV blocks per second the worker's loads from its disk tier ran at (0: not timed).",
+        lambda s: s.disk_kv_load_blocks_per_s,
+    ),
     "kv_fetch_blocks_per_second": (
         "KV blocks per second of the worker's last fetch from another worker (0: none).",
         lambda s: s.kv_fetch_blocks_per_s,
@@ -150,6 +166,14 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
     "host_kv_saves_total": (
         "Evicted KV blocks saved to the host tier.",
         lambda s: s.host_kv_saves_total,
+    ),
+    "disk_kv_loads_total": (
+        "KV blocks loaded back from the disk tier instead of computed.",
+        lambda s: s.disk_kv_loads_total,
+    ),
+    "disk_kv_saves_total": (
+        "KV blocks saved to the disk tier (evicted from the host tier, or the device).",
+        lambda s: s.disk_kv_saves_total,
     ),
     "kv_fetches_total": (
         "Requests whose leading KV blocks the worker fetched from another worker.",

@@ -57,8 +57,9 @@ NOT_SERVED: dict[str, str] = {
             "kv_offload_",
             "kvcr_",
         ),
-        "KV connectors and offload tiers: Lamina's host tier and transfers between workers "
-        "are its own lamina:host_kv_* and lamina:kv_* families, not a connector's",
+        "KV connectors and offload tiers: Lamina's lower tiers and transfers between "
+        "workers are its own lamina:host_kv_*, lamina:disk_kv_* and lamina:kv_* families, "
+        "not a connector's",
     ),
     "tool_call_parser_invocations": "the gateway's tool-call parsing is not counted",
     "request_render_duration_seconds": "the gateway's chat rendering is not timed",

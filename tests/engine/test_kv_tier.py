@@ -1,14 +1,16 @@
-"""The KV cache's host tier (``kv_tier.py``): a prefix whose blocks were evicted from the
-device pool to the tier, and loaded back, gives exactly what the same prefix kept on the
-device gives: the same tokens and the same logprobs, bit for bit (the same KV bytes, read
-by the same steps). In host memory and in a file, with int8 caches' per-block scales,
-and on two tensor-parallel ranks (each moves its own share)."""
+"""The KV cache's lower tiers (``kv_tier.py``): a prefix whose blocks were evicted from
+the device pool to a tier, and loaded back, gives exactly what the same prefix kept on
+the device gives: the same tokens and the same logprobs, bit for bit (the same KV bytes,
+read by the same steps). In host memory, on disk (alone, and below a host tier that
+passes blocks down to it), with int8 caches' per-block scales, and on two
+tensor-parallel ranks (each moves its own share)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lamina.services.engine_worker.engine.kv_events import BlockRemoved, BlockStored
+from lamina.services.engine_worker.engine.kv_tier import DISK
 from lamina.services.engine_worker.engine.params import SamplingParams
 from tests.engine.helpers import make_engine
 
@@ -39,21 +41,28 @@ def _engine(model, **config):
     return make_engine(model, **(settings | config))
 
 
+DISK_ONLY = {"kv_offload_bytes": 0, "kv_offload_disk_bytes": 64 << 20}
+
+
 @pytest.mark.parametrize(
     "config",
     [
         {},
-        {"kv_offload_dir": "file"},
+        DISK_ONLY,
         {"kv_cache_dtype": "int8"},
+        {"kv_cache_dtype": "int8", **DISK_ONLY},
         {"tensor_parallel_size": 2},
+        {"tensor_parallel_size": 2, **DISK_ONLY},
     ],
-    ids=["host", "file", "int8", "tp2"],
+    ids=["host", "disk", "int8", "int8-disk", "tp2", "tp2-disk"],
 )
 def test_a_prefix_loaded_back_from_the_tier_gives_what_one_kept_on_the_device_gives(
     stories, tmp_path, config
 ):
-    if config.get("kv_offload_dir"):
+    disk = bool(config.get("kv_offload_disk_bytes"))
+    if disk:
         config = config | {"kv_offload_dir": str(tmp_path / "tier")}
+    medium = "disk" if disk else "host"
     kept = _engine(stories, **config)  # (one parallel engine at a time per process)
     try:
         want = _run(kept, {"p": PREFIX, "q": QUESTION})["q"]
@@ -63,16 +72,54 @@ def test_a_prefix_loaded_back_from_the_tier_gives_what_one_kept_on_the_device_gi
     moved = _engine(stories, **config)
     try:
         _run(moved, {"p": PREFIX, **FILLERS})
-        stats = moved.stats()
-        assert stats.host_kv_saves_total >= 4  # the prefix's blocks went to the tier
+        saves = getattr(moved.stats(), f"{medium}_kv_saves_total")
+        assert saves >= 4  # the prefix's blocks went to the tier
         assert not any(moved.blocks.cached.get(h) is not None for h in _hashes(moved, PREFIX))
         got = _run(moved, {"q": QUESTION})["q"]
-        assert moved.stats().host_kv_loads_total == 4
+        assert getattr(moved.stats(), f"{medium}_kv_loads_total") == 4
     finally:
         moved.close()
     assert got == want  # tokens, logprobs (exactly) and the 64 cached tokens
-    if config.get("kv_offload_dir"):
+    if disk:
         assert list((tmp_path / "tier").iterdir()) == []  # the file lives while mapped
+
+
+def test_blocks_the_host_tier_passes_down_to_the_disk_tier_load_back_exactly(stories, tmp_path):
+    # A host tier of 2 blocks over a disk tier: the prefix's blocks are saved to the host
+    # tier, and the fillers' evicted blocks displace them down to the disk tier, where
+    # the hit loads them from.
+    config = dict(
+        kv_offload_bytes=2 * _block_bytes(stories),
+        kv_offload_disk_bytes=64 << 20,
+        kv_offload_dir=str(tmp_path / "tier"),
+    )
+    kept = _engine(stories)
+    try:
+        want = _run(kept, {"p": PREFIX, "q": QUESTION})["q"]
+    finally:
+        kept.close()
+    moved = _engine(stories, **config)
+    try:
+        _run(moved, {"p": PREFIX, **FILLERS})
+        stats = moved.stats()
+        assert stats.host_kv_blocks == 2 and stats.disk_kv_saves_total >= 4
+        prefix = _hashes(moved, PREFIX)
+        events = moved.take_kv_events()
+        passed_down = {
+            h
+            for e in events
+            if isinstance(e, BlockRemoved) and e.medium == "host"
+            for h in e.block_hashes
+        }
+        assert len(passed_down & set(prefix)) >= 2  # not only saved to the disk tier direct
+        assert [moved.blocks.holder(h).number for h in prefix] == [DISK] * 4
+        got = _run(moved, {"q": QUESTION})["q"]
+        stats = moved.stats()
+        assert stats.disk_kv_loads_total == 4
+        assert stats.disk_kv_load_blocks_per_s > 0  # timed on a CPU device
+    finally:
+        moved.close()
+    assert got == want
 
 
 def _hashes(engine, tokens: list[int]) -> list[int]:

@@ -76,15 +76,17 @@ def test_blocks_fetched_give_the_senders_tokens_and_logprobs(stories, kv_cache_d
     assert _run(receiver, {"q": QUESTION})["q"] == want
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_blocks_in_the_senders_host_tier_are_sent_too(stories, kv_cache_dtype):
-    """The prefix was evicted from the sender's device to its host tier: the export reads
+def test_blocks_in_the_senders_lower_tier_are_sent_too(stories, tmp_path, kv_cache_dtype, tier):
+    """The prefix was evicted from the sender's device to a lower tier: the export reads
     the tier, and the receiver gets the tokens and logprobs the sender gives."""
-    sender = _engine(stories, kv_cache_dtype=kv_cache_dtype)
+    disk = dict(kv_offload_bytes=0, kv_offload_disk_bytes=64 << 20, kv_offload_dir=str(tmp_path))
+    sender = _engine(stories, kv_cache_dtype=kv_cache_dtype, **(disk if tier == "disk" else {}))
     want = _run(sender, {"p": PREFIX, "q": QUESTION})["q"]
     _run(sender, FILLERS)
     hashes = _hashes(sender, QUESTION)
-    assert not any(sender.blocks.cached.get(h) is not None for h in hashes)  # all on the host
+    assert [getattr(sender.blocks.holder(h), "medium", None) for h in hashes[:4]] == [tier] * 4
     blocks, _ = asyncio.run(_transfer(sender, _grant(hashes), _source))
     assert blocks.hashes == hashes[:4]
     receiver = make_engine(stories, num_kv_blocks=16, kv_cache_dtype=kv_cache_dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lamina.libs.block_hash import ROOT_HASH
 from lamina.services.engine_worker.engine.block_manager import (
     NO_HIT,
-    NO_TRANSFERS,
+    NO_MOVES,
     BlockManager,
     PrefixHit,
 )
@@ -14,7 +14,7 @@ from lamina.services.engine_worker.engine.kv_events import (
     BlockRemoved,
     BlockStored,
 )
-from lamina.services.engine_worker.engine.kv_tier import TierIndex
+from lamina.services.engine_worker.engine.kv_tier import DEVICE, DISK, HOST, TierIndex
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.request import Request
 
@@ -156,37 +156,105 @@ def test_prefix_caching_off_never_caches():
     assert bm.take_events() == [] and bm.cached == {}
 
 
-# --------------------------------------------------------------------------- host tier
+# ------------------------------------------------------------------------- lower tiers
 def test_evicted_blocks_go_to_the_host_tier_and_a_prefix_there_is_loaded_back():
-    bm = BlockManager(num_blocks=4, block_size=BS, tier=TierIndex(3))
+    bm = BlockManager(num_blocks=4, block_size=BS, tiers=[TierIndex(3)])
+    host = bm.tier(HOST)
     a = req("a", list(range(12)))  # 3 blocks
     compute_all(bm, a)
     bm.free_request(a)
     bm.take_events()
     b = req("b", list(range(100, 116)))
     compute_all(bm, b)  # 4 blocks: a's 3 are evicted (tail first) and saved
-    moves = bm.take_transfers()
-    assert moves.saves.T.tolist() == [[2, 0], [1, 1], [0, 2]]  # (device block, slot)
+    moves = bm.take_moves()
+    # (source tier, device block, target tier, slot)
+    assert moves.T.tolist() == [[DEVICE, 2, HOST, 0], [DEVICE, 1, HOST, 1], [DEVICE, 0, HOST, 2]]
     events = bm.take_events()
     assert [(type(e).__name__, e.medium) for e in events[:2]] == [
         ("BlockRemoved", "device"),
         ("BlockStored", "host"),
     ]
-    assert bm.take_transfers() is NO_TRANSFERS  # taken once
+    assert bm.take_moves() is NO_MOVES  # taken once
     bm.free_request(b)
     again = req("a2", [*range(12), 50])
     hit = bm.match_prefix(again)
     assert hit.blocks == [None, None, None] and len(hit.loads) == 3
     added = bm.allocate(again, 1, hit)
     assert added is not None and len(added) == 4
-    moves = bm.take_transfers()
-    assert moves.loads[0].tolist() == [2, 1, 0]  # slots, in the prompt's order
-    assert moves.loads[1].tolist() == added[:3]
-    assert bm.tier_loads == 3
+    moves = bm.take_moves()
     # b's blocks, evicted to make room for the loads, found every slot pinned by this
     # step's loads: dropped, as without a tier. The tier keeps what it loaded back.
-    assert moves.saves.shape == (2, 0)
-    assert len(bm.tier) == 3 and all(h in bm.tier for h in again.block_hashes[:3])
+    assert moves[0].tolist() == [HOST] * 3 and moves[2].tolist() == [DEVICE] * 3
+    assert moves[1].tolist() == [2, 1, 0]  # slots, in the prompt's order
+    assert moves[3].tolist() == added[:3]
+    assert host.loads == 3
+    assert len(host) == 3 and all(h in host for h in again.block_hashes[:3])
+
+
+def test_the_host_tiers_least_recently_used_blocks_go_down_to_the_disk_tier():
+    bm = BlockManager(num_blocks=4, block_size=BS, tiers=[TierIndex(2, HOST), TierIndex(8, DISK)])
+    host, disk = bm.tier(HOST), bm.tier(DISK)
+    a = req("a", list(range(12)))  # 3 blocks
+    compute_all(bm, a)
+    bm.free_request(a)
+    b = req("b", list(range(100, 116)))
+    compute_all(bm, b)  # evicts a's 3, tail first
+    a0, a1, a2 = a.block_hashes[:3]
+    # a2 and a1 fill the host tier; its slots are written this step, so a0 goes on down.
+    assert bm.take_moves().T.tolist() == [
+        [DEVICE, 2, HOST, 0],
+        [DEVICE, 1, HOST, 1],
+        [DEVICE, 0, DISK, 0],
+    ]
+    bm.free_request(b)
+    bm.take_events()
+    c = req("c", list(range(200, 204)))
+    compute_all(bm, c)  # evicts b's last block
+    b3 = b.block_hashes[3]
+    # A later step: b3 displaces a2, the host tier's least recently used block, which
+    # goes down to the disk tier (copied out of its slot before b3 is saved into it).
+    assert bm.take_moves().T.tolist() == [[HOST, 0, DISK, 1], [DEVICE, 0, HOST, 0]]
+    assert host.hashes() == [a1, b3] and disk.hashes() == [a0, a2]
+    events = [(type(e).__name__, e.medium, e.block_hashes) for e in bm.take_events()]
+    assert events[:4] == [
+        ("BlockRemoved", "device", [b3]),
+        ("BlockRemoved", "host", [a2]),
+        ("BlockStored", "disk", [a2]),
+        ("BlockStored", "host", [b3]),
+    ]
+    # a's whole prefix is a hit, each block loaded from the fastest tier holding it.
+    bm.free_request(c)
+    again = req("a2", [*range(12), 50])
+    hit = bm.match_prefix(again)
+    assert hit.blocks == [None, None, None]
+    added = bm.allocate(again, 1, hit)
+    assert added is not None
+    loads = [m for m in bm.take_moves().T.tolist() if m[2] == DEVICE]
+    assert loads == [
+        [DISK, 0, DEVICE, added[0]],
+        [HOST, 1, DEVICE, added[1]],
+        [DISK, 1, DEVICE, added[2]],
+    ]
+    assert (host.loads, disk.loads) == (1, 2)
+
+
+def test_with_no_host_tier_the_device_pools_evicted_blocks_go_to_the_disk_tier():
+    bm = BlockManager(num_blocks=4, block_size=BS, tiers=[TierIndex(4, DISK)])
+    a = req("a", list(range(12)))
+    compute_all(bm, a)
+    bm.free_request(a)
+    b = req("b", list(range(100, 116)))
+    compute_all(bm, b)
+    assert [m[::2] for m in bm.take_moves().T.tolist()] == [[DEVICE, DISK]] * 3
+    bm.free_request(b)
+    again = req("a2", [*range(12), 50])
+    added = bm.allocate(again, 1, bm.match_prefix(again))
+    assert added is not None
+    loads = [m for m in bm.take_moves().T.tolist() if m[2] == DEVICE]
+    assert [(m[0], m[3]) for m in loads] == [(DISK, block) for block in added[:3]]
+    assert bm.tier(DISK).loads == 3
+    snapshot = bm.snapshot()[1]
+    assert set(snapshot) == {"disk"} and set(again.block_hashes[:3]) <= set(snapshot["disk"])
 
 
 def test_a_full_tier_reuses_its_least_recently_used_slot_but_never_one_a_step_moves():
@@ -196,7 +264,7 @@ def test_a_full_tier_reuses_its_least_recently_used_slot_but_never_one_a_step_mo
     assert tier.put(3, 2) is None  # both slots written this step
     tier.step_taken()
     assert tier.take(1) == 0  # a load: most recently used, and pinned
-    assert tier.put(3, 2) == (1, 2)  # displaces 2, the least recently used unpinned
+    assert tier.put(3, 2) == (1, (2, 1))  # displaces 2 (after 1), the least recently used
     assert 2 not in tier and tier.hashes() == [1, 3]
 
 

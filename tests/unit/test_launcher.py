@@ -85,3 +85,20 @@ def test_help_shows_defaults_and_no_sphinx_markup():
     assert "(default: 8000; env LAMINA_HTTP_PORT)" in flat
     assert "$LAMINA_HOME/models/lamina-tiny" in flat
     assert plain("see :mod:`a.b` and ``c``, :class:`~d.E`") == "see a.b and c, d.E"
+
+
+def test_workers_roles_split_one_hosts_workers_or_give_them_all_one():
+    from lamina.services.launcher import preflight
+
+    def roles(**flags) -> list[list[str]]:
+        config = UpConfig(workers=3, **flags)
+        return [stack_of(config, Path("model")).role_of(index) for index in range(3)]
+
+    assert roles() == [[], [], []]  # each worker's own default: mixed
+    assert roles(prefill_workers=1) == [["--role", r] for r in ("prefill", "decode", "decode")]
+    assert roles(worker_role="decode") == [["--role", "decode"]] * 3  # a decode host
+    model = Path(__file__)  # (never reached: the flags are refused first)
+    refused = preflight(UpConfig(workers=2, prefill_workers=1, worker_role="decode"), model, [])
+    assert refused is not None and "--worker-role" in refused
+    refused = preflight(UpConfig(worker_role="both"), model, [])
+    assert refused is not None and "mixed, prefill or decode" in refused

@@ -38,8 +38,8 @@ def request(prompt_len: int = 10, max_tokens: int = 10, model: str = "m") -> Gen
     )
 
 
-def no_overlap(prompt: list[int], workers: list[str]) -> dict[str, tuple[int, int]]:
-    return dict.fromkeys(workers, (0, 0))
+def no_overlap(prompt: list[int], workers: list[str]) -> dict[str, tuple[int, int, int]]:
+    return dict.fromkeys(workers, (0, 0, 0))
 
 
 def place(submitted: GenerateRequest, live: list, policy: Policy = Policy.LOAD):
@@ -145,10 +145,15 @@ def test_the_predicted_ttft_by_the_numbers():
     assert cost.uncached_tokens(100, overlap_blocks=2, block_size=16) == 68
 
 
-def overlap_of(hits: dict[str, int], host: dict[str, int] | None = None):
-    """Cached leading blocks per worker (``host``: of which only its host tier holds)."""
-    host = host or {}
-    return lambda prompt, workers: {w: (hits.get(w, 0), host.get(w, 0)) for w in workers}
+def overlap_of(
+    hits: dict[str, int], host: dict[str, int] | None = None, disk: dict[str, int] | None = None
+):
+    """Cached leading blocks per worker (``host``: of which its host tier holds and its
+    device does not; ``disk``: of which only its disk tier holds)."""
+    host, disk = host or {}, disk or {}
+    return lambda prompt, workers: {
+        w: (hits.get(w, 0), host.get(w, 0), disk.get(w, 0)) for w in workers
+    }
 
 
 def test_kv_placement_goes_where_the_prefix_is_cached_unless_the_queue_costs_more():
@@ -193,6 +198,34 @@ def test_a_host_tier_hit_costs_its_measured_load_time_between_a_device_hit_and_n
     assert scored["host"].kv_usage == pytest.approx(scored["device"].kv_usage + 48 / 1000)
     # Without the device worker, the host tier's hit beats computing the prompt.
     registry.heartbeat(stats("device", state="draining", **fast))
+    assert placer.place(request(prompt_len=800), registry.candidates(), cached).worker_id == "host"
+
+
+def test_a_disk_tier_hit_costs_more_than_a_host_tier_hit_and_less_than_none():
+    registry = registry_at(Clock())
+    fast = dict(prefill_tokens_per_s=1000.0, total_kv_blocks=1000, free_kv_blocks=1000)
+    registry.heartbeat(stats("host", host_kv_load_blocks_per_s=400.0, **fast))
+    registry.heartbeat(stats("disk", disk_kv_load_blocks_per_s=100.0, **fast))
+    registry.heartbeat(stats("both", **fast))  # not measured yet: the priors
+    registry.heartbeat(stats("cold", **fast))
+    cost = CostModel(decode_weight=0.0)
+    placer = Placer(Policy.KV, cost)
+    cached = overlap_of(
+        {"host": 48, "disk": 48, "both": 48},
+        host={"host": 48, "both": 16},
+        disk={"disk": 48, "both": 32},
+    )
+    decision = placer.place(request(prompt_len=800), registry.candidates(), cached)
+    scored = {s.worker_id: s for s in decision.scored}
+    assert scored["host"].predicted_ttft_s == pytest.approx(0.032 + 48 / 400)
+    assert scored["disk"].predicted_ttft_s == pytest.approx(0.032 + 48 / 100)
+    both = 0.032 + 16 / cost.host_load_rate_prior + 32 / cost.disk_load_rate_prior
+    assert scored["both"].predicted_ttft_s == pytest.approx(both)
+    assert scored["cold"].predicted_ttft_s == pytest.approx(0.8)
+    assert (scored["disk"].host_blocks, scored["disk"].disk_blocks) == (0, 48)
+    assert (scored["both"].host_blocks, scored["both"].disk_blocks) == (16, 32)
+    assert decision.worker_id == "both"
+    registry.heartbeat(stats("both", state="draining", **fast))
     assert placer.place(request(prompt_len=800), registry.candidates(), cached).worker_id == "host"
 
 

@@ -57,17 +57,48 @@ def test_a_block_counts_while_the_worker_holds_it_on_its_device_or_in_its_host_t
     ]
     assert index.apply("a", "i1", BS, events)
     # Blocks 0 and 1 on its device, block 2 only in its host tier.
-    assert index.overlap_by_medium(PROMPT, ["a"]) == {"a": (3, 1)}
+    assert index.overlap_by_medium(PROMPT, ["a"]) == {"a": (3, 1, 0)}
     assert index.apply("a", "i1", BS, [BlockRemoved(event_id=6, block_hashes=HASHES[1:2])])
-    assert index.overlap_by_medium(PROMPT, ["a"]) == {"a": (3, 2)}  # block 1: the tier's
+    assert index.overlap_by_medium(PROMPT, ["a"]) == {"a": (3, 2, 0)}  # block 1: the tier's
     gone = BlockRemoved(event_id=7, block_hashes=HASHES[2:3], medium=host)
     assert index.apply("a", "i1", BS, [gone])
     assert index.overlap(PROMPT, ["a"]) == {"a": 2}
     # A snapshot says which blocks are where.
     index.restore("b", "i1", BS, HASHES[:1], 0, host_block_hashes=HASHES[:4])
-    assert index.overlap_by_medium(PROMPT, ["a", "b"]) == {"a": (2, 1), "b": (4, 3)}
+    assert index.overlap_by_medium(PROMPT, ["a", "b"]) == {"a": (2, 1, 0), "b": (4, 3, 0)}
     assert index.apply("b", "i1", BS, [BlockRemoved(event_id=0, block_hashes=HASHES[:1])])
-    assert index.overlap_by_medium(PROMPT, ["b"]) == {"b": (4, 4)}
+    assert index.overlap_by_medium(PROMPT, ["b"]) == {"b": (4, 4, 0)}
+
+
+def test_a_block_only_the_disk_tier_holds_counts_apart_from_the_host_tiers():
+    index = PrefixIndex()
+    host, disk = Medium.HOST, Medium.DISK
+    events = [
+        stored(0, HASHES[:3]),
+        # Block 2 evicted to the host tier, then passed down to the disk tier.
+        BlockRemoved(event_id=1, block_hashes=HASHES[2:3]),
+        BlockStored(event_id=2, parent_hash=HASHES[1], block_hashes=HASHES[2:3], medium=host),
+        BlockRemoved(event_id=3, block_hashes=HASHES[2:3], medium=host),
+        BlockStored(event_id=4, parent_hash=HASHES[1], block_hashes=HASHES[2:3], medium=disk),
+        # Block 1 evicted to the host tier (held there and on the disk after a reload).
+        BlockRemoved(event_id=5, block_hashes=HASHES[1:2]),
+        BlockStored(event_id=6, parent_hash=HASHES[0], block_hashes=HASHES[1:2], medium=disk),
+        BlockStored(event_id=7, parent_hash=HASHES[0], block_hashes=HASHES[1:2], medium=host),
+    ]
+    assert index.apply("a", "i1", BS, events)
+    assert index.overlap_by_medium(PROMPT, ["a"]) == {"a": (3, 1, 1)}
+    gone = BlockRemoved(event_id=8, block_hashes=HASHES[2:3], medium=disk)
+    assert index.apply("a", "i1", BS, [gone])
+    assert index.overlap_by_medium(PROMPT, ["a"]) == {"a": (2, 1, 0)}
+    # A snapshot's disk part, and a tier this index does not know (a newer worker's),
+    # charged as the slowest it knows.
+    index.restore("b", "i1", BS, HASHES[:1], 0, HASHES[1:2], disk_block_hashes=HASHES[2:3])
+    assert index.overlap_by_medium(PROMPT, ["b"]) == {"b": (3, 1, 1)}
+    unknown = BlockStored(
+        event_id=0, parent_hash=HASHES[2], block_hashes=HASHES[3:4], medium=Medium.UNKNOWN
+    )
+    assert index.apply("b", "i1", BS, [unknown])
+    assert index.overlap_by_medium(PROMPT, ["b"]) == {"b": (4, 1, 2)}
 
 
 def test_a_gap_drops_the_worker_until_its_snapshot_and_keeps_later_events():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
-from lamina.services.engine_worker.engine.block_manager import NO_TRANSFERS, Transfers
+from lamina.services.engine_worker.engine.block_manager import NO_MOVES
+from lamina.services.engine_worker.engine.kv_tier import DEVICE, DISK, HOST
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.rank_group import pack, unpack
 from lamina.services.engine_worker.engine.request import Request
@@ -14,7 +15,7 @@ from lamina.services.engine_worker.engine.runner import StepInput
 
 
 def _step(
-    extra: list[int] | None, decodes_only: bool = False, transfers: Transfers = NO_TRANSFERS
+    extra: list[int] | None, decodes_only: bool = False, moves: np.ndarray = NO_MOVES
 ) -> StepInput:
     decode = Request("d", [1, 2, 3, 4, 5], SamplingParams(), max_tokens=8)
     decode.num_computed_tokens = 4
@@ -30,19 +31,21 @@ def _step(
         batch = ScheduledBatch(
             requests=[decode], num_new_tokens=[1], block_tables=[[3]], num_decodes=1
         )
-    return StepInput.of(batch, 16, extra, transfers)
+    return StepInput.of(batch, 16, extra, moves)
 
 
 def test_a_packed_step_unpacks_to_the_same_step():
-    moves = Transfers(np.array([[7, 8], [0, 1]]), np.array([[2], [7]]))  # save 7, 8; load 2
+    # Save device blocks 7 and 8 to the host tier, demote its slot 0, load disk slot 2.
+    moves = np.array([[DEVICE, 7, HOST, 0], [DEVICE, 8, HOST, 1], [HOST, 0, DISK, 3]]).T
+    moves = np.concatenate([moves, np.array([[DISK, 2, DEVICE, 7]]).T], axis=1)
     steps = (_step(None), _step([2, 4]), _step(None, decodes_only=True), _step(None, False, moves))
     for step in steps:
         got = unpack(pack(step))
         fields = ("ids", "positions", "slots", "num_new", "context", "table", "sampled")
-        for field in (*fields, "saves", "loads"):
+        for field in (*fields, "moves"):
             np.testing.assert_array_equal(getattr(got, field), getattr(step, field))
         assert got.table.shape == step.table.shape
-        assert got.saves.shape == step.saves.shape and got.loads.shape == step.loads.shape
+        assert got.moves.shape == step.moves.shape
         flags = ("num_decodes", "decodes_only", "all_sampled")
         assert [getattr(got, f) for f in flags] == [getattr(step, f) for f in flags]
         assert got.ids.flags.writeable  # torch takes it without a copy warning

@@ -8,11 +8,12 @@ Free blocks sit in one LRU queue; allocation takes from the front, so empty bloc
 placed there and cached ones at the back in the order they were released, and a cached
 block is only evicted (with a ``BlockRemoved`` event) when it is reused for something else.
 
-With a host tier (``kv_tier.py``), an evicted block is saved there first, and a prefix
-whose blocks are there is a hit too: each such block is loaded into a fresh device block
-before the step that reads it runs. This is the only place that decides what moves
-between the tiers; :meth:`BlockManager.take_transfers` hands a step's moves to the
-ranks, which copy their own share.
+With lower tiers (``kv_tier.py``: host memory, then local disk), an evicted block is
+saved one tier down first (what that tier evicts goes one lower still), and a prefix
+whose blocks are in a lower tier is a hit too: each such block is loaded into a fresh
+device block before the step that reads it runs. This is the only place that decides
+what moves between the tiers; :meth:`BlockManager.take_moves` hands a step's moves to
+the ranks, which copy their own share.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ from lamina.services.engine_worker.engine.kv_events import (
     BlockStored,
     KvEvent,
 )
-from lamina.services.engine_worker.engine.kv_tier import TierIndex
+from lamina.services.engine_worker.engine.kv_tier import DEVICE, TierIndex
 from lamina.services.engine_worker.engine.request import Request
 
 
 @dataclass(frozen=True)
 class PrefixHit:
     """The cached prefix of a request, block by block in token order: each block's hash,
-    and the device block that holds it, or None where the host tier does (a load)."""
+    and the device block that holds it, or None where a lower tier does (a load)."""
 
     hashes: list[int] = field(default_factory=list)
     blocks: list[int | None] = field(default_factory=list)
@@ -46,23 +47,15 @@ class PrefixHit:
 
     @property
     def loads(self) -> list[int]:
-        """The hashes that come from the host tier."""
+        """The hashes that come from a lower tier."""
         return [h for h, b in zip(self.hashes, self.blocks, strict=True) if b is None]
 
 
 NO_HIT = PrefixHit()
 
 
-@dataclass(frozen=True)
-class Transfers:
-    """A step's moves between the tiers, as ``(2, n)`` int64 arrays: ``saves`` (device
-    block, host slot), done first; then ``loads`` (host slot, device block)."""
-
-    saves: np.ndarray
-    loads: np.ndarray
-
-
-NO_TRANSFERS = Transfers(np.zeros((2, 0), dtype=np.int64), np.zeros((2, 0), dtype=np.int64))
+NO_MOVES = np.zeros((4, 0), dtype=np.int64)
+"""A step's moves between the tiers when there are none (``StepInput.moves``)."""
 
 
 class BlockManager:
@@ -73,17 +66,15 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        tier: TierIndex | None = None,
+        tiers: list[TierIndex] | None = None,
     ):
         self.num_blocks = num_blocks
-        self.tier = tier if enable_prefix_caching else None
-        """The host tier's bookkeeping (None: an evicted block is gone)."""
+        self.tiers = (tiers or []) if enable_prefix_caching else []
+        """The lower tiers' bookkeeping, fastest first (none: an evicted block is gone)."""
         self.parent_of: dict[int, int] = {}
         """A cached block's hash -> the hash before it (what its events name)."""
-        self._saves: list[tuple[int, int]] = []
-        self._loads: list[tuple[int, int]] = []
-        self.tier_loads = 0  # blocks loaded back from the host tier
-        self.tier_saves = 0  # blocks saved to it
+        self._moves: list[tuple[int, int, int, int]] = []
+        """The next step's moves: (source tier, its block or slot, target tier, ...)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -114,9 +105,17 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def tier(self, number: int) -> TierIndex | None:
+        """Lower tier ``number`` (``kv_tier.HOST``, ``DISK``), if this pool has it."""
+        return next((t for t in self.tiers if t.number == number), None)
+
+    def holder(self, block_hash: int) -> TierIndex | None:
+        """The fastest lower tier that holds ``block_hash``, if any."""
+        return next((t for t in self.tiers if block_hash in t), None)
+
     def match_prefix(self, request: Request) -> PrefixHit:
-        """The longest cached prefix of ``request``, each block on the device or in the
-        host tier.
+        """The longest cached prefix of ``request``, each block on the device or in a
+        lower tier.
 
         At least one token is always left to compute, since the step that computes the last
         prompt token is the one that produces the first output token's logits.
@@ -127,7 +126,7 @@ class BlockManager:
         hit = PrefixHit()
         for block_hash in request.block_hashes[:limit]:
             block_id = self.cached.get(block_hash)
-            if block_id is None and (self.tier is None or block_hash not in self.tier):
+            if block_id is None and self.holder(block_hash) is None:
                 break
             hit.hashes.append(block_hash)
             hit.blocks.append(block_id)
@@ -142,7 +141,7 @@ class BlockManager:
         when too few are free.
 
         For a request being admitted, ``hit`` is its prefix hit (from
-        :meth:`match_prefix`): its device blocks are shared and its host-tier blocks
+        :meth:`match_prefix`): its device blocks are shared and its lower tiers' blocks
         loaded into fresh ones, first in its table, and its computed tokens (the caller's
         to advance) will start after them.
         """
@@ -160,9 +159,9 @@ class BlockManager:
                 del self.free[block_id]
             self.ref_counts[block_id] += 1
         # Pinned before any block is taken: no save this step displaces them.
-        slots = {h: self.tier.take(h) for h in loads}  # type: ignore[union-attr]
+        sources = {h: (tier, tier.take(h)) for h in loads if (tier := self.holder(h))}
         prefix = [
-            self._load(h, slots[h]) if b is None else b
+            self._load(h, *sources[h]) if b is None else b
             for h, b in zip(hit.hashes, hit.blocks, strict=True)
         ]
         added = prefix + [self._take_free_block() for _ in range(need)]
@@ -170,16 +169,16 @@ class BlockManager:
             self._tables[request.request_id] = table + added
         return added
 
-    def _load(self, block_hash: int, slot: int) -> int:
-        """A fresh device block that the step loads ``block_hash`` into from ``slot``,
-        cached (and in use) from now on."""
+    def _load(self, block_hash: int, tier: TierIndex, slot: int) -> int:
+        """A fresh device block that the step loads ``block_hash`` into from ``tier``'s
+        ``slot``, cached (and in use) from now on."""
         block_id = self._take_free_block()
-        parent = self.tier.parent(block_hash)  # type: ignore[union-attr]
+        parent = tier.parent(block_hash)
         self.cached[block_hash] = block_id
         self.block_hash[block_id] = block_hash
         self.parent_of[block_hash] = parent
-        self._loads.append((slot, block_id))
-        self.tier_loads += 1
+        self._moves.append((tier.number, slot, DEVICE, block_id))
+        tier.loads += 1
         self._emit(
             BlockStored(event_id=self._event_id(), parent_hash=parent, block_hashes=[block_hash])
         )
@@ -198,32 +197,42 @@ class BlockManager:
             del self.cached[block_hash]
             self.block_hash[block_id] = None
             self._emit(BlockRemoved(event_id=self._event_id(), block_hashes=[block_hash]))
-            self._offload(block_id, block_hash, self.parent_of.pop(block_hash))
+            parent = self.parent_of.pop(block_hash)
+            if self.tiers:
+                self._save(0, (DEVICE, block_id), block_hash, parent)
         self.ref_counts[block_id] = 1
         return block_id
 
-    def _offload(self, block_id: int, block_hash: int, parent: int) -> None:
-        """Save an evicted block to the host tier, unless it holds it already (the tier
-        keeps what it loads back) or every slot is in use by this step (then it is gone,
-        as without a tier)."""
-        if self.tier is None or block_hash in self.tier:
+    def _save(self, level: int, source: tuple[int, int], block_hash: int, parent: int) -> None:
+        """Save a block leaving ``source`` (its tier, block or slot) to ``tiers[level]``,
+        unless that tier holds it already (the tiers keep what they load back); where
+        every slot there is in use by this step, one tier lower (below the last, it is
+        gone). What the save displaces goes one tier lower in turn (its copy out is made
+        first: ``kv_tier.MOVE_ORDER``)."""
+        tier = self.tiers[level]
+        if block_hash in tier:
             return
-        placed = self.tier.put(block_hash, parent)
+        placed = tier.put(block_hash, parent)
         if placed is None:
+            if level + 1 < len(self.tiers):
+                self._save(level + 1, source, block_hash, parent)
             return
         slot, displaced = placed
         if displaced is not None:
+            gone, gone_parent = displaced
             self._emit(
-                BlockRemoved(event_id=self._event_id(), block_hashes=[displaced], medium="host")
+                BlockRemoved(event_id=self._event_id(), block_hashes=[gone], medium=tier.medium)
             )
-        self._saves.append((block_id, slot))
-        self.tier_saves += 1
+            if level + 1 < len(self.tiers):
+                self._save(level + 1, (tier.number, slot), gone, gone_parent)
+        self._moves.append((*source, tier.number, slot))
+        tier.saves += 1
         self._emit(
             BlockStored(
                 event_id=self._event_id(),
                 parent_hash=parent,
                 block_hashes=[block_hash],
-                medium="host",
+                medium=tier.medium,
             )
         )
 
@@ -260,14 +269,16 @@ class BlockManager:
         self._flush_stored(run_parent, run)
         return placed
 
-    def take_transfers(self) -> Transfers:
+    def take_moves(self) -> np.ndarray:
         """The moves between tiers that the next step must make before it runs (it
-        reuses the blocks saved from, and reads the blocks loaded into)."""
-        if self.tier is None or not (self._saves or self._loads):
-            return NO_TRANSFERS
-        moves = Transfers(_pairs(self._saves), _pairs(self._loads))
-        self._saves, self._loads = [], []
-        self.tier.step_taken()
+        reuses the blocks saved from, and reads the blocks loaded into), as a ``(4, n)``
+        int64 array (``StepInput.moves``)."""
+        if not self._moves:
+            return NO_MOVES
+        moves = np.asarray(self._moves, dtype=np.int64).T.copy()
+        self._moves = []
+        for tier in self.tiers:
+            tier.step_taken()
         return moves
 
     def free_request(self, request: Request) -> None:
@@ -321,20 +332,20 @@ class BlockManager:
                 )
             )
 
-    def snapshot(self) -> tuple[list[int], list[int], int]:
-        """Every cached block's hash on the device, every one in the host tier, and the
-        id of the first event the lists do not cover (events not yet taken are already
-        reflected in them)."""
-        tiered = self.tier.hashes() if self.tier is not None else []
+    def snapshot(self) -> tuple[list[int], dict[str, list[int]], int]:
+        """Every cached block's hash on the device, every one in each lower tier (by its
+        medium), and the id of the first event the lists do not cover (events not yet
+        taken are already reflected in them)."""
+        tiered = {tier.medium: tier.hashes() for tier in self.tiers}
         return list(self.cached), tiered, self._next_event_id
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash, in both tiers; blocks in use stay with their
+        """Forget every cached hash, in every tier; blocks in use stay with their
         requests (moves already decided still run: they touch no hash)."""
         self.cached.clear()
         self.parent_of.clear()
-        if self.tier is not None:
-            self.tier.forget()
+        for tier in self.tiers:
+            tier.forget()
         self.block_hash = [None] * self.num_blocks
         # All free blocks are now empty: their order no longer matters.
         self._emit(AllBlocksCleared(event_id=self._event_id()))
@@ -351,8 +362,3 @@ class BlockManager:
         """KV events since the last call, numbered without gaps."""
         events, self._events = self._events, []
         return events
-
-
-def _pairs(moves: list[tuple[int, int]]) -> np.ndarray:
-    """``[(a, b), ...]`` as a ``(2, n)`` int64 array."""
-    return np.asarray(moves, dtype=np.int64).reshape(-1, 2).T.copy()

@@ -66,12 +66,17 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     """On CUDA with no explicit budget: the fraction of device memory the engine may use."""
     kv_offload_bytes: int = 0
-    """Host memory for a second KV tier, per rank (``kv_tier.py``): prefix blocks evicted
-    from the device pool are saved there, and a prefix found there is loaded back instead
-    of computed. 0: no tier (an evicted block is gone)."""
+    """Host memory for a second KV tier, per rank (``kv_tier.py``; pinned on CUDA):
+    prefix blocks evicted from the device pool are saved there, and a prefix found there
+    is loaded back instead of computed. 0: no host tier."""
+    kv_offload_disk_bytes: int = 0
+    """Local disk for a third KV tier below the host tier, per rank: a file under
+    ``kv_offload_dir`` (mapped: the OS pages it to disk) that takes the blocks the host
+    tier evicts (the device pool's, with no host tier). 0: no disk tier (with neither
+    tier, an evicted block is gone)."""
     kv_offload_dir: str = ""
-    """Keep the host tier in a file under this directory (mapped: the OS pages it to
-    local disk) instead of anonymous memory (pinned, on CUDA)."""
+    """The directory the disk tier's file is made in (and unlinked from at once: it
+    lives while the worker maps it). Required with ``kv_offload_disk_bytes``."""
     num_kv_blocks: int | None = None
     """Exact number of KV blocks, overriding ``kv_cache_memory_bytes`` (tests, tiny pools)."""
     max_num_batched_tokens: int = 2048
@@ -144,8 +149,15 @@ class EngineConfig:
                 f"pipeline_parallel_size ({self.pipeline_parallel_size}): the first stage is "
                 "this worker's"
             )
-        if self.kv_offload_bytes < 0:
-            raise ValueError(f"kv_offload_bytes ({self.kv_offload_bytes}) must be 0 or more")
+        for name in ("kv_offload_bytes", "kv_offload_disk_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be 0 or more")
+        if bool(self.kv_offload_disk_bytes) != bool(self.kv_offload_dir):
+            raise ValueError(
+                "kv_offload_disk_bytes and kv_offload_dir go together: the disk tier's size "
+                "and the directory its file is made in (the host tier, kv_offload_bytes, "
+                "is in memory)"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +34,14 @@ from lamina.services.engine_worker.engine.errors import (
 )
 from lamina.services.engine_worker.engine.grammar import BatchMasks, GrammarState
 from lamina.services.engine_worker.engine.kv_events import KvEvent
-from lamina.services.engine_worker.engine.kv_tier import KvBlocks, TierIndex, cache_layout
+from lamina.services.engine_worker.engine.kv_tier import (
+    DEVICE,
+    DISK,
+    HOST,
+    KvBlocks,
+    TierIndex,
+    cache_layout,
+)
 from lamina.services.engine_worker.engine.outputs import (
     STEP_TOKEN_BUCKETS,
     EngineStats,
@@ -46,7 +54,7 @@ from lamina.services.engine_worker.engine.params import FinishReason, SamplingPa
 from lamina.services.engine_worker.engine.rank_group import RankGroup, rank_device
 from lamina.services.engine_worker.engine.remote_ranks import Rendezvous
 from lamina.services.engine_worker.engine.request import EngineRequest, Request
-from lamina.services.engine_worker.engine.runner import StepInput
+from lamina.services.engine_worker.engine.runner import ModelRunner, StepInput
 from lamina.services.engine_worker.engine.sampler import SampledLogprob, Sampler, SamplerOutput
 from lamina.services.engine_worker.engine.shard import load_shard
 from lamina.services.engine_worker.engine.spec import EngineSpec, RankInfo
@@ -84,9 +92,9 @@ class Engine:
         try:
             tp, pp = (self.ranks.tp, self.ranks.pp) if self.ranks else (SINGLE, WHOLE)
             shard = load_shard(config, tp, pp, self.device)
-            num_blocks, host_slots = shard.max_blocks, shard.host_slots()
+            num_blocks, tier_slots = shard.max_blocks, shard.tier_slots()
             if self.ranks is not None:
-                num_blocks = self.ranks.agree_blocks(num_blocks, host_slots)
+                num_blocks = self.ranks.agree_blocks(num_blocks, tier_slots)
             max_model_len, bs = shard.max_model_len, config.block_size
             if num_blocks * bs < max_model_len:
                 raise ValueError(
@@ -94,7 +102,7 @@ class Engine:
                     f"max_model_len ({max_model_len}) sequence needs; raise "
                     "kv_cache_memory_bytes or lower max_model_len"
                 )
-            self.runner = shard.runner(num_blocks, host_slots)
+            self.runner = shard.runner(num_blocks, tier_slots)
         except BaseException:
             self.close()
             raise
@@ -105,7 +113,7 @@ class Engine:
             num_blocks - 1 if shard.graphs else num_blocks,
             bs,
             config.enable_prefix_caching,
-            TierIndex(host_slots) if host_slots else None,
+            [TierIndex(slots, number) for number, slots in sorted(tier_slots.items())],
         )
         self.scheduler = BatchScheduler(
             self.blocks,
@@ -287,7 +295,7 @@ class Engine:
     def _start(self, batch: ScheduledBatch, extra: list[int] | None) -> Callable[[], torch.Tensor]:
         """Run this process's share of ``batch`` (with pipeline stages, the first);
         what it returns waits for the logits (:meth:`forward`'s)."""
-        step = StepInput.of(batch, self.config.block_size, extra, self.blocks.take_transfers())
+        step = StepInput.of(batch, self.config.block_size, extra, self.blocks.take_moves())
         if self.ranks is not None:
             return self.ranks.launch(step, self.runner)
         logits = self.runner.run(step)
@@ -480,13 +488,8 @@ class Engine:
             generation_tokens_total=self._generation_tokens,
             prefill_tokens_per_s=self._prefill_rate,
             decode_tokens_per_s=self._decode_rate,
-            host_kv_blocks=blocks.tier.capacity if blocks.tier is not None else 0,
-            host_kv_blocks_used=len(blocks.tier) if blocks.tier is not None else 0,
-            host_kv_loads_total=blocks.tier_loads,
-            host_kv_saves_total=blocks.tier_saves,
-            host_kv_load_blocks_per_s=(
-                runner.loaded_blocks / runner.load_seconds if runner.load_seconds else 0.0
-            ),
+            **_tier_stats(blocks.tier(HOST), runner, "host"),
+            **_tier_stats(blocks.tier(DISK), runner, "disk"),
         )
 
     def take_kv_events(self) -> list[KvEvent]:
@@ -496,34 +499,35 @@ class Engine:
     # -------------------------------------------------------------------- KV that moves
     def export_blocks(self, hashes: list[int]) -> KvBlocks:
         """The leading run of ``hashes`` (a sequence's block hashes, from its start) that
-        this engine holds, on its device or in its host tier, copied to the host: for
+        this engine holds, on its device or in a lower tier, copied to the host: for
         another engine to :meth:`import_blocks`. Moves between the tiers that a step was
         to make are made first, so each block holds what its hash says."""
         self._one_rank("export")
-        tier = self.blocks.tier
-        where: list[tuple[bool, int]] = []  # (on the device, its block id or host slot)
+        blocks = self.blocks
+        where: list[tuple[int, int]] = []  # (its tier, its block id or slot there)
         for block_hash in hashes:
-            block_id = self.blocks.cached.get(block_hash)
+            block_id = blocks.cached.get(block_hash)
+            tier = blocks.holder(block_hash) if block_id is None else None
             if block_id is not None:
-                where.append((True, block_id))
-            elif tier is not None and (slot := tier.slot(block_hash)) is not None:
-                where.append((False, slot))
+                where.append((DEVICE, block_id))
+            elif tier is not None:
+                where.append((tier.number, tier.slot(block_hash)))  # type: ignore[arg-type]
             else:
                 break
         self._make_pending_moves()
         runner = self.runner
-        host = runner.host
-        if host is not None and self.device.type == "cuda":
+        if runner.tiers and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the saves are queued
+        stores = {number: runner.storage(number) for number in {DEVICE, *(n for n, _ in where)}}
         layers = range(len(runner.kv_caches))
         return KvBlocks(
             cache_layout(runner.kv_caches, self.config.block_size),
             ROOT_HASH,
             hashes[: len(where)],
-            [_gather(runner.kv_caches[i], host.caches[i] if host else None, where) for i in layers],
+            [_gather({n: c[i] for n, (c, _) in stores.items()}, where) for i in layers],
             [
-                _gather(runner.kv_scales[i], host.scales[i] if host else None, where)
-                if _per_block_scales(runner.kv_scales[i])
+                _gather({n: s[i] for n, (_, s) in stores.items()}, where)  # type: ignore[misc]
+                if runner.block_scales[i] is not None
                 else None
                 for i in layers
             ],
@@ -553,8 +557,7 @@ class Engine:
 
     def _make_pending_moves(self) -> None:
         """Make now the moves between the tiers that the next step would make first."""
-        moves = self.blocks.take_transfers()
-        self.runner.transfer(moves.saves, moves.loads)
+        self.runner.transfer(self.blocks.take_moves())
 
     def _one_rank(self, what: str) -> None:
         if self.ranks is not None:
@@ -602,22 +605,30 @@ def _timings(request: Request) -> Timings:
     )
 
 
-def _per_block_scales(scales: torch.Tensor | None) -> bool:
-    """Whether a layer's cache has per-block scales (an int8 cache's; others' scales are
-    per layer and fixed by the checkpoint: nothing to carry)."""
-    return scales is not None and scales.dim() == 3
+def _tier_stats(tier: TierIndex | None, runner: ModelRunner, medium: str) -> dict[str, Any]:
+    """A lower tier's :class:`EngineStats` fields, named for its ``medium`` (none where
+    the engine has no such tier: their defaults say so)."""
+    if tier is None:
+        return {}
+    figures = {
+        "blocks": tier.capacity,
+        "blocks_used": len(tier),
+        "loads_total": tier.loads,
+        "saves_total": tier.saves,
+        "load_blocks_per_s": runner.load_rate(tier.number),
+    }
+    return {f"{medium}_kv_{name}": value for name, value in figures.items()}
 
 
-def _gather(
-    device: torch.Tensor, host: torch.Tensor | None, where: list[tuple[bool, int]]
-) -> torch.Tensor:
-    """The blocks ``where`` names (dimension 1: device blocks, or host-tier slots of
-    ``host``), in order, on the host."""
-    out = torch.empty((device.shape[0], len(where), *device.shape[2:]), dtype=device.dtype)
-    for on_device, source in ((True, device), (False, host)):
-        rows = [n for n, (d, _) in enumerate(where) if d == on_device]
+def _gather(sources: dict[int, torch.Tensor], where: list[tuple[int, int]]) -> torch.Tensor:
+    """The blocks ``where`` names (a tier and a block or slot there: dimension 1 of that
+    tier's tensor in ``sources``, the device's always among them), in order, on the
+    host."""
+    like = sources[DEVICE]
+    out = torch.empty((like.shape[0], len(where), *like.shape[2:]), dtype=like.dtype)
+    for number, source in sources.items():
+        rows = [n for n, (t, _) in enumerate(where) if t == number]
         if rows:
-            assert source is not None, "a host slot without a host tier"
             index = torch.tensor([where[n][1] for n in rows], device=source.device)
             out[:, rows] = source.index_select(1, index).cpu()
     return out

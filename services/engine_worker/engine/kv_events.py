@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Medium = Literal["device", "host"]
-"""Where a cached block is: the device pool, or the host tier (``kv_tier.py``)."""
+Medium = Literal["device", "host", "disk"]
+"""Where a cached block is: the device pool, or a lower tier (``kv_tier.py``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,20 +1,28 @@
-"""The KV cache's second tier: host memory, or a file on local disk, holding prefix blocks
-evicted from the device pool, so that a later request with the same prefix loads them
-back instead of computing them again (vLLM's CPU offloading, SGLang's HiCache, LMCache).
+"""The KV cache's lower tiers: host memory, then a file on local disk, holding prefix
+blocks evicted from the device pool, so that a later request with the same prefix loads
+them back instead of computing them again (vLLM's CPU offloading, SGLang's HiCache,
+LMCache, Dynamo's KV block manager).
+
+Blocks move down one tier at a time, least recently used first: the device pool's
+evicted blocks go to the host tier, the host tier's to the disk tier, and the disk
+tier's are gone. Either lower tier may be absent (then blocks skip it). A hit in either
+loads straight into the device pool, and the tier keeps its copy (the tiers are
+inclusive: evicting the block again costs nothing).
 
 Two halves, as with the device pool:
 
 * :class:`TierIndex` is the bookkeeping, on the driver only (the block manager's): which
-  block hash each slot holds, least recently used first, and the slots a step is moving.
-* :class:`HostPool` is the storage, on every rank: per layer, the same ``(2, slots, block,
-  KV heads, head dim)`` layout as the device pool (and int8 caches' per-block scales),
-  in host memory (pinned on CUDA, so that copies run on the stream without the host) or,
-  with a directory, in a file mapped shared (the OS pages it to local disk).
+  block hash each slot of one tier holds, least recently used first, and the slots a
+  step is moving.
+* :class:`TierPool` is the storage, on every rank: per layer, the same ``(2, slots,
+  block, KV heads, head dim)`` layout as the device pool (and int8 caches' per-block
+  scales), in host memory (pinned on CUDA, so that copies run on the stream without the
+  host) or, for the disk tier, in a file mapped shared (the OS pages it to local disk).
 
-A step carries what moves (``StepInput.saves``: device block → slot, ``loads``: slot →
-device block) and every rank copies its own layers and KV heads before it runs the step:
-saves first, since a block the step reuses was saved from; then loads. The tier is
-inclusive: a block loaded back keeps its slot, so evicting it again costs nothing.
+A step carries what moves (``StepInput.moves``: rows of source tier, source block or
+slot, target tier, target block or slot; tier 0 is the device) and every rank copies its
+own layers and KV heads before it runs the step, in the order :data:`MOVE_ORDER` gives:
+a slot or block is only reused after what it held was copied out of it.
 """
 
 from __future__ import annotations
@@ -28,12 +36,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
+DEVICE, HOST, DISK = 0, 1, 2
+"""Tier numbers in a step's moves."""
+MEDIA = {DEVICE: "device", HOST: "host", DISK: "disk"}
+"""Each tier's name in KV events and stats."""
+MOVE_ORDER = ((HOST, DISK), (DEVICE, HOST), (DEVICE, DISK), (HOST, DEVICE), (DISK, DEVICE))
+"""(source, target) tiers, in the order a step's moves are made: the host tier's evicted
+blocks go down before its slots take the device's evicted blocks, and those are saved
+before their device blocks take the loads. A slot a step writes or reads is pinned in its
+tier's index, so no two moves of one kind touch the same slot."""
+
 
 class TierIndex:
-    """Which block hash each of ``capacity`` slots holds, least recently used first."""
+    """Which block hash each of ``capacity`` slots of tier ``number`` holds, least
+    recently used first."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, number: int = HOST) -> None:
         self.capacity = capacity
+        self.number = number
+        self.medium = MEDIA[number]
+        self.loads = 0
+        """Blocks loaded back from this tier (cumulative)."""
+        self.saves = 0
+        """Blocks saved to it (cumulative)."""
         self._slots: OrderedDict[int, tuple[int, int]] = OrderedDict()
         """Block hash -> (slot, its parent's hash), least recently used first."""
         self._free = list(range(capacity - 1, -1, -1))
@@ -63,18 +88,19 @@ class TierIndex:
         self._pinned.add(slot)
         return slot
 
-    def put(self, block_hash: int, parent: int) -> tuple[int, int | None] | None:
-        """A slot for ``block_hash`` (a save writes it) and the hash it displaced, if any:
-        a free slot, else the least recently used one no step is moving. None: every
-        slot is pinned (the block is dropped, as without a tier)."""
+    def put(self, block_hash: int, parent: int) -> tuple[int, tuple[int, int] | None] | None:
+        """A slot for ``block_hash`` (a save writes it) and the block it displaced, if
+        any, as ``(hash, parent)``: a free slot, else the least recently used one no step
+        is moving. None: every slot is pinned (the block goes no lower)."""
+        displaced = None
         if self._free:
-            slot, displaced = self._free.pop(), None
+            slot = self._free.pop()
         else:
             victim = next((h for h, (s, _) in self._slots.items() if s not in self._pinned), None)
             if victim is None:
                 return None
-            slot, _ = self._slots.pop(victim)
-            displaced = victim
+            slot, victim_parent = self._slots.pop(victim)
+            displaced = (victim, victim_parent)
         self._slots[block_hash] = (slot, parent)
         self._pinned.add(slot)
         return slot, displaced
@@ -94,9 +120,10 @@ class TierIndex:
         self._pinned.clear()
 
 
-class HostPool:
-    """``slots`` blocks of each of ``caches``' layers (and per-block ``scales``), in host
-    memory or in a file under ``directory`` (removed at once: it lives while mapped)."""
+class TierPool:
+    """``slots`` blocks of each of ``caches``' layers (and int8 caches' per-block
+    ``scales``), in host memory or in a file under ``directory`` (removed at once: it
+    lives while mapped)."""
 
     def __init__(
         self,
@@ -109,37 +136,24 @@ class HostPool:
         shapes = [(c.shape[0], slots, *c.shape[2:]) for c in caches]
         self.caches = _allocate(shapes, caches[0].dtype, pin, directory)
         self.scales: list[torch.Tensor | None] = [None] * len(scales)
-        if any(s is not None and s.dim() == 3 for s in scales):  # int8: per block
+        if any(s is not None for s in scales):
             shapes = [(s.shape[0], slots, s.shape[2]) for s in scales]  # type: ignore[union-attr]
             self.scales = _allocate(shapes, torch.float32, pin, directory)  # type: ignore[assignment]
 
-    def save(
-        self,
-        caches: list[torch.Tensor],
-        scales: list[torch.Tensor | None],
-        blocks: np.ndarray,
-        slots: np.ndarray,
-    ) -> None:
-        """Device blocks ``blocks`` into ``slots`` (on CUDA, queued on the stream)."""
-        for layer, cache in enumerate(caches):
-            _move(cache, blocks, self.caches[layer], slots)
-            host = self.scales[layer]
-            if host is not None:
-                _move(scales[layer], blocks, host, slots)  # type: ignore[arg-type]
 
-    def load(
-        self,
-        caches: list[torch.Tensor],
-        scales: list[torch.Tensor | None],
-        slots: np.ndarray,
-        blocks: np.ndarray,
-    ) -> None:
-        """``slots`` into device blocks ``blocks`` (on CUDA, queued on the stream)."""
-        for layer, cache in enumerate(caches):
-            _move(self.caches[layer], slots, cache, blocks)
-            host = self.scales[layer]
-            if host is not None:
-                _move(host, slots, scales[layer], blocks)  # type: ignore[arg-type]
+def copy_blocks(
+    source: tuple[list[torch.Tensor], list[torch.Tensor | None]],
+    rows: np.ndarray,
+    target: tuple[list[torch.Tensor], list[torch.Tensor | None]],
+    into: np.ndarray,
+) -> None:
+    """Blocks ``rows`` of ``source`` (per layer, caches and per-block scales or None)
+    into blocks ``into`` of ``target`` (across devices: queued on the stream on CUDA)."""
+    for layer, cache in enumerate(source[0]):
+        _move(cache, rows, target[0][layer], into)
+        scales = source[1][layer]
+        if scales is not None:
+            _move(scales, rows, target[1][layer], into)  # type: ignore[arg-type]
 
 
 def _move(source: torch.Tensor, rows: np.ndarray, target: torch.Tensor, into: np.ndarray) -> None:

@@ -95,6 +95,16 @@ class EngineStats:
     """Evicted blocks saved to the host tier."""
     host_kv_load_blocks_per_s: float = 0.0
     """How fast this rank's loads from the host tier ran, where it times them."""
+    disk_kv_blocks: int = 0
+    """The disk tier's capacity, in blocks (0: none)."""
+    disk_kv_blocks_used: int = 0
+    disk_kv_loads_total: int = 0
+    """Blocks loaded back from the disk tier instead of computed."""
+    disk_kv_saves_total: int = 0
+    """Blocks saved to the disk tier (evicted from the host tier, or from the device
+    where there is none)."""
+    disk_kv_load_blocks_per_s: float = 0.0
+    """How fast this rank's loads from the disk tier ran, where it times them."""
 
     @property
     def prefix_cache_hit_ratio(self) -> float:

@@ -79,7 +79,7 @@ from lamina.services.engine_worker.engine.spec import RankInfo
 
 log = logging.getLogger("lamina.worker.ranks")
 
-_HEADER = 8  # int64s: tokens, sequences, table width, sampled rows, decodes, flags, saves, loads
+_HEADER = 7  # int64s: tokens, sequences, table width, sampled rows, decodes, flags, moves
 MAX_SEGMENT_SLOT = 64 << 20
 """Most bytes of one all-reduce through shared memory (per rank and bank)."""
 START_TIMEOUT_S = 900.0
@@ -110,13 +110,12 @@ def pack(step: StepInput) -> bytes:
             len(step.sampled),
             step.num_decodes,
             int(step.decodes_only) | int(step.all_sampled) << 1,
-            step.saves.shape[1],
-            step.loads.shape[1],
+            step.moves.shape[1],
         ],
         dtype=np.int64,
     )
     parts = (step.ids, step.positions, step.slots, step.num_new, step.context, step.table)
-    parts += (step.sampled, step.saves, step.loads)
+    parts += (step.sampled, step.moves)
     arrays = [np.ascontiguousarray(a, dtype=np.int64).ravel() for a in parts]
     return np.concatenate([header, *arrays]).tobytes()
 
@@ -124,10 +123,10 @@ def pack(step: StepInput) -> bytes:
 def unpack(buffer: bytes) -> StepInput:
     """The :class:`StepInput` :func:`pack` made ``buffer`` from."""
     flat = np.frombuffer(bytearray(buffer), dtype=np.int64)  # writable: torch reads it
-    tokens, seqs, width, sampled, decodes, flags, saves, loads = (int(v) for v in flat[:_HEADER])
-    sizes = (tokens, tokens, tokens, seqs, seqs, seqs * width, sampled, 2 * saves, 2 * loads)
+    tokens, seqs, width, sampled, decodes, flags, moves = (int(v) for v in flat[:_HEADER])
+    sizes = (tokens, tokens, tokens, seqs, seqs, seqs * width, sampled, 4 * moves)
     ends = np.cumsum((_HEADER, *sizes))
-    ids, positions, slots, num_new, context, table, rows, saved, loaded = (
+    ids, positions, slots, num_new, context, table, rows, moved = (
         flat[start:end] for start, end in itertools.pairwise(ends)
     )
     return StepInput(
@@ -141,8 +140,7 @@ def unpack(buffer: bytes) -> StepInput:
         num_decodes=decodes,
         decodes_only=bool(flags & 1),
         all_sampled=bool(flags & 2),
-        saves=saved.reshape(2, saves),
-        loads=loaded.reshape(2, loads),
+        moves=moved.reshape(4, moves),
     )
 
 
@@ -259,17 +257,17 @@ class RankGroup:
         for rank, conn in joined.items():
             self._pipes[rank - 1] = conn
 
-    def agree_blocks(self, num_blocks: int, host_slots: int = 0) -> int:
+    def agree_blocks(self, num_blocks: int, tier_slots: dict[int, int] | None = None) -> int:
         """Wait for every rank to load its shard (one that cannot: :class:`RankStartError`),
         then give each the KV blocks every rank's pool will have: the least any rank (this
-        one's ``num_blocks`` included) can hold, and the driver's ``host_slots`` of host
-        tier (one slot holds a block of the driver's stage, the first: as many layers as
-        any). Each rank then builds its pool."""
+        one's ``num_blocks`` included) can hold, and the driver's ``tier_slots`` of each
+        lower tier (one slot holds a block of the driver's stage, the first: as many
+        layers as any). Each rank then builds its pool."""
         try:
             loaded = [self._receive(rank, "loaded") for rank in range(1, self.size)]
             agreed = min([num_blocks, *(capacity for _, capacity in loaded)])
             for pipe in self._pipes:
-                pipe.send((agreed, host_slots))  # type: ignore[union-attr]
+                pipe.send((agreed, tier_slots or {}))  # type: ignore[union-attr]
             self.ranks = [self._receive(rank, "ready") for rank in range(1, self.size)]
         except BaseException:
             self.close()
@@ -528,12 +526,12 @@ def rank_main(
         shard = load_shard(config, tp, pp, device)
         info = RankInfo(rank, host, str(device), os.getpid(), shard.weight_bytes, stage=pp.stage)
         pipe.send(("loaded", (info, shard.max_blocks)))
-        num_blocks, host_slots = pipe.recv()
+        num_blocks, tier_slots = pipe.recv()
         # Sent once every rank has loaded, so has mapped its stage's segment: remove it,
         # so that nothing is left in /dev/shm however the stage's ranks end.
         if segments[pp.stage] is not None and tp.rank == 0:
             segments[pp.stage].unlink(missing_ok=True)  # type: ignore[union-attr]
-        runner = shard.runner(num_blocks, host_slots)
+        runner = shard.runner(num_blocks, tier_slots)
         pipe.send(("ready", dataclasses.replace(info, kv_bytes=num_blocks * shard.block_bytes)))
         sends_logits = pp.last and not pp.first and tp.rank == 0  # to the driver
         while True:

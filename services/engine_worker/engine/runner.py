@@ -12,9 +12,15 @@ import torch
 from lamina.kernels.reference import AttentionMetadata, kv_quant
 from lamina.kernels.transfer import upload
 from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
-from lamina.services.engine_worker.engine.block_manager import NO_TRANSFERS, Transfers
+from lamina.services.engine_worker.engine.block_manager import NO_MOVES
 from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
-from lamina.services.engine_worker.engine.kv_tier import HostPool
+from lamina.services.engine_worker.engine.kv_tier import (
+    DEVICE,
+    HOST,
+    MOVE_ORDER,
+    TierPool,
+    copy_blocks,
+)
 from lamina.services.engine_worker.engine.model import CausalLM
 
 
@@ -60,37 +66,57 @@ class ModelRunner:
                 if scales is not None:
                     self.kv_scales[layer].copy_(scales)
         self._block_writes = kind == "int8"
-        self.host: HostPool | None = None
-        """The host tier's storage for this rank's KV (:meth:`add_host_tier`)."""
-        self.loaded_blocks, self.load_seconds = 0, 0.0
-        """Blocks loaded from the host tier, and the time their copies took (timed on a
-        CPU device only)."""
+        self.block_scales = [s if self._block_writes else None for s in self.kv_scales]
+        """Per layer, the scales that belong to each block (int8's), which move with it."""
+        self.tiers: dict[int, TierPool] = {}
+        """The lower tiers' storage for this rank's KV, by tier number (:meth:`add_tier`)."""
+        self.load_timing: dict[int, list[float]] = {}
+        """Per lower tier: blocks loaded from it, and the seconds their copies took (timed
+        on a CPU device only: on a GPU they are queued)."""
         self.decode_graphs: DecodeGraphs | None = None
         """Set by the engine when decode-only steps run from CUDA graphs."""
 
-    def add_host_tier(self, slots: int, directory: Path | None = None) -> None:
-        """A host tier of ``slots`` blocks of this rank's KV (in a file under
-        ``directory``, if given)."""
-        self.host = HostPool(self.kv_caches, self.kv_scales, slots, directory)
+    def add_tier(self, number: int, slots: int, directory: Path | None = None) -> None:
+        """Lower tier ``number`` (``kv_tier.HOST`` or ``DISK``) of ``slots`` blocks of this
+        rank's KV (in a file under ``directory``, if given)."""
+        self.tiers[number] = TierPool(self.kv_caches, self.block_scales, slots, directory)
+        self.load_timing[number] = [0, 0.0]
 
-    def transfer(self, saves: np.ndarray, loads: np.ndarray) -> None:
-        """Moves between the tiers (``(2, n)`` each: see :class:`StepInput`), saves
-        first."""
-        if self.host is None:
+    def storage(self, tier: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Tier ``tier``'s caches and per-block scales, per layer (0: the device pool)."""
+        if tier == DEVICE:
+            return self.kv_caches, self.block_scales
+        pool = self.tiers[tier]
+        return pool.caches, pool.scales
+
+    def transfer(self, moves: np.ndarray) -> None:
+        """A step's moves between the tiers (``(4, n)``: see :attr:`StepInput.moves`),
+        kind by kind in ``MOVE_ORDER``."""
+        if not moves.shape[1]:
             return
-        if saves.shape[1]:
-            self.host.save(self.kv_caches, self.kv_scales, saves[0], saves[1])
-        if loads.shape[1]:
+        for source, target in MOVE_ORDER:
+            picked = moves[:, (moves[0] == source) & (moves[2] == target)]
+            if not picked.shape[1]:
+                continue
+            if source == HOST and self.device.type == "cuda":
+                # The host reads slots that earlier steps' saves may still be writing.
+                torch.cuda.current_stream(self.device).synchronize()
             started = time.perf_counter()
-            self.host.load(self.kv_caches, self.kv_scales, loads[0], loads[1])
-            if self.device.type == "cpu":  # on a GPU the copies are queued, not done
-                self.load_seconds += time.perf_counter() - started
-                self.loaded_blocks += loads.shape[1]
+            copy_blocks(self.storage(source), picked[1], self.storage(target), picked[3])
+            if target == DEVICE and self.device.type == "cpu":
+                timing = self.load_timing[source]
+                timing[0] += picked.shape[1]
+                timing[1] += time.perf_counter() - started
+
+    def load_rate(self, tier: int) -> float:
+        """Blocks per second this rank's loads from ``tier`` ran at (0: none timed)."""
+        blocks, seconds = self.load_timing.get(tier, (0, 0.0))
+        return blocks / seconds if seconds else 0.0
 
     def run(self, step: StepInput) -> torch.Tensor:
         """The model over one step's input (this rank's share): the logits of its
         ``sampled`` rows (``Engine.forward``), after the step's moves between the tiers."""
-        self.transfer(step.saves, step.loads)
+        self.transfer(step.moves)
         graphs = self.decode_graphs
         if graphs is not None and step.decodes_only and graphs.bucket(len(step.ids)):
             return graphs.run(step.ids, step.positions, step.slots, step.context, step.table)
@@ -150,10 +176,9 @@ class StepInput:
     """Every sequence decodes one token and nothing extra is asked for."""
     all_sampled: bool
     """Every sequence finishes its tokens this step."""
-    saves: np.ndarray = field(default_factory=lambda: NO_TRANSFERS.saves)
-    """``(2, n)``: device blocks to save to the host tier first, and their slots."""
-    loads: np.ndarray = field(default_factory=lambda: NO_TRANSFERS.loads)
-    """``(2, n)``: host slots to load into device blocks next, before the model runs."""
+    moves: np.ndarray = field(default_factory=lambda: NO_MOVES)
+    """``(4, n)``: blocks to copy between the tiers before the model runs, a column each:
+    source tier, block or slot there, target tier, block or slot there (``kv_tier``)."""
 
     @classmethod
     def of(
@@ -161,7 +186,7 @@ class StepInput:
         batch: ScheduledBatch,
         block_size: int,
         extra: list[int] | None,
-        transfers: Transfers = NO_TRANSFERS,
+        moves: np.ndarray = NO_MOVES,
     ) -> StepInput:
         requests, num_new = batch.requests, batch.num_new_tokens
         context = [r.num_computed_tokens for r in requests]
@@ -193,6 +218,5 @@ class StepInput:
             num_decodes=batch.num_decodes,
             decodes_only=batch.num_decodes == len(requests) and not extra,
             all_sampled=bool(done.all()),
-            saves=transfers.saves,
-            loads=transfers.loads,
+            moves=moves,
         )

@@ -13,6 +13,7 @@ import torch
 
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
+from lamina.services.engine_worker.engine.kv_tier import DISK, HOST
 from lamina.services.engine_worker.engine.loader import CheckpointTensors
 from lamina.services.engine_worker.engine.model import CausalLM
 from lamina.services.engine_worker.engine.model_config import DTYPES, ModelConfig
@@ -50,20 +51,22 @@ class Shard:
         """Whether decode steps replay CUDA graphs (the pool's last block pads them)."""
         return self.config.graphs_for(self.device, self.model.ops.backend)
 
-    def host_slots(self) -> int:
-        """The host tier's blocks in this rank's ``kv_offload_bytes``."""
-        return self.config.kv_offload_bytes // self.block_bytes
+    def tier_slots(self) -> dict[int, int]:
+        """The blocks each lower tier (by number: ``kv_tier.HOST``, ``DISK``) holds in
+        this rank's ``kv_offload_bytes`` and ``kv_offload_disk_bytes``; none where 0."""
+        budgets = {HOST: self.config.kv_offload_bytes, DISK: self.config.kv_offload_disk_bytes}
+        slots = {number: budget // self.block_bytes for number, budget in budgets.items()}
+        return {number: n for number, n in slots.items() if n}
 
-    def runner(self, num_blocks: int, host_slots: int = 0) -> ModelRunner:
+    def runner(self, num_blocks: int, tier_slots: dict[int, int] | None = None) -> ModelRunner:
         """The KV pool of ``num_blocks`` blocks and the runner over it (with its decode
-        graphs, captured now, where they apply), and a host tier of ``host_slots``."""
+        graphs, captured now, where they apply), and lower tiers of ``tier_slots``."""
         config = self.config
         runner = ModelRunner(
             self.model, num_blocks, config.block_size, self.device, config.kv_cache_dtype
         )
-        if host_slots:
-            directory = Path(config.kv_offload_dir) if config.kv_offload_dir else None
-            runner.add_host_tier(host_slots, directory)
+        for number, slots in (tier_slots or {}).items():
+            runner.add_tier(number, slots, Path(config.kv_offload_dir) if number == DISK else None)
         if self.graphs:
             runner.decode_graphs = DecodeGraphs(
                 self.model,
