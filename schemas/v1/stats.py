@@ -160,9 +160,10 @@ class WorkerStats(Message, gc=False):
     """Blocks per second its loads from the disk tier took, measured (as
     ``host_kv_load_blocks_per_s``)."""
     kv_layout: Id = ""
-    """``block_size/dtype/layers/KV heads/head dim`` of its KV cache: blocks move only
-    between workers whose layouts are equal. Empty: its KV cannot move (a parallel
-    engine's blocks are split across its ranks)."""
+    """``block_size/dtype/layers/KV heads/head dim`` of its whole KV blocks (a parallel
+    worker's ranks' shares move together): blocks move only between workers whose
+    layouts are equal, however each is split. Empty: its KV cannot move (an older
+    worker)."""
     kv_address: Id = ""
     """``host:port`` its KV transfer listener takes receivers on (empty: it sends none)."""
     kv_fetches_total: Count = 0

@@ -174,3 +174,37 @@ def test_a_prefill_leg_computes_the_prompt_on_one_worker_and_the_other_streams_f
                 await worker.close()
 
     asyncio.run(main())
+
+
+def test_a_tensor_parallel_worker_sends_its_blocks_whole_to_a_one_process_worker(nats_url, stories):
+    """The holder's two ranks each hold half of every block's KV heads: the transfer
+    carries them whole, and the receiver's pool takes them as its own. A trained model:
+    its greedy tokens do not hang on the split's rounding."""
+    from lamina.services.engine_worker.engine.config import EngineConfig
+
+    async def main() -> None:
+        split = EngineConfig(model=stories, tensor_parallel_size=2, max_model_len=256)
+        holder = WorkerService(worker_config(nats_url, "holder", stories, engine=split))
+        whole = EngineConfig(model=stories, max_model_len=256)
+        receiver = WorkerService(worker_config(nats_url, "receiver", stories, engine=whole))
+        await holder.start()
+        await receiver.start()
+        bus = await Bus.connect(nats_url, "bus-test-scheduler")
+        try:
+            assert holder.worker_stats().kv_layout == receiver.worker_stats().kv_layout
+            assert holder.worker_stats().tensor_parallel_size == 2
+            want, _ = _output(await _stream(bus, _request("a", QUESTION), "holder"))
+            grant, source = _grant_and_source(holder, "receiver", QUESTION, 4, prefill=False)
+            await bus.publish(subjects.worker_kv_send("holder"), grant)
+            got, finished = _output(await _stream(bus, _request("b", QUESTION, source), "receiver"))
+            assert got == want
+            assert finished.usage.cached_tokens == len(PREFIX)  # fetched, not computed
+            assert receiver.worker_stats().kv_fetched_blocks_total == 4
+            assert holder.worker_stats().kv_sent_blocks_total == 4
+        finally:
+            await bus.close()
+            for worker in (receiver, holder):
+                await worker.drain()
+                await worker.close()
+
+    asyncio.run(main())

@@ -9,7 +9,14 @@ from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
 from lamina.services.engine_worker.engine.block_manager import NO_MOVES
 from lamina.services.engine_worker.engine.kv_tier import DEVICE, DISK, HOST
 from lamina.services.engine_worker.engine.params import SamplingParams
-from lamina.services.engine_worker.engine.rank_group import pack, unpack
+from lamina.services.engine_worker.engine.rank_group import (
+    EXPORT,
+    IMPORT,
+    pack,
+    pack_blocks,
+    unpack,
+    unpack_blocks,
+)
 from lamina.services.engine_worker.engine.request import Request
 from lamina.services.engine_worker.engine.runner import StepInput
 
@@ -50,3 +57,20 @@ def test_a_packed_step_unpacks_to_the_same_step():
         assert [getattr(got, f) for f in flags] == [getattr(step, f) for f in flags]
         assert got.ids.flags.writeable  # torch takes it without a copy warning
     assert _step(None, decodes_only=True).decodes_only  # so both values of each flag went through
+
+
+def test_a_blocks_message_unpacks_to_its_moves_blocks_and_share():
+    moves = np.array([[DEVICE, 7, HOST, 0], [HOST, 2, DEVICE, 9]]).T
+    where = np.array([[DEVICE, HOST, DISK], [3, 0, 5]])
+    message = pack_blocks(EXPORT, moves, where)
+    assert np.frombuffer(message, dtype=np.int64, count=1)[0] == EXPORT
+    got_moves, got_blocks, share = unpack_blocks(message)
+    np.testing.assert_array_equal(got_moves, moves)
+    np.testing.assert_array_equal(got_blocks.reshape(2, -1), where)
+    assert bytes(share) == b""
+    message = pack_blocks(IMPORT, NO_MOVES, np.array([4, 1]), b"the share's bytes")
+    got_moves, got_blocks, share = unpack_blocks(message)
+    assert got_moves.shape == (4, 0) and got_blocks.tolist() == [4, 1]
+    assert bytes(share) == b"the share's bytes"
+    # A step's first int64 says it is one.
+    assert np.frombuffer(pack(_step(None)), dtype=np.int64, count=1)[0] == 0

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from lamina.kernels.transfer import upload
@@ -29,18 +30,17 @@ from lamina.services.engine_worker.engine.block_manager import BlockManager
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.errors import (
     DuplicateRequestError,
-    EngineError,
     KvLayoutMismatch,
 )
 from lamina.services.engine_worker.engine.grammar import BatchMasks, GrammarState
 from lamina.services.engine_worker.engine.kv_events import KvEvent
+from lamina.services.engine_worker.engine.kv_shards import Sharding, block_layout
 from lamina.services.engine_worker.engine.kv_tier import (
     DEVICE,
     DISK,
     HOST,
     KvBlocks,
     TierIndex,
-    cache_layout,
 )
 from lamina.services.engine_worker.engine.outputs import (
     STEP_TOKEN_BUCKETS,
@@ -107,6 +107,13 @@ class Engine:
             self.close()
             raise
         self.model_config = mc = shard.model_config
+        self.sharding = Sharding(
+            mc.num_layers,
+            mc.num_kv_heads,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+        )
+        """How each block's KV splits across the ranks (whole, without ranks)."""
         model = shard.model
         # Decode graphs pad their batches into a block of their own: the pool's last.
         self.blocks = BlockManager(
@@ -139,7 +146,9 @@ class Engine:
             dtype=str(model.dtype).removeprefix("torch."),
             weight_dtype=model.weight_dtype,
             ranks=(rank0, *(self.ranks.ranks if self.ranks else ())),
-            kv_layout="" if self.ranks else cache_layout(self.runner.kv_caches, bs),
+            kv_layout=block_layout(
+                bs, self.runner.kv_caches[0].dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim
+            ),
         )
         """What this engine is, for any thread to read (and where requests are checked)."""
         self.requests: dict[str, Request] = {}
@@ -499,10 +508,10 @@ class Engine:
     # -------------------------------------------------------------------- KV that moves
     def export_blocks(self, hashes: list[int]) -> KvBlocks:
         """The leading run of ``hashes`` (a sequence's block hashes, from its start) that
-        this engine holds, on its device or in a lower tier, copied to the host: for
-        another engine to :meth:`import_blocks`. Moves between the tiers that a step was
-        to make are made first, so each block holds what its hash says."""
-        self._one_rank("export")
+        this engine holds, on its device or in a lower tier, copied to the host, whole
+        (every rank's share of them): for another engine to :meth:`import_blocks`. Moves
+        between the tiers that a step was to make are made first, on every rank, so each
+        block holds what its hash says."""
         blocks = self.blocks
         where: list[tuple[int, int]] = []  # (its tier, its block id or slot there)
         for block_hash in hashes:
@@ -514,57 +523,38 @@ class Engine:
                 where.append((tier.number, tier.slot(block_hash)))  # type: ignore[arg-type]
             else:
                 break
-        self._make_pending_moves()
-        runner = self.runner
-        if runner.tiers and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the saves are queued
-        stores = {number: runner.storage(number) for number in {DEVICE, *(n for n, _ in where)}}
-        layers = range(len(runner.kv_caches))
-        return KvBlocks(
-            cache_layout(runner.kv_caches, self.config.block_size),
-            ROOT_HASH,
-            hashes[: len(where)],
-            [_gather({n: c[i] for n, (c, _) in stores.items()}, where) for i in layers],
-            [
-                _gather({n: s[i] for n, (_, s) in stores.items()}, where)  # type: ignore[misc]
-                if runner.block_scales[i] is not None
-                else None
-                for i in layers
-            ],
-        )
+        at = np.asarray(where, dtype=np.int64).reshape(-1, 2).T.copy()
+        moves = blocks.take_moves()
+        self.runner.transfer(moves)
+        shares = [self.runner.read_blocks(at)]
+        if self.ranks is not None:
+            shares += self.ranks.export_shares(moves, at)
+        caches, scales = self.sharding.assemble(shares)
+        return KvBlocks(self.spec.kv_layout, ROOT_HASH, hashes[: len(where)], caches, scales)
 
     def import_blocks(self, blocks: KvBlocks) -> int:
-        """Cache ``blocks`` (another engine's :meth:`export_blocks`) as if computed here,
-        so that a request with their prefix hits them; the number newly cached (fewer
-        when free blocks run out, none of those already cached). Refused whole, typed,
-        when their layout is not this engine's (:class:`KvLayoutMismatch`)."""
-        self._one_rank("import")
-        runner = self.runner
-        ours = cache_layout(runner.kv_caches, self.config.block_size)
+        """Cache ``blocks`` (another engine's :meth:`export_blocks`, whole) as if computed
+        here, each rank its share, so that a request with their prefix hits them; the
+        number newly cached (fewer when free blocks run out, none of those already
+        cached). Refused whole, typed, when their layout is not this engine's
+        (:class:`KvLayoutMismatch`)."""
+        ours = self.spec.kv_layout
         if blocks.layout != ours:
             raise KvLayoutMismatch(ours, blocks.layout)
         placed = self.blocks.adopt(blocks.parent_hash, blocks.hashes)
-        self._make_pending_moves()  # the blocks it evicted are saved before overwritten
-        if placed:
-            source = torch.tensor([i for i, _ in placed], dtype=torch.int64)
-            target = torch.tensor([b for _, b in placed], dtype=torch.int64, device=self.device)
-            for layer, cache in enumerate(runner.kv_caches):
-                cache[:, target] = blocks.caches[layer][:, source].to(self.device)
-                scales, theirs = runner.kv_scales[layer], blocks.scales[layer]
-                if scales is not None and theirs is not None:
-                    scales[:, target] = theirs[:, source].to(self.device)
-        return len(placed)
-
-    def _make_pending_moves(self) -> None:
-        """Make now the moves between the tiers that the next step would make first."""
-        self.runner.transfer(self.blocks.take_moves())
-
-    def _one_rank(self, what: str) -> None:
+        moves = self.blocks.take_moves()  # blocks it evicted are saved before overwritten
+        targets = np.asarray([b for _, b in placed], dtype=np.int64)
+        source = torch.tensor([i for i, _ in placed], dtype=torch.int64)
+        whole = (
+            [c[:, source] for c in blocks.caches],
+            [None if s is None else s[:, source] for s in blocks.scales],
+        )
+        shares = self.sharding.split(whole)
+        self.runner.transfer(moves)
+        self.runner.write_blocks(targets, shares[0])
         if self.ranks is not None:
-            raise EngineError(
-                f"KV blocks' {what} is not built for a parallel engine yet (each rank holds "
-                "a share of every block)"
-            )
+            self.ranks.import_shares(moves, targets, shares[1:])
+        return len(placed)
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
@@ -618,17 +608,3 @@ def _tier_stats(tier: TierIndex | None, runner: ModelRunner, medium: str) -> dic
         "load_blocks_per_s": runner.load_rate(tier.number),
     }
     return {f"{medium}_kv_{name}": value for name, value in figures.items()}
-
-
-def _gather(sources: dict[int, torch.Tensor], where: list[tuple[int, int]]) -> torch.Tensor:
-    """The blocks ``where`` names (a tier and a block or slot there: dimension 1 of that
-    tier's tensor in ``sources``, the device's always among them), in order, on the
-    host."""
-    like = sources[DEVICE]
-    out = torch.empty((like.shape[0], len(where), *like.shape[2:]), dtype=like.dtype)
-    for number, source in sources.items():
-        rows = [n for n, (t, _) in enumerate(where) if t == number]
-        if rows:
-            index = torch.tensor([where[n][1] for n in rows], device=source.device)
-            out[:, rows] = source.index_select(1, index).cpu()
-    return out

@@ -193,18 +193,13 @@ class KvBlocks:
     ``import_blocks``): consecutive blocks of one sequence, on the host."""
 
     layout: str
-    """``block_size/dtype/layers/kv_heads/head_dim``: what must match to import them."""
+    """``block_size/dtype/layers/kv_heads/head_dim`` (``kv_shards.block_layout``): what
+    must match to import them."""
     parent_hash: int
     """The hash before the first block (``ROOT_HASH`` at a sequence start)."""
     hashes: list[int]
     caches: list[torch.Tensor]
-    """Per layer, ``(2, blocks, block size, KV heads, head dim)``."""
+    """Per layer, ``(2, blocks, block size, KV heads, head dim)``: whole (every rank's
+    share of a parallel engine's blocks)."""
     scales: list[torch.Tensor | None]
     """Per layer, int8 caches' ``(2, blocks, KV heads)`` scales; None otherwise."""
-
-
-def cache_layout(caches: list[torch.Tensor], block_size: int) -> str:
-    """The layout string of a pool's caches (:attr:`KvBlocks.layout`)."""
-    _, _, size, heads, dim = caches[0].shape
-    assert size == block_size
-    return f"{block_size}/{str(caches[0].dtype).removeprefix('torch.')}/{len(caches)}/{heads}/{dim}"

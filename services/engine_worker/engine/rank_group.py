@@ -24,6 +24,13 @@ of 30 minutes. On the CPU a stage's all-reduces go through shared memory
 (``kernels/cpu/shm_allreduce``: microseconds where gloo's take a millisecond), with the
 same timeout and a dead rank seen at once.
 
+KV blocks that leave or enter the engine (``Engine.export_blocks``, ``import_blocks``:
+a transfer between workers) go through the same pipes, in order with the steps: the
+driver sends each rank the blocks to read (and the tiers' pending moves), and each
+answers with its share (its layers and KV heads, ``kv_shards.py``); or the driver sends
+each rank its share to write. A rank answers only these; anything else it sends is its
+end or its last error.
+
 A group fails as a whole: a rank that exits or hangs, or any error inside a step (after
 which the ranks' collectives are out of step), raises :class:`RankGroupFailure`, and the
 group's KV is lost with it. Its owner restarts the whole group.
@@ -64,6 +71,7 @@ from lamina.services.engine_worker.engine.errors import (
     RankGroupFailure,
     RankStartError,
 )
+from lamina.services.engine_worker.engine.kv_shards import Share, dump_share, load_share
 from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.parallel import PipelineStage, TensorParallel
 from lamina.services.engine_worker.engine.remote_ranks import (
@@ -79,7 +87,10 @@ from lamina.services.engine_worker.engine.spec import RankInfo
 
 log = logging.getLogger("lamina.worker.ranks")
 
-_HEADER = 7  # int64s: tokens, sequences, table width, sampled rows, decodes, flags, moves
+STEP, EXPORT, IMPORT = 0, 1, 2
+"""What a message from the driver asks of a rank (its first int64): run a step; send its
+share of some KV blocks (``RankGroup.export_shares``); write its share of some."""
+_HEADER = 8  # int64s: STEP, tokens, sequences, table width, sampled rows, decodes, flags, moves
 MAX_SEGMENT_SLOT = 64 << 20
 """Most bytes of one all-reduce through shared memory (per rank and bank)."""
 START_TIMEOUT_S = 900.0
@@ -104,6 +115,7 @@ def pack(step: StepInput) -> bytes:
     """``step`` as one buffer of int64s: a header, then its arrays in field order."""
     header = np.array(
         [
+            STEP,
             len(step.ids),
             len(step.num_new),
             step.table.shape[1],
@@ -123,7 +135,7 @@ def pack(step: StepInput) -> bytes:
 def unpack(buffer: bytes) -> StepInput:
     """The :class:`StepInput` :func:`pack` made ``buffer`` from."""
     flat = np.frombuffer(bytearray(buffer), dtype=np.int64)  # writable: torch reads it
-    tokens, seqs, width, sampled, decodes, flags, moves = (int(v) for v in flat[:_HEADER])
+    _, tokens, seqs, width, sampled, decodes, flags, moves = (int(v) for v in flat[:_HEADER])
     sizes = (tokens, tokens, tokens, seqs, seqs, seqs * width, sampled, 4 * moves)
     ends = np.cumsum((_HEADER, *sizes))
     ids, positions, slots, num_new, context, table, rows, moved = (
@@ -141,6 +153,26 @@ def unpack(buffer: bytes) -> StepInput:
         decodes_only=bool(flags & 1),
         all_sampled=bool(flags & 2),
         moves=moved.reshape(4, moves),
+    )
+
+
+def pack_blocks(kind: int, moves: np.ndarray, blocks: np.ndarray, share: bytes = b"") -> bytes:
+    """A KV blocks message (:data:`EXPORT`, :data:`IMPORT`): the moves between the tiers
+    to make first, the blocks (``(2, n)`` tiers and indices to read, or ``(n,)`` device
+    blocks to write), then an import's share (:func:`kv_shards.dump_share`)."""
+    header = np.array([kind, moves.shape[1], blocks.size], dtype=np.int64)
+    arrays = [np.ascontiguousarray(a, dtype=np.int64).ravel() for a in (moves, blocks)]
+    return np.concatenate([header, *arrays]).tobytes() + share
+
+
+def unpack_blocks(buffer: bytes) -> tuple[np.ndarray, np.ndarray, memoryview]:
+    """:func:`pack_blocks`' moves ``(4, n)``, blocks (flat) and share bytes."""
+    _, moves, size = np.frombuffer(buffer, dtype=np.int64, count=3).tolist()
+    flat = np.frombuffer(buffer, dtype=np.int64, count=3 + 4 * moves + size)
+    return (
+        flat[3 : 3 + 4 * moves].reshape(4, moves).copy(),
+        flat[3 + 4 * moves :].copy(),
+        memoryview(buffer)[8 * (3 + 4 * moves + size) :],
     )
 
 
@@ -305,6 +337,33 @@ class RankGroup:
             return logits
 
         return wait
+
+    def export_shares(self, moves: np.ndarray, where: np.ndarray) -> list[Share]:
+        """Ranks 1..'s shares of the blocks ``where`` names (``(2, n)``: tier, block or
+        slot), read after the tiers' pending ``moves``, in rank order. Each rank answers
+        after the steps sent before (a pipeline's in flight included); one that does not
+        within the collective timeout fails the group."""
+        try:
+            buffer = pack_blocks(EXPORT, moves, where)
+            for pipe in self._pipes:
+                pipe.send_bytes(buffer)  # type: ignore[union-attr]
+            shares = []
+            for rank, pipe in enumerate(self._pipes, start=1):
+                if not pipe.poll(self.timeout_s):  # type: ignore[union-attr]
+                    raise TimeoutError(f"{self.who(rank)} sent no KV blocks")
+                shares.append(load_share(pipe.recv_bytes()))  # type: ignore[union-attr]
+            return shares
+        except Exception as exc:
+            raise self._failure(exc) from exc
+
+    def import_shares(self, moves: np.ndarray, blocks: np.ndarray, shares: list[Share]) -> None:
+        """Give ranks 1.. their ``shares`` (in rank order) of blocks to write into device
+        blocks ``blocks``, after the tiers' pending ``moves``, before any later step."""
+        try:
+            for pipe, share in zip(self._pipes, shares, strict=True):
+                pipe.send_bytes(pack_blocks(IMPORT, moves, blocks, dump_share(share)))  # type: ignore[union-attr]
+        except Exception as exc:
+            raise self._failure(exc) from exc
 
     def check(self) -> None:
         """Raise :class:`RankGroupFailure` if a rank has exited (an idle engine sees no
@@ -535,10 +594,20 @@ def rank_main(
         pipe.send(("ready", dataclasses.replace(info, kv_bytes=num_blocks * shard.block_bytes)))
         sends_logits = pp.last and not pp.first and tp.rank == 0  # to the driver
         while True:
-            step = unpack(pipe.recv_bytes())
-            logits = runner.run(step)
-            if sends_logits and len(step.sampled):
-                dist.send(logits.contiguous(), 0)
+            message = pipe.recv_bytes()
+            kind = int(np.frombuffer(message, dtype=np.int64, count=1)[0])
+            if kind == STEP:
+                step = unpack(message)
+                logits = runner.run(step)
+                if sends_logits and len(step.sampled):
+                    dist.send(logits.contiguous(), 0)
+                continue
+            moves, blocks, share = unpack_blocks(message)
+            runner.transfer(moves)
+            if kind == EXPORT:
+                pipe.send_bytes(dump_share(runner.read_blocks(blocks.reshape(2, -1))))
+            else:
+                runner.write_blocks(blocks, load_share(share))
     except (EOFError, OSError):
         return  # the driver closed the pipe, or is gone
     except BaseException as exc:

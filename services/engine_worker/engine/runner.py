@@ -14,6 +14,7 @@ from lamina.kernels.transfer import upload
 from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
 from lamina.services.engine_worker.engine.block_manager import NO_MOVES
 from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
+from lamina.services.engine_worker.engine.kv_shards import Share
 from lamina.services.engine_worker.engine.kv_tier import (
     DEVICE,
     HOST,
@@ -108,6 +109,35 @@ class ModelRunner:
                 timing[0] += picked.shape[1]
                 timing[1] += time.perf_counter() - started
 
+    def read_blocks(self, where: np.ndarray) -> Share:
+        """This rank's share of the blocks ``where`` names (``(2, n)``: each one's tier,
+        and its block or slot there), in order, on the host."""
+        if self.tiers and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # queued saves
+        stores = {tier: self.storage(tier) for tier in {DEVICE, *where[0].tolist()}}
+        caches = [
+            _gather({tier: c[layer] for tier, (c, _) in stores.items()}, where)
+            for layer in range(len(self.kv_caches))
+        ]
+        scales = [
+            None
+            if self.block_scales[layer] is None
+            else _gather({tier: s[layer] for tier, (_, s) in stores.items()}, where)  # type: ignore[misc]
+            for layer in range(len(self.kv_caches))
+        ]
+        return caches, scales
+
+    def write_blocks(self, blocks: np.ndarray, share: Share) -> None:
+        """This rank's ``share`` of some blocks into device blocks ``blocks``, in order."""
+        if not len(blocks):
+            return
+        target = torch.from_numpy(np.ascontiguousarray(blocks)).to(self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, target] = share[0][layer].to(self.device)
+            scales, theirs = self.block_scales[layer], share[1][layer]
+            if scales is not None and theirs is not None:
+                scales[:, target] = theirs.to(self.device)
+
     def load_rate(self, tier: int) -> float:
         """Blocks per second this rank's loads from ``tier`` ran at (0: none timed)."""
         blocks, seconds = self.load_timing.get(tier, (0, 0.0))
@@ -148,6 +178,20 @@ class ModelRunner:
             upload(step.sampled, torch.int64, dev),
             self.kv_scales,
         )
+
+
+def _gather(sources: dict[int, torch.Tensor], where: np.ndarray) -> torch.Tensor:
+    """The blocks ``where`` names (``(2, n)``: a tier, and a block or slot there, dimension
+    1 of that tier's tensor in ``sources``, the device's always among them), in order, on
+    the host."""
+    like = sources[DEVICE]
+    out = torch.empty((like.shape[0], where.shape[1], *like.shape[2:]), dtype=like.dtype)
+    for tier, source in sources.items():
+        rows = np.flatnonzero(where[0] == tier)
+        if len(rows):
+            index = torch.from_numpy(where[1, rows].copy()).to(source.device)
+            out[:, torch.from_numpy(rows)] = source.index_select(1, index).cpu()
+    return out
 
 
 @dataclass(frozen=True, slots=True)

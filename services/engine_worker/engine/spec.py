@@ -60,8 +60,9 @@ class EngineSpec:
     """Every rank of the model, this process (rank 0) first: one without tensor
     parallelism."""
     kv_layout: str = ""
-    """Its KV blocks' layout (``KvBlocks.layout``) when they can leave it or come in
-    (``Engine.export_blocks``, ``import_blocks``); empty for a parallel engine."""
+    """Its whole KV blocks' layout (``KvBlocks.layout``, ``kv_shards.block_layout``):
+    what blocks that leave it or come in (``Engine.export_blocks``, ``import_blocks``)
+    carry and must match, however many ranks share them."""
 
     @property
     def block_size(self) -> int:
