@@ -31,7 +31,9 @@ streams (short prompts, ``--stream-tokens`` each, restarted as they end) run whi
 long prompt (``--long-prompt`` tokens, a few output tokens) arrives every
 ``--long-every`` seconds for ``--duration`` seconds. Printed: the streams' inter-token
 latency (gaps between token-bearing SSE chunks, ``return_token_ids``) p50/p99, the long
-requests' TTFT p50/p99, and disaggregated over mixed for each.
+requests' TTFT p50/p99, and disaggregated over mixed for each. With ``--netns`` (root)
+the workers run on test hosts of their own (a network namespace each, the gateway,
+scheduler and telemetry on a third): the KV crosses a veth pair and a bridge.
 
 A drain that moves (``--part drain``): for each ``--contexts`` length, a stack of two
 workers, ``--streams`` streams of that many prompt tokens decoding on worker-0; then
@@ -52,15 +54,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import random
 import secrets
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -336,6 +342,34 @@ def pd_stack(args: argparse.Namespace, model, logs, prefill_workers: int) -> Sta
     )
 
 
+@contextlib.contextmanager
+def pd_target(
+    args: argparse.Namespace, model: Path, logs: Path, prefill_workers: int
+) -> Iterator[str]:
+    """The base URL of a stack of two workers, ``prefill_workers`` of them prefill and
+    the rest decode (0: both mixed): on loopback, or with ``--netns`` on test hosts of
+    their own (``tests/multihost/nodes.py``: gateway, scheduler and telemetry on one,
+    a worker on each of two more; the KV crosses between the workers' addresses)."""
+    if not args.netns:
+        with pd_stack(args, model, logs, prefill_workers) as stack:
+            wait_for_workers(stack, 2)
+            yield stack.base_url
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' host helpers
+    from tests.multihost import nodes
+
+    roles = {"a": "gateway,scheduler,telemetry", "b": "worker", "c": "worker"}
+    jobs = ["prefill", "decode"] if prefill_workers else ["mixed", "mixed"]
+    extra = {host: ["--worker-role", job] for host, job in zip("bc", jobs, strict=True)}
+    engine = ["--max-model-len", "4096", *worker_flags(args)]
+    os.environ["OMP_NUM_THREADS"] = "1"  # as the loopback stack's workers
+    logging.getLogger("lamina.bus").setLevel(logging.ERROR)  # converge's polls reconnect
+    with nodes.running(roles, model, engine, logs, extra=extra) as cluster:
+        workers = nodes.workers_of(roles)
+        asyncio.run(nodes.converge(cluster, ("a",), workers, timeout=240))
+        yield cluster.gateway("a")
+
+
 def wait_for_workers(stack: Stack, count: int) -> None:
     deadline = time.monotonic() + 120
     cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
@@ -352,7 +386,8 @@ def pd_part(args: argparse.Namespace) -> None:
     vocab = ModelConfig.from_dir(model).vocab_size
     print(
         f"model: {args.preset} preset; {os.cpu_count()} cores; 2 workers (one engine thread "
-        f"each); {args.streams} streams of {args.stream_tokens} tokens, a "
+        f"each{', on netns hosts' if args.netns else ''}); {args.streams} streams of "
+        f"{args.stream_tokens} tokens, a "
         f"{args.long_prompt}-token prompt every {args.long_every:g}s for {args.duration:g}s; "
         f"{args.runs} runs"
     )
@@ -362,9 +397,9 @@ def pd_part(args: argparse.Namespace) -> None:
         for run in range(args.runs):
             order = list(layouts) if run % 2 == 0 else list(reversed(layouts))
             for name in order:
-                with pd_stack(args, model, Path(tmp) / f"{name}{run}", layouts[name]) as stack:
-                    wait_for_workers(stack, 2)
-                    seen = asyncio.run(pd_load(stack.base_url, args, vocab))
+                where = Path(tmp) / f"{name}{run}"
+                with pd_target(args, model, where, layouts[name]) as base_url:
+                    seen = asyncio.run(pd_load(base_url, args, vocab))
                 gaps = [g * 1e3 for g in seen["gaps"]]
                 longs = [t * 1e3 for t in seen["long_ttft"]]
                 rows[name].append(
@@ -524,6 +559,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=32, help="requests before measuring")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kv-offload-dir", default="", help="tier: the disk tier's directory")
+    parser.add_argument("--netns", action="store_true", help="pd: workers on netns hosts (root)")
     parser.add_argument("--device", default="cpu", help="the engines' device (cuda: a GPU)")
     parser.add_argument("--dtype", default="auto", help="the engines' dtype (e.g. bfloat16)")
     args = parser.parse_args()
