@@ -74,6 +74,10 @@ class Stack:
     certificate, and the services verify it with that CA."""
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_args: list[str] = field(default_factory=list)
+    worker_module: str = "lamina.services.engine_worker"
+    """What each worker runs as (``python -m``): another module only to put something
+    else behind the worker's shell (``benchmarks/free_worker.py``: an engine whose model
+    costs nothing)."""
     gateway_args: list[str] = field(default_factory=list)
     telemetry_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
@@ -205,7 +209,7 @@ class Stack:
         wid = self.worker_id(index)
         return self._spawn(
             wid,
-            "lamina.services.engine_worker",
+            self.worker_module,
             ["--worker-id", wid, "--model", str(self.model), *self.worker_args]
             + (["--device", self.worker_device(index)] if self.worker_device else [])
             + self.role_of(index),

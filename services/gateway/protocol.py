@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Annotated, Any, Literal
 
@@ -105,7 +106,10 @@ _NOT_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 """Field -> (the values that ask for nothing, why any other value is refused)."""
 
 
+@functools.cache
 def _field_names(kind: type) -> frozenset[str]:
+    """``kind``'s fields' wire names, once per type: ``msgspec.structs.fields`` resolves
+    the type's annotations at every call, which costs more than decoding the body."""
     return frozenset(f.encode_name for f in msgspec.structs.fields(kind))
 
 

@@ -1,0 +1,262 @@
+"""What a streamed token costs outside the engine, per hop (issue 44).
+
+A stack (``Stack``: embedded nats-server, scheduler, telemetry, gateway) whose one
+worker runs an engine that costs nothing (``free_worker.py``: the real worker shell and
+engine bookkeeping, a forward pass that is one ``--step-ms`` sleep), and streaming
+clients on the gateway's OpenAI API: at each of ``--concurrency`` levels, that many
+clients each stream completions of ``--tokens`` tokens back to back for ``--seconds``.
+Each process's CPU time over the window (``/proc/<pid>/stat``, its children included),
+less what it spent over an idle window as long just before (heartbeats, stats), divided
+by the tokens the clients received: CPU microseconds per streamed token for the worker,
+nats-server, the gateway, the rest (scheduler and telemetry) and the client (this
+process: httpx, and a ``/health`` probe every 20 ms whose p99 the table shows too).
+
+With ``--profile``, one more window at the last level runs under ``py-spy record``
+(``pip install .[profile]``; only threads holding the GIL: CPU, not waits) on the
+gateway and the worker, and prints where their samples land: each one's hottest
+functions by own samples, and Lamina's by samples under them.
+
+Not a test: run it by hand on an otherwise idle machine::
+
+    .venv/bin/python -u benchmarks/data_path.py
+    .venv/bin/python -u benchmarks/data_path.py --concurrency 1 32 256 --step-ms 10 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+from timing import pct
+
+from lamina.libs.nats_server import free_port
+from lamina.services.engine_worker.default_model import ensure_default_model
+from lamina.services.launcher import Stack
+
+HERE = Path(__file__).resolve().parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(root: int) -> float:
+    """CPU seconds of ``root`` and its live descendants, and of its children that ended
+    (``cutime``/``cstime``)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry)
+        parents[pid] = int(fields[1])
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
+        if pid == root:
+            ticks += int(fields[13]) + int(fields[14])  # ended children's
+        times[pid] = ticks / TICK
+    total, family = 0.0, {root}
+    for pid in sorted(parents):  # parents before children: pids grow (no wrap here)
+        if pid in family or parents[pid] in family:
+            family.add(pid)
+            total += times.get(pid, 0.0)
+    return total
+
+
+def cpu_of(pids: dict[str, int]) -> dict[str, float]:
+    """Each named process tree's CPU seconds, and this process's (the client)."""
+    seen = {name: tree_cpu(pid) for name, pid in pids.items()}
+    seen["client"] = time.process_time()
+    return seen
+
+
+async def load(base_url: str, clients: int, tokens: int, seconds: float) -> tuple[int, list, int]:
+    """``clients`` streams of ``tokens``-token completions, back to back, for
+    ``seconds``; the tokens received, the ``/health`` latencies meanwhile (s), and the
+    requests sent again because their kept-alive connection was closed under them (a
+    client whose loop lags more than the server's keep-alive timeout between two
+    requests: the OpenAI SDK retries those too)."""
+    stop = time.perf_counter() + seconds
+    received = retried = 0
+    health: list[float] = []
+    body = {
+        "prompt": [5, 6, 7, 8, 9, 10, 11, 12],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
+
+        async def one() -> None:
+            nonlocal received, retried
+            while time.perf_counter() < stop:
+                try:
+                    async with client.stream("POST", "/v1/completions", json=body) as response:
+                        response.raise_for_status()
+                        async for line in response.aiter_lines():
+                            if line.startswith('data: {"id"') and '"usage":{' in line:
+                                start = line.index('"completion_tokens":') + 20
+                                received += int(line[start : line.index(",", start)])
+                except (httpx.ReadError, httpx.RemoteProtocolError):
+                    retried += 1
+
+        async def probe() -> None:
+            while time.perf_counter() < stop:
+                started = time.perf_counter()
+                (await client.get("/health")).raise_for_status()
+                health.append(time.perf_counter() - started)
+                await asyncio.sleep(0.02)
+
+        await asyncio.gather(probe(), *(one() for _ in range(clients)))
+    return received, health, retried
+
+
+def measure(stack: Stack, pids: dict[str, int], args, clients: int) -> dict[str, float]:
+    """One level: the idle window, then the loaded one."""
+    before = cpu_of(pids)
+    time.sleep(args.seconds)
+    idle = {name: value - before[name] for name, value in cpu_of(pids).items()}
+    idle["client"] = 0.0  # this process only slept
+    before = cpu_of(pids)
+    started = time.perf_counter()
+    tokens, health, retried = asyncio.run(load(stack.base_url, clients, args.tokens, args.seconds))
+    elapsed = time.perf_counter() - started
+    after = cpu_of(pids)
+    row = {
+        name: (after[name] - before[name] - idle[name] * elapsed / args.seconds) / tokens * 1e6
+        for name in after
+    }
+    row["tokens_per_s"] = tokens / elapsed
+    row["health_p99_ms"] = pct(health, 0.99) * 1e3
+    row["retried"] = retried
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per completion")
+    parser.add_argument("--seconds", type=float, default=10.0, help="each level's window")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="the free engine's step")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--profile", action="store_true", help="py-spy, at the last level")
+    parser.add_argument("--top", type=int, default=12, help="--profile: functions shown")
+    parser.add_argument("--log-dir", default="", help="keep the services' logs here")
+    args = parser.parse_args()
+    model = ensure_default_model(args.preset)
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = Stack(
+            model=model,
+            http_port=free_port(),
+            metrics_port=free_port(),
+            log_dir=Path(args.log_dir or tmp),
+            worker_module="free_worker",
+            worker_args=["--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "512"],
+            extra_env={"PYTHONPATH": path, "LAMINA_FREE_STEP_MS": str(args.step_ms)},
+        )
+        with stack:
+            assert stack.nats is not None
+            pids = {name: proc.pid for name, proc in stack.procs.items()}
+            pids["nats-server"] = stack.nats.pid
+            wait_ready(stack)
+            print(
+                f"{os.cpu_count()} cores; free engine, a {args.step_ms:g} ms step; "
+                f"{args.tokens}-token completions, {args.seconds:g} s per level; CPU us per "
+                "streamed token (idle subtracted), tokens/s, /health p99"
+            )
+            names = ["worker-0", "nats-server", "gateway", "rest", "client"]
+            head = " ".join(f"{n:>11}" for n in names)
+            print(f"{'streams':>8} {head}   tok/s    health  retried")
+            for clients in args.concurrency:
+                row = measure(stack, pids, args, clients)
+                row["rest"] = row.pop("scheduler") + row.pop("telemetry")
+                cells = " ".join(f"{row[n]:11.1f}" for n in names)
+                print(
+                    f"{clients:8d} {cells} {row['tokens_per_s']:7.0f} "
+                    f"{row['health_p99_ms']:6.0f} ms {row['retried']:8.0f}",
+                    flush=True,
+                )
+            if args.profile:
+                profile(stack, pids, args, args.concurrency[-1], Path(tmp))
+
+
+def profile(stack: Stack, pids: dict[str, int], args, clients: int, tmp: Path) -> None:
+    """One more window at ``clients`` streams, the gateway and the worker sampled by
+    py-spy; their hottest functions."""
+    spies = {}
+    for name in ("gateway", "worker-0"):
+        out = tmp / f"{name}.folded"
+        spies[name] = (
+            out,
+            subprocess.Popen(
+                [str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "--gil",
+                 "--format", "raw", "-r", "200", "-d", str(int(args.seconds)),
+                 "-p", str(pids[name]), "-o", str(out)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            ),
+        )  # fmt: skip
+    asyncio.run(load(stack.base_url, clients, args.tokens, args.seconds))
+    for name, (out, spy) in spies.items():
+        spy.wait(60)
+        own, under, total = Counter(), Counter(), 0
+        for line in out.read_text().splitlines():
+            stack_text, _, count = line.rpartition(" ")
+            raw = stack_text.split(";")
+            frames = [_frame(f) for f in raw]
+            ours = {_frame(f) for f in raw if any(f"/{d}/" in f for d in OURS)}
+            samples = int(count)
+            total += samples
+            own[frames[-1]] += samples
+            for frame in ours:
+                under[frame] += samples
+        print(f"{name}: {total} samples at {clients} streams; own / under, % of samples")
+        for frame, samples in own.most_common(args.top):
+            print(f"  {100 * samples / total:5.1f}% own   {frame}")
+        for frame, samples in under.most_common(args.top * 2):
+            print(f"  {100 * samples / total:5.1f}% under {frame}")
+
+
+OURS = ("gateway", "engine_worker", "engine", "benchmarks")
+"""Folders of the frames ``under`` counts: the gateway's and the worker's own (the rest
+is the loop, the HTTP server, the bus client and the service wrapper around it all)."""
+
+
+def _frame(text: str) -> str:
+    """``function (path/file.py:line)``, py-spy's, as ``dir/file.py function``."""
+    function, _, where = text.partition(" (")
+    path = where.rsplit(":", 1)[0].rstrip(")")
+    return f"{'/'.join(path.split('/')[-2:])} {function}"
+
+
+def wait_ready(stack: Stack) -> None:
+    """Until the worker is ready (the gateway is, once ``start`` returns)."""
+    cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            workers = httpx.get(cluster, timeout=5).json()["workers"]
+        except httpx.HTTPError:
+            workers = []
+        if any(w["state"] == "ready" for w in workers):
+            time.sleep(1.0)  # its first heartbeats settle
+            return
+        time.sleep(0.3)
+    sys.exit("the worker was never ready")
+
+
+if __name__ == "__main__":
+    main()
