@@ -74,6 +74,10 @@ TRACE_HEARTBEAT_EVERY = 20
 SNAPSHOT_PART = 40_000
 """Block hashes per ``KvSnapshot`` message: ~20 bytes each in JSON, under 1 MiB."""
 
+ENGINE_CLOSE_S = 10.0
+"""Most seconds closing waits for the engine thread to close its engine (a rank group
+takes up to 5 s to join its processes, then kills them)."""
+
 #: States in which a worker refuses requests with a reason of the same name.
 _REFUSING = (WorkerState.DRAINING, WorkerState.DEGRADED, WorkerState.FAILED)
 
@@ -650,6 +654,12 @@ class WorkerService:
             self.engine_thread.stop()
         if self.kv is not None:
             await self.kv.close()
+        if self.engine_thread is not None and self.engine_thread.is_alive():
+            # The thread closes the engine as it ends: a parallel engine's rank group (its
+            # processes, torch.distributed's threads) must be gone before the interpreter
+            # finalises, or a C++ thread still running aborts the process. A thread
+            # stuck in a step is left behind (it is a daemon).
+            await asyncio.to_thread(self.engine_thread.join, ENGINE_CLOSE_S)
         for task in self._tasks:
             task.cancel()
         if self.bus is not None:

@@ -7,7 +7,9 @@ holder's own tokens, and both heartbeats count what moved; a fetch that cannot h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+from collections.abc import AsyncIterator
 
 from lamina.libs.block_hash import hash_blocks
 from lamina.libs.bus import Bus
@@ -32,6 +34,23 @@ def _request(rid: str, prompt: list[int], source: KvSource | None = None) -> Gen
     )
 
 
+@contextlib.asynccontextmanager
+async def _workers(*configs) -> AsyncIterator[tuple[Bus, list[WorkerService]]]:
+    """The workers ``configs`` describe, started in order, and a bus client acting as
+    their scheduler; drained and closed, last first."""
+    workers = [WorkerService(config) for config in configs]
+    for worker in workers:
+        await worker.start()
+    bus = await Bus.connect(configs[0].nats.nats_url, "bus-test-scheduler")
+    try:
+        yield bus, workers
+    finally:
+        await bus.close()
+        for worker in reversed(workers):
+            await worker.drain()
+            await worker.close()
+
+
 def _output(events) -> tuple[list[int], Finished]:
     *_, last = events
     assert isinstance(last, Finished), events
@@ -43,12 +62,8 @@ def test_a_worker_serves_a_prefix_fetched_from_another_and_falls_back_when_it_ca
     nats_url, tiny_model
 ):
     async def main() -> None:
-        holder = WorkerService(worker_config(nats_url, "holder", tiny_model))
-        receiver = WorkerService(worker_config(nats_url, "receiver", tiny_model))
-        await holder.start()
-        await receiver.start()
-        bus = await Bus.connect(nats_url, "bus-test-scheduler")
-        try:
+        configs = (worker_config(nats_url, w, tiny_model) for w in ("holder", "receiver"))
+        async with _workers(*configs) as (bus, (holder, receiver)):
             assert holder.worker_stats().kv_layout == receiver.worker_stats().kv_layout != ""
             address = holder.worker_stats().kv_address
             assert address.startswith("127.0.0.1:")
@@ -89,11 +104,6 @@ def test_a_worker_serves_a_prefix_fetched_from_another_and_falls_back_when_it_ca
             got, finished = _output(await _stream(bus, _request("d", OTHER, unknown), "receiver"))
             assert got == other and finished.usage.cached_tokens == 0
             assert receiver.worker_stats().kv_fetch_failures_total == 1
-        finally:
-            await bus.close()
-            for worker in (receiver, holder):
-                await worker.drain()
-                await worker.close()
 
     asyncio.run(main())
 
@@ -130,14 +140,10 @@ def test_a_prefill_leg_computes_the_prompt_on_one_worker_and_the_other_streams_f
     worker waits (its stream kept alive, in seq order) and computes the prompt itself."""
 
     async def main() -> None:
-        prefiller = WorkerService(worker_config(nats_url, "prefiller", tiny_model, role="prefill"))
-        decoder = WorkerService(
-            worker_config(nats_url, "decoder", tiny_model, role="decode", stream_keepalive=0.2)
-        )
-        await prefiller.start()
-        await decoder.start()
-        bus = await Bus.connect(nats_url, "bus-test-scheduler")
-        try:
+        async with _workers(
+            worker_config(nats_url, "prefiller", tiny_model, role="prefill"),
+            worker_config(nats_url, "decoder", tiny_model, role="decode", stream_keepalive=0.2),
+        ) as (bus, (prefiller, decoder)):
             assert (prefiller.worker_stats().role, decoder.worker_stats().role) == (
                 "prefill",
                 "decode",
@@ -167,11 +173,6 @@ def test_a_prefill_leg_computes_the_prompt_on_one_worker_and_the_other_streams_f
             waiting = [e for e in events if isinstance(e, Tokens) and not e.token_ids]
             assert len(waiting) >= 3  # the sender waits 2 s for a grant; 0.2 s keep-alives
             assert decoder.worker_stats().kv_fetch_failures_total == 1
-        finally:
-            await bus.close()
-            for worker in (decoder, prefiller):
-                await worker.drain()
-                await worker.close()
 
     asyncio.run(main())
 
@@ -184,13 +185,11 @@ def test_a_tensor_parallel_worker_sends_its_blocks_whole_to_a_one_process_worker
 
     async def main() -> None:
         split = EngineConfig(model=stories, tensor_parallel_size=2, max_model_len=256)
-        holder = WorkerService(worker_config(nats_url, "holder", stories, engine=split))
         whole = EngineConfig(model=stories, max_model_len=256)
-        receiver = WorkerService(worker_config(nats_url, "receiver", stories, engine=whole))
-        await holder.start()
-        await receiver.start()
-        bus = await Bus.connect(nats_url, "bus-test-scheduler")
-        try:
+        async with _workers(
+            worker_config(nats_url, "holder", stories, engine=split),
+            worker_config(nats_url, "receiver", stories, engine=whole),
+        ) as (bus, (holder, receiver)):
             assert holder.worker_stats().kv_layout == receiver.worker_stats().kv_layout
             assert holder.worker_stats().tensor_parallel_size == 2
             want, _ = _output(await _stream(bus, _request("a", QUESTION), "holder"))
@@ -201,10 +200,5 @@ def test_a_tensor_parallel_worker_sends_its_blocks_whole_to_a_one_process_worker
             assert finished.usage.cached_tokens == len(PREFIX)  # fetched, not computed
             assert receiver.worker_stats().kv_fetched_blocks_total == 4
             assert holder.worker_stats().kv_sent_blocks_total == 4
-        finally:
-            await bus.close()
-            for worker in (receiver, holder):
-                await worker.drain()
-                await worker.close()
 
     asyncio.run(main())
