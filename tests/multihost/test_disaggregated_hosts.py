@@ -69,8 +69,10 @@ def test_decode_workers_on_other_hosts_fetch_what_the_prefill_host_computed(stor
         decoders = ("b-worker-0", "c-worker-0")
 
         def counted(workers: dict[str, dict]) -> bool:
+            """Every worker's heartbeat since the last request (each beats on its own)."""
             fetched = sum(workers.get(w, {}).get("kv_fetches_total", 0) for w in decoders)
-            return fetched == len(PROMPTS)
+            legs = workers.get("a-worker-0", {}).get("kv_prefills_total", 0)
+            return fetched == legs == len(PROMPTS)
 
         workers = _workers(c, counted)
         assert workers["a-worker-0"]["role"] == "prefill"

@@ -17,6 +17,7 @@ from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
 from lamina.services.engine_worker.engine.kv_shards import Share
 from lamina.services.engine_worker.engine.kv_tier import (
     DEVICE,
+    DISK,
     HOST,
     MOVE_ORDER,
     TierPool,
@@ -99,8 +100,9 @@ class ModelRunner:
             picked = moves[:, (moves[0] == source) & (moves[2] == target)]
             if not picked.shape[1]:
                 continue
-            if source == HOST and self.device.type == "cuda":
-                # The host reads slots that earlier steps' saves may still be writing.
+            if (source, target) == (HOST, DISK) and self.device.type == "cuda":
+                # The host copies slots that earlier steps' saves, queued on the stream,
+                # may still be writing (loads to the device are ordered on the stream).
                 torch.cuda.current_stream(self.device).synchronize()
             started = time.perf_counter()
             copy_blocks(self.storage(source), picked[1], self.storage(target), picked[3])
