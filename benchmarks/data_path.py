@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from timing import pct
+from timing import pct, wait_for_workers
 
 from lamina.libs.nats_server import free_port
 from lamina.services.engine_worker.default_model import ensure_default_model
@@ -171,7 +171,8 @@ def main() -> None:
             assert stack.nats is not None
             pids = {name: proc.pid for name, proc in stack.procs.items()}
             pids["nats-server"] = stack.nats.pid
-            wait_ready(stack)
+            wait_for_workers(stack.metrics_url, 1)
+            time.sleep(1.0)  # its first heartbeats settle
             print(
                 f"{os.cpu_count()} cores; free engine, a {args.step_ms:g} ms step; "
                 f"{args.tokens}-token completions, {args.seconds:g} s per level; CPU us per "
@@ -240,22 +241,6 @@ def _frame(text: str) -> str:
     function, _, where = text.partition(" (")
     path = where.rsplit(":", 1)[0].rstrip(")")
     return f"{'/'.join(path.split('/')[-2:])} {function}"
-
-
-def wait_ready(stack: Stack) -> None:
-    """Until the worker is ready (the gateway is, once ``start`` returns)."""
-    cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            workers = httpx.get(cluster, timeout=5).json()["workers"]
-        except httpx.HTTPError:
-            workers = []
-        if any(w["state"] == "ready" for w in workers):
-            time.sleep(1.0)  # its first heartbeats settle
-            return
-        time.sleep(0.3)
-    sys.exit("the worker was never ready")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from timing import pct
+from timing import pct, wait_for_workers
 
 from lamina.libs.block_hash import hash_blocks
 from lamina.libs.bus import Bus
@@ -352,7 +352,7 @@ def pd_target(
     a worker on each of two more; the KV crosses between the workers' addresses)."""
     if not args.netns:
         with pd_stack(args, model, logs, prefill_workers) as stack:
-            wait_for_workers(stack, 2)
+            wait_for_workers(stack.metrics_url, 2)
             yield stack.base_url
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' host helpers
@@ -368,17 +368,6 @@ def pd_target(
         workers = nodes.workers_of(roles)
         asyncio.run(nodes.converge(cluster, ("a",), workers, timeout=240))
         yield cluster.gateway("a")
-
-
-def wait_for_workers(stack: Stack, count: int) -> None:
-    deadline = time.monotonic() + 120
-    cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
-    while time.monotonic() < deadline:
-        workers = httpx.get(cluster, timeout=10).json()["workers"]
-        if sum(w["state"] == "ready" for w in workers) >= count:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"{count} workers never were ready")
 
 
 def pd_part(args: argparse.Namespace) -> None:
@@ -526,7 +515,7 @@ def drain_part(args: argparse.Namespace) -> None:
                         ],
                     )
                     with stack:
-                        wait_for_workers(stack, 2)
+                        wait_for_workers(stack.metrics_url, 2)
                         lag, fetched, failed = asyncio.run(
                             moved_lag(stack, context, args.streams, vocab)
                         )

@@ -54,3 +54,18 @@ def pct(values: list[float], q: float) -> float:
     """The ``q`` quantile of ``values`` (the nearest rank at or below it)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def wait_for_workers(metrics_url: str, count: int, timeout_s: float = 120.0) -> None:
+    """Until telemetry (its ``/metrics`` URL given) shows ``count`` workers ready."""
+    cluster = metrics_url.replace("/metrics", "/v1/cluster")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            workers = httpx.get(cluster, timeout=10).json()["workers"]
+        except httpx.HTTPError:  # telemetry still starting
+            workers = []
+        if sum(w["state"] == "ready" for w in workers) >= count:
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"{count} workers never were ready")
