@@ -342,3 +342,24 @@ StreamEvent = Accepted | PromptLogprobs | Tokens | Finished | Rejected | Failed 
 each submission (each retry or move of a request) has its own reply subject and
 numbering; a receiver that sees a gap has lost events, not reordered ones (the gateway
 then moves the request on from before the gap, as after a lost worker)."""
+
+
+class StreamedEvent(msgspec.Struct, array_like=True, gc=False):
+    """One event of a :class:`StreamBatch`: the submission it belongs to (the
+    ``<attempt>`` token of its reply subject, ``<inbox>.<attempt>``) and the event, as it
+    would have gone on that submission's stream subject."""
+
+    attempt: Id
+    event: StreamEvent
+
+
+class StreamBatch(Message, gc=False):
+    """worker → gateway, on ``subjects.stream_batch(<inbox>, <worker id>)``: the events of
+    several of one gateway's streams in one message (what an engine step produced for
+    them, or several steps' when the publisher fell behind), each stream's in its ``seq``
+    order. A gateway reads each event as if it had come on that attempt's own stream
+    subject from the same worker. Sent only to a gateway whose ``GatewayAlive`` says it
+    reads batches (``stream_batches``): one message per step per gateway instead of one
+    per stream, which is most of what the bus and the gateway spend on a token."""
+
+    events: list[StreamedEvent]

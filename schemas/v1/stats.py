@@ -204,6 +204,10 @@ class GatewayAlive(Message):
     gateway_id: Id
     inbox_prefix: Id
     interval_s: Interval = 1.0
+    stream_batches: bool = False
+    """It reads a ``StreamBatch`` (several streams' events in one message) on
+    ``subjects.stream_batch``: a worker sends it those instead of one message per stream
+    (False: a gateway that predates them gets one message per event)."""
 
 
 class ClusterStatusRequest(Message):

@@ -71,6 +71,19 @@ def worker_stream(attempt: str, worker_id: str) -> str:
     return f"{attempt}.{worker_id}"
 
 
+STREAM_BATCH = "batch"
+"""The ``<attempt>`` token of a gateway inbox's batch subject: no attempt's (an attempt's
+is 22 random characters)."""
+
+
+def stream_batch(inbox: str, worker_id: str) -> str:
+    """Where worker ``worker_id`` sends a ``StreamBatch`` for the gateway that reads
+    ``inbox``: a :func:`worker_stream` subject of the reserved attempt ``STREAM_BATCH``,
+    so the same permission (a worker publishes only on subjects that end in its id) tells
+    the gateway who sent it."""
+    return worker_stream(f"{inbox}.{STREAM_BATCH}", worker_id)
+
+
 def stream_inbox(stream: str) -> str:
     """The gateway inbox (``GatewayAlive.inbox_prefix``) a :func:`worker_stream` subject
     belongs to: ``<inbox>.<attempt>.<worker id>`` -> ``<inbox>``."""

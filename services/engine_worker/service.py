@@ -27,7 +27,13 @@ from lamina.libs import spans
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.cluster import FORGET_AFTER_S, MISSED_HEARTBEATS
 from lamina.libs.config import option
-from lamina.libs.errors import BadReply, CannotStart, NoResponders, RequestTimeout
+from lamina.libs.errors import (
+    BadReply,
+    CannotStart,
+    NoResponders,
+    PayloadTooLarge,
+    RequestTimeout,
+)
 from lamina.libs.health import HealthServer
 from lamina.libs.service import Failure, announce
 from lamina.schemas.v1 import subjects
@@ -42,12 +48,19 @@ from lamina.schemas.v1.control import (
     Resume,
     Uncordon,
 )
-from lamina.schemas.v1.generate import Accepted, GenerateRequest, Rejected, RejectReason, Tokens
+from lamina.schemas.v1.generate import (
+    Accepted,
+    GenerateRequest,
+    Rejected,
+    RejectReason,
+    StreamBatch,
+    Tokens,
+)
 from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
 from lamina.schemas.v1.kv_transfer import KvGrant
 from lamina.schemas.v1.ranks import RankRendezvous, RanksRequest
 from lamina.schemas.v1.stats import GatewayAlive, WorkerRole, WorkerState, WorkerStats
-from lamina.services.engine_worker import wire
+from lamina.services.engine_worker import stream_batches, wire
 from lamina.services.engine_worker.default_model import with_default_model
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
@@ -176,6 +189,8 @@ class WorkerService:
         self.lifecycle = Lifecycle()
         self._gateways: dict[str, tuple[float, float]] = {}
         """Gateway inbox prefix -> (when last heard, its heartbeat interval)."""
+        self._batching: set[str] = set()
+        """The inbox prefixes of gateways that read a ``StreamBatch``."""
         self.cordoned = False
         """Set by ``Cordon``: schedulers place nothing new here (see ``WorkerStats``)."""
         self._beats, self._beat_state = 0, None
@@ -473,6 +488,8 @@ class WorkerService:
 
     async def _on_gateway_alive(self, alive: GatewayAlive, msg: Msg) -> None:
         self._gateways[alive.inbox_prefix] = (time.monotonic(), alive.interval_s)
+        if alive.stream_batches:
+            self._batching.add(alive.inbox_prefix)
 
     def _stop_orphans(self) -> None:
         """Cancel the requests of a gateway that stopped heartbeating: nobody reads their
@@ -481,6 +498,7 @@ class WorkerService:
         for prefix, (seen, interval) in list(self._gateways.items()):
             if now - seen > FORGET_AFTER_S + MISSED_HEARTBEATS * interval:  # long gone
                 del self._gateways[prefix]
+                self._batching.discard(prefix)
         orphaned = [rid for rid, reply in self.engine_thread.replies() if self._gone(reply, now)]
         for request_id in orphaned:
             self.engine_thread.cancel(request_id)
@@ -536,17 +554,33 @@ class WorkerService:
 
     # ------------------------------------------------------------------------- publishing
     async def _publish_outbox(self) -> None:
-        """One task publishes everything in order: the ``seq`` contract (``StreamEvent``)."""
+        """One task publishes everything in order: the ``seq`` contract (``StreamEvent``);
+        what has piled up meanwhile goes together, a batch per gateway that reads them."""
         while True:
-            batch = await self._outbox.get()
-            for subject, message, context in batch:
-                try:
-                    # Its own span each (a token event per step) would be noise: the
-                    # request's span here covers them, and they carry its context.
-                    await self.bus.publish(subject, message, context=context, traced=False)
-                except Exception:
-                    log.exception("publish to %s failed", subject)
-            self._outbox.task_done()
+            taken = [await self._outbox.get()]
+            while not self._outbox.empty():
+                taken.append(self._outbox.get_nowait())
+            outgoing = (item for batch in taken for item in batch)
+            for subject, message, context in stream_batches.coalesce(
+                outgoing, self._batching, self.worker_id
+            ):
+                await self._publish_event(subject, message, context)
+            for _ in taken:
+                self._outbox.task_done()
+
+    async def _publish_event(self, subject: str, message: Any, context: Any) -> None:
+        try:
+            # Its own span each (a token event per step) would be noise: the request's
+            # span here covers them, and they carry its context.
+            await self.bus.publish(subject, message, context=context, traced=False)
+        except PayloadTooLarge:
+            if not isinstance(message, StreamBatch) or len(message.events) < 2:
+                log.exception("publish to %s failed", subject)
+                return
+            for half in stream_batches.split(message):
+                await self._publish_event(subject, half, context)
+        except Exception:
+            log.exception("publish to %s failed", subject)
 
     async def _heartbeat(self) -> None:
         while True:

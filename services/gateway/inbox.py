@@ -10,6 +10,11 @@ attempt's request, from the scheduler before any worker accepted, or from the wo
 whose ``Accepted`` (naming itself, on its own subject) opened the stream; everything else
 is refused and counted (``Bus.refused``, in ``BusHealth``). The ``seq`` order within the
 believed stream is the request's to check (``RemoteRequest``).
+
+A worker may instead send one ``StreamBatch`` for several of this gateway's attempts, on
+``<inbox>.batch.<worker id>`` (``subjects.stream_batch``): each of its events is judged
+exactly as if it had come on ``<inbox>.<attempt>.<worker id>``, so a batch lets a worker
+say nothing it could not say one event at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from lamina.libs.bus import Bus
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel
 from lamina.schemas.v1.errors import BadMessage
-from lamina.schemas.v1.generate import Accepted, Queued, Rejected, StreamEvent
+from lamina.schemas.v1.generate import Accepted, Queued, Rejected, StreamBatch, StreamEvent
 
 log = logging.getLogger("lamina.gateway")
 
@@ -75,7 +80,7 @@ class Inbox:
         # Producers (workers) trace their publishes; a CONSUMER span per token is noise.
         await self.bus.subscribe(
             f"{self.prefix}.>",
-            StreamEvent | BadMessage,
+            StreamEvent | StreamBatch | BadMessage,
             self._route,
             traced=False,
             no_responders=self._undeliverable,
@@ -110,8 +115,18 @@ class Inbox:
         if attempt is not None and attempt.worker_id is None:
             attempt.queue.put_nowait(Undeliverable())
 
-    async def _route(self, event: StreamEvent | BadMessage, msg: Msg) -> None:
+    async def _route(self, event: StreamEvent | StreamBatch | BadMessage, msg: Msg) -> None:
         key, sender = self._parse(msg.subject)
+        if not isinstance(event, StreamBatch):
+            await self._deliver(key, sender, event)
+        elif key == subjects.STREAM_BATCH and sender is not None:  # only a worker batches
+            for item in event.events:
+                await self._deliver(item.attempt, sender, item.event)
+        else:
+            self.bus.refused += 1
+
+    async def _deliver(self, key: str, sender: str | None, event: StreamEvent | BadMessage) -> None:
+        """``event`` on attempt ``key``'s subject of ``sender`` (None: the scheduler's)."""
         attempt = self._attempts.get(key)
         if attempt is None:
             await self._late(key, sender, event)

@@ -181,7 +181,10 @@ class GatewayService:
         """Tell workers this gateway still reads its inbox (``GatewayAlive``)."""
         gateway_id = self.gateway_id
         alive = GatewayAlive(
-            gateway_id=gateway_id, inbox_prefix=inbox_prefix, interval_s=GATEWAY_HEARTBEAT_S
+            gateway_id=gateway_id,
+            inbox_prefix=inbox_prefix,
+            interval_s=GATEWAY_HEARTBEAT_S,
+            stream_batches=True,  # the inbox reads them (Inbox._route)
         )
         while True:  # never ends early: workers would stop this gateway's requests
             try:

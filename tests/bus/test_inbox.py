@@ -10,7 +10,16 @@ import asyncio
 from lamina.libs.bus import Bus
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel
-from lamina.schemas.v1.generate import Accepted, Failed, Queued, Rejected, RejectReason, Tokens
+from lamina.schemas.v1.generate import (
+    Accepted,
+    Failed,
+    Queued,
+    Rejected,
+    RejectReason,
+    StreamBatch,
+    StreamedEvent,
+    Tokens,
+)
 from lamina.services.gateway.inbox import Inbox
 
 
@@ -142,3 +151,55 @@ def test_a_worker_still_streaming_to_a_closed_attempt_is_told_once_to_stop(nats_
         return cancels
 
     assert asyncio.run(main()) == [("w-cut", Cancel(request_id="moved"))]
+
+
+def test_a_batch_is_judged_event_by_event_as_if_each_came_on_its_own_subject(nats_url):
+    """A ``StreamBatch`` from worker w-a delivers, in order, the events of the attempts
+    w-a accepted (an ``Accepted`` among them opens a stream, as on its own subject); its
+    events for an attempt another worker holds, for the wrong request or for an attempt
+    never opened are refused one by one; a batch on a subject that is not the batch
+    subject of a worker is refused whole; a late event in a batch stops its worker."""
+
+    async def main() -> tuple[list, list, int, list]:
+        bus, inbox, cancels = await _inbox(nats_url, "test-inbox-batch")
+        mine, theirs = asyncio.Queue(), asyncio.Queue()
+        a, b = inbox.open(mine, "mine"), inbox.open(theirs, "theirs")
+        closed = inbox.open(asyncio.Queue(), "gone")
+        key = {s: s.rsplit(".", 1)[-1] for s in (a, b, closed)}
+        await bus.publish(
+            subjects.worker_stream(b, "w-b"), Accepted(request_id="theirs", worker_id="w-b")
+        )
+        await bus.publish(
+            subjects.worker_stream(closed, "w-a"), Accepted(request_id="gone", worker_id="w-a")
+        )
+        await _settle(bus)
+        inbox.close(closed)
+        batch = StreamBatch(
+            events=[
+                StreamedEvent(key[a], Accepted(request_id="mine", worker_id="w-a")),
+                StreamedEvent(key[b], Tokens(request_id="theirs", seq=1, token_ids=[9])),
+                StreamedEvent(key[a], Tokens(request_id="mine", seq=1, token_ids=[1, 2])),
+                StreamedEvent(key[a], failed("other", seq=2)),
+                StreamedEvent("never-opened", Tokens(request_id="mine", seq=2, token_ids=[3])),
+                StreamedEvent(key[closed], Tokens(request_id="gone", seq=1, token_ids=[4])),
+                StreamedEvent(key[a], Tokens(request_id="mine", seq=2, token_ids=[3])),
+            ]
+        )
+        await bus.publish(subjects.stream_batch(inbox.prefix, "w-a"), batch)
+        await bus.publish(f"{inbox.prefix}.{subjects.STREAM_BATCH}", batch)  # no worker's
+        await bus.publish(subjects.worker_stream(a, "w-a"), batch)  # an attempt's subject
+        await _settle(bus)
+        got = [mine.get_nowait() for _ in range(mine.qsize())]
+        others = [theirs.get_nowait() for _ in range(theirs.qsize())]
+        await bus.drain()
+        return got, others, bus.refused, cancels
+
+    got, others, refused, cancels = asyncio.run(main())
+    assert got == [
+        Accepted(request_id="mine", worker_id="w-a"),
+        Tokens(request_id="mine", seq=1, token_ids=[1, 2]),
+        Tokens(request_id="mine", seq=2, token_ids=[3]),
+    ]
+    assert others == [Accepted(request_id="theirs", worker_id="w-b")]
+    assert refused == 3 + 2  # three events of the batch; two batches whole
+    assert cancels == [("w-a", Cancel(request_id="gone"))]

@@ -25,6 +25,7 @@ from lamina.schemas.v1.generate import (
     Rejected,
     RejectReason,
     Sampling,
+    StreamBatch,
     StreamEvent,
     Tokens,
 )
@@ -576,3 +577,70 @@ def test_a_tensor_parallel_worker_reports_its_ranks_and_fails_as_a_group(nats_ur
             await worker.close()
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_a_gateway_that_reads_batches_gets_each_step_of_its_streams_as_one_message(
+    nats_url, tiny_model
+):
+    """Once a gateway's heartbeat says it reads ``StreamBatch``, the worker sends it every
+    stream's events of a step together on its batch subject: each stream complete and in
+    ``seq`` order, in fewer messages than events (here four streams a step, so about a
+    quarter)."""
+    worker_id = "bus-batch-worker"
+
+    async def main() -> tuple[dict[str, list], int, list[str]]:
+        worker = WorkerService(worker_config(nats_url, worker_id, tiny_model))
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-batch-gateway")
+        prefix = bus.inbox()
+        alive = GatewayAlive(
+            gateway_id="gw-batch", inbox_prefix=prefix, interval_s=1.0, stream_batches=True
+        )
+        streams: dict[str, list] = {f"a{i}": [] for i in range(4)}
+        subjects_seen: list[str] = []
+        ended = asyncio.Event()
+
+        async def on_message(message: StreamEvent | StreamBatch, msg) -> None:
+            subjects_seen.append(msg.subject)
+            if isinstance(message, StreamBatch):
+                items = [(item.attempt, item.event) for item in message.events]
+            else:  # on the attempt's own subject
+                items = [(msg.subject.rsplit(".", 2)[1], message)]
+            for attempt, event in items:
+                streams[attempt].append(event)
+            if sum(isinstance(e[-1], Finished) for e in streams.values() if e) == 4:
+                ended.set()
+
+        try:
+            await bus.subscribe(f"{prefix}.>", StreamEvent | StreamBatch, on_message)
+            await bus.publish(subjects.gateway_alive("gw-batch"), alive)
+            await bus.flush()
+            while prefix not in worker._batching:
+                await asyncio.sleep(0.01)
+            for attempt in streams:
+                request = GenerateRequest(
+                    request_id=f"r-{attempt}",
+                    model="lamina-tiny",
+                    prompt_token_ids=[5, 6, 7, 8],
+                    sampling=Sampling(max_tokens=40, ignore_eos=True),
+                )
+                reply = subjects.worker_stream(f"{prefix}.{attempt}", worker_id)
+                await bus.publish(subjects.worker_generate(worker_id), request, reply=reply)
+            await asyncio.wait_for(ended.wait(), 30)
+            return streams, len(subjects_seen), sorted(set(subjects_seen))
+        finally:
+            await bus.close()
+            await worker.drain()
+            await worker.close()
+
+    streams, messages, seen = asyncio.run(main())
+    assert seen == [subjects.stream_batch(seen[0].rsplit(".", 2)[0], worker_id)]
+    for attempt, events in streams.items():
+        assert events[0] == Accepted(
+            request_id=f"r-{attempt}", worker_id=worker_id, numerics=events[0].numerics
+        )
+        assert [e.seq for e in events] == list(range(len(events)))
+        assert all(e.request_id == f"r-{attempt}" for e in events)
+        assert events[-1].usage.completion_tokens == 40
+        assert sum(len(e.token_ids) for e in events[1:]) == 40
+    assert messages < sum(len(e) for e in streams.values()) / 2

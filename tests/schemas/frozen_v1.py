@@ -124,6 +124,18 @@ class Queued(Message):
     position: int
 
 
+StreamEvent = Accepted | PromptLogprobs | Tokens | Finished | Rejected | Failed | Queued
+
+
+class StreamedEvent(msgspec.Struct, array_like=True, gc=False):
+    attempt: str
+    event: StreamEvent
+
+
+class StreamBatch(Message, gc=False):
+    events: list[StreamedEvent]
+
+
 # --- api.py (continued: uses generate.py's structs) ---------------------------------------
 
 

@@ -48,6 +48,8 @@ from lamina.schemas.v1.generate import (
     Rejected,
     Sampling,
     Sla,
+    StreamBatch,
+    StreamedEvent,
     StreamEvent,
     StructuredOutput,
     TokenLogprob,
@@ -263,6 +265,17 @@ def golden_instances() -> dict[str, Message]:
         ),
         PromptLogprobs(request_id=request_id, seq=1, start=1, logprobs=logprobs, ranks=[1, 7]),
         Tokens(request_id=request_id, seq=1, token_ids=[1576, 4996], logprobs=logprobs),
+        StreamBatch(
+            events=[
+                StreamedEvent(
+                    "Qm9vdHN0cmFwcGVkLWF0dA",
+                    Tokens(request_id=request_id, seq=2, token_ids=[11], logprobs=logprobs[:1]),
+                ),
+                StreamedEvent(
+                    "c2Vjb25kLWF0dGVtcHQtYQ", Accepted(request_id="cmpl-2", worker_id=worker_id)
+                ),
+            ]
+        ),
         Finished(
             request_id=request_id,
             seq=3,
@@ -384,7 +397,12 @@ def golden_instances() -> dict[str, Message]:
         ),
         stats,
         ClusterStatusRequest(),
-        GatewayAlive(gateway_id="gw-node-2-88", inbox_prefix="_INBOX.aB3dE5", interval_s=2.0),
+        GatewayAlive(
+            gateway_id="gw-node-2-88",
+            inbox_prefix="_INBOX.aB3dE5",
+            interval_s=2.0,
+            stream_batches=True,
+        ),
         WorkerView(stats=stats, alive=True, last_seen_ms=1767225600750, quarantined=True),
         ClusterStatus(
             scheduler_id="sched-a-311",
