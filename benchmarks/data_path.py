@@ -6,7 +6,8 @@ engine bookkeeping, a forward pass that is one ``--step-ms`` sleep), and streami
 clients on the gateway's OpenAI API: at each of ``--concurrency`` levels, that many
 clients each stream completions of ``--tokens`` tokens back to back for ``--seconds``.
 Each process's CPU time over the window (``/proc/<pid>/stat``, its children included),
-less what it spent over an idle window as long just before (heartbeats, stats), divided
+less what it spent over an idle window as long just before (heartbeats, stats, the
+``/health`` probe: ~0.5 probe a token at one stream would otherwise count), divided
 by the tokens the clients received: CPU microseconds per streamed token for the worker,
 nats-server, the gateway, the rest (scheduler and telemetry) and the client (this
 process: httpx, and a ``/health`` probe every 20 ms whose p99 the table shows too).
@@ -19,6 +20,7 @@ functions by own samples, and Lamina's by samples under them.
 Not a test: run it by hand on an otherwise idle machine::
 
     .venv/bin/python -u benchmarks/data_path.py
+    .venv/bin/python -u benchmarks/data_path.py --stream-interval 4 --gateways 2
     .venv/bin/python -u benchmarks/data_path.py --concurrency 1 32 256 --step-ms 10 --profile
 """
 
@@ -26,18 +28,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import httpx
 from timing import pct, wait_for_workers
 
-from lamina.libs.nats_server import free_port
+from lamina.libs.nats_server import NatsServer, free_port
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.launcher import Stack
 
@@ -123,17 +127,30 @@ async def load(base_url: str, clients: int, tokens: int, seconds: float) -> tupl
     return received, health, retried
 
 
-def measure(stack: Stack, pids: dict[str, int], args, clients: int) -> dict[str, float]:
-    """One level: the idle window, then the loaded one."""
+def published(monitor: str) -> Counter[str]:
+    """Messages each connection has published so far (nats-server's ``/connz``), by the
+    connection's name (``Bus.connect``'s: the service)."""
+    with urllib.request.urlopen(f"{monitor}/connz?limit=1024", timeout=5) as response:
+        connections = json.load(response)["connections"]
+    sent: Counter[str] = Counter()
+    for connection in connections:  # several gateways connect under one name
+        sent[connection.get("name", "?")] += connection["in_msgs"]
+    return sent
+
+
+def measure(
+    stack: Stack, pids: dict[str, int], monitor: str, args, clients: int
+) -> tuple[dict[str, float], Counter[str]]:
+    """One level: the idle window (heartbeats, stats, and the ``/health`` probe), then
+    the loaded one; and the messages each service published during the loaded one."""
     before = cpu_of(pids)
-    time.sleep(args.seconds)
+    asyncio.run(load(stack.base_url, 0, args.tokens, args.seconds))  # the probe alone
     idle = {name: value - before[name] for name, value in cpu_of(pids).items()}
-    idle["client"] = 0.0  # this process only slept
-    before = cpu_of(pids)
+    before, sent = cpu_of(pids), published(monitor)
     started = time.perf_counter()
     tokens, health, retried = asyncio.run(load(stack.base_url, clients, args.tokens, args.seconds))
     elapsed = time.perf_counter() - started
-    after = cpu_of(pids)
+    after, messages = cpu_of(pids), published(monitor) - sent
     row = {
         name: (after[name] - before[name] - idle[name] * elapsed / args.seconds) / tokens * 1e6
         for name in after
@@ -141,7 +158,8 @@ def measure(stack: Stack, pids: dict[str, int], args, clients: int) -> dict[str,
     row["tokens_per_s"] = tokens / elapsed
     row["health_p99_ms"] = pct(health, 0.99) * 1e3
     row["retried"] = retried
-    return row
+    row["messages"] = messages.total() / tokens
+    return row, messages
 
 
 def main() -> None:
@@ -151,45 +169,62 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="each level's window")
     parser.add_argument("--step-ms", type=float, default=10.0, help="the free engine's step")
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="the worker's: tokens a stream sends at once"
+    )
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes on the port")
     parser.add_argument("--profile", action="store_true", help="py-spy, at the last level")
     parser.add_argument("--top", type=int, default=12, help="--profile: functions shown")
     parser.add_argument("--log-dir", default="", help="keep the services' logs here")
     args = parser.parse_args()
     model = ensure_default_model(args.preset)
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))
-    with tempfile.TemporaryDirectory() as tmp:
+    monitor_port = free_port()
+    monitor = f"http://127.0.0.1:{monitor_port}"
+    with tempfile.TemporaryDirectory() as tmp, NatsServer(monitor_port=monitor_port) as nats:
         stack = Stack(
             model=model,
+            nats_url=nats.url,
             http_port=free_port(),
             metrics_port=free_port(),
             log_dir=Path(args.log_dir or tmp),
             worker_module="free_worker",
-            worker_args=["--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "512"],
+            worker_args=[
+                *["--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "512"],
+                *["--stream-interval", str(args.stream_interval)],
+            ],
+            gateways=args.gateways,
             extra_env={"PYTHONPATH": path, "LAMINA_FREE_STEP_MS": str(args.step_ms)},
         )
         with stack:
-            assert stack.nats is not None
             pids = {name: proc.pid for name, proc in stack.procs.items()}
-            pids["nats-server"] = stack.nats.pid
+            pids["nats-server"] = nats.pid
             wait_for_workers(stack.metrics_url, 1)
             time.sleep(1.0)  # its first heartbeats settle
             print(
                 f"{os.cpu_count()} cores; free engine, a {args.step_ms:g} ms step; "
+                f"{args.gateways} gateway(s), stream interval {args.stream_interval}; "
                 f"{args.tokens}-token completions, {args.seconds:g} s per level; CPU us per "
-                "streamed token (idle subtracted), tokens/s, /health p99"
+                "streamed token (idle subtracted), tokens/s, /health p99, bus messages "
+                "published per token"
             )
             names = ["worker-0", "nats-server", "gateway", "rest", "client"]
             head = " ".join(f"{n:>11}" for n in names)
-            print(f"{'streams':>8} {head}   tok/s    health  retried")
+            print(f"{'streams':>8} {head}   tok/s    health  retried  msgs/tok")
+            by_service = {}
             for clients in args.concurrency:
-                row = measure(stack, pids, args, clients)
+                row, by_service[clients] = measure(stack, pids, monitor, args, clients)
                 row["rest"] = row.pop("scheduler") + row.pop("telemetry")
+                row["gateway"] = sum(row.pop(n) for n in list(row) if n.startswith("gateway"))
                 cells = " ".join(f"{row[n]:11.1f}" for n in names)
                 print(
                     f"{clients:8d} {cells} {row['tokens_per_s']:7.0f} "
-                    f"{row['health_p99_ms']:6.0f} ms {row['retried']:8.0f}",
+                    f"{row['health_p99_ms']:6.0f} ms {row['retried']:8.0f} {row['messages']:9.3f}",
                     flush=True,
                 )
+            for clients, messages in by_service.items():
+                top = ", ".join(f"{name} {count}" for name, count in messages.most_common(6))
+                print(f"messages published at {clients} streams: {top}")
             if args.profile:
                 profile(stack, pids, args, args.concurrency[-1], Path(tmp))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import resource
+import socket
 import sys
 from typing import Any
 
@@ -158,6 +159,22 @@ def server_config(
     return uvicorn.Config(
         app, host=host, port=port, http=protocol, lifespan="off", access_log=False, **options
     )
+
+
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT``: every process that binds
+    it so listens on the one port, and the kernel spreads new connections among them (a
+    server given it calls ``listen``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _raise_fd_limit(wanted: int) -> None:

@@ -96,6 +96,7 @@ class NatsServer:
         config: Path | None = None,
         tls: tuple[str, str] | None = None,
         cluster: NatsCluster | None = None,
+        monitor_port: int | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -108,6 +109,9 @@ class NatsServer:
         self.cluster = cluster
         """This node's cluster routes, for a server without a ``config`` (an open bus); a
         configuration file carries its own (``CredentialStore.write_server_config``)."""
+        self.monitor_port = monitor_port
+        """Where the server's HTTP monitoring (``/varz``, ``/connz``) listens, on ``host``
+        (None: nowhere). Benchmarks read message counts there."""
         self._store: tempfile.TemporaryDirectory | None = None
         self._proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
@@ -126,6 +130,8 @@ class NatsServer:
         if self._log is not None:  # started before, and since exited
             self._log.close()
         args = [find_binary(), "-a", self.host, "-p", str(self.port)]
+        if self.monitor_port is not None:
+            args += ["-m", str(self.monitor_port)]
         if self.config is not None:
             args += ["-c", str(self.config)]
         elif self.cluster is not None:

@@ -16,6 +16,7 @@ first NATS API client.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -79,6 +80,10 @@ class Stack:
     else behind the worker's shell (``benchmarks/free_worker.py``: an engine whose model
     costs nothing)."""
     gateway_args: list[str] = field(default_factory=list)
+    gateways: int = 1
+    """Gateway processes, all on ``http_port`` (``--http-reuse-port``: the kernel spreads
+    connections between them), named ``gateway``, ``gateway-1``, ...: where one process's
+    event loop is not enough to stream every token."""
     telemetry_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     services: frozenset[str] = SERVICES
@@ -224,6 +229,15 @@ class Stack:
         module = "lamina.services.engine_worker.stage_host"
         return self._spawn(f"stage-{worker_id}-{stage}", module, args, f"worker.{worker_id}")
 
+    def gateway_name(self, index: int) -> str:
+        return "gateway" if index == 0 else f"gateway-{index}"
+
+    def start_gateway(self, index: int) -> subprocess.Popen:
+        shared = ["--http-reuse-port"] if self.gateways > 1 else []
+        args = ["--model", str(self.model), "--http-host", self.http_host]
+        args += ["--http-port", str(self.http_port), *shared, *self.gateway_args]
+        return self._spawn(self.gateway_name(index), "lamina.services.gateway", args, "gateway")
+
     def start_scheduler(self, scheduler_id: str) -> subprocess.Popen:
         """Another scheduler replica (the queue group splits submits between replicas)."""
         return self._spawn(
@@ -274,20 +288,8 @@ class Stack:
         for worker_id, stage in self.stages:
             self.start_stage(worker_id, stage)
         if "gateway" in self.services:
-            self._spawn(
-                "gateway",
-                "lamina.services.gateway",
-                [
-                    "--model",
-                    str(self.model),
-                    "--http-host",
-                    self.http_host,
-                    "--http-port",
-                    str(self.http_port),
-                    *self.gateway_args,
-                ],
-                "gateway",
-            )
+            for index in range(self.gateways):
+                self.start_gateway(index)
         self.wait_ready(timeout, should_stop)
         return self
 
@@ -310,19 +312,30 @@ class Stack:
                     return
                 time.sleep(0.2)
                 continue
-            try:
-                with urllib.request.urlopen(self.base_url + "/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if self._gateways_listen():
+                try:
+                    with urllib.request.urlopen(self.base_url + "/ready", timeout=1) as response:
+                        if response.status == 200:
+                            return
+                except (urllib.error.URLError, OSError):
+                    pass
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"the stack was not ready within {timeout:g}s")
 
+    def _gateways_listen(self) -> bool:
+        """Every gateway process listens on the HTTP port (true at once for one gateway:
+        its ``/ready`` says so): ``/ready`` alone would answer from whichever listens."""
+        if self.gateways == 1:
+            return True
+        names = [self.gateway_name(i) for i in range(self.gateways)]
+        return all(listens(self.procs[n].pid, self.http_port) for n in names if n in self.procs)
+
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM in order (gateway, workers, scheduler, telemetry), then the NATS server."""
-        order = sorted(self.procs, key=lambda n: (n != "gateway", not n.startswith("worker")))
+        """SIGTERM in order (gateways, workers, scheduler, telemetry), then the NATS server."""
+        order = sorted(
+            self.procs, key=lambda n: (not n.startswith("gateway"), not n.startswith("worker"))
+        )
         for name in order:
             self.terminate(name, timeout)
         if self.nats is not None:
@@ -366,6 +379,16 @@ class UpConfig:
         "every worker's --role (mixed, prefill or decode): a host of a disaggregated "
         "cluster whose workers all do one job; --prefill-workers splits one host's instead",
     )
+    gateways: int = option(
+        1,
+        "gateway processes, all on --http-port (the kernel spreads connections between "
+        "them): more where one process cannot stream every token",
+    )
+    stream_interval: int = option(
+        1,
+        "tokens each decoding stream sends at once (lamina worker's --stream-interval; "
+        "vLLM's): above 1, less CPU per token outside the engine, in coarser chunks",
+    )
     model_name: str = option("", "served model name (default: the model directory's name)")
     http_host: str = option("127.0.0.1", "address the gateway and telemetry listen on")
     http_port: int = option(8000, "the gateway's HTTP port (the OpenAI API)")
@@ -404,6 +427,8 @@ def preflight(config: UpConfig, model: Path, ports: list[tuple[str, str, int]]) 
     for flag, host, port in ports:
         if port and not port_is_free(host, port):
             return f"port {port} on {host} is in use ({flag})"
+    if config.gateways < 1 or config.stream_interval < 1:
+        return "--gateways and --stream-interval are at least 1"
     if not 0 <= config.prefill_workers <= config.workers:
         return f"--prefill-workers {config.prefill_workers}: 0 to --workers ({config.workers})"
     if WorkerRole(config.worker_role) == WorkerRole.UNKNOWN:
@@ -430,6 +455,32 @@ def preflight(config: UpConfig, model: Path, ports: list[tuple[str, str, int]]) 
     if not (model / "tokenizer.json").is_file():
         return f"model {model} has no tokenizer.json"
     return None
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a TCP socket listening on ``port`` (Linux's /proc;
+    elsewhere, assumed)."""
+    if not os.path.isdir("/proc"):
+        return True
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                local_port, state, inode = (
+                    int(fields[1].rsplit(":", 1)[1], 16),
+                    fields[3],
+                    fields[9],
+                )
+                if local_port == port and state == "0A" and inode in inodes:  # 0A: LISTEN
+                    return True
+    return False
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -479,7 +530,16 @@ def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
         nats_tls=(config.nats_tls_cert, config.nats_tls_key, config.nats_tls_ca)
         if config.nats_tls_cert
         else None,
-        worker_args=[*to_argv(dataclasses.replace(config.engine, model=None)), *names],
+        worker_args=[
+            *to_argv(dataclasses.replace(config.engine, model=None)),
+            *names,
+            *(
+                ["--stream-interval", str(config.stream_interval)]
+                if config.stream_interval > 1
+                else []
+            ),
+        ],
+        gateways=config.gateways,
         gateway_args=[*names, *_gateway_policies(config), *to_argv(config.gateway)],
         telemetry_args=[
             *(["--metrics-compat", config.metrics_compat] if config.metrics_compat else []),

@@ -99,6 +99,7 @@ class EngineThread(threading.Thread):
         emit: Callable[[list[Outgoing]], None],
         handoff_wait: float = HANDOFF_WAIT_S,
         keepalive_s: float = STREAM_KEEPALIVE_S,
+        stream_interval: int = 1,
         on_step_failure: Callable[[str], None] = lambda reason: None,
         on_death: Callable[[str], None] = lambda reason: None,
         incarnation: str = "",
@@ -118,7 +119,7 @@ class EngineThread(threading.Thread):
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams = Streams()
+        self._streams = Streams(stream_interval)
         self._prefills: dict[str, Callable[[], None]] = {}
         """Prefill legs in the engine (streamless) -> what to call when they end."""
         self._tracer = StepTracer(worker_id)

@@ -126,6 +126,12 @@ class WorkerConfig:
         "most seconds a request's stream goes without an event while it waits in the engine "
         "(an empty Tokens): keep it under every gateway's --stall-timeout",
     )
+    stream_interval: int = option(
+        1,
+        "tokens a decoding stream sends at once (vLLM's --stream-interval): its first go at "
+        "once, the rest every this many (and with its end); above 1, fewer bus messages, "
+        "gateway wake-ups and SSE chunks per token, in coarser steps",
+    )
     kv_fetch_timeout: float = option(
         10.0,
         "most seconds a request waits for its prefix's KV blocks from another worker (the "
@@ -156,6 +162,8 @@ class WorkerConfig:
         if role == WorkerRole.UNKNOWN:
             raise ValueError(f"--role must be mixed, prefill or decode, not {self.role!r}")
         object.__setattr__(self, "role", role)
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval is at least 1, not {self.stream_interval}")
 
 
 def transfer_host(kv_host: str, distributed_address: str) -> str:
@@ -257,6 +265,7 @@ class WorkerService:
             subjects.worker_kv(self.worker_id),
             emit=lambda batch: aio.call_soon_threadsafe(self._outbox.put_nowait, batch),
             keepalive_s=cfg.stream_keepalive,
+            stream_interval=cfg.stream_interval,
             on_step_failure=lambda reason: aio.call_soon_threadsafe(self._degrade, reason),
             on_death=lambda reason: aio.call_soon_threadsafe(self._fail, reason),
             incarnation=self.incarnation,

@@ -28,6 +28,11 @@ class GatewayOptions:
     http_max_connections: int = option(
         MAX_CONNECTIONS, "open HTTP connections held; beyond, a new one is answered 503"
     )
+    http_reuse_port: bool = option(
+        False,
+        "share the HTTP port with other gateway processes (SO_REUSEPORT: the kernel spreads "
+        "new connections between them; lamina up --gateways N starts them so)",
+    )
     max_open_requests: int = option(4096, "requests held at once before new ones get a 429")
     max_open_prompt_tokens: int = option(1 << 24, "their prompt tokens, likewise")
     max_sequences_per_request: int = option(

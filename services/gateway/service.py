@@ -19,6 +19,7 @@ from lamina.libs.errors import BusError
 from lamina.libs.http_auth import ApiKeys, load_keys, load_policies
 from lamina.libs.http_server import (
     server_config,
+    shared_socket,
 )
 from lamina.libs.nats_auth import api_subject
 from lamina.libs.rate_limit import RateLimitHeaders, quotas
@@ -138,8 +139,10 @@ class GatewayService:
                 timeout_graceful_shutdown=int(cfg.options.graceful_shutdown),
             )
         )
+        shared = cfg.options.http_reuse_port
+        sockets = [shared_socket(cfg.http_host, cfg.http_port)] if shared else None
         self._tasks = [
-            asyncio.create_task(self._server.serve()),
+            asyncio.create_task(self._server.serve(sockets)),
             asyncio.create_task(self._watch_cluster()),
             asyncio.create_task(self._heartbeat(inbox.prefix)),
         ]
