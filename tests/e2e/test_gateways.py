@@ -21,8 +21,7 @@ from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.generate import StreamBatch
 from lamina.services.launcher import listens
 from tests.e2e.conftest import make_stack
-from tests.e2e.test_ctl import wait_for_status
-from tests.e2e.test_kv_moves import both_ready, ctl
+from tests.e2e.test_kv_moves import completion_text, ctl, only_worker_0_takes_work
 
 PROMPTS = [[*range(5 + 3 * i, 40 + 3 * i), 7] for i in range(16)]
 BODY = {"max_tokens": 1200, "temperature": 0, "ignore_eos": True}
@@ -48,20 +47,9 @@ def test_batched_streams_reach_both_gateways_whole_and_in_order_across_a_move(
     args = ["--max-model-len", "2048", "--stream-interval", str(INTERVAL)]
     args += ["--kv-cache-memory-bytes", str(256 << 20)]  # every stream runs at once
     with make_stack(tiny_model, tmp_path, workers=2, gateways=2, worker_args=args) as stack:
-        assert all(
-            listens(stack.procs[n].pid, stack.http_port)
-            for n in stack.procs
-            if n.startswith("gateway")
-        )
+        assert all(listens(stack.procs[n].pid, stack.http_port) for n in ("gateway", "gateway-1"))
         url = stack.nats_url
-        both_ready(capsys, url)
-        ctl(capsys, url, "cordon", "worker-1")
-        wait_for_status(capsys, url, "worker-1", "cordoned")
-
-        async def unmoved(client: httpx.AsyncClient, prompt: list[int]) -> str:
-            response = await client.post("/v1/completions", json=BODY | {"prompt": prompt})
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]["text"]
+        only_worker_0_takes_work(capsys, url)
 
         async def streamed(
             client: httpx.AsyncClient, prompt: list[int], accepted: asyncio.Event
@@ -96,7 +84,9 @@ def test_batched_streams_reach_both_gateways_whole_and_in_order_across_a_move(
             await bus.flush()
             try:
                 async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
-                    want = await asyncio.gather(*(unmoved(client, p) for p in PROMPTS))
+                    want = await asyncio.gather(
+                        *(completion_text(client, BODY, p) for p in PROMPTS)
+                    )
                 # Concurrent streams take a connection each: the kernel spreads them over
                 # the gateways.
                 client = httpx.AsyncClient(base_url=stack.base_url, timeout=120)

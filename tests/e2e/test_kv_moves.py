@@ -33,6 +33,21 @@ def both_ready(capsys, url: str) -> None:
         wait_for_status(capsys, url, worker, "ready")
 
 
+def only_worker_0_takes_work(capsys, url: str) -> None:
+    """Both workers ready, worker-1 cordoned: what comes next runs on worker-0, for a drain
+    that moves it to worker-1."""
+    both_ready(capsys, url)
+    ctl(capsys, url, "cordon", "worker-1")
+    wait_for_status(capsys, url, "worker-1", "cordoned")
+
+
+async def completion_text(client: httpx.AsyncClient, body: dict, prompt: list[int]) -> str:
+    """The text of a non-streamed completion of ``prompt`` (it must succeed)."""
+    response = await client.post("/v1/completions", json=body | {"prompt": prompt})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
 async def placed(url: str, call) -> tuple[object, PlacementRecord]:
     """``call()``'s result (run off the loop) and the one placement record it caused."""
     records: list[PlacementRecord] = []
@@ -126,14 +141,7 @@ def test_a_drain_that_moves_hands_running_streams_and_their_kv_to_another_worker
     with make_stack(tiny_model, tmp_path, workers=2, worker_args=args) as stack:
         url = stack.nats_url
         body = {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}
-        both_ready(capsys, url)
-        ctl(capsys, url, "cordon", "worker-1")
-        wait_for_status(capsys, url, "worker-1", "cordoned")
-
-        async def unmoved(client: httpx.AsyncClient, prompt: list[int]) -> str:
-            response = await client.post("/v1/completions", json=body | {"prompt": prompt})
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]["text"]
+        only_worker_0_takes_work(capsys, url)
 
         async def streamed(client: httpx.AsyncClient, prompt: list[int], accepted) -> str:
             text = ""
@@ -153,7 +161,7 @@ def test_a_drain_that_moves_hands_running_streams_and_their_kv_to_another_worker
 
         async def main() -> tuple[list[str], list[str]]:
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
-                want = [await unmoved(client, prompt) for prompt in MOVED]
+                want = [await completion_text(client, body, prompt) for prompt in MOVED]
                 accepted = [asyncio.Event() for _ in MOVED]
                 streams = [
                     asyncio.create_task(streamed(client, prompt, event))
