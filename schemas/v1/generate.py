@@ -360,6 +360,6 @@ class StreamBatch(Message, gc=False):
     order. A gateway reads each event as if it had come on that attempt's own stream
     subject from the same worker. Sent only to a gateway whose ``GatewayAlive`` says it
     reads batches (``stream_batches``): one message per step per gateway instead of one
-    per stream, which is most of what the bus and the gateway spend on a token."""
+    per stream."""
 
     events: list[StreamedEvent]

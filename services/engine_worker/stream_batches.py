@@ -2,8 +2,8 @@
 
 Whatever the outbox holds when its publisher gets to it (one engine step's events, or
 several steps' when the publisher fell behind) leaves as one ``StreamBatch`` per gateway
-that reads batches, instead of one message per stream: the bus and the gateway spend per
-message, and at 32 streams that is 32 messages a step. Each stream's events stay in
+that reads batches, instead of one message per stream (at 32 streams, 32 messages a step
+for the server to route and the gateway to decode one by one). Each stream's events stay in
 their order within the batch, and a stream's events all go the same way within one
 call, so the ``seq`` contract (``StreamEvent``) holds.
 """
