@@ -10,7 +10,6 @@ must have carried batches to both gateways, each with events of several streams.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 
@@ -21,7 +20,12 @@ from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.generate import StreamBatch
 from lamina.services.launcher import listens
 from tests.e2e.conftest import make_stack
-from tests.e2e.test_kv_moves import completion_text, ctl, only_worker_0_takes_work
+from tests.e2e.test_kv_moves import (
+    completion_text,
+    move_to_worker_1,
+    only_worker_0_takes_work,
+    streamed_text,
+)
 
 PROMPTS = [[*range(5 + 3 * i, 40 + 3 * i), 7] for i in range(16)]
 BODY = {"max_tokens": 1200, "temperature": 0, "ignore_eos": True}
@@ -51,25 +55,6 @@ def test_batched_streams_reach_both_gateways_whole_and_in_order_across_a_move(
         url = stack.nats_url
         only_worker_0_takes_work(capsys, url)
 
-        async def streamed(
-            client: httpx.AsyncClient, prompt: list[int], accepted: asyncio.Event
-        ) -> tuple[str, int]:
-            text, chunks = "", 0
-            request = BODY | {"prompt": prompt, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=request) as response:
-                accepted.set()  # the gateway answers once a worker accepted the request
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        assert "error" not in chunk, chunk
-                        text += chunk["choices"][0]["text"]
-                        chunks += 1
-            return text, chunks
-
-        def move() -> None:
-            ctl(capsys, url, "uncordon", "worker-1")
-            ctl(capsys, url, "drain", "--move", "worker-0")
-
         async def main() -> tuple[list[str], list[tuple[str, int]], list[StreamBatch], Counter]:
             batches: list[StreamBatch] = []
             inboxes: Counter[str] = Counter()
@@ -92,12 +77,12 @@ def test_batched_streams_reach_both_gateways_whole_and_in_order_across_a_move(
                 client = httpx.AsyncClient(base_url=stack.base_url, timeout=120)
                 accepted = [asyncio.Event() for _ in PROMPTS]
                 streams = [
-                    asyncio.create_task(streamed(client, prompt, event))
+                    asyncio.create_task(streamed_text(client, BODY, prompt, event))
                     for prompt, event in zip(PROMPTS, accepted, strict=True)
                 ]
                 for event in accepted:  # each has ~1200 tokens to go
                     await asyncio.wait_for(event.wait(), 60)
-                await asyncio.to_thread(move)
+                await asyncio.to_thread(move_to_worker_1, capsys, url)
                 got = list(await asyncio.gather(*streams))
             finally:
                 await client.aclose()

@@ -48,6 +48,30 @@ async def completion_text(client: httpx.AsyncClient, body: dict, prompt: list[in
     return response.json()["choices"][0]["text"]
 
 
+async def streamed_text(
+    client: httpx.AsyncClient, body: dict, prompt: list[int], accepted: asyncio.Event
+) -> tuple[str, int]:
+    """A streamed completion's text and its number of chunks; ``accepted`` is set once
+    its headers came (the gateway answers once a worker accepted the request)."""
+    text, chunks = "", 0
+    request = body | {"prompt": prompt, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=request) as response:
+        accepted.set()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+                chunks += 1
+    return text, chunks
+
+
+def move_to_worker_1(capsys, url: str) -> None:
+    """Uncordon worker-1, then drain worker-0 with a move: its streams go to worker-1."""
+    ctl(capsys, url, "uncordon", "worker-1")
+    ctl(capsys, url, "drain", "--move", "worker-0")
+
+
 async def placed(url: str, call) -> tuple[object, PlacementRecord]:
     """``call()``'s result (run off the loop) and the one placement record it caused."""
     records: list[PlacementRecord] = []
@@ -143,36 +167,20 @@ def test_a_drain_that_moves_hands_running_streams_and_their_kv_to_another_worker
         body = {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}
         only_worker_0_takes_work(capsys, url)
 
-        async def streamed(client: httpx.AsyncClient, prompt: list[int], accepted) -> str:
-            text = ""
-            request = body | {"prompt": prompt, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=request) as response:
-                accepted.set()  # the gateway answers once a worker accepted the request
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        assert "error" not in chunk, chunk
-                        text += chunk["choices"][0]["text"]
-            return text
-
-        def move() -> None:
-            ctl(capsys, url, "uncordon", "worker-1")
-            ctl(capsys, url, "drain", "--move", "worker-0")
-
         async def main() -> tuple[list[str], list[str]]:
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
                 want = [await completion_text(client, body, prompt) for prompt in MOVED]
                 accepted = [asyncio.Event() for _ in MOVED]
                 streams = [
-                    asyncio.create_task(streamed(client, prompt, event))
+                    asyncio.create_task(streamed_text(client, body, prompt, event))
                     for prompt, event in zip(MOVED, accepted, strict=True)
                 ]
                 for event in accepted:
                     await event.wait()
 
                 # Each stream is accepted (its headers came) and has ~1900 tokens to go.
-                await asyncio.to_thread(move)
-                return want, list(await asyncio.gather(*streams))
+                await asyncio.to_thread(move_to_worker_1, capsys, url)
+                return want, [text for text, _ in await asyncio.gather(*streams)]
 
         want, got = asyncio.run(main())
         assert got == want
