@@ -98,8 +98,15 @@ def test_a_prefill_worker_computes_long_prompts_for_the_decode_workers(stories, 
         assert split["choices"][0]["text"] == whole["prompt"]["choices"][0]["text"]
         assert split["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
 
+        # A heartbeat carries the KV counters as they are and the engine's as of its last
+        # stats (0.1 s old at most): wait for one with the decoder's prompt counted too.
         workers = cluster_once(
-            stack, lambda w: w["worker-0"]["kv_prefills_total"] and w[decoder]["kv_fetches_total"]
+            stack,
+            lambda w: (
+                w["worker-0"]["kv_prefills_total"]
+                and w[decoder]["kv_fetches_total"]
+                and w[decoder]["prompt_tokens_total"]
+            ),
         )
         assert workers["worker-0"]["role"] == "prefill"
         assert workers["worker-0"]["kv_prefills_total"] == 1
