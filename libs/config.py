@@ -5,7 +5,9 @@ A field whose type is itself a dataclass (the worker's ``engine: EngineConfig``)
 flattened: each of its fields is a flag and a variable of its own (``--max-num-seqs``,
 ``LAMINA_MAX_NUM_SEQS``), so a setting is declared once, where it is used, and is reachable
 from every command that embeds it. A field's ``--help`` text is its ``option(help=...)`` or
-else its attribute docstring (the string literal on the line after it).
+else its attribute docstring (the string literal on the line after it). A dataclass with a
+``parse`` classmethod is one flag instead, parsed from its text (the engine's
+``--speculative-config``, JSON), and its ``str`` is that text again.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def _settings(cls: type, prefix: tuple[str, ...]) -> Iterator[Setting]:
     docs = _attribute_docs(cls)
     for field in dataclasses.fields(cls):
         kind = _base_type(hints[field.name])
-        if dataclasses.is_dataclass(kind):
+        if _nested(kind):
             yield from _settings(kind, (*prefix, field.name))
         else:
             help_text = field.metadata.get("help") or docs.get(field.name, "")
@@ -189,7 +191,15 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
+def _nested(kind: Any) -> bool:
+    """Whether a field of type ``kind`` is a config of its own, whose fields are flags;
+    not one that parses from one flag's text (a ``parse`` classmethod, such as JSON)."""
+    return dataclasses.is_dataclass(kind) and not hasattr(kind, "parse")
+
+
 def _convert(kind: Any, raw: str, name: str) -> Any:
+    if hasattr(kind, "parse"):  # its own text form (its ``str`` gives it back)
+        return kind.parse(raw)
     if kind is bool:
         lowered = raw.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -290,7 +300,7 @@ def _build(cls: type[C], values: dict[tuple[str, ...], Any], prefix: tuple[str, 
     kwargs: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         path, kind = (*prefix, field.name), _base_type(hints[field.name])
-        if dataclasses.is_dataclass(kind):
+        if _nested(kind):
             kwargs[field.name] = _build(kind, values, path)
         elif path in values:
             kwargs[field.name] = values[path]

@@ -179,6 +179,17 @@ class WorkerStats(Message, gc=False):
     role: WorkerRole = WorkerRole.MIXED
     kv_prefills_total: Count = 0
     """Prefill legs it computed for other workers (cumulative)."""
+    spec_decode_num_drafts: Count = 0
+    """Drafts it verified (speculative decoding, ``--speculative-config``: one per
+    drafted request per step; cumulative, as the three below)."""
+    spec_decode_num_draft_tokens: Count = 0
+    spec_decode_num_accepted_tokens: Count = 0
+    """Draft tokens the target model accepted: with the drafts, its acceptance rate, and
+    its tokens per step a drafted request makes (``1 + accepted / drafts``)."""
+    spec_decode_num_accepted_tokens_per_pos: Annotated[
+        list[Count], msgspec.Meta(max_length=64)
+    ] = []
+    """Accepted draft tokens by position in the draft (the first, the second, ...)."""
 
     def numerics(self) -> str:
         """What a stream's tokens depend on beyond the model and the request: the device

@@ -195,6 +195,18 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
         "Prefill legs the worker computed for decode workers (disaggregated serving).",
         lambda s: s.kv_prefills_total,
     ),
+    "spec_decode_num_drafts_total": (
+        "Drafts verified (speculative decoding: one per drafted request per step).",
+        lambda s: s.spec_decode_num_drafts,
+    ),
+    "spec_decode_num_draft_tokens_total": (
+        "Draft tokens proposed (speculative decoding).",
+        lambda s: s.spec_decode_num_draft_tokens,
+    ),
+    "spec_decode_num_accepted_tokens_total": (
+        "Draft tokens the target model accepted (speculative decoding).",
+        lambda s: s.spec_decode_num_accepted_tokens,
+    ),
 }
 
 
@@ -265,6 +277,7 @@ class WorkerCollector(Collector):
         known = [entry.stats for entry, _ in snapshot]
         yield from self._counters(known)
         yield self._iteration_tokens(known)
+        yield self._accepted_per_position(known)
         yield self._cache_config(live)
         yield self._rank_memory(live)
         yield from self._cluster(ClusterTotals.of(snapshot))
@@ -331,6 +344,18 @@ class WorkerCollector(Collector):
                 list(zip(bounds, cumulative, strict=True)),
                 float(stats.iteration_tokens_sum),
             )
+        return family
+
+    def _accepted_per_position(self, known: list[WorkerStats]) -> Metric:
+        """Accepted draft tokens by their position in the draft (vLLM's family)."""
+        family = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft (0: the first).",
+            labels=[*WORKER_LABELS, "position"],
+        )
+        for stats in known:
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                family.add_metric([stats.worker_id, stats.model, str(position)], float(count))
         return family
 
     def _cache_config(self, live: list[WorkerStats]) -> Metric:

@@ -42,7 +42,6 @@ NOT_SERVED: dict[str, str] = {
     "estimated_write_bytes_per_gpu": "the engine does not estimate its memory traffic",
     "kv_block_": "KV block lifetimes are not measured (vLLM's --kv-cache-metrics)",
     "lora_requests_info": "no LoRA adapters yet (issue 43)",
-    "spec_decode_": "no speculative decoding yet (issue 43)",
     "diffusion_": "no diffusion language models",
     "num_requests_kv_fetch_by_stage": "fetches between workers are Lamina's own "
     "lamina:kv_fetches_total and lamina:kv_prefills_total, per worker, not by stage",
@@ -115,6 +114,10 @@ PLAIN = (
     "prompt_tokens_cached",
     "generation_tokens",
     "request_success",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
 )
 #: Lamina's histograms vLLM has under the same name → vLLM's bounds.
 HISTOGRAMS: dict[str, list[float] | None] = {

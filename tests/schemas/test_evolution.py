@@ -203,6 +203,10 @@ def golden_instances() -> dict[str, Message]:
         kv_fetch_blocks_per_s=812.5,
         role="decode",
         kv_prefills_total=0,
+        spec_decode_num_drafts=9000,
+        spec_decode_num_draft_tokens=27000,
+        spec_decode_num_accepted_tokens=15000,
+        spec_decode_num_accepted_tokens_per_pos=[7000, 5000, 3000],
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [

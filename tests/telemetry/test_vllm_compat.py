@@ -27,6 +27,10 @@ def served(compat: str = "vllm") -> Aggregator:
             iteration_tokens=[3] + [1] * len(ITERATION_TOKEN_BUCKETS),
             iteration_tokens_sum=900,
             prompt_tokens_cached=16,
+            spec_decode_num_drafts=10,
+            spec_decode_num_draft_tokens=30,
+            spec_decode_num_accepted_tokens=12,
+            spec_decode_num_accepted_tokens_per_pos=[7, 4, 1],
         )
     )
     timings = EngineTimings(queued_s=0.01, prefill_s=0.05, decode_s=0.2, num_preemptions=1)
@@ -51,9 +55,10 @@ def families(aggregator: Aggregator) -> dict:
 
 def test_every_vllm_metric_is_served_with_its_type_and_labels():
     got = families(served())
-    assert set(got) == set(vllm.METRICS) - NOT_SERVED
+    expected = vllm.METRICS | vllm.SPEC_DECODING
+    assert set(got) == set(expected) - NOT_SERVED
     for name, family in got.items():
-        kind, labels, _ = vllm.METRICS[name]
+        kind, labels, _ = expected[name]
         assert family.type == kind, name
         assert family.samples, f"{name} has no series"
         for sample in family.samples:
@@ -76,6 +81,12 @@ def test_every_family_of_vllm_0_34_is_served_or_listed_with_why():
         ]
         assert (name in got) != bool(listed), name  # one or the other
     assert got <= set(vllm_0_34.FAMILIES) | set(vllm.METRICS)
+    per_position = families(served())["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert [(s.labels["position"], s.value) for s in per_position.samples] == [
+        ("0", 7.0),
+        ("1", 4.0),
+        ("2", 1.0),
+    ]
 
 
 def test_histogram_buckets_are_vllms():

@@ -68,6 +68,15 @@ METRICS: dict[str, tuple[str, tuple[str, ...], object]] = {
     "vllm:cache_config_info": ("gauge", ("engine",), None),
 }
 
+#: The speculative-decoding families, registered when a speculative config is given
+#: (``vllm/v1/spec_decode/metrics.py``; Lamina serves them always, zero where none).
+SPEC_DECODING: dict[str, tuple[str, tuple[str, ...], object]] = {
+    "vllm:spec_decode_num_drafts": ("counter", ENGINE, None),
+    "vllm:spec_decode_num_draft_tokens": ("counter", ENGINE, None),
+    "vllm:spec_decode_num_accepted_tokens": ("counter", ENGINE, None),
+    "vllm:spec_decode_num_accepted_tokens_per_pos": ("counter", (*ENGINE, "position"), None),
+}
+
 CACHE_CONFIG_LABELS_USED = {
     # by vLLM's dashboards and its own metrics test
     "block_size",

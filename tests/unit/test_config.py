@@ -10,6 +10,7 @@ import pytest
 
 from lamina.libs.config import parse_config, settings, to_argv
 from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.speculative import SpeculativeConfig
 from lamina.services.engine_worker.service import WorkerConfig, transfer_host
 from lamina.services.launcher import UpConfig
 
@@ -70,6 +71,20 @@ def test_to_argv_rebuilds_the_config():
     assert parse_config(EngineConfig, argv, env={}) == engine
     up = UpConfig(workers=2, nats_port=0, engine=engine)
     assert parse_config(UpConfig, to_argv(up), env={}) == up
+
+
+def test_a_json_setting_is_one_flag_that_round_trips():
+    flag = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
+    config = parse_config(WorkerConfig, ["--speculative-config", flag], env={})
+    assert config.engine.speculative_config == SpeculativeConfig(
+        num_speculative_tokens=5, prompt_lookup_max=4
+    )
+    assert parse_config(WorkerConfig, [], env={}).engine.speculative_config is None
+    from_env = parse_config(WorkerConfig, [], env={"LAMINA_SPECULATIVE_CONFIG": flag})
+    assert from_env.engine == config.engine
+    assert parse_config(EngineConfig, to_argv(config.engine), env={}) == config.engine
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_config(WorkerConfig, [], env={"LAMINA_SPECULATIVE_CONFIG": '{"k": 3}'})
 
 
 def test_lamina_up_takes_every_engine_setting():

@@ -90,7 +90,9 @@ class BatchScheduler:
             if request.request_id in busy:
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_step_tokens - request.num_computed_tokens, budget)
+            if request.draft:  # a draft the budget cut short is cut to fit
+                del request.draft[max(0, num_new - 1) :]
             if not self._allocate_or_preempt(request, num_new, batch.preempted, busy):
                 break  # the request itself was the lowest-priority one left
             chosen.append((request, num_new))
@@ -132,7 +134,8 @@ class BatchScheduler:
             budget -= num_new
 
         # Decodes first, shortest first: the attention kernels take the flat batch in that
-        # order, and neighbours of similar length share padded attention groups.
+        # order, and neighbours of similar length share padded attention groups. (A
+        # request with a draft computes several tokens: it runs as a prompt chunk does.)
         chosen.sort(key=lambda item: (item[1] != 1, item[0].num_tokens if item[1] == 1 else 0))
         batch.requests = [request for request, _ in chosen]
         batch.num_new_tokens = [n for _, n in chosen]
@@ -173,6 +176,7 @@ class BatchScheduler:
 
     def _preempt(self, request: Request) -> None:
         """Drop the request's KV; it will be recomputed (prompt plus output so far)."""
+        request.draft.clear()
         self._release(request)
         self.num_preemptions += 1
         request.num_preemptions += 1
@@ -185,11 +189,11 @@ class BatchScheduler:
     def advance(self, batch: ScheduledBatch) -> list[Request]:
         """After ``batch`` ran: its tokens are computed, and the blocks they completed are
         offered to the prefix cache. Returns the requests that have now computed all their
-        tokens: they sample their next token."""
+        tokens (and drafts): they sample their next token (or verify their draft)."""
         done = []
         for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens:
+            if request.num_computed_tokens == request.num_step_tokens:
                 done.append(request)
             self.blocks.cache_computed_blocks(request)
         return done

@@ -287,13 +287,26 @@ class BlockManager:
         Blocks are released tail first, so a request's last blocks are evicted before its
         first ones (a later request is likelier to share the start of a prompt).
         """
-        for block_id in reversed(self._tables.pop(request.request_id, [])):
+        self._release(self._tables.pop(request.request_id, []))
+        self._num_registered.pop(request.request_id, None)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release ``request``'s blocks past the first ``num_tokens`` tokens' (those a
+        rejected draft was computed into: never full of known tokens, so never cached)."""
+        table = self._tables.get(request.request_id, [])
+        keep = self.blocks_needed(num_tokens)
+        if len(table) > keep:
+            self._release(table[keep:])
+            del table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Drop a reference to each block, tail first; a block no one holds is free."""
+        for block_id in reversed(block_ids):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free[block_id] = None
                 if self.block_hash[block_id] is None:
                     self.free.move_to_end(block_id, last=False)
-        self._num_registered.pop(request.request_id, None)
 
     # ------------------------------------------------------------------------ prefix cache
     def cache_computed_blocks(self, request: Request) -> None:

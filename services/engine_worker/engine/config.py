@@ -12,6 +12,7 @@ import torch
 from lamina.kernels.reference.kv_quant import KvCacheDtype
 from lamina.kernels.weight_quant import WeightFormat
 from lamina.services.engine_worker.engine.model_config import ModelConfig
+from lamina.services.engine_worker.engine.speculative import SpeculativeConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -96,6 +97,11 @@ class EngineConfig:
     static-buffer decode path runs eagerly (tests)."""
     seed: int = 0
     """Seed of the generator used by requests that carry no seed of their own."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (``speculative.py``), as vLLM's flag takes it: a JSON object,
+    e.g. ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``.
+    Drafts by prompt lookup, verified in the target's step. None: off. Not with
+    pipeline stages."""
 
     def max_len_for(self, model: ModelConfig) -> int:
         """The longest sequence this engine runs: the least of the model's positions,
@@ -163,6 +169,12 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]"
+            )
+        if self.speculative_config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative decoding does not run across pipeline stages yet "
+                "(pipeline_parallel_size > 1): a drafted request's KV is settled when its "
+                "batch completes, and stages keep batches in flight"
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be positive")

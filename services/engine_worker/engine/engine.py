@@ -58,6 +58,7 @@ from lamina.services.engine_worker.engine.runner import ModelRunner, StepInput
 from lamina.services.engine_worker.engine.sampler import SampledLogprob, Sampler, SamplerOutput
 from lamina.services.engine_worker.engine.shard import load_shard
 from lamina.services.engine_worker.engine.spec import EngineSpec, RankInfo
+from lamina.services.engine_worker.engine.speculative import may_speculate, propose
 
 log = logging.getLogger("lamina.worker.engine")
 
@@ -161,6 +162,12 @@ class Engine:
         self._iteration_tokens_sum = 0
         self._prefill_rate = 0.0
         self._decode_rate = 0.0
+        self._drafts = 0
+        self._draft_tokens = 0
+        self._accepted_tokens = 0
+        self._accepted_per_position = [0] * (
+            config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -252,6 +259,8 @@ class Engine:
         if stages > 1:  # a share of the requests per stage's batch, so that stages overlap
             active = len(self.scheduler.running) + len(self.scheduler.waiting)
             most = -(-active // stages)
+        if self.config.speculative_config is not None:
+            self._propose()
         batch = self.scheduler.schedule(busy, most)
         if batch.requests:
             self._in_flight.append(self._launch(batch))
@@ -260,6 +269,30 @@ class Engine:
         if batch.requests and len(self._in_flight) < stages:
             return StepResult(ScheduledBatch(), [], self.blocks.usage)  # the pipeline fills
         return self._complete(self._in_flight.popleft())
+
+    def _propose(self) -> None:
+        """Give each decoding request that may speculate a draft for this step (none in
+        a batch of ``disable_by_batch_size`` or more), and clear the drafts of the rest
+        (one a request was given for a step that did not schedule it is stale)."""
+        config = self.config.speculative_config
+        assert config is not None
+        running = self.scheduler.running
+        off = config.disable_by_batch_size is not None and (
+            len(running) >= config.disable_by_batch_size
+        )
+        for request in running:
+            request.draft.clear()
+            if off or request.num_tokens - request.num_computed_tokens != 1:
+                continue  # (prefilling: a draft follows the prompt's last token only)
+            if not may_speculate(request):
+                continue
+            # Room for the draft and the token after it, in the output and the context.
+            most = min(
+                config.num_speculative_tokens,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            request.draft = propose(request.token_ids, config, most)
 
     def _launch(self, batch: ScheduledBatch) -> _Flight:
         """Start ``batch``: its masks, the model's first stage (or all of it), and its
@@ -281,19 +314,65 @@ class Engine:
             self._record_prompt_logprobs(logits[sampled:], positions)
             logits = logits[:sampled]
         sampling = flight.sampling
+        drafted = self._verify(logits, sampling) if any(r.draft for r in sampling) else {}
+        if drafted:  # the rest sample from their one row each
+            sampling = [r for r in sampling if r.request_id not in drafted]
+            logits = logits[_single_rows(flight.sampling)]
         sampled, errors = self._sample(logits, sampling, flight.masks)
-        now = time.monotonic()
-        outputs = [
-            self._postprocess(request, token, logprobs, errors.get(request.request_id), now)
+        results = {
+            request.request_id: ([token], None if logprobs is None else [logprobs])
             for request, token, logprobs in zip(
                 sampling, sampled.token_ids, sampled.logprobs, strict=True
             )
+        }
+        now = time.monotonic()
+        outputs = []
+        for request in flight.sampling:
+            rid = request.request_id
             # (not one aborted while its batch was in flight: sampled with the rest, as
             # its grammar mask is, and dropped)
-            if self.requests.get(request.request_id) is request
-        ]
-        self._account(flight.batch, len(outputs), time.perf_counter() - flight.started)
+            if self.requests.get(rid) is request:
+                tokens, logprobs = drafted.get(rid) or results[rid]
+                outputs.append(self._postprocess(request, tokens, logprobs, errors.get(rid), now))
+                if request.draft:
+                    self._settle_draft(request, len(outputs[-1].new_token_ids))
+        self._account(flight.batch, outputs, time.perf_counter() - flight.started)
+        for request in flight.sampling:
+            request.draft.clear()
         return StepResult(flight.batch, outputs, self.blocks.usage)
+
+    def _verify(
+        self, logits: torch.Tensor, sampling: list[Request]
+    ) -> dict[str, tuple[list[int], list[SampledLogprob] | None]]:
+        """The drafted requests' tokens (``Sampler.verify``), by request id, from their
+        rows of ``logits`` (``1 + len(draft)`` each, in ``sampling`` order); counts what
+        was proposed and accepted."""
+        drafted = [r for r in sampling if r.draft]
+        rows, row = [], 0
+        for request in sampling:
+            width = len(request.draft) + 1
+            if request.draft:
+                rows.extend(range(row, row + width))
+            row += width
+        verified = self.sampler.verify(logits[rows], drafted)
+        for request, (tokens, _) in zip(drafted, verified, strict=True):
+            accepted = len(tokens) - 1  # the last is the target's own
+            self._drafts += 1
+            self._draft_tokens += len(request.draft)
+            self._accepted_tokens += accepted
+            for position in range(accepted):
+                self._accepted_per_position[position] += 1
+        return {r.request_id: result for r, result in zip(drafted, verified, strict=True)}
+
+    def _settle_draft(self, request: Request, num_new_tokens: int) -> None:
+        """After verification: the KV of ``request``'s rejected draft positions is not
+        its tokens', so it counts as not computed and its blocks past them go back
+        (a finished request has released all of its own)."""
+        if self.requests.get(request.request_id) is not request:
+            return
+        # Computed: every token but the newest (the target's own, computed next step).
+        request.num_computed_tokens = request.num_tokens - 1
+        self.blocks.trim(request, request.num_tokens)
 
     def forward(self, batch: ScheduledBatch, extra: list[int] | None = None) -> torch.Tensor:
         """The model over ``batch``, on every rank: logits ``(S, vocab)`` for each request
@@ -313,22 +392,28 @@ class Engine:
     def _postprocess(
         self,
         request: Request,
-        token: int,
-        logprobs: SampledLogprob | None,
+        tokens: list[int],
+        logprobs: list[SampledLogprob] | None,
         error: str | None,
         now: float,
     ) -> RequestOutput:
-        """Advance ``request`` by its sampled ``token`` (or fail it with ``error``): its
-        grammar, its tokens and block hashes, whether it ended; free it if it did."""
+        """Advance ``request`` by its new ``tokens`` (one sampled, or a verified draft's)
+        up to the first that ends it (or fail it with ``error``): its grammar, its
+        tokens and block hashes, whether it ended; free it if it did."""
         reason = None
-        if error is None and request.grammar is not None and not request.grammar.accept(token):
-            error = request.grammar.refusal(token)
-        if error is None:
+        taken = 0
+        for token in tokens if error is None else ():
+            if request.grammar is not None and not request.grammar.accept(token):
+                error = request.grammar.refusal(token)
+                break
             request.token_ids.append(token)
+            taken += 1
+            if reason := self._finish_reason(request, token):
+                break
+        if taken and error is None:
             request.update_block_hashes(self.config.block_size)
             request.first_token_at = request.first_token_at or now
             request.last_token_at = now
-            reason = self._finish_reason(request, token)
         if error is not None or reason is not None:
             self.requests.pop(request.request_id)
             self.scheduler.remove(request)
@@ -340,8 +425,8 @@ class Engine:
             request.prompt_logprobs = None  # sent: a recompute may read the cache again
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=[] if error else [token],
-            new_logprobs=None if logprobs is None or error else [logprobs],
+            new_token_ids=[] if error else tokens[:taken],
+            new_logprobs=None if logprobs is None or error else logprobs[:taken],
             finished=error is not None or reason is not None,
             finish_reason=None if error else reason,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -454,11 +539,12 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
-    def _account(self, batch: ScheduledBatch, num_outputs: int, seconds: float) -> None:
+    def _account(self, batch: ScheduledBatch, outputs: list[RequestOutput], seconds: float) -> None:
         """Count the step's tokens; smooth the prefill and decode token rates (a mixed
-        step credits both)."""
-        self._generation_tokens += num_outputs
-        num_new, num_decodes = sum(batch.num_new_tokens), batch.num_decodes
+        step credits both; a drafted request's tokens are decode tokens)."""
+        self._generation_tokens += sum(len(out.new_token_ids) for out in outputs)
+        num_new = sum(batch.num_new_tokens)
+        num_decodes = batch.num_decodes + sum(len(r.draft) + 1 for r in batch.requests if r.draft)
         self._iteration_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_new)] += 1
         self._iteration_tokens_sum += num_new
         prefill = num_new - num_decodes
@@ -497,6 +583,10 @@ class Engine:
             generation_tokens_total=self._generation_tokens,
             prefill_tokens_per_s=self._prefill_rate,
             decode_tokens_per_s=self._decode_rate,
+            spec_decode_num_drafts=self._drafts,
+            spec_decode_num_draft_tokens=self._draft_tokens,
+            spec_decode_num_accepted_tokens=self._accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self._accepted_per_position),
             **_tier_stats(blocks.tier(HOST), runner, "host"),
             **_tier_stats(blocks.tier(DISK), runner, "disk"),
         )
@@ -583,6 +673,17 @@ class _Flight:
     wait: Callable[[], torch.Tensor]
     """The logits, once the last stage has them."""
     started: float
+
+
+def _single_rows(sampling: list[Request]) -> list[int]:
+    """The rows of the requests without a draft among ``sampling``'s logits (each
+    request has ``1 + len(draft)`` rows, in order)."""
+    rows, row = [], 0
+    for request in sampling:
+        if not request.draft:
+            rows.append(row)
+        row += len(request.draft) + 1
+    return rows
 
 
 def _timings(request: Request) -> Timings:

@@ -105,6 +105,12 @@ class EngineStats:
     where there is none)."""
     disk_kv_load_blocks_per_s: float = 0.0
     """How fast this rank's loads from the disk tier ran, where it times them."""
+    spec_decode_num_drafts: int = 0
+    """Drafts verified (speculative decoding: one per drafted request per step)."""
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    """Accepted draft tokens by their position in the draft (the first, second, ...)."""
 
     @property
     def prefix_cache_hit_ratio(self) -> float:

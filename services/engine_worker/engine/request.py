@@ -86,6 +86,9 @@ class Request:
     num_preemptions: int = 0
     grammar: GrammarState | None = None
     """Where its structured output constraint stands (None: unconstrained)."""
+    draft: list[int] = field(default_factory=list)
+    """Tokens proposed to follow ``token_ids`` (speculative decoding), for this step
+    only: computed after the last token and verified by the sampler (the engine's)."""
     prompt_logprobs: dict[int, RankedLogprob] | None = None
     """While its prompt logprobs are wanted and not yet sent: those computed so far, by
     prompt position. Such a request computes its prompt, never reads the prefix cache."""
@@ -97,6 +100,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Tokens with a place in the KV this step: ``token_ids`` and the draft."""
+        return len(self.token_ids) + len(self.draft)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -216,7 +216,8 @@ class StepInput:
     """``(S, max blocks)`` each sequence's block ids, zero-padded."""
     sampled: np.ndarray
     """Rows of the flat run whose logits are returned: each sequence that finishes its
-    tokens, in order, then the extra positions asked for."""
+    tokens (with a draft: its last token's row and each draft token's), in order, then
+    the extra positions asked for."""
     num_decodes: int
     decodes_only: bool
     """Every sequence decodes one token and nothing extra is asked for."""
@@ -237,8 +238,12 @@ class StepInput:
         requests, num_new = batch.requests, batch.num_new_tokens
         context = [r.num_computed_tokens for r in requests]
         ids: list[int] = []
+        drafted = False
         for request, start, n in zip(requests, context, num_new, strict=True):
             ids.extend(request.token_ids[start : start + n])
+            if request.draft and start + n > request.num_tokens:
+                ids.extend(request.draft[: start + n - request.num_tokens])
+                drafted = True
         n_arr = np.asarray(num_new, dtype=np.int64)
         ctx_arr = np.asarray(context, dtype=np.int64)
         ends = np.cumsum(n_arr)
@@ -249,8 +254,16 @@ class StepInput:
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
         slots = table[row, positions // block_size] * block_size + (positions % block_size)
-        done = (ctx_arr + n_arr) == np.asarray([r.num_tokens for r in requests])
+        done = (ctx_arr + n_arr) == np.asarray([r.num_step_tokens for r in requests])
         sampled = (ends - 1)[done]
+        if drafted:  # a drafted request's last token and each draft token are scored
+            sampled = np.concatenate(
+                [
+                    np.arange(end - len(r.draft) - 1, end)
+                    for r, end, last in zip(requests, ends, done, strict=True)
+                    if last
+                ]
+            )
         if extra:
             sampled = np.concatenate([sampled, np.asarray(extra, dtype=np.int64)])
         return cls(

@@ -143,18 +143,97 @@ class Sampler:
             logits = torch.where(seen_any, penalised, logits)
         return logits - (freq[:, None] * output_counts + pres[:, None] * seen)
 
+    def verify(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> list[tuple[list[int], list[SampledLogprob] | None]]:
+        """Verify each request's draft (speculative decoding): ``logits`` holds, for each
+        request in turn, ``1 + len(request.draft)`` rows, the distributions of the token
+        after its last token and after each draft token. Returns each request's tokens:
+        the draft's accepted prefix and one token of the target's own (the correction at
+        the first rejection, or the next token when all are accepted), and their
+        logprobs when asked for.
+
+        Greedy requests accept a draft token when it is the argmax. Sampled ones accept
+        draft token ``d`` with probability ``p(d)`` and, on a rejection, draw from ``p``
+        without ``d`` (renormalised): a draft is one proposed token, so that is rejection
+        sampling's residual ``max(p - q, 0)``, and each output token is distributed
+        exactly as ``p``. Only requests that ``speculative.may_speculate`` have drafts:
+        their rows need no penalties, grammar or ``min_tokens``; logit biases and
+        allowed tokens apply to every row alike."""
+        rows = [r for r in requests for _ in range(len(r.draft) + 1)]
+        params = [r.params for r in rows]
+        dev = logits.device
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1)
+            if any(p.logprobs is not None for p in params)
+            else None
+        )
+        if any(p.has_token_rules for p in params):
+            logits = self._apply_token_rules(logits, rows)
+        argmax = logits.argmax(dim=-1).tolist()
+        probs: torch.Tensor | None = None
+        if not all(p.greedy for p in params):
+            probs = self._probabilities(logits, params)
+            proposed = [t for r in requests for t in (*r.draft, 0)]  # (0: the last row's)
+            index = upload(proposed, torch.int64, dev)[:, None]
+            p_proposed = probs.gather(1, index).squeeze(1).tolist()
+            uniform = torch.rand(len(rows), generator=self.generator, device=dev).tolist()
+        results: list[tuple[list[int], list[SampledLogprob] | None]] = []
+        row = 0
+        for request in requests:
+            draft, tokens = request.draft, []
+            for i, proposed_token in enumerate(draft):
+                if request.params.greedy:
+                    token = argmax[row + i]
+                elif uniform[row + i] < p_proposed[row + i]:
+                    token = proposed_token
+                else:
+                    token = self._draw(probs[row + i], without=proposed_token)  # type: ignore[index]
+                tokens.append(token)
+                if token != proposed_token:
+                    break
+            else:
+                last = row + len(draft)
+                greedy = request.params.greedy
+                tokens.append(argmax[last] if greedy else self._draw(probs[last]))  # type: ignore[index]
+            top_n = request.params.logprobs
+            logprobs = None
+            if raw_logprobs is not None and top_n is not None:
+                logprobs = [
+                    _logprobs(raw_logprobs[row + i], token, top_n) for i, token in enumerate(tokens)
+                ]
+            results.append((tokens, logprobs))
+            row += len(draft) + 1
+        return results
+
+    def _draw(self, probs: torch.Tensor, without: int | None = None) -> int:
+        """One token from the distribution ``probs`` (one row), ``without`` one token
+        (renormalised; that token itself if it held all the mass)."""
+        if without is not None:
+            rest = probs.clone()
+            rest[without] = 0.0
+            if not bool(rest.any()):
+                return without
+            probs = rest
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        return int((probs / noise).argmax())
+
+    def _probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Each row's sampling distribution: temperature (a greedy row's is 1: it takes
+        the argmax), then top-k, top-p and min-p."""
+        temperature = [1.0 if p.greedy else p.temperature for p in params]
+        scaled = logits / upload(temperature, torch.float32, logits.device)[:, None]
+        if any(p.has_filters for p in params):
+            scaled = _filter(scaled, params)
+        return torch.softmax(scaled, dim=-1)
+
     def _sample(
         self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]
     ) -> torch.Tensor:
         params = [r.params for r in requests]
         dev = logits.device
         greedy_rows = upload(greedy, torch.bool, dev)
-        temperature = [1.0 if p.greedy else p.temperature for p in params]  # greedy: argmax
-        temperature = upload(temperature, torch.float32, dev)
-        scaled = logits / temperature[:, None]
-        if any(p.has_filters for p in params):
-            scaled = _filter(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)
+        probs = self._probabilities(logits, params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, request in enumerate(requests):
             if request.generator is not None and not greedy[row]:

@@ -1,0 +1,124 @@
+"""Speculative decoding's pieces alone: the config, prompt lookup, and verification
+(``Sampler.verify``), whose rejection sampling must leave the target distribution as it
+is: checked by drawing many times with a fixed seed."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from lamina.services.engine_worker.engine.params import SamplingParams
+from lamina.services.engine_worker.engine.request import Request
+from lamina.services.engine_worker.engine.sampler import Sampler
+from lamina.services.engine_worker.engine.speculative import (
+    SpeculativeConfig,
+    may_speculate,
+    propose,
+)
+
+
+def test_the_config_takes_vllms_json_and_refuses_unknown_keys():
+    config = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
+    )
+    assert (config.num_speculative_tokens, config.prompt_lookup_max) == (5, 4)
+    assert config.prompt_lookup_min == 2
+    assert SpeculativeConfig.parse('{"prompt_lookup_max": 1}').prompt_lookup_min == 1
+    with pytest.raises(ValueError, match="unknown keys \\['num_spec_tokens'\\]"):
+        SpeculativeConfig.parse('{"num_spec_tokens": 3}')
+    with pytest.raises(ValueError, match="only 'ngram'"):
+        SpeculativeConfig.parse('{"method": "eagle"}')
+    with pytest.raises(ValueError, match="not JSON"):
+        SpeculativeConfig.parse("{ngram")
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match="positive"):
+        SpeculativeConfig(num_speculative_tokens=0)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    config = SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3)
+    # 1 2 3 occurs twice before the end: the latest is followed by 9 1 2.
+    assert propose([1, 2, 3, 4, 1, 2, 3, 9, 1, 2, 3], config, 3) == [9, 1, 2]
+    assert propose([1, 2, 3, 4, 1, 2, 3, 9, 1, 2, 3], config, 1) == [9]
+    # A longer match beats a later, shorter one: "7 2" matches at 1, "2" alone later.
+    assert propose([7, 2, 5, 2, 6, 7, 2], config, 2) == [5, 2]
+    assert propose([1, 2, 3, 4, 5, 2], config, 3) == [3, 4, 5]
+    assert propose([1, 2, 3], config, 3) == []  # nothing repeats
+    assert propose([1, 2, 1, 2], config, 0) == []
+    at_least_3 = SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=4)
+    assert propose([5, 1, 2, 7, 1, 2], at_least_3, 2) == []
+    assert propose([5, 1, 2, 7, 5, 1, 2], at_least_3, 2) == [7, 5]
+
+
+def request(params: SamplingParams, draft: list[int] = ()) -> Request:
+    r = Request("r", [1, 2, 3], params, max_tokens=16)
+    r.draft = list(draft)
+    return r
+
+
+def test_only_requests_whose_rows_need_no_draft_state_speculate():
+    assert may_speculate(request(SamplingParams(temperature=0.7, top_p=0.9, logprobs=2)))
+    assert may_speculate(request(SamplingParams(logit_bias={3: 1.0})))
+    assert not may_speculate(request(SamplingParams(presence_penalty=0.5)))
+    assert not may_speculate(request(SamplingParams(repetition_penalty=1.2)))
+    assert not may_speculate(request(SamplingParams(bad_words_token_ids=[[4]])))
+    assert not may_speculate(request(SamplingParams(min_tokens=4)))
+    seeded = request(SamplingParams(seed=7))
+    seeded.generator = torch.Generator()
+    assert not may_speculate(seeded)
+
+
+def test_greedy_verification_keeps_the_draft_up_to_the_first_token_not_the_argmax():
+    sampler = Sampler((0,), seed=0, device=torch.device("cpu"))
+    # Rows: argmax 5, then 6, then 2, then 9.
+    logits = torch.full((4, 10), -5.0)
+    for row, token in enumerate((5, 6, 2, 9)):
+        logits[row, token] = 5.0
+    params = SamplingParams(temperature=0.0, logprobs=1)
+    all_kept = request(params, [5, 6, 2])
+    ((tokens, logprobs),) = sampler.verify(logits, [all_kept])
+    assert tokens == [5, 6, 2, 9]  # all three, and the target's own next token
+    assert [top[0][0] for _, top in logprobs] == tokens
+    ((tokens, logprobs),) = sampler.verify(logits[:4], [request(params, [5, 3, 2])])
+    assert tokens == [5, 6]  # the second was rejected: the argmax takes its place
+    assert len(logprobs) == 2
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 3}])
+def test_sampled_verification_keeps_the_target_distribution(filters):
+    """Each output position is distributed as the target's (filtered) distribution, both
+    where a draft token was proposed and past it. 24,000 draws with a fixed seed; each
+    probability within 0.015 (over 4 standard deviations of its estimate)."""
+    sampler = Sampler((0,), seed=1234, device=torch.device("cpu"))
+    first = torch.tensor([0.1, 0.45, 0.3, 0.15]).log()  # the draft proposes token 2
+    second = torch.tensor([0.25, 0.05, 0.2, 0.5]).log()  # then token 1 (unlikely)
+    params = SamplingParams(temperature=1.0, **filters)
+    n, batch = 24_000, 4_000
+    firsts: collections.Counter[int] = collections.Counter()
+    seconds: collections.Counter[int] = collections.Counter()
+    lengths: collections.Counter[int] = collections.Counter()
+    for _ in range(n // batch):
+        requests = [request(params, [2, 1]) for _ in range(batch)]
+        logits = torch.stack([first, second, second]).repeat(batch, 1)
+        for tokens, _ in sampler.verify(logits, requests):
+            firsts[tokens[0]] += 1
+            lengths[len(tokens)] += 1
+            if tokens[0] == 2:
+                seconds[tokens[1]] += 1
+
+    def target(logits):
+        if filters:
+            logits = logits.masked_fill(logits < logits.topk(filters["top_k"]).values[-1], -1e9)
+        return logits.softmax(-1).tolist()
+
+    want_first, want_second = target(first), target(second)
+    for token in range(4):
+        assert abs(firsts[token] / n - want_first[token]) < 0.015, (token, firsts)
+        accepted = firsts[2]
+        assert abs(seconds[token] / accepted - want_second[token]) < 0.015, (token, seconds)
+    # One token (the correction) when the first draft token is rejected, two when the
+    # second is, three when both are taken (never under top-k 3: it drops token 1).
+    assert sorted(lengths) == ([1, 2] if filters else [1, 2, 3])
