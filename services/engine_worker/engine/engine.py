@@ -314,10 +314,12 @@ class Engine:
             self._record_prompt_logprobs(logits[sampled:], positions)
             logits = logits[:sampled]
         sampling = flight.sampling
-        drafted = self._verify(logits, sampling) if any(r.draft for r in sampling) else {}
-        if drafted:  # the rest sample from their one row each
-            sampling = [r for r in sampling if r.request_id not in drafted]
-            logits = logits[_single_rows(flight.sampling)]
+        drafted = {}
+        if any(r.draft for r in sampling):  # the rest sample from their one row each
+            drafted_rows, single_rows = _rows(sampling)
+            drafted = self._verify(logits[drafted_rows], [r for r in sampling if r.draft])
+            sampling = [r for r in sampling if not r.draft]
+            logits = logits[single_rows]
         sampled, errors = self._sample(logits, sampling, flight.masks)
         results = {
             request.request_id: ([token], None if logprobs is None else [logprobs])
@@ -342,19 +344,12 @@ class Engine:
         return StepResult(flight.batch, outputs, self.blocks.usage)
 
     def _verify(
-        self, logits: torch.Tensor, sampling: list[Request]
+        self, logits: torch.Tensor, drafted: list[Request]
     ) -> dict[str, tuple[list[int], list[SampledLogprob] | None]]:
-        """The drafted requests' tokens (``Sampler.verify``), by request id, from their
-        rows of ``logits`` (``1 + len(draft)`` each, in ``sampling`` order); counts what
-        was proposed and accepted."""
-        drafted = [r for r in sampling if r.draft]
-        rows, row = [], 0
-        for request in sampling:
-            width = len(request.draft) + 1
-            if request.draft:
-                rows.extend(range(row, row + width))
-            row += width
-        verified = self.sampler.verify(logits[rows], drafted)
+        """The ``drafted`` requests' tokens (``Sampler.verify``), by request id, from
+        ``logits`` (``1 + len(draft)`` rows each, in order); counts what was proposed
+        and accepted."""
+        verified = self.sampler.verify(logits, drafted)
         for request, (tokens, _) in zip(drafted, verified, strict=True):
             accepted = len(tokens) - 1  # the last is the target's own
             self._drafts += 1
@@ -675,15 +670,20 @@ class _Flight:
     started: float
 
 
-def _single_rows(sampling: list[Request]) -> list[int]:
-    """The rows of the requests without a draft among ``sampling``'s logits (each
-    request has ``1 + len(draft)`` rows, in order)."""
-    rows, row = [], 0
+def _rows(sampling: list[Request]) -> tuple[list[int], list[int]]:
+    """The rows of ``sampling``'s logits (``1 + len(draft)`` per request, in order) of
+    the requests with a draft, and of those without."""
+    drafted: list[int] = []
+    single: list[int] = []
+    row = 0
     for request in sampling:
-        if not request.draft:
-            rows.append(row)
-        row += len(request.draft) + 1
-    return rows
+        width = len(request.draft) + 1
+        if request.draft:
+            drafted.extend(range(row, row + width))
+        else:
+            single.append(row)
+        row += width
+    return drafted, single
 
 
 def _timings(request: Request) -> Timings:
