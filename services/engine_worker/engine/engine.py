@@ -314,33 +314,33 @@ class Engine:
             self._record_prompt_logprobs(logits[sampled:], positions)
             logits = logits[:sampled]
         sampling = flight.sampling
-        drafted = {}
+        verified = {}
         if any(r.draft for r in sampling):  # the rest sample from their one row each
             drafted_rows, single_rows = _rows(sampling)
-            drafted = self._verify(logits[drafted_rows], [r for r in sampling if r.draft])
+            verified = self._verify(logits[drafted_rows], [r for r in sampling if r.draft])
             sampling = [r for r in sampling if not r.draft]
             logits = logits[single_rows]
         sampled, errors = self._sample(logits, sampling, flight.masks)
-        results = {
-            request.request_id: ([token], None if logprobs is None else [logprobs])
-            for request, token, logprobs in zip(
-                sampling, sampled.token_ids, sampled.logprobs, strict=True
-            )
-        }
+        singles = zip(sampled.token_ids, sampled.logprobs, strict=True)
         now = time.monotonic()
         outputs = []
         for request in flight.sampling:
             rid = request.request_id
+            if request.draft:
+                tokens, logprobs = verified[rid]
+            else:
+                token, logprob = next(singles)
+                tokens, logprobs = [token], None if logprob is None else [logprob]
             # (not one aborted while its batch was in flight: sampled with the rest, as
             # its grammar mask is, and dropped)
             if self.requests.get(rid) is request:
-                tokens, logprobs = drafted.get(rid) or results[rid]
                 outputs.append(self._postprocess(request, tokens, logprobs, errors.get(rid), now))
                 if request.draft:
-                    self._settle_draft(request, len(outputs[-1].new_token_ids))
+                    self._settle_draft(request)
         self._account(flight.batch, outputs, time.perf_counter() - flight.started)
-        for request in flight.sampling:
-            request.draft.clear()
+        if verified:
+            for request in flight.sampling:
+                request.draft.clear()
         return StepResult(flight.batch, outputs, self.blocks.usage)
 
     def _verify(
@@ -359,7 +359,7 @@ class Engine:
                 self._accepted_per_position[position] += 1
         return {r.request_id: result for r, result in zip(drafted, verified, strict=True)}
 
-    def _settle_draft(self, request: Request, num_new_tokens: int) -> None:
+    def _settle_draft(self, request: Request) -> None:
         """After verification: the KV of ``request``'s rejected draft positions is not
         its tokens', so it counts as not computed and its blocks past them go back
         (a finished request has released all of its own)."""
