@@ -116,6 +116,10 @@ class SiluMulLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.silu_and_mul(self.linear(x))
 
+    def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``[gate; up]`` before the activation (what a LoRA adds to)."""
+        return self.linear(x)
+
 
 GatedLinear = SiluMulLinear | PackedSiluMul
 

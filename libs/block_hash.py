@@ -19,6 +19,16 @@ ROOT_HASH = 0
 _MASK_63 = (1 << 63) - 1
 
 
+def root_hash(adapter: str | None = None) -> int:
+    """Parent hash of a sequence's first block: ``ROOT_HASH`` for the base model; for a
+    LoRA adapter, one derived from its name, so that sequences of different adapters
+    (whose KV differs for the same tokens) never share a block hash."""
+    if not adapter:
+        return ROOT_HASH
+    digest = hashlib.blake2b(b"lora\0" + adapter.encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & _MASK_63
+
+
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     """Hash one full block of ``token_ids`` chained onto ``parent_hash``."""
     digest = hashlib.blake2b(digest_size=8)

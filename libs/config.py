@@ -261,6 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if setting.kind is bool:
             action: Any = argparse.BooleanOptionalAction
             parser.add_argument(setting.flag, dest=setting.name, action=action, help=help_text)
+        elif hasattr(setting.kind, "NARGS"):  # several values, parsed as one text
+            parser.add_argument(setting.flag, dest=setting.name, help=help_text, nargs="+")
         else:
             parser.add_argument(
                 setting.flag,
@@ -284,6 +286,8 @@ def from_arguments(
     values: dict[tuple[str, ...], Any] = {}
     for setting in settings(cls):
         value = getattr(args, setting.name, None)
+        if isinstance(value, list):  # a flag of several values (NARGS)
+            value = _convert(setting.kind, " ".join(value), setting.name)
         raw = env.get(setting.env)
         if value is None and raw not in (None, ""):
             value = _convert(setting.kind, raw, setting.env)

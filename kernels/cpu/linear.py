@@ -27,6 +27,8 @@ class PackedLinear:
     plain weight is not kept)."""
 
     _kernel = "lamina_packed_linear"
+    _outputs_at = 1
+    """Where the output count sits in ``_pointers``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if weight.dtype != torch.float32 or weight.dim() != 2:
@@ -84,6 +86,7 @@ class PackedQuantLinear(PackedLinear):
     scales (and int4's zero points, per group of K) to the sums."""
 
     _kernel = "lamina_packed_linear_q"
+    _outputs_at = 5
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         if weight.format not in FORMATS:
@@ -140,6 +143,27 @@ class PackedQuantLinear(PackedLinear):
 class _GatedRows:
     """The row order of a packed gated projection (see :class:`PackedSiluMul`)."""
 
+    _plain_kernel: str
+    """The ungated matmul over the same packed rows."""
+
+    def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ [gate; up].T + bias``, ``(T, 2I)``: the projection before the activation
+        (what a LoRA adds to), by the plain matmul on the same packed weight, its
+        interleaved panels put back in order."""
+        x = x.reshape(-1, self.in_features).contiguous()
+        order = getattr(self, "input_order", None)
+        if order is not None:
+            x = x.index_select(-1, order)
+        rows, half = x.shape[0], self.out_features
+        groups = -(-half // PANEL)
+        pointers = list(self._pointers)
+        pointers[self._outputs_at] = 2 * groups * PANEL
+        out = torch.empty((rows, 2 * groups * PANEL))
+        matmul = getattr(load_library(), self._plain_kernel)
+        matmul(x.data_ptr(), x.stride(0), rows, self.in_features, *pointers, out.data_ptr())
+        out = out.view(rows, groups, 2, PANEL).transpose(1, 2).reshape(rows, 2, -1)
+        return out[:, :, :half].reshape(rows, 2 * half)
+
     def _outputs(self, weight: torch.Tensor) -> int:
         if weight.shape[0] % 2:
             raise ValueError(f"gate_up has an odd number of rows ({weight.shape[0]})")
@@ -166,6 +190,7 @@ class PackedSiluMul(_GatedRows, PackedLinear):
     soon as its two sums are done."""
 
     _kernel = "lamina_packed_silu_mul"
+    _plain_kernel = "lamina_packed_linear"
 
 
 class PackedQuantSiluMul(_GatedRows, PackedQuantLinear):
@@ -173,3 +198,4 @@ class PackedQuantSiluMul(_GatedRows, PackedQuantLinear):
     order as its rows)."""
 
     _kernel = "lamina_packed_silu_mul_q"
+    _plain_kernel = "lamina_packed_linear_q"

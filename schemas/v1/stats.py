@@ -17,6 +17,9 @@ Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
 Interval = Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
 
 
+MAX_LORAS = 1024
+"""Most adapters a heartbeat may name in one list."""
+
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 """Upper bounds of ``WorkerStats.iteration_tokens``' buckets (vLLM's, for its
 ``iteration_tokens_total``); a last bucket takes what is above them."""
@@ -190,6 +193,19 @@ class WorkerStats(Message, gc=False):
         list[Count], msgspec.Meta(max_length=64)
     ] = []
     """Accepted draft tokens by position in the draft (the first, the second, ...)."""
+    lora_adapters: Annotated[list[Id], msgspec.Meta(max_length=MAX_LORAS)] = []
+    """The LoRA adapters of its model it holds: a request naming one as its ``model``
+    may run here (``--lora-modules``)."""
+    max_loras: Count = 0
+    """Adapters one of its steps may use at once (0: it serves no adapters)."""
+    running_lora_adapters: Annotated[list[Id], msgspec.Meta(max_length=MAX_LORAS)] = []
+    """Adapters of its running requests (vLLM's ``lora_requests_info``)."""
+    waiting_lora_adapters: Annotated[list[Id], msgspec.Meta(max_length=MAX_LORAS)] = []
+    """Adapters of its waiting requests."""
+
+    def serves(self, model: str) -> bool:
+        """Whether a request naming ``model`` may run here: its model or an adapter."""
+        return model == self.model or model in self.lora_adapters
 
     def numerics(self) -> str:
         """What a stream's tokens depend on beyond the model and the request: the device

@@ -366,7 +366,7 @@ class WorkerService:
             return
         try:
             if request.sampling.structured is None:
-                checked = wire.engine_request(request, self.spec)
+                checked = wire.engine_request(request, self.spec, lora=self._adapter(request))
             else:  # compiled here, not on the engine's thread, and not on this loop
                 checked = await asyncio.to_thread(self._constrained, request)
         except InvalidRequestError as exc:
@@ -417,7 +417,15 @@ class WorkerService:
     def _constrained(self, request: GenerateRequest) -> EngineRequest:
         """A request with a structured output constraint, compiled and checked."""
         grammar = wire.constraint(self.grammars, request.sampling.structured)
-        return wire.engine_request(request, self.spec, grammar)
+        return wire.engine_request(request, self.spec, grammar, self._adapter(request))
+
+    def _adapter(self, request: GenerateRequest) -> str | None:
+        """The LoRA adapter ``request`` names as its ``model`` (None: the base model; a
+        worker without LoRA runs every request on its model, as it always did)."""
+        engine = self.config.engine
+        if not engine.enable_lora or request.model == self.model_name:
+            return None
+        return request.model
 
     async def _refuse(
         self, reply: str, request_id: str, reason: RejectReason, message: str, **fields: object
@@ -639,6 +647,7 @@ class WorkerService:
             **dataclasses.asdict(counters),
             **(self.kv.stats() if self.kv is not None else {}),
             role=self.config.role,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
 
     async def _publish_stats(self) -> None:

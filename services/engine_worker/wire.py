@@ -49,11 +49,15 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
 
 
 def engine_request(
-    request: GenerateRequest, spec: EngineSpec, grammar: GrammarState | None = None
+    request: GenerateRequest,
+    spec: EngineSpec,
+    grammar: GrammarState | None = None,
+    lora: str | None = None,
 ) -> EngineRequest:
     """``request`` checked against the engine ``spec`` describes (``grammar``: its
-    constraint's fresh state, :func:`constraint`); raises the engine's
-    ``InvalidRequestError``. Reads only immutable values: any thread may call it."""
+    constraint's fresh state, :func:`constraint`; ``lora``: the adapter its ``model``
+    names); raises the engine's ``InvalidRequestError``. Reads only immutable values:
+    any thread may call it."""
     return spec.request(
         request.request_id,
         request.prompt_token_ids,
@@ -62,6 +66,7 @@ def engine_request(
         deadline_ms=request.sla.deadline_ms,
         replayed=request.replayed_output_tokens,
         grammar=grammar,
+        lora=lora,
     )
 
 

@@ -137,6 +137,9 @@ class Intake:
         self.max_context = 0
         """The longest context any live worker of the model has (0: not known yet), from
         the cluster view: a prompt too long for it is refused before it is tokenized."""
+        self.adapters: list[str] = []
+        """The LoRA adapters of the model live workers hold, from the cluster view: a
+        request may name one as its ``model``."""
         self.precisions: list[dict[str, Any]] = []
         """How the live workers of the model compute (:func:`precisions`), as
         ``/v1/models`` lists it."""
@@ -165,7 +168,7 @@ class Intake:
         ``include_stop`` and ``skip_special_tokens``: how the output becomes text
         (``IncrementalDetokenizer``). ``structured_param`` and ``priority_param``: the
         fields a refused constraint or priority is named by."""
-        self.check_model(model)
+        model = self.check_model(model)
         caller.check_priority(sla.priority, priority_param)
         for structured in {
             msgspec.json.encode(s.sampling.structured): s.sampling.structured
@@ -192,7 +195,9 @@ class Intake:
             self._release(len(sequences), sum(map(len, prompts)))
             raise
         streams = [
-            self._stream(spec, ids, tokens, sla, stop, include_stop, skip_special_tokens, caller)
+            self._stream(
+                model, spec, ids, tokens, sla, stop, include_stop, skip_special_tokens, caller
+            )
             for spec, ids, tokens in zip(sequences, prompts, reserved, strict=True)
         ]
         for stream in streams:
@@ -224,6 +229,7 @@ class Intake:
 
     def _stream(
         self,
+        model: str,
         spec: Sequence,
         ids: list[int],
         reserved: int,
@@ -237,7 +243,7 @@ class Intake:
         the gateway's capacity and of its caller's quota (the tokens it did not use)."""
         request = GenerateRequest(
             request_id=spec.request_id or uuid.uuid4().hex,
-            model=self.model_name,
+            model=model,
             prompt_token_ids=ids,
             sampling=spec.sampling,
             sla=sla,
@@ -278,16 +284,21 @@ class Intake:
                 "n" if n > 1 and prompts <= most else "prompt",
             )
 
-    def check_model(self, model: str | None) -> None:
-        """A request naming a model this gateway does not serve is a 404 (none: ours)."""
-        if model is not None and model != self.model_name:
-            raise GenerationError(
-                404,
-                "not_found_error",
-                f"model {model!r} does not exist; served: {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, model: str | None) -> str:
+        """The model a request runs on: the one it names (ours, or an adapter of ours a
+        live worker holds), ours when it names none; a 404 for any other."""
+        if model is None or model == self.model_name:
+            return self.model_name
+        if model in self.adapters:
+            return model
+        served = ", ".join(repr(m) for m in (self.model_name, *self.adapters))
+        raise GenerationError(
+            404,
+            "not_found_error",
+            f"model {model!r} does not exist; served: {served}",
+            "model",
+            "model_not_found",
+        )
 
     async def _check_constraint(self, spec: StructuredOutput, param: str) -> None:
         """A constraint the grammar engine cannot enforce is a 400 naming what is wrong,

@@ -114,30 +114,33 @@ class OpenAIApi:
 
         started = int(time.time())
 
-        def card() -> dict[str, Any]:
-            """The served model as OpenAI lists it, with vLLM's extra fields."""
+        def card(name: str) -> dict[str, Any]:
+            """The served model, or one of its LoRA adapters (``parent``: the model), as
+            OpenAI lists it, with vLLM's extra fields."""
+            base = api.intake.model_name
             return {
-                "id": api.intake.model_name,
+                "id": name,
                 "object": "model",
                 "created": started,
                 "owned_by": "lamina",
-                "root": api.intake.model_name,
-                "parent": None,
+                "root": name,
+                "parent": None if name == base else base,
                 "max_model_len": api.intake.max_context or None,  # None: no worker yet
                 "precisions": api.intake.precisions,
             }
 
         @get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [card()]}
+            names = [api.intake.model_name, *api.intake.adapters]
+            return {"object": "list", "data": [card(name) for name in names]}
 
         @get("/v1/models/{model:path}")
         async def model(model: str) -> Response:
             try:
-                api.intake.check_model(model.removeprefix("/"))
+                name = api.intake.check_model(model.removeprefix("/"))
             except GenerationError as exc:
                 return Response(error_of(exc), status_code=exc.status)
-            return Response(card(), status_code=200)
+            return Response(card(name), status_code=200)
 
         tokenization = TokenizeApi(api.intake)
 

@@ -175,6 +175,7 @@ class GatewayService:
                     if w.alive and w.stats.model == self._intake.model_name
                 ]
                 self._intake.max_context = max((s.max_model_len for s in ours), default=0)
+                self._intake.adapters = sorted({a for s in ours for a in s.lora_adapters})
                 self._intake.precisions = precisions(ours)
             except BusError:
                 self.cluster_ready = False

@@ -64,6 +64,7 @@ from enum import StrEnum
 
 import msgspec
 
+from lamina.libs.block_hash import root_hash
 from lamina.libs.bounded import BoundedDict
 from lamina.libs.context_length import context_overflow
 from lamina.schemas.v1.generate import GenerateRequest, RejectReason
@@ -192,7 +193,7 @@ def load_score(entry: Candidate) -> float:
     )
 
 
-Overlap = Callable[[list[int], list[str]], dict[str, tuple[int, int, int]]]
+Overlap = Callable[[list[int], list[str], int], dict[str, tuple[int, int, int]]]
 """``(prompt token ids, worker ids) -> {worker id: (cached leading blocks, of which its
 host tier holds and its device does not, of which only its disk tier holds)}``
 (``PrefixIndex.overlap_by_medium``)."""
@@ -237,10 +238,12 @@ class Placer:
         if refusal is not None:
             return refusal
         decoders = [w for w in admitted if w.stats.role != WorkerRole.PREFILL]
+        adapter = _adapter(request, admitted)
         prefillers = [
             w
             for w in admitted
             if decoders
+            and adapter is None  # (a prefill leg computes the base model's KV)
             and w.stats.role == WorkerRole.PREFILL
             and _can_send(w)
             and not self.saturated(w)
@@ -256,7 +259,7 @@ class Placer:
         senders = [
             w
             for w in (live if senders is None else senders)
-            if w.stats.model == request.model and _can_send(w)
+            if adapter is None and w.stats.model == request.model and _can_send(w)
         ]
         scored = self._score_all(request, fits, overlap, senders, prefillers)
         by_id = {s.worker_id: s for s in scored}
@@ -306,7 +309,7 @@ class Placer:
             return []
         prompt = request.prompt_token_ids
         ids = [w.stats.worker_id for w in [*workers, *senders, *prefillers]]
-        hits = overlap(prompt, list(dict.fromkeys(ids)))
+        hits = overlap(prompt, list(dict.fromkeys(ids)), root_hash(_adapter(request, workers)))
         held = []  # (blocks, sender): what each could send (from any tier), most first
         for w in senders:
             total = hits[w.stats.worker_id][0]
@@ -498,6 +501,14 @@ def _can_send(worker: Candidate) -> bool:
     )
 
 
+def _adapter(request: GenerateRequest, workers: Sequence[Candidate]) -> str | None:
+    """The LoRA adapter ``request``'s ``model`` names on ``workers`` (None: their base
+    model)."""
+    if any(w.stats.model == request.model for w in workers):
+        return None
+    return request.model if workers else None
+
+
 def _shown_state(worker: Candidate) -> str:
     s = worker.stats
     return "cordoned" if s.cordoned and s.state == WorkerState.READY else str(s.state)
@@ -509,9 +520,9 @@ def admit(
     """The ready workers that can run ``request``, or the refusal when there are none."""
     if not live:
         return [], Decision(None, RejectReason.NO_WORKER, "no engine worker is alive", 0)
-    serving = [w for w in live if w.stats.model == request.model]
+    serving = [w for w in live if w.stats.serves(request.model)]
     if not serving:
-        models = sorted({w.stats.model for w in live})
+        models = sorted({m for w in live for m in (w.stats.model, *w.stats.lora_adapters)})
         message = f"no worker serves model {request.model!r}; available: {models}"
         return [], Decision(None, RejectReason.MODEL_NOT_FOUND, message, 0, retryable=False)
     ready = [w for w in serving if w.stats.state == WorkerState.READY and not w.stats.cordoned]

@@ -194,19 +194,23 @@ class PrefixIndex:
             owners.pop(block_hash, None)
 
     # ------------------------------------------------------------------------- lookups
-    def overlap(self, token_ids: list[int], worker_ids: list[str]) -> dict[str, int]:
+    def overlap(
+        self, token_ids: list[int], worker_ids: list[str], root: int = ROOT_HASH
+    ) -> dict[str, int]:
         """Leading blocks of ``token_ids`` each of ``worker_ids`` has cached (0 for a
         worker the index does not know, or has not synced)."""
-        return {w: hit[0] for w, hit in self.overlap_by_medium(token_ids, worker_ids).items()}
+        hits = self.overlap_by_medium(token_ids, worker_ids, root)
+        return {w: hit[0] for w, hit in hits.items()}
 
     def overlap_by_medium(
-        self, token_ids: list[int], worker_ids: list[str]
+        self, token_ids: list[int], worker_ids: list[str], root: int = ROOT_HASH
     ) -> dict[str, tuple[int, int, int]]:
         """For each of ``worker_ids``: the leading blocks of ``token_ids`` it has cached,
         how many of them its host tier holds and its device does not, and how many only
         its disk tier (or a tier this index does not know) holds: a hit loads those back
         from the fastest tier holding them. One pass over the prompt per block size in
-        use, hashing a block only while some worker still matches."""
+        use, hashing a block only while some worker still matches. ``root``: the parent
+        of the first block's hash (``block_hash.root_hash``: a LoRA adapter's own)."""
         result = dict.fromkeys(worker_ids, (0, 0, 0))
         by_size: dict[int, dict[int, str]] = {}  # block size -> slot -> worker id
         for worker_id in worker_ids:
@@ -218,7 +222,7 @@ class PrefixIndex:
             on_device = self._device_owners.get(block_size, {})
             matching = sum(1 << slot for slot in slots)
             lower = {slot: [0, 0] for slot in slots}  # host, disk
-            parent, blocks = ROOT_HASH, 0
+            parent, blocks = root, 0
             for start in range(0, len(token_ids) - block_size + 1, block_size):
                 parent = hash_block(parent, token_ids[start : start + block_size])
                 still = matching & owners.get(parent, 0)

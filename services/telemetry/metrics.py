@@ -279,6 +279,7 @@ class WorkerCollector(Collector):
         yield self._iteration_tokens(known)
         yield self._accepted_per_position(known)
         yield self._cache_config(live)
+        yield self._lora_info(live)
         yield self._rank_memory(live)
         yield from self._cluster(ClusterTotals.of(snapshot))
 
@@ -364,6 +365,26 @@ class WorkerCollector(Collector):
         family = _gauge("cache_config_info", "The worker's KV cache configuration.", labels)
         for stats in live:
             family.add_metric([stats.worker_id, stats.model, *cache_config(stats)], 1.0)
+        return family
+
+    def _lora_info(self, live: list[WorkerStats]) -> Metric:
+        """Each live LoRA-serving worker's adapter slots and the adapters of its running
+        and waiting requests as labels (vLLM's ``lora_requests_info``: comma-separated
+        names), valued at the heartbeat's time, as vLLM's is at its last update."""
+        labels = (*WORKER_LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters")
+        family = _gauge("lora_requests_info", "Running stats on LoRA requests.", labels)
+        for stats in live:
+            if stats.max_loras:
+                family.add_metric(
+                    [
+                        stats.worker_id,
+                        stats.model,
+                        str(stats.max_loras),
+                        ",".join(stats.running_lora_adapters),
+                        ",".join(stats.waiting_lora_adapters),
+                    ],
+                    stats.timestamp_ms / 1000,
+                )
         return family
 
     def _rank_memory(self, live: list[WorkerStats]) -> Metric:

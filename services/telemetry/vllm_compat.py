@@ -41,7 +41,6 @@ NOT_SERVED: dict[str, str] = {
     "estimated_read_bytes_per_gpu": "the engine does not estimate its memory traffic",
     "estimated_write_bytes_per_gpu": "the engine does not estimate its memory traffic",
     "kv_block_": "KV block lifetimes are not measured (vLLM's --kv-cache-metrics)",
-    "lora_requests_info": "no LoRA adapters yet (issue 43)",
     "diffusion_": "no diffusion language models",
     "num_requests_kv_fetch_by_stage": "fetches between workers are Lamina's own "
     "lamina:kv_fetches_total and lamina:kv_prefills_total, per worker, not by stage",
@@ -107,6 +106,7 @@ PLAIN = (
     "num_requests_waiting",
     "kv_cache_usage_perc",
     "cache_config_info",
+    "lora_requests_info",
     "prefix_cache_queries",
     "prefix_cache_hits",
     "num_preemptions",
@@ -138,7 +138,7 @@ HISTOGRAMS: dict[str, list[float] | None] = {
     "request_params_max_tokens": TOKENS,
     "request_prefill_kv_computed_tokens": TOKENS,
 }
-NO_MODEL_LABEL = {"cache_config_info"}  # vLLM's carries the engine only
+NO_MODEL_LABEL = {"cache_config_info", "lora_requests_info"}  # vLLM's carry no model
 
 
 def translate(

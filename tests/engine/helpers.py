@@ -105,3 +105,28 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every projection an adapter may target."""
+
+
+def make_adapter(stories, path, rank, alpha, targets, seed):
+    """A PEFT adapter of ``stories`` saved by ``peft`` itself, its weights random (a
+    trained adapter's are not zero either); returns the merged ``transformers`` model."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(stories)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False
+    )
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():  # peft's random B swamps this small model: changed, not drowned
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.2)
+    model.save_pretrained(path)
+    return model.merge_and_unload().eval()

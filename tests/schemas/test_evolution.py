@@ -207,6 +207,10 @@ def golden_instances() -> dict[str, Message]:
         spec_decode_num_draft_tokens=27000,
         spec_decode_num_accepted_tokens=15000,
         spec_decode_num_accepted_tokens_per_pos=[7000, 5000, 3000],
+        lora_adapters=["sql", "chat"],
+        max_loras=2,
+        running_lora_adapters=["sql"],
+        waiting_lora_adapters=["chat"],
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [

@@ -31,6 +31,10 @@ def served(compat: str = "vllm") -> Aggregator:
             spec_decode_num_draft_tokens=30,
             spec_decode_num_accepted_tokens=12,
             spec_decode_num_accepted_tokens_per_pos=[7, 4, 1],
+            max_loras=2,
+            lora_adapters=["sql", "chat"],
+            running_lora_adapters=["chat", "sql"],
+            waiting_lora_adapters=["sql"],
         )
     )
     timings = EngineTimings(queued_s=0.01, prefill_s=0.05, decode_s=0.2, num_preemptions=1)
@@ -55,7 +59,7 @@ def families(aggregator: Aggregator) -> dict:
 
 def test_every_vllm_metric_is_served_with_its_type_and_labels():
     got = families(served())
-    expected = vllm.METRICS | vllm.SPEC_DECODING
+    expected = vllm.METRICS | vllm.SPEC_DECODING | vllm.LORA
     assert set(got) == set(expected) - NOT_SERVED
     for name, family in got.items():
         kind, labels, _ = expected[name]
@@ -81,6 +85,13 @@ def test_every_family_of_vllm_0_34_is_served_or_listed_with_why():
         ]
         assert (name in got) != bool(listed), name  # one or the other
     assert got <= set(vllm_0_34.FAMILIES) | set(vllm.METRICS)
+    (lora,) = families(served())["vllm:lora_requests_info"].samples
+    assert lora.labels == {
+        "engine": "w1",
+        "max_lora": "2",
+        "running_lora_adapters": "chat,sql",
+        "waiting_lora_adapters": "sql",
+    }
     per_position = families(served())["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert [(s.labels["position"], s.value) for s in per_position.samples] == [
         ("0", 7.0),

@@ -77,6 +77,15 @@ SPEC_DECODING: dict[str, tuple[str, tuple[str, ...], object]] = {
     "vllm:spec_decode_num_accepted_tokens_per_pos": ("counter", (*ENGINE, "position"), None),
 }
 
+#: Registered when LoRA is on (``vllm/v1/metrics/loggers.py``); Lamina's adds the engine.
+LORA = {
+    "vllm:lora_requests_info": (
+        "gauge",
+        ("engine", "max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+        None,
+    ),
+}
+
 CACHE_CONFIG_LABELS_USED = {
     # by vLLM's dashboards and its own metrics test
     "block_size",

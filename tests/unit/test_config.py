@@ -10,6 +10,7 @@ import pytest
 
 from lamina.libs.config import parse_config, settings, to_argv
 from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.lora import LoraModule, LoraModules
 from lamina.services.engine_worker.engine.speculative import SpeculativeConfig
 from lamina.services.engine_worker.service import WorkerConfig, transfer_host
 from lamina.services.launcher import UpConfig
@@ -85,6 +86,24 @@ def test_a_json_setting_is_one_flag_that_round_trips():
     assert parse_config(EngineConfig, to_argv(config.engine), env={}) == config.engine
     with pytest.raises(ValueError, match="unknown keys"):
         parse_config(WorkerConfig, [], env={"LAMINA_SPECULATIVE_CONFIG": '{"k": 3}'})
+
+
+def test_lora_modules_take_vllms_forms_and_round_trip():
+    argv = ["--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "2"]
+    config = parse_config(WorkerConfig, argv, env={}).engine
+    assert config.lora_modules == LoraModules(
+        (LoraModule("sql", Path("/a/sql")), LoraModule("chat", Path("/a/chat")))
+    )
+    assert config.enable_lora  # implied by the modules
+    assert parse_config(EngineConfig, to_argv(config), env={}) == config
+    listed = '[{"name": "sql", "path": "/a/sql"}, {"name": "chat", "path": "/a/chat"}]'
+    env = {"LAMINA_LORA_MODULES": listed}
+    assert parse_config(WorkerConfig, [], env=env).engine.lora_modules == config.lora_modules
+    for bad, message in (("sql", "not name=path"), ("a=/x a=/y", "given twice"), ("{", "not JSON")):
+        with pytest.raises(ValueError, match=message):
+            LoraModules.parse(bad)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
 
 
 def test_lamina_up_takes_every_engine_setting():

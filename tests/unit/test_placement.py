@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from lamina.libs.block_hash import ROOT_HASH, root_hash
 from lamina.schemas.v1.generate import GenerateRequest, RejectReason, Sampling
 from lamina.schemas.v1.records import PlacementRecord
 from lamina.schemas.v1.stats import WorkerState, WorkerStats
@@ -38,7 +39,9 @@ def request(prompt_len: int = 10, max_tokens: int = 10, model: str = "m") -> Gen
     )
 
 
-def no_overlap(prompt: list[int], workers: list[str]) -> dict[str, tuple[int, int, int]]:
+def no_overlap(
+    prompt: list[int], workers: list[str], root: int = ROOT_HASH
+) -> dict[str, tuple[int, int, int]]:
     return dict.fromkeys(workers, (0, 0, 0))
 
 
@@ -151,7 +154,7 @@ def overlap_of(
     """Cached leading blocks per worker (``host``: of which its host tier holds and its
     device does not; ``disk``: of which only its disk tier holds)."""
     host, disk = host or {}, disk or {}
-    return lambda prompt, workers: {
+    return lambda prompt, workers, root=ROOT_HASH: {
         w: (hits.get(w, 0), host.get(w, 0), disk.get(w, 0)) for w in workers
     }
 
@@ -269,6 +272,34 @@ def test_a_worker_fetches_a_prefix_another_holds_when_that_beats_computing_it():
     registry.heartbeat(stats("holder", **fast, **kv))
     here = placer.place(request(prompt_len=800), registry.candidates(), cached)
     assert (here.worker_id, here.fetch_from) == ("holder", "")
+
+
+def test_a_request_naming_an_adapter_goes_to_a_worker_holding_it():
+    """A LoRA adapter is a model of its own to placement: only workers that hold it are
+    candidates, its prefix is looked up under the adapter's hash root, and it gets no
+    prefill leg or fetch (those carry the base model's KV)."""
+    registry = registry_at(Clock())
+    kv = dict(kv_layout="16/float32/2/4/8", kv_address="127.0.0.1:4000", role="decode")
+    fast = dict(prefill_tokens_per_s=1000.0, total_kv_blocks=1000, free_kv_blocks=1000)
+    registry.heartbeat(stats("plain", **fast, **kv))
+    registry.heartbeat(stats("p", **dict(kv, role="prefill"), **fast))
+    registry.heartbeat(stats("lora", lora_adapters=["sql"], max_loras=1, **fast, **kv))
+    roots = []
+
+    def overlap(prompt, workers, root=ROOT_HASH):
+        roots.append(root)
+        return dict.fromkeys(workers, (16, 0, 0))
+
+    placer = Placer(Policy.KV, prefill_min_tokens=256)
+    decision = placer.place(request(prompt_len=801, model="sql"), registry.candidates(), overlap)
+    assert (decision.worker_id, decision.fetch_from, decision.prefill) == ("lora", "", False)
+    assert [s.worker_id for s in decision.scored] == ["lora"]
+    assert roots == [root_hash("sql")] and root_hash("sql") != ROOT_HASH
+    base = placer.place(request(prompt_len=801), registry.candidates(), overlap)
+    assert base.prefill and roots[-1] == ROOT_HASH  # the base model's requests: as before
+    unknown = place(request(model="chat"), registry.candidates())
+    assert unknown.reason == RejectReason.MODEL_NOT_FOUND
+    assert "['m', 'sql']" in unknown.message
 
 
 def test_a_decode_workers_long_prompt_gets_a_prefill_leg_on_the_prefill_worker_with_room():

@@ -43,8 +43,12 @@ class BatchScheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
+        max_loras: int = 0,
     ) -> None:
         self.blocks = block_manager
+        self.max_loras = max_loras
+        """Most LoRA adapters among the running requests (the device slots): a waiting
+        request of another adapter waits, and those behind it may go first."""
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -100,6 +104,8 @@ class BatchScheduler:
             budget -= num_new
             index += 1
 
+        adapters = {r.lora for r in self.running if r.lora is not None}
+        deferred = []  # waiting requests whose adapter has no slot this step
         while (
             self.waiting
             and not batch.preempted
@@ -108,6 +114,10 @@ class BatchScheduler:
             and len(chosen) < most
         ):
             request = self.waiting[0][1]
+            lora = request.lora
+            if lora is not None and lora not in adapters and len(adapters) >= self.max_loras:
+                deferred.append(heapq.heappop(self.waiting))
+                continue
             # A request that wants its prompt's logprobs computes the whole prompt.
             wants_logprobs = request.prompt_logprobs is not None
             hit = NO_HIT if wants_logprobs else self.blocks.match_prefix(request)
@@ -129,9 +139,13 @@ class BatchScheduler:
                 request.scheduled_at = time.monotonic()
                 self.prompt_tokens_cached += request.num_cached_tokens
             self.running.append(request)
+            if request.lora is not None:
+                adapters.add(request.lora)
             chosen.append((request, num_new))
             self._note_computing(request, num_new, computing)
             budget -= num_new
+        for entry in deferred:
+            heapq.heappush(self.waiting, entry)
 
         # Decodes first, shortest first: the attention kernels take the flat batch in that
         # order, and neighbours of similar length share padded attention groups. (A

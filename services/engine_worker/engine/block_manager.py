@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lamina.libs.block_hash import ROOT_HASH
 from lamina.services.engine_worker.engine.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -318,7 +317,7 @@ class BlockManager:
         if last <= first:
             return
         run: list[int] = []  # consecutive newly stored hashes
-        run_parent = ROOT_HASH
+        run_parent = request.root_hash
         table = self._tables[request.request_id]
         for index in range(first, last):
             block_hash = request.block_hashes[index]
@@ -329,10 +328,12 @@ class BlockManager:
                 run = []
                 continue
             if not run:
-                run_parent = request.block_hashes[index - 1] if index else ROOT_HASH
+                run_parent = request.block_hashes[index - 1] if index else request.root_hash
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
-            self.parent_of[block_hash] = request.block_hashes[index - 1] if index else ROOT_HASH
+            self.parent_of[block_hash] = (
+                request.block_hashes[index - 1] if index else request.root_hash
+            )
             run.append(block_hash)
         self._flush_stored(run_parent, run)
         self._num_registered[request.request_id] = last

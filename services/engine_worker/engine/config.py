@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +11,7 @@ import torch
 
 from lamina.kernels.reference.kv_quant import KvCacheDtype
 from lamina.kernels.weight_quant import WeightFormat
+from lamina.services.engine_worker.engine.lora import LoraModules
 from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.speculative import SpeculativeConfig
 
@@ -102,6 +103,17 @@ class EngineConfig:
     e.g. ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``.
     Drafts by prompt lookup, verified in the target's step. None: off. Not with
     pipeline stages."""
+    enable_lora: bool = False
+    """Serve LoRA adapters of the model (``lora.py``): a request names one as its
+    ``model``. On by itself with ``lora_modules``. Not with tensor parallelism or
+    pipeline stages yet."""
+    lora_modules: LoraModules = field(default_factory=LoraModules)
+    """Adapters to load at start, as vLLM's flag takes them: ``name=path`` items (PEFT
+    directories), e.g. ``--lora-modules sql=/adapters/sql chat=/adapters/chat``."""
+    max_loras: int = 1
+    """Adapters one step may use (device slots; the least recently used is replaced)."""
+    max_lora_rank: int = 16
+    """The highest adapter rank taken (the slots are sized for it)."""
 
     def max_len_for(self, model: ModelConfig) -> int:
         """The longest sequence this engine runs: the least of the model's positions,
@@ -175,6 +187,18 @@ class EngineConfig:
                 "speculative decoding does not run across pipeline stages yet "
                 "(pipeline_parallel_size > 1): a drafted request's KV is settled when its "
                 "batch completes, and stages keep batches in flight"
+            )
+        if self.lora_modules and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)
+        if self.max_loras <= 0 or self.max_lora_rank <= 0:
+            raise ValueError(
+                f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}) "
+                "must be positive"
+            )
+        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "LoRA adapters do not run with tensor parallelism or pipeline stages yet: "
+                "the adapters' products are not split across ranks"
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be positive")

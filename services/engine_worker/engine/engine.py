@@ -18,13 +18,14 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from lamina.kernels.transfer import upload
-from lamina.libs.block_hash import ROOT_HASH
+from lamina.libs.block_hash import ROOT_HASH, root_hash
 from lamina.services.engine_worker.engine.batch_scheduler import BatchScheduler, ScheduledBatch
 from lamina.services.engine_worker.engine.block_manager import BlockManager
 from lamina.services.engine_worker.engine.config import EngineConfig
@@ -42,6 +43,12 @@ from lamina.services.engine_worker.engine.kv_tier import (
     KvBlocks,
     TierIndex,
 )
+from lamina.services.engine_worker.engine.lora import (
+    LoraAdapter,
+    LoraAdapterError,
+    LoraSlots,
+    UnknownLoraError,
+)
 from lamina.services.engine_worker.engine.outputs import (
     STEP_TOKEN_BUCKETS,
     EngineStats,
@@ -54,7 +61,7 @@ from lamina.services.engine_worker.engine.params import FinishReason, SamplingPa
 from lamina.services.engine_worker.engine.rank_group import RankGroup, rank_device
 from lamina.services.engine_worker.engine.remote_ranks import Rendezvous
 from lamina.services.engine_worker.engine.request import EngineRequest, Request
-from lamina.services.engine_worker.engine.runner import ModelRunner, StepInput
+from lamina.services.engine_worker.engine.runner import NO_ADAPTERS, ModelRunner, StepInput
 from lamina.services.engine_worker.engine.sampler import SampledLogprob, Sampler, SamplerOutput
 from lamina.services.engine_worker.engine.shard import load_shard
 from lamina.services.engine_worker.engine.spec import EngineSpec, RankInfo
@@ -128,7 +135,17 @@ class Engine:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             config.enable_chunked_prefill,
+            config.max_loras if config.enable_lora else 0,
         )
+        self.adapters: dict[str, LoraAdapter] | None = None
+        """The LoRA adapters this engine holds (on the host), by name; None: LoRA off."""
+        if config.enable_lora:
+            self.adapters = {}
+            self.runner.lora_slots = LoraSlots(
+                mc, config.max_loras, config.max_lora_rank, model.dtype, self.device
+            )
+            for module in config.lora_modules:
+                self.load_adapter(module.name, module.path)
         self.sampler = Sampler(mc.eos_token_ids, config.seed, self.device)
         rank0 = RankInfo(
             0,
@@ -180,6 +197,8 @@ class Engine:
         rid = request.request_id
         if rid in self.requests:
             raise DuplicateRequestError(rid)
+        if request.lora is not None and request.lora not in (self.adapters or {}):
+            raise UnknownLoraError(request.lora)
         params, replayed = request.params, request.replayed
         generator = None
         if params.seed is not None:
@@ -198,6 +217,8 @@ class Engine:
             num_replayed=replayed,
             pending_draws=replayed if generator is not None else 0,
             grammar=request.grammar,
+            lora=request.lora,
+            root_hash=root_hash(request.lora),
             # A moved request sent its prompt's logprobs before it moved.
             prompt_logprobs={} if params.prompt_logprobs is not None and not replayed else None,
         )
@@ -216,6 +237,7 @@ class Engine:
         deadline_ms: int | None = None,
         replayed: int = 0,
         grammar: GrammarState | None = None,
+        lora: str | None = None,
     ) -> None:
         """Check a request (:meth:`EngineSpec.request`, whose arguments these are) and
         queue it: the door for Python callers, such as benchmarks and ``lamina generate``."""
@@ -228,8 +250,26 @@ class Engine:
                 deadline_ms=deadline_ms,
                 replayed=replayed,
                 grammar=grammar,
+                lora=lora,
             )
         )
+
+    def load_adapter(self, name: str, path: Path) -> LoraAdapter:
+        """Load the PEFT adapter in ``path`` as ``name`` (replacing one of that name that
+        no request uses); raises :class:`LoraAdapterError` if it cannot be."""
+        if self.adapters is None:
+            raise LoraAdapterError(name, "LoRA is not enabled on this engine (enable_lora)")
+        if name in self.adapters and any(r.lora == name for r in self.requests.values()):
+            raise LoraAdapterError(name, "an adapter of this name is in use")
+        adapter = LoraAdapter.load(name, path, self.model_config, self.config.max_lora_rank)
+        self._drop_adapter(name)
+        self.adapters[name] = adapter
+        return adapter
+
+    def _drop_adapter(self, name: str) -> None:
+        assert self.adapters is not None and self.runner.lora_slots is not None
+        if self.adapters.pop(name, None) is not None:
+            self.runner.lora_slots.evict(name)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks at once; False if it is not in the engine."""
@@ -378,11 +418,23 @@ class Engine:
     def _start(self, batch: ScheduledBatch, extra: list[int] | None) -> Callable[[], torch.Tensor]:
         """Run this process's share of ``batch`` (with pipeline stages, the first);
         what it returns waits for the logits (:meth:`forward`'s)."""
-        step = StepInput.of(batch, self.config.block_size, extra, self.blocks.take_moves())
+        step = StepInput.of(
+            batch, self.config.block_size, extra, self.blocks.take_moves(), self._lora_slots(batch)
+        )
         if self.ranks is not None:
             return self.ranks.launch(step, self.runner)
         logits = self.runner.run(step)
         return lambda: logits
+
+    def _lora_slots(self, batch: ScheduledBatch) -> np.ndarray:
+        """Each request's LoRA slot in ``batch`` (-1: the base model; empty: no request
+        has an adapter), their adapters put in slots."""
+        names = {r.lora for r in batch.requests if r.lora is not None}
+        if not names:
+            return NO_ADAPTERS
+        assert self.adapters is not None and self.runner.lora_slots is not None
+        slots = self.runner.lora_slots.slots_for(names, self.adapters)
+        return np.array([slots.get(r.lora, -1) for r in batch.requests], dtype=np.int64)
 
     def _postprocess(
         self,
@@ -582,9 +634,23 @@ class Engine:
             spec_decode_num_draft_tokens=self._draft_tokens,
             spec_decode_num_accepted_tokens=self._accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(self._accepted_per_position),
+            **self._lora_stats(),
             **_tier_stats(blocks.tier(HOST), runner, "host"),
             **_tier_stats(blocks.tier(DISK), runner, "disk"),
         )
+
+    def _lora_stats(self) -> dict[str, tuple[str, ...]]:
+        """The adapters held, and those of the running and the waiting requests."""
+        if self.adapters is None:
+            return {}
+        scheduler = self.scheduler
+        running = {r.lora for r in scheduler.running if r.lora is not None}
+        waiting = {entry[1].lora for entry in scheduler.waiting if entry[1].lora is not None}
+        return {
+            "lora_adapters": tuple(self.adapters),
+            "running_lora_adapters": tuple(sorted(running)),
+            "waiting_lora_adapters": tuple(sorted(waiting)),
+        }
 
     def take_kv_events(self) -> list[KvEvent]:
         """Prefix cache events since the last call, numbered without gaps."""

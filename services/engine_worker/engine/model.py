@@ -34,6 +34,7 @@ from lamina.kernels.reference import AttentionMetadata, rotary_cos_sin, rotary_f
 from lamina.kernels.weight_quant import QuantizedWeight, WeightFormat, concat
 from lamina.services.engine_worker.engine.errors import ModelLoadError
 from lamina.services.engine_worker.engine.loader import CheckpointTensors
+from lamina.services.engine_worker.engine.lora import LoraStep
 from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.parallel import (
     SINGLE,
@@ -271,6 +272,7 @@ class CausalLM:
         kv_caches: list[torch.Tensor],  # per layer (2, num_blocks, block_size, Hkv, D)
         logits_indices: torch.Tensor,  # (S,) rows of the batch whose next token is sampled
         kv_scales: list[torch.Tensor | None] | None = None,  # per layer, quantized caches
+        lora: LoraStep | None = None,  # the step's LoRA adapters, if any token has one
     ) -> torch.Tensor | None:
         """Logits ``(S, vocab)`` in fp32 for the tokens at ``logits_indices``; on a
         pipeline stage before the last, None (its output went to the next stage)."""
@@ -288,9 +290,13 @@ class CausalLM:
         heads = c.num_heads + c.num_kv_heads
         ops = self.ops
         scales = kv_scales or [None] * len(kv_caches)
-        for layer, kv_cache, kv_scale in zip(self.layers, kv_caches, scales, strict=True):
+        for n, (layer, kv_cache, kv_scale) in enumerate(
+            zip(self.layers, kv_caches, scales, strict=True)
+        ):
             x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = layer.qkv(x)
+            if lora is not None:
+                lora.add("qkv", n, qkv, x)
             v = qkv[:, c.q_size + c.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
             qk = qkv[:, : c.q_size + c.kv_size].view(num_tokens, heads, c.head_dim)
             if layer.qk_norm is not None:
@@ -299,9 +305,17 @@ class CausalLM:
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             ops.write_kv_cache(k, v, kv_cache, attn.slot_mapping, kv_scale, attn.block_writes)
             o = ops.paged_attention(q, k, v, kv_cache, attn, self.scale, kv_scale)  # (T, Hq, D)
-            hidden = tp.all_reduce(layer.o(o.view(num_tokens, c.q_size)))
-            x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            hidden = tp.all_reduce(layer.down(layer.gate_up(x)))
+            if lora is None:
+                hidden = tp.all_reduce(layer.o(o.view(num_tokens, c.q_size)))
+                x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
+                hidden = tp.all_reduce(layer.down(layer.gate_up(x)))
+            else:  # (LoRA runs on one rank: no all-reduce)
+                o = o.reshape(num_tokens, c.q_size)
+                hidden = lora.add("o", n, layer.o(o), o)
+                x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
+                gate_up = lora.add("gate_up", n, layer.gate_up.pre_activation(x), x)
+                y = ops.silu_and_mul(gate_up)
+                hidden = lora.add("down", n, layer.down(y), y)
         if not pp.last:
             pp.send(hidden, residual)
             return None

@@ -111,6 +111,10 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     """Accepted draft tokens by their position in the draft (the first, second, ...)."""
+    lora_adapters: tuple[str, ...] = ()
+    """The LoRA adapters it holds."""
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def prefix_cache_hit_ratio(self) -> float:

@@ -36,6 +36,8 @@ class EngineRequest:
     it moved: penalties count them as output, a seeded generator skips their draws."""
     grammar: GrammarState | None = None
     """Its structured output constraint, advanced past the output it replays."""
+    lora: str | None = None
+    """The LoRA adapter it runs with (None: the base model)."""
 
 
 class Status(enum.Enum):
@@ -92,6 +94,10 @@ class Request:
     prompt_logprobs: dict[int, RankedLogprob] | None = None
     """While its prompt logprobs are wanted and not yet sent: those computed so far, by
     prompt position. Such a request computes its prompt, never reads the prefix cache."""
+    lora: str | None = None
+    """The LoRA adapter it runs with (None: the base model)."""
+    root_hash: int = ROOT_HASH
+    """The parent of its first block's hash (``block_hash.root_hash`` of ``lora``)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -130,5 +136,5 @@ class Request:
         """Extend ``block_hashes`` over any blocks of ``token_ids`` that became full."""
         start = len(self.block_hashes) * block_size
         if self.num_tokens - start >= block_size:
-            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            parent = self.block_hashes[-1] if self.block_hashes else self.root_hash
             self.block_hashes += hash_blocks(self.token_ids, block_size, parent, start)

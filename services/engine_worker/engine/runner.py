@@ -23,7 +23,11 @@ from lamina.services.engine_worker.engine.kv_tier import (
     TierPool,
     copy_blocks,
 )
+from lamina.services.engine_worker.engine.lora import LoraSlots, LoraStep
 from lamina.services.engine_worker.engine.model import CausalLM
+
+NO_ADAPTERS = np.zeros(0, dtype=np.int64)
+"""A step's LoRA slots when no request has an adapter (``StepInput.adapters``)."""
 
 
 def kv_block_bytes(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
@@ -77,6 +81,8 @@ class ModelRunner:
         on a CPU device only: on a GPU they are queued)."""
         self.decode_graphs: DecodeGraphs | None = None
         """Set by the engine when decode-only steps run from CUDA graphs."""
+        self.lora_slots: LoraSlots | None = None
+        """Set by the engine when it serves LoRA adapters: their device slots."""
 
     def add_tier(self, number: int, slots: int, directory: Path | None = None) -> None:
         """Lower tier ``number`` (``kv_tier.HOST`` or ``DISK``) of ``slots`` blocks of this
@@ -149,6 +155,12 @@ class ModelRunner:
         """The model over one step's input (this rank's share): the logits of its
         ``sampled`` rows (``Engine.forward``), after the step's moves between the tiers."""
         self.transfer(step.moves)
+        lora = None
+        if self.lora_slots is not None and len(step.adapters):
+            token_slots = np.repeat(step.adapters, step.num_new)
+            lora = LoraStep.of(token_slots, self.lora_slots, self.device)
+        if lora is not None:  # the adapters' products run in the general forward
+            return self._forward(step, lora)
         graphs = self.decode_graphs
         if graphs is not None and step.decodes_only and graphs.bucket(len(step.ids)):
             return graphs.run(step.ids, step.positions, step.slots, step.context, step.table)
@@ -158,6 +170,10 @@ class ModelRunner:
             )
             if logits is not None:
                 return logits
+        return self._forward(step, None)
+
+    def _forward(self, step: StepInput, lora: LoraStep | None) -> torch.Tensor:
+        """The model's general forward over ``step``."""
         dev = self.device
         slot_mapping = upload(step.slots, torch.int64, dev)
         meta = AttentionMetadata.build(
@@ -179,6 +195,7 @@ class ModelRunner:
             self.kv_caches,
             upload(step.sampled, torch.int64, dev),
             self.kv_scales,
+            lora,
         )
 
 
@@ -226,6 +243,8 @@ class StepInput:
     moves: np.ndarray = field(default_factory=lambda: NO_MOVES)
     """``(4, n)``: blocks to copy between the tiers before the model runs, a column each:
     source tier, block or slot there, target tier, block or slot there (``kv_tier``)."""
+    adapters: np.ndarray = field(default_factory=lambda: NO_ADAPTERS)
+    """``(S,)`` each sequence's LoRA slot (-1: the base model), or empty: none has one."""
 
     @classmethod
     def of(
@@ -234,7 +253,10 @@ class StepInput:
         block_size: int,
         extra: list[int] | None,
         moves: np.ndarray = NO_MOVES,
+        adapters: np.ndarray = NO_ADAPTERS,
     ) -> StepInput:
+        """``batch`` as flat arrays; ``adapters``: each request's LoRA slot, if any has
+        one (see :attr:`adapters`)."""
         requests, num_new = batch.requests, batch.num_new_tokens
         context = [r.num_computed_tokens for r in requests]
         ids: list[int] = []
@@ -278,4 +300,5 @@ class StepInput:
             decodes_only=batch.num_decodes == len(requests) and not extra,
             all_sampled=bool(done.all()),
             moves=moves,
+            adapters=adapters,
         )

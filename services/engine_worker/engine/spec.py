@@ -78,13 +78,19 @@ class EngineSpec:
         deadline_ms: int | None = None,
         replayed: int = 0,
         grammar: GrammarState | None = None,
+        lora: str | None = None,
     ) -> EngineRequest:
         """A request this engine can run; raises an :class:`InvalidRequestError` subclass,
         naming the field, if it cannot. ``replayed``: the last this-many prompt tokens are
         output the request produced before it moved. ``grammar``: a fresh state of its
         structured output constraint (:meth:`grammar_compiler`), which this advances past
-        the replayed output."""
+        the replayed output. ``lora``: the adapter it runs with (the engine checks that
+        it holds it)."""
         params = params or SamplingParams()
+        if lora is not None and not self.config.enable_lora:
+            raise InvalidRequestError(
+                f"model {lora!r}: this worker serves no LoRA adapters (enable_lora)", "model"
+            )
         if not prompt_token_ids:
             raise EmptyPromptError()
         check_params(params)
@@ -117,6 +123,7 @@ class EngineSpec:
             deadline_ms=deadline_ms,
             replayed=replayed,
             grammar=None if grammar is None else self._replay(grammar, prompt_token_ids, replayed),
+            lora=lora,
         )
 
     def grammar_compiler(self) -> GrammarCompiler:

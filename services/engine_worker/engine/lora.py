@@ -1,0 +1,343 @@
+"""LoRA adapters of the served model: PEFT checkpoints, and the device slots a step reads.
+
+An adapter (``adapter_config.json`` + ``adapter_model.safetensors``, as ``peft`` saves
+one) adds ``scaling * B @ A`` to some of the base model's linears. The engine keeps every
+adapter it knows on the host (:class:`LoraAdapter`) and up to ``max_loras`` of them in
+device slots (:class:`LoraSlots`), least recently used out first; the batch scheduler
+keeps the adapters of the running requests within that many, so a step always finds its
+adapters resident. The base model's linears are fused (Q/K/V into one, gate/up into one),
+so each slot holds, per layer and fused linear, the adapter's ``A`` matrices stacked
+(``(parts × max_rank, in)``) and its ``B`` matrices block-diagonal (``(out, parts ×
+max_rank)``, ``scaling`` folded in): one grouped product per fused linear
+(:func:`lamina.kernels.lora.add_lora`), zero rows for a module the adapter leaves alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from lamina.kernels.lora import LoraBatch, add_lora
+from lamina.services.engine_worker.engine.errors import InvalidRequestError, ModelLoadError
+from lamina.services.engine_worker.engine.model_config import ModelConfig
+
+TARGETS = {
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
+}
+"""The modules an adapter may target: the fused linear each is part of, and which part."""
+
+_PREFIX = "base_model.model.model.layers."
+
+
+class LoraAdapterError(ModelLoadError):
+    """An adapter that cannot be loaded (no such directory, a format or a shape this
+    engine does not take); ``where`` names the file or field."""
+
+
+class UnknownLoraError(InvalidRequestError):
+    """A request names an adapter the engine does not hold."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"the LoRA adapter {name!r} is not loaded on this worker", "model")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapter to load at start: the name requests use as their ``model``, and its
+    directory."""
+
+    name: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class LoraModules:
+    """vLLM's ``--lora-modules``: adapters as ``name=path`` items (several after one flag,
+    or in one value separated by spaces or commas), or a JSON object (or list of them)
+    with ``name`` and ``path``."""
+
+    modules: tuple[LoraModule, ...] = ()
+    NARGS: ClassVar[str] = "+"
+    """The flag takes several values (``libs/config``), joined by spaces for :meth:`parse`."""
+
+    @classmethod
+    def parse(cls, text: str) -> LoraModules:
+        text = text.strip()
+        if text.startswith(("{", "[")):
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"lora_modules: not JSON ({exc})") from exc
+            items = parsed if isinstance(parsed, list) else [parsed]
+            if not all(isinstance(i, dict) and {"name", "path"} <= i.keys() for i in items):
+                raise ValueError('lora_modules: each JSON object needs "name" and "path"')
+            return cls(tuple(LoraModule(str(i["name"]), Path(i["path"])) for i in items))
+        modules = []
+        for item in text.replace(",", " ").split():
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: {item!r} is not name=path")
+            modules.append(LoraModule(name, Path(path)))
+        names = [m.name for m in modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: a name is given twice ({names})")
+        return cls(tuple(modules))
+
+    def __str__(self) -> str:
+        return " ".join(f"{m.name}={m.path}" for m in self.modules)
+
+    def __iter__(self) -> Iterator[LoraModule]:
+        return iter(self.modules)
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter on the host: per (layer, module), ``A`` ``(r, in)`` and ``B`` ``(out,
+    r)`` with the adapter's scaling folded into ``B``."""
+
+    name: str
+    path: Path
+    rank: int
+    base_model: str
+    """The checkpoint it was trained on, as its config names it (``/v1/models``' parent)."""
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @classmethod
+    def load(cls, name: str, path: Path, model: ModelConfig, max_rank: int) -> LoraAdapter:
+        """Read the PEFT adapter in ``path`` for ``model``; raises :class:`LoraAdapterError`
+        for what this engine does not take (DoRA, biases, saved modules, targets other
+        than the decoder layers' linears, a rank above ``max_rank``, wrong shapes)."""
+        path = Path(path)
+        config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+        for needed in (config_file, weights_file):
+            if not needed.is_file():
+                raise LoraAdapterError(str(needed), "not found (a PEFT adapter directory has it)")
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise LoraAdapterError(str(config_file), f"unreadable: {exc}") from exc
+        rank = _check_config(config, config_file, max_rank)
+        rslora = bool(config.get("use_rslora"))
+        scaling = config["lora_alpha"] / (rank**0.5 if rslora else rank)
+        weights = _read_weights(weights_file, model, rank, scaling)
+        return cls(name, path, rank, str(config.get("base_model_name_or_path") or ""), weights)
+
+
+def _check_config(config: dict, where: Path, max_rank: int) -> int:
+    """The adapter's rank, once its config is one this engine runs."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraAdapterError(str(where), f"peft_type {config.get('peft_type')!r} is not LORA")
+    refused = {
+        "use_dora": "DoRA adapters",
+        "modules_to_save": "adapters that save whole modules",
+        "rank_pattern": "per-module ranks",
+        "alpha_pattern": "per-module alphas",
+        "fan_in_fan_out": "fan_in_fan_out weights",
+        "lora_bias": "LoRA biases",
+    }
+    for key, what in refused.items():
+        if config.get(key):
+            raise LoraAdapterError(f"{where}: {key}", f"{what} are not supported")
+    if config.get("bias", "none") != "none":
+        raise LoraAdapterError(f"{where}: bias", "adapters that train biases are not supported")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, int | float):
+        raise LoraAdapterError(str(where), "r must be a positive integer and lora_alpha a number")
+    if rank > max_rank:
+        raise LoraAdapterError(f"{where}: r", f"rank {rank} is above --max-lora-rank {max_rank}")
+    return rank
+
+
+def _read_weights(
+    path: Path, model: ModelConfig, rank: int, scaling: float
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Each targeted (layer, module)'s ``A`` and scaled ``B``, shapes checked."""
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = collections.defaultdict(dict)
+    with safe_open(path, "pt") as tensors:
+        for key in tensors.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+            parsed = _parse_key(key)
+            if parsed is None:
+                raise LoraAdapterError(
+                    f"{path}: {key}",
+                    "only the decoder layers' attention and MLP projections may be adapted",
+                )
+            layer, module, which = parsed
+            if not 0 <= layer < model.num_layers:
+                raise LoraAdapterError(f"{path}: {key}", f"the model has {model.num_layers} layers")
+            pairs[(layer, module)][which] = tensors.get_tensor(key).float()
+    weights = {}
+    for (layer, module), pair in pairs.items():
+        where = f"{path}: layer {layer} {module}"
+        if pair.keys() != {"A", "B"}:
+            raise LoraAdapterError(where, "lora_A and lora_B must come together")
+        a, b = pair["A"], pair["B"]
+        fan_in, fan_out = _shape(model, module)
+        if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
+            raise LoraAdapterError(
+                where,
+                f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
+                f"{(rank, fan_in)} and {(fan_out, rank)}",
+            )
+        weights[(layer, module)] = (a, b * scaling)
+    if not weights:
+        raise LoraAdapterError(str(path), "holds no LoRA weights")
+    return weights
+
+
+def _parse_key(key: str) -> tuple[int, str, str] | None:
+    """``(layer, module, "A" or "B")`` of a PEFT key such as
+    ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``; None otherwise."""
+    if not key.startswith(_PREFIX) or not key.endswith(".weight"):
+        return None
+    parts = key[len(_PREFIX) : -len(".weight")].split(".")
+    if len(parts) != 4 or not parts[0].isdigit() or parts[3] not in ("lora_A", "lora_B"):
+        return None
+    block, module = parts[1], parts[2]
+    if module not in TARGETS:
+        return None
+    if block != ("mlp" if TARGETS[module][0] in ("gate_up", "down") else "self_attn"):
+        return None
+    return int(parts[0]), module, parts[3][-1]
+
+
+def _shape(model: ModelConfig, module: str) -> tuple[int, int]:
+    """(inputs, outputs) of ``module`` in ``model``."""
+    h, i = model.hidden_size, model.intermediate_size
+    return {
+        "q_proj": (h, model.q_size),
+        "k_proj": (h, model.kv_size),
+        "v_proj": (h, model.kv_size),
+        "o_proj": (model.q_size, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }[module]
+
+
+def _fused_layout(model: ModelConfig) -> dict[str, tuple[int, list[tuple[str, int]]]]:
+    """Per fused linear: its inputs, and its parts' modules with their output offsets."""
+    q, kv, i = model.q_size, model.kv_size, model.intermediate_size
+    return {
+        "qkv": (model.hidden_size, [("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)]),
+        "o": (q, [("o_proj", 0)]),
+        "gate_up": (model.hidden_size, [("gate_proj", 0), ("up_proj", i)]),
+        "down": (i, [("down_proj", 0)]),
+    }
+
+
+class LoraSlots:
+    """``max_loras`` device slots of adapter weights, per layer and fused linear: ``A``
+    ``(slots, parts × max_rank, in)``, ``B`` ``(slots, out, parts × max_rank)``."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.max_rank = max_rank
+        self.layout = _fused_layout(model)
+        outputs = {
+            "qkv": model.q_size + 2 * model.kv_size,
+            "o": model.hidden_size,
+            "gate_up": 2 * model.intermediate_size,
+            "down": model.hidden_size,
+        }
+        self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for _ in range(model.num_layers):
+            per_layer = {}
+            for fused, (fan_in, parts) in self.layout.items():
+                width = len(parts) * max_rank
+                a = torch.zeros((max_loras, width, fan_in), dtype=dtype, device=device)
+                b = torch.zeros((max_loras, outputs[fused], width), dtype=dtype, device=device)
+                per_layer[fused] = (a, b)
+            self.weights.append(per_layer)
+        self.resident: collections.OrderedDict[str, int] = collections.OrderedDict()
+        """Adapter name → slot, least recently used first."""
+        self.free = list(range(max_loras - 1, -1, -1))
+        self.targets: frozenset[str] = frozenset()
+        """The fused linears any adapter loaded so far touches (the others are skipped)."""
+
+    def slots_for(self, names: set[str], adapters: dict[str, LoraAdapter]) -> dict[str, int]:
+        """A slot per adapter in ``names`` (at most ``max_loras`` of them), loading those
+        not resident into free slots or over the least recently used others."""
+        for name in names:
+            if name in self.resident:
+                self.resident.move_to_end(name)
+        for name in names:
+            if name in self.resident:
+                continue
+            if not self.free:
+                victim = next(n for n in self.resident if n not in names)
+                self.free.append(self.resident.pop(victim))
+            slot = self.free.pop()
+            self._write(slot, adapters[name])
+            self.resident[name] = slot
+        return {name: self.resident[name] for name in names}
+
+    def evict(self, name: str) -> None:
+        """Forget ``name``'s slot (an unloaded adapter)."""
+        slot = self.resident.pop(name, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        r, rank = self.max_rank, adapter.rank
+        touched = set()
+        for layer, per_layer in enumerate(self.weights):
+            for fused, (a, b) in per_layer.items():
+                a[slot].zero_()
+                b[slot].zero_()
+                for part, (module, offset) in enumerate(self.layout[fused][1]):
+                    pair = adapter.weights.get((layer, module))
+                    if pair is None:
+                        continue
+                    touched.add(fused)
+                    lora_a, lora_b = pair
+                    a[slot, part * r : part * r + rank] = lora_a.to(a.dtype)
+                    rows = slice(offset, offset + lora_b.shape[0])
+                    b[slot, rows, part * r : part * r + rank] = lora_b.to(b.dtype)
+        self.targets |= touched
+
+
+@dataclass(frozen=True, slots=True)
+class LoraStep:
+    """What a step's model call needs to add its adapters' products."""
+
+    batch: LoraBatch
+    slots: LoraSlots
+
+    @classmethod
+    def of(cls, token_slots: np.ndarray, slots: LoraSlots, device: torch.device) -> LoraStep | None:
+        """For a step whose tokens use ``token_slots`` (-1: the base model); None when
+        none uses an adapter."""
+        batch = LoraBatch.of(token_slots, device)
+        return None if batch is None else cls(batch, slots)
+
+    def add(self, fused: str, layer: int, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` (fused linear ``fused`` of ``layer`` on ``x``) plus the adapters'
+        products."""
+        if fused in self.slots.targets:
+            a, b = self.slots.weights[layer][fused]
+            add_lora(out, x, a, b, self.batch)
+        return out

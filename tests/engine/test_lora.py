@@ -1,0 +1,143 @@
+"""LoRA adapters in the engine on a trained checkpoint (``stories260K``): each adapter's
+greedy output equals ``transformers`` + ``peft`` with the adapter merged into the
+weights, alone and in one batch with another adapter and the base model; adapters never
+share prefix-cache blocks; a step never holds more adapters than ``max_loras`` slots;
+adapters the engine cannot run are refused, naming why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from lamina.services.engine_worker.engine.lora import LoraAdapterError, UnknownLoraError
+from tests.engine.helpers import LORA_TARGETS, drain, greedy, hf_greedy, make_adapter, make_engine
+
+PROMPTS = {
+    "a": [1, 400, 261, 403],
+    "b": [1, 306, 323, 283, 272, 260, 389],
+    "c": [1, 73, 87, 316],
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(stories, tmp_path_factory):
+    """Two adapters (rank 4 on every projection; rank 2 on Q and V, rsLoRA scaling) and
+    their merged reference models."""
+    root = tmp_path_factory.mktemp("adapters")
+    merged = {
+        "sql": make_adapter(stories, root / "sql", 4, 8, LORA_TARGETS, 0),
+        "chat": make_adapter(stories, root / "chat", 2, 4, ["q_proj", "v_proj"], 1),
+    }
+    config = json.loads((root / "chat" / "adapter_config.json").read_text())
+    assert not config["use_rslora"]
+    return root, merged
+
+
+def lora_engine(stories, root, **overrides):
+    modules = f"sql={root / 'sql'} chat={root / 'chat'}"
+    from lamina.services.engine_worker.engine.lora import LoraModules
+
+    config = dict(lora_modules=LoraModules.parse(modules), max_loras=2, max_num_batched_tokens=64)
+    return make_engine(stories, **(config | overrides))
+
+
+def run(engine, requests, max_tokens=60):
+    """``requests``: id → (prompt, adapter or None); all added at once."""
+    for request_id, (prompt, lora) in requests.items():
+        engine.add_request(request_id, prompt, greedy(max_tokens), lora=lora)
+    return drain(engine)
+
+
+def test_each_adapter_matches_peft_merged_weights_in_one_mixed_batch(stories, adapters):
+    import transformers
+
+    root, merged = adapters
+    base = transformers.AutoModelForCausalLM.from_pretrained(stories).eval()
+    requests = {}
+    for name, prompt in PROMPTS.items():
+        for lora in (None, "sql", "chat"):
+            requests[f"{name}/{lora}"] = (prompt, lora)
+    outputs = run(lora_engine(stories, root), requests)
+    for request_id, (prompt, lora) in requests.items():
+        want = hf_greedy(merged[lora] if lora else base, prompt, 60)
+        assert outputs[request_id] == want, request_id
+    for name in PROMPTS:  # the adapters do change the output
+        assert outputs[f"{name}/sql"] != outputs[f"{name}/None"]
+        assert outputs[f"{name}/chat"] != outputs[f"{name}/None"]
+
+
+def test_adapters_never_share_prefix_cache_blocks(stories, adapters):
+    root, _ = adapters
+    engine = lora_engine(stories, root)
+    prompt = list(range(1, 50))  # three full blocks
+    first = {}
+    for lora in (None, "sql", "chat", "sql"):
+        engine.add_request(f"r{len(first)}", prompt, greedy(4), lora=lora)
+        outputs = []
+        while engine.has_work():
+            outputs += engine.step().outputs
+        first[(len(first), lora)] = outputs[0].num_cached_tokens
+    assert first == {(0, None): 0, (1, "sql"): 0, (2, "chat"): 0, (3, "sql"): 48}
+
+
+def test_a_step_holds_at_most_max_loras_adapters(stories, adapters):
+    root, merged = adapters
+    engine = lora_engine(stories, root, max_loras=1)
+    requests = {
+        f"{name}/{lora}": (p, lora) for name, p in PROMPTS.items() for lora in ("sql", "chat")
+    }
+    for request_id, (prompt, lora) in requests.items():
+        engine.add_request(request_id, prompt, greedy(20), lora=lora)
+    engine.add_request("base", PROMPTS["a"], greedy(20))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step().outputs:
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        running = {r.lora for r in engine.scheduler.running if r.lora is not None}
+        assert len(running) <= 1
+    for request_id, (prompt, lora) in requests.items():
+        assert outputs[request_id] == hf_greedy(merged[lora], prompt, 20), request_id
+    assert len(outputs["base"]) == 20  # the base model's request ran beside them
+
+
+def test_unknown_adapter_is_refused_by_name(stories, adapters):
+    root, _ = adapters
+    engine = lora_engine(stories, root)
+    with pytest.raises(UnknownLoraError, match="'nope'"):
+        engine.add_request("x", [1, 2, 3], greedy(2), lora="nope")
+    plain = make_engine(stories)
+    with pytest.raises(Exception, match="serves no LoRA adapters"):
+        plain.add_request("x", [1, 2, 3], greedy(2), lora="sql")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c, w: c.update(use_dora=True), "DoRA"),
+        (lambda c, w: c.update(r=64, lora_alpha=64), "above --max-lora-rank"),
+        (lambda c, w: c.update(bias="all"), "biases"),
+        (
+            lambda c, w: w.update(
+                {"base_model.model.lm_head.lora_A.weight": w[next(iter(w))].clone()}
+            ),
+            "decoder layers",
+        ),
+        (
+            lambda c, w: w.pop(next(k for k in w if "lora_B" in k)),
+            "lora_A and lora_B must come together",
+        ),
+    ],
+)
+def test_adapters_it_cannot_run_are_refused(stories, adapters, tmp_path, change, message):
+    root, _ = adapters
+    config = json.loads((root / "sql" / "adapter_config.json").read_text())
+    weights = load_file(root / "sql" / "adapter_model.safetensors")
+    change(config, weights)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    save_file(weights, tmp_path / "adapter_model.safetensors")
+    engine = lora_engine(stories, root)
+    with pytest.raises(LoraAdapterError, match=message):
+        engine.load_adapter("bad", tmp_path)
+    assert "bad" not in engine.adapters

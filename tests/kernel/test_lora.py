@@ -1,0 +1,65 @@
+"""The batched LoRA product, grouped by adapter, against the per-token reference; and
+the gated MLP projection before its activation (what a LoRA adds to) on every path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lamina.kernels.cpu import PackedQuantSiluMul, PackedSiluMul
+from lamina.kernels.linear import SiluMulLinear, TorchLinear
+from lamina.kernels.lora import LoraBatch, add_lora
+from lamina.kernels.reference import silu_and_mul
+from lamina.kernels.reference.lora import add_lora_reference
+from lamina.kernels.weight_quant import quantize
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "token_slots",
+    [
+        [0, 0, 0, 0, 0],  # one adapter, every row
+        [-1, 2, 2, 0, -1, 2, 1, 1],  # adapters and the base model, interleaved
+        [3],
+    ],
+)
+def test_grouped_product_matches_the_per_token_reference(token_slots):
+    torch.manual_seed(0)
+    slots, rank, k, n = 4, 6, 40, 24
+    a, b = torch.randn(slots, rank, k), torch.randn(slots, n, rank)
+    x = torch.randn(len(token_slots), k)
+    base = torch.randn(len(token_slots), n)
+    indices = np.asarray(token_slots, dtype=np.int64)
+    batch = LoraBatch.of(indices, CPU)
+    got = add_lora(base.clone(), x, a, b, batch)
+    want = add_lora_reference(base.clone(), x, a, b, torch.from_numpy(indices))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(got, base)
+
+
+def test_a_step_without_adapters_has_no_lora_batch():
+    assert LoraBatch.of(np.asarray([-1, -1], dtype=np.int64), CPU) is None
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("intermediate", [32, 172])  # a multiple of the panel, and not
+def test_gated_projection_before_activation_on_every_path(rows, intermediate):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(2 * intermediate, 64), torch.randn(2 * intermediate)
+    x = torch.randn(rows, 64)
+    want = F.linear(x, weight, bias)
+    for gated in (
+        PackedSiluMul(weight, bias),
+        SiluMulLinear(TorchLinear(weight, bias), silu_and_mul),
+    ):
+        got = gated.pre_activation(x)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(silu_and_mul(got), gated(x), atol=1e-4, rtol=1e-4)
+    quantized = quantize(weight, "int8")
+    got = PackedQuantSiluMul(quantized, bias).pre_activation(x)
+    torch.testing.assert_close(
+        got, F.linear(x, quantized.dequantize_stored(torch.float32), bias), atol=1e-3, rtol=1e-4
+    )
