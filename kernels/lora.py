@@ -1,27 +1,45 @@
-"""The batched LoRA product of one step, grouped by adapter.
+"""The batched LoRA product of one step, for every adapter in it at once.
 
-A step mixes tokens of several adapters and of the base model. For each linear the
-adapters touch, every adapter's tokens go through its ``lora_A`` and ``lora_B`` as two
-matmuls over all of that adapter's rows at once (Punica's SGMV: one segment per adapter),
-however many requests the rows belong to; base-model rows cost nothing. The grouping is
-computed once per step (:class:`LoraBatch`) and reused by every layer's linears.
+A step mixes tokens of several adapters and of the base model. Per fused linear, the
+slots' ``A`` matrices are stacked as ``a`` ``(S × W, K)`` and their ``B`` matrices side by
+side as ``b`` ``(N, S × W)`` (``W`` rows of slot ``s`` from ``s × W``). Two ways to add
+each row's ``B[s] @ (A[s] @ x)``, chosen per step (:class:`LoraBatch`):
+
+* grouped (Punica's SGMV): per adapter present, its rows through its ``A`` and ``B``, two
+  matmuls over all of its rows at once. Few, large products: prefill chunks, or one
+  adapter.
+* dense (one BGMV-like product for all): every row through the stacked ``A`` of the slots
+  up to the highest used, the columns of other slots masked to zero, then through the
+  stacked ``B``: three calls per linear however many adapters. Many small products cost
+  more in calls than in arithmetic on a decode step's few rows, so a step of at most
+  :data:`DENSE_MAX_ROWS` rows with several adapters runs this way.
+
+The grouping is computed once per step and reused by every layer's linears.
 :func:`lamina.kernels.reference.lora.add_lora_reference` is the per-token reference.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+DENSE_MAX_ROWS = 256
+"""Steps of at most this many rows with several adapters run the dense product."""
 
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
     """A step's tokens by adapter slot: ``(slot, rows)`` per slot present, ``rows`` the
-    token rows of that slot (None: every row of the step)."""
+    token rows of that slot (None: every row of the step); for the dense product, each
+    row's slot."""
 
     groups: tuple[tuple[int, torch.Tensor | None], ...]
+    token_slots: torch.Tensor | None = None
+    """``(T,)`` each row's slot (-1: none), where the step runs the dense product."""
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The dense product's column mask by slot width (made on first use)."""
 
     @classmethod
     def of(cls, token_slots: np.ndarray, device: torch.device) -> LoraBatch | None:
@@ -37,22 +55,41 @@ class LoraBatch:
             (int(slot), torch.from_numpy(np.flatnonzero(token_slots == slot)).to(device))
             for slot in present
         )
-        return cls(groups)
+        dense = len(present) > 1 and len(token_slots) <= DENSE_MAX_ROWS
+        slots = torch.from_numpy(token_slots).to(device) if dense else None
+        return cls(groups, slots)
+
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(T, (highest slot + 1) × width)``: 1 where a column is the row's slot's."""
+        found = self._masks.get(width)
+        if found is None:
+            assert self.token_slots is not None
+            columns = (self.groups[-1][0] + 1) * width
+            owner = torch.arange(columns, device=self.token_slots.device) // width
+            found = (owner[None, :] == self.token_slots[:, None]).to(dtype)
+            self._masks[width] = found
+        return found
 
 
 def add_lora(
     out: torch.Tensor,  # (T, N), updated in place
     x: torch.Tensor,  # (T, K)
-    a: torch.Tensor,  # (S, R, K)
-    b: torch.Tensor,  # (S, N, R)
+    a: torch.Tensor,  # (S * W, K)
+    b: torch.Tensor,  # (N, S * W)
+    width: int,  # W: rows of a slot in ``a``, columns in ``b``
     batch: LoraBatch,
 ) -> torch.Tensor:
-    """``out`` plus each row's adapter product, ``b[s] @ (a[s] @ x)`` for the rows of
-    slot ``s``, grouped by slot."""
+    """``out`` plus each row's adapter product (see the module's docstring)."""
+    if batch.token_slots is not None:
+        columns = (batch.groups[-1][0] + 1) * width  # the slots up to the highest used
+        shrunk = x @ a[:columns].T
+        shrunk *= batch.mask(width, shrunk.dtype)
+        return out.addmm_(shrunk, b[:, :columns].T)
     for slot, rows in batch.groups:
+        span = slice(slot * width, (slot + 1) * width)
         if rows is None:
-            out.addmm_(x @ a[slot].T, b[slot].T)
+            out.addmm_(x @ a[span].T, b[:, span].T)
         else:
-            delta = (x.index_select(0, rows) @ a[slot].T) @ b[slot].T
+            delta = (x.index_select(0, rows) @ a[span].T) @ b[:, span].T
             out.index_add_(0, rows, delta)
     return out

@@ -111,6 +111,7 @@ def permissions(identity: str) -> Permissions:
                 subjects.SCHED_CANCEL,
                 subjects.SCHED_STATUS,
                 subjects.worker_cancel("*"),
+                subjects.worker_lora("*"),  # run-time adapters, where the gateway allows it
                 subjects.gateway_alive("*"),
                 subjects.EVENTS_REQUEST,
                 subjects.EVENTS_SERVICE,
@@ -157,7 +158,11 @@ def permissions(identity: str) -> Permissions:
         )
     if role == "operator":
         return Permissions(
-            publish=(subjects.worker_control("*"), subjects.SCHED_STATUS),
+            publish=(
+                subjects.worker_control("*"),
+                subjects.worker_lora("*"),
+                subjects.SCHED_STATUS,
+            ),
             subscribe=(own_inbox,),
         )
     if role == "worker":

@@ -53,6 +53,12 @@ def worker_ranks(worker_id: str) -> str:
     return f"{PREFIX}.worker.{worker_id}.ranks"
 
 
+def worker_lora(worker_id: str) -> str:
+    """Request/reply: load or unload a LoRA adapter at run time (``LoraCommand`` →
+    ``LoraAck``; the gateway's ``/v1/load_lora_adapter``)."""
+    return f"{PREFIX}.worker.{worker_id}.lora"
+
+
 def worker_kv_send(worker_id: str) -> str:
     """A scheduler's ``KvGrant``: blocks the worker may send to another, once."""
     return f"{PREFIX}.worker.{worker_id}.kv.send"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -58,6 +59,7 @@ from lamina.schemas.v1.generate import (
 )
 from lamina.schemas.v1.kv import KvSnapshot, KvSyncRequest
 from lamina.schemas.v1.kv_transfer import KvGrant
+from lamina.schemas.v1.lora import LoadLora, LoraAck, LoraCommand, LoraError
 from lamina.schemas.v1.ranks import RankRendezvous, RanksRequest
 from lamina.schemas.v1.stats import GatewayAlive, WorkerRole, WorkerState, WorkerStats
 from lamina.services.engine_worker import stream_batches, wire
@@ -66,6 +68,15 @@ from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
 from lamina.services.engine_worker.engine.errors import EngineError, InvalidRequestError
 from lamina.services.engine_worker.engine.grammar import GrammarCompiler
+from lamina.services.engine_worker.engine.lora import (
+    LoraAdapter,
+    LoraAdapterError,
+    LoraDisabledError,
+    LoraExistsError,
+    LoraInUseError,
+    UnknownLoraError,
+)
+from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.outputs import EngineStats
 from lamina.services.engine_worker.engine.remote_ranks import Rendezvous
 from lamina.services.engine_worker.engine.request import EngineRequest
@@ -290,6 +301,7 @@ class WorkerService:
         await bus.subscribe(subjects.worker_generate(wid), GenerateRequest, self._on_generate)
         await bus.subscribe(subjects.worker_cancel(wid), Cancel, self._on_cancel)
         await bus.subscribe(subjects.worker_control(wid), ControlCommand, self._on_control)
+        await bus.subscribe(subjects.worker_lora(wid), LoraCommand, self._on_lora)
         await bus.subscribe(subjects.worker_kv_sync(wid), KvSyncRequest, self._on_kv_sync)
         await bus.subscribe(
             subjects.GATEWAY_ALIVE_ALL, GatewayAlive, self._on_gateway_alive, traced=False
@@ -536,6 +548,54 @@ class WorkerService:
         assert self.kv is not None
         await self.kv.grant(grant, otel_context.get_current())
 
+    async def _on_lora(self, command: LoraCommand, msg: Msg) -> None:
+        """Load or unload an adapter at run time (the gateway's ``/v1/load_lora_adapter``):
+        read off the engine's thread, installed on it; a heartbeat says so at once."""
+        if not msg.reply:
+            return
+        try:
+            await self._apply_lora(command)
+        except InvalidRequestError as exc:
+            ack = LoraAck(
+                worker_id=self.worker_id, ok=False, error=_lora_error(exc), message=exc.message
+            )
+        else:
+            ack = LoraAck(worker_id=self.worker_id, ok=True)
+            await self._publish_stats()
+        log.info("worker %s: %s %s: %s", self.worker_id, type(command).__name__, command.name, ack)
+        await self.bus.publish(msg.reply, ack)
+
+    async def _apply_lora(self, command: LoraCommand) -> None:
+        """Raises the engine's ``InvalidRequestError`` (a LoRA error) when it cannot."""
+        spec, thread = self.spec, self.engine_thread
+        if spec is None or thread is None or not spec.config.enable_lora:
+            raise LoraDisabledError()
+        if command.name == self.model_name:
+            raise LoraExistsError(command.name)
+        if isinstance(command, LoadLora):
+            model = ModelConfig.from_dir(spec.config.model)
+            rank = spec.config.max_lora_rank
+            try:
+                adapter = await asyncio.to_thread(
+                    LoraAdapter.load, command.name, command.path, model, rank
+                )
+            except LoraAdapterError as exc:
+                raise InvalidRequestError(str(exc), "lora_path") from exc
+            change = functools.partial(Engine.add_adapter, adapter=adapter)
+        else:
+            change = functools.partial(Engine.remove_adapter, name=command.name)
+        failed: list[InvalidRequestError] = []
+
+        def apply(engine: Engine) -> None:
+            try:
+                change(engine)
+            except InvalidRequestError as exc:
+                failed.append(exc)
+
+        await asyncio.to_thread(thread.call(apply).wait)
+        if failed:
+            raise failed[0]
+
     async def _on_control(self, command: ControlCommand, msg: Msg) -> None:
         ok, message = True, ""
         try:
@@ -716,3 +776,14 @@ class WorkerService:
             task.cancel()
         if self.bus is not None:
             await self.bus.drain()
+
+
+def _lora_error(exc: InvalidRequestError) -> LoraError:
+    """The wire's reason for an engine's LoRA refusal."""
+    kinds = {
+        LoraDisabledError: LoraError.DISABLED,
+        LoraExistsError: LoraError.EXISTS,
+        UnknownLoraError: LoraError.NOT_FOUND,
+        LoraInUseError: LoraError.IN_USE,
+    }
+    return kinds.get(type(exc), LoraError.INVALID)

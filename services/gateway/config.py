@@ -49,6 +49,11 @@ class GatewayOptions:
     trust_request_chat_template: bool = option(
         False, "let a chat request bring its own chat_template (rendered in the sandbox)"
     )
+    allow_runtime_lora_updating: bool = option(
+        False,
+        "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): callers make workers read paths on their hosts",
+    )
 
     def __post_init__(self) -> None:
         if self.tool_call_parser and self.tool_call_parser not in PARSERS:

@@ -140,6 +140,8 @@ class Intake:
         self.adapters: list[str] = []
         """The LoRA adapters of the model live workers hold, from the cluster view: a
         request may name one as its ``model``."""
+        self.lora_workers: list[str] = []
+        """The live workers of the model that serve adapters (run-time loads go there)."""
         self.precisions: list[dict[str, Any]] = []
         """How the live workers of the model compute (:func:`precisions`), as
         ``/v1/models`` lists it."""

@@ -19,6 +19,7 @@ from lamina.services.gateway.asgi import with_request_ids
 from lamina.services.gateway.completions import CompletionsApi
 from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.intake import Intake
+from lamina.services.gateway.lora_admin import LoraAdmin
 from lamina.services.gateway.openapi import openapi_document
 from lamina.services.gateway.protocol import (
     BatchChatCompletionRequest,
@@ -53,6 +54,15 @@ async def _answer(work: Awaitable[dict[str, Any]]) -> Response:
         return Response(error_of(exc), status_code=exc.status)
 
 
+async def _answer_text(work: Awaitable[str]) -> Response:
+    """A route that answers in plain text (as vLLM's adapter routes do), or its error in
+    OpenAI's shape."""
+    try:
+        return Response(await work, status_code=200, media_type="text/plain")
+    except GenerationError as exc:
+        return Response(error_of(exc), status_code=exc.status)
+
+
 class OpenAIApi:
     """Every route of the HTTP API, bound to one :class:`Intake`."""
 
@@ -62,9 +72,13 @@ class OpenAIApi:
         ready: Callable[[], bool],
         tool_call_parser: str = "hermes",
         trust_request_chat_template: bool = False,
+        lora_admin: LoraAdmin | None = None,
     ) -> None:
         self.intake = intake
         self.ready = ready
+        self.lora_admin = lora_admin
+        """Run-time adapter loading (``--allow-runtime-lora-updating``); None: its routes
+        are not served."""
         self.completions = CompletionsApi(intake, tool_call_parser, trust_request_chat_template)
 
     # ------------------------------------------------------------------------------ the app
@@ -153,6 +167,19 @@ class OpenAIApi:
             body = await request.body()
             return await _answer(asyncio.to_thread(tokenization.detokenize, body))
 
+        lora_routes = []
+        if (lora_admin := self.lora_admin) is not None:
+
+            @post("/v1/load_lora_adapter", status_code=200)
+            async def load_lora_adapter(request: Request) -> Response:
+                return await _answer_text(lora_admin.load(await request.body()))
+
+            @post("/v1/unload_lora_adapter", status_code=200)
+            async def unload_lora_adapter(request: Request) -> Response:
+                return await _answer_text(lora_admin.unload(await request.body()))
+
+            lora_routes = [load_lora_adapter, unload_lora_adapter]
+
         @get("/version")
         async def version() -> dict[str, str]:
             return {"version": LAMINA_VERSION}
@@ -201,6 +228,7 @@ class OpenAIApi:
                 openapi,
                 health,
                 ready,
+                *lora_routes,
             ],
             exception_handlers={Exception: on_error},
             openapi_config=None,

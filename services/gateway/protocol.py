@@ -808,6 +808,20 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[TokenId]
 
 
+class LoadLoraRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /v1/load_lora_adapter``: a PEFT adapter directory on the workers'
+    hosts, served as ``lora_name``."""
+
+    lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    lora_path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class UnloadLoraRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
 def decode_body(body: bytes, kind: type) -> Any:
     """Decode a JSON body, turning msgspec's errors into :class:`InvalidRequest`."""
     try:

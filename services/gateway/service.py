@@ -29,6 +29,7 @@ from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest, Gateway
 from lamina.services.gateway.config import GatewayOptions
 from lamina.services.gateway.inbox import Inbox
 from lamina.services.gateway.intake import Caller, Intake, IntakeLimits, precisions
+from lamina.services.gateway.lora_admin import LoraAdmin
 from lamina.services.gateway.nats_api import ANY_CLIENT, NatsApi
 from lamina.services.gateway.openai_http import OpenAIApi
 from lamina.services.gateway.remote_request import RetryPolicy
@@ -122,6 +123,11 @@ class GatewayService:
             ready=lambda: self.cluster_ready,
             tool_call_parser=cfg.options.tool_call_parser,
             trust_request_chat_template=cfg.options.trust_request_chat_template,
+            lora_admin=(
+                LoraAdmin(bus, intake, self._read_cluster)
+                if cfg.options.allow_runtime_lora_updating
+                else None
+            ),
         ).app()
         keys = load_keys(cfg.api_key, cfg.api_key_file)
         if keys:  # /health and /ready stay open: orchestrators probe them without a key
@@ -162,24 +168,26 @@ class GatewayService:
     async def _watch_cluster(self) -> None:
         """Ready means a scheduler answers and knows a live, ready worker."""
         while True:
-            try:
-                status = await self.bus.request(
-                    subjects.SCHED_STATUS, ClusterStatusRequest(), ClusterStatus, timeout=1.0
-                )
-                self.cluster_ready = any(
-                    w.alive and w.stats.state == "ready" for w in status.workers
-                )
-                ours = [
-                    w.stats
-                    for w in status.workers
-                    if w.alive and w.stats.model == self._intake.model_name
-                ]
-                self._intake.max_context = max((s.max_model_len for s in ours), default=0)
-                self._intake.adapters = sorted({a for s in ours for a in s.lora_adapters})
-                self._intake.precisions = precisions(ours)
-            except BusError:
-                self.cluster_ready = False
+            with contextlib.suppress(BusError):
+                await self._read_cluster()
             await asyncio.sleep(0.5)
+
+    async def _read_cluster(self) -> None:
+        """The scheduler's view, once: readiness, and what the model's workers serve."""
+        try:
+            status = await self.bus.request(
+                subjects.SCHED_STATUS, ClusterStatusRequest(), ClusterStatus, timeout=1.0
+            )
+        except BusError:
+            self.cluster_ready = False
+            raise
+        self.cluster_ready = any(w.alive and w.stats.state == "ready" for w in status.workers)
+        model = self._intake.model_name
+        ours = [w.stats for w in status.workers if w.alive and w.stats.model == model]
+        self._intake.max_context = max((s.max_model_len for s in ours), default=0)
+        self._intake.adapters = sorted({a for s in ours for a in s.lora_adapters})
+        self._intake.lora_workers = [s.worker_id for s in ours if s.max_loras]
+        self._intake.precisions = precisions(ours)
 
     async def _heartbeat(self, inbox_prefix: str) -> None:
         """Tell workers this gateway still reads its inbox (``GatewayAlive``)."""

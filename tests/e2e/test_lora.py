@@ -53,3 +53,55 @@ def test_a_request_naming_an_adapter_gets_the_adapters_output(stories, tmp_path)
         assert worker["lora_adapters"] == ["sql"] and worker["max_loras"] == 1
         metrics = httpx.get(stack.metrics_url, timeout=10).text
         assert "lamina:lora_requests_info{" in metrics and 'max_lora="1"' in metrics
+
+
+def test_adapters_load_and_unload_at_run_time(stories, tmp_path):
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` through the
+    gateway (``--allow-runtime-lora-updating``) to the worker (``--enable-lora``): once
+    the load answers, the adapter is listed and serves exact output; a bad path, a name
+    taken, an unknown name are refused in OpenAI's error shape; after the unload the
+    name is a 404 again. Without the gateway's flag the routes do not exist."""
+    merged = make_adapter(stories, tmp_path / "sql", 4, 8, LORA_TARGETS, 0)
+    worker = ["--max-model-len", "256", "--enable-lora", "--max-loras", "2"]
+    gateway = ["--allow-runtime-lora-updating"]
+    with make_stack(stories, tmp_path, worker_args=worker, gateway_args=gateway) as stack:
+        url = stack.base_url
+
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(url + path, json=body, timeout=60)
+
+        def completion(model: str) -> httpx.Response:
+            body = {"model": model, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+            return post("/v1/completions", body | {"ignore_eos": True, "return_token_ids": True})
+
+        deadline = time.monotonic() + 30
+        while not httpx.get(url + "/ready", timeout=10).is_success:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert completion("sql").status_code == 404
+        bad = post("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(tmp_path)})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        loaded = post(
+            "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(tmp_path / "sql")}
+        )
+        assert loaded.status_code == 200, loaded.text
+        assert "sql" in loaded.text
+        assert [c["id"] for c in httpx.get(url + "/v1/models", timeout=10).json()["data"]][1:] == [
+            "sql"
+        ]
+        response = completion("sql")  # at once: the load returned after the view showed it
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == hf_greedy(merged, PROMPT, 40)
+        again = post(
+            "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(tmp_path / "sql")}
+        )
+        assert again.status_code == 400
+        unknown = post("/v1/unload_lora_adapter", {"lora_name": "chat"})
+        assert unknown.status_code == 404
+        assert post("/v1/unload_lora_adapter", {"lora_name": "sql"}).status_code == 200
+        assert completion("sql").status_code == 404
+        assert post("/v1/load_lora_adapter", {"lora_name": ""}).status_code == 400
+    with make_stack(stories, tmp_path / "plain", worker_args=worker) as stack:
+        body = {"lora_name": "sql", "lora_path": str(tmp_path / "sql")}
+        response = httpx.post(stack.base_url + "/v1/load_lora_adapter", json=body, timeout=60)
+        assert response.status_code in (404, 405)

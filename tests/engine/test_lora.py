@@ -141,3 +141,32 @@ def test_adapters_it_cannot_run_are_refused(stories, adapters, tmp_path, change,
     with pytest.raises(LoraAdapterError, match=message):
         engine.load_adapter("bad", tmp_path)
     assert "bad" not in engine.adapters
+
+
+def test_adapters_added_and_removed_at_run_time(stories, adapters):
+    from lamina.services.engine_worker.engine.lora import (
+        LoraAdapter,
+        LoraExistsError,
+        LoraInUseError,
+    )
+
+    root, merged = adapters
+    engine = make_engine(stories, enable_lora=True, max_loras=1, max_num_batched_tokens=64)
+    adapter = LoraAdapter.load("sql", root / "sql", engine.model_config, 16)
+    engine.add_adapter(adapter)
+    with pytest.raises(LoraExistsError):
+        engine.add_adapter(adapter)
+    engine.add_request("r", PROMPTS["a"], greedy(30), lora="sql")
+    engine.step()
+    with pytest.raises(LoraInUseError):
+        engine.remove_adapter("sql")
+    assert drain(engine)["r"] == hf_greedy(merged["sql"], PROMPTS["a"], 30)[1:]
+    engine.remove_adapter("sql")
+    with pytest.raises(UnknownLoraError):
+        engine.remove_adapter("sql")
+    with pytest.raises(UnknownLoraError):
+        engine.add_request("again", PROMPTS["a"], greedy(2), lora="sql")
+    # Loaded again (a new version, say) into the slot it left: its own output, not stale.
+    engine.load_adapter("sql", root / "chat")
+    engine.add_request("chat", PROMPTS["b"], greedy(30), lora="sql")
+    assert drain(engine)["chat"] == hf_greedy(merged["chat"], PROMPTS["b"], 30)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from lamina.kernels.cpu import PackedQuantSiluMul, PackedSiluMul
 from lamina.kernels.linear import SiluMulLinear, TorchLinear
-from lamina.kernels.lora import LoraBatch, add_lora
+from lamina.kernels.lora import DENSE_MAX_ROWS, LoraBatch, add_lora
 from lamina.kernels.reference import silu_and_mul
 from lamina.kernels.reference.lora import add_lora_reference
 from lamina.kernels.weight_quant import quantize
@@ -19,25 +19,33 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize(
-    "token_slots",
+    ("token_slots", "dense"),
     [
-        [0, 0, 0, 0, 0],  # one adapter, every row
-        [-1, 2, 2, 0, -1, 2, 1, 1],  # adapters and the base model, interleaved
-        [3],
+        ([0, 0, 0, 0, 0], False),  # one adapter, every row
+        ([-1, 2, 2, 0, -1, 2, 1, 1], True),  # adapters and the base model, interleaved
+        ([-1, 3, 3], False),  # one adapter, some rows
+        ([1, 0] * (DENSE_MAX_ROWS // 2 + 1), False),  # too many rows: grouped
     ],
 )
-def test_grouped_product_matches_the_per_token_reference(token_slots):
+def test_batched_product_matches_the_per_token_reference(token_slots, dense):
     torch.manual_seed(0)
     slots, rank, k, n = 4, 6, 40, 24
     a, b = torch.randn(slots, rank, k), torch.randn(slots, n, rank)
     x = torch.randn(len(token_slots), k)
     base = torch.randn(len(token_slots), n)
     indices = np.asarray(token_slots, dtype=np.int64)
-    batch = LoraBatch.of(indices, CPU)
-    got = add_lora(base.clone(), x, a, b, batch)
     want = add_lora_reference(base.clone(), x, a, b, torch.from_numpy(indices))
+    stacked_a = a.reshape(slots * rank, k)  # the slots' layout: rows of A, columns of B
+    stacked_b = b.permute(1, 0, 2).reshape(n, slots * rank)
+    batch = LoraBatch.of(indices, CPU)
+    assert (batch.token_slots is not None) == dense
+    got = add_lora(base.clone(), x, stacked_a, stacked_b, rank, batch)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not torch.equal(got, base)
+    if dense:  # the grouped product, on the same rows, agrees
+        grouped = LoraBatch(batch.groups)
+        got = add_lora(base.clone(), x, stacked_a, stacked_b, rank, grouped)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_a_step_without_adapters_has_no_lora_batch():

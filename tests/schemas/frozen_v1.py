@@ -211,6 +211,25 @@ class ControlAck(Message):
     message: str = ""
 
 
+# --- lora.py ------------------------------------------------------------------------------
+
+
+class LoadLora(Message):  # added in session 53, with run-time LoRA adapters
+    name: str
+    path: str
+
+
+class UnloadLora(Message):
+    name: str
+
+
+class LoraAck(Message):
+    worker_id: str
+    ok: bool
+    error: str = "unknown"
+    message: str = ""
+
+
 # --- errors.py ----------------------------------------------------------------------------
 
 

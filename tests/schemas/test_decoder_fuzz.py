@@ -18,10 +18,11 @@ from lamina.schemas.v1.api import ApiEvent
 from lamina.schemas.v1.control import ControlCommand
 from lamina.schemas.v1.errors import BadMessage
 from lamina.schemas.v1.generate import StreamEvent
+from lamina.schemas.v1.lora import LoraCommand
 from tests.schemas.test_evolution import TYPES, golden_instances
 
 #: What the services subscribe with: each message type, and the unions some subjects carry.
-DECODED = [*TYPES, StreamEvent | BadMessage, ControlCommand, ApiEvent]
+DECODED = [*TYPES, StreamEvent | BadMessage, ControlCommand, LoraCommand, ApiEvent]
 IDS = [getattr(t, "__name__", None) or str(t) for t in DECODED]
 
 JSON = st.recursive(

@@ -45,7 +45,9 @@ from lamina.services.engine_worker.engine.kv_tier import (
 )
 from lamina.services.engine_worker.engine.lora import (
     LoraAdapter,
-    LoraAdapterError,
+    LoraDisabledError,
+    LoraExistsError,
+    LoraInUseError,
     LoraSlots,
     UnknownLoraError,
 )
@@ -255,21 +257,35 @@ class Engine:
         )
 
     def load_adapter(self, name: str, path: Path) -> LoraAdapter:
-        """Load the PEFT adapter in ``path`` as ``name`` (replacing one of that name that
-        no request uses); raises :class:`LoraAdapterError` if it cannot be."""
+        """Read the PEFT adapter in ``path`` and serve it as ``name``
+        (:meth:`add_adapter`); raises :class:`LoraAdapterError` if it cannot be."""
         if self.adapters is None:
-            raise LoraAdapterError(name, "LoRA is not enabled on this engine (enable_lora)")
-        if name in self.adapters and any(r.lora == name for r in self.requests.values()):
-            raise LoraAdapterError(name, "an adapter of this name is in use")
+            raise LoraDisabledError()
         adapter = LoraAdapter.load(name, path, self.model_config, self.config.max_lora_rank)
-        self._drop_adapter(name)
-        self.adapters[name] = adapter
+        self.add_adapter(adapter)
         return adapter
 
-    def _drop_adapter(self, name: str) -> None:
-        assert self.adapters is not None and self.runner.lora_slots is not None
-        if self.adapters.pop(name, None) is not None:
-            self.runner.lora_slots.evict(name)
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` (read by :meth:`LoraAdapter.load` for this engine's model);
+        raises :class:`LoraExistsError` if one of its name is served."""
+        if self.adapters is None:
+            raise LoraDisabledError()
+        if adapter.name in self.adapters:
+            raise LoraExistsError(adapter.name)
+        self.adapters[adapter.name] = adapter
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``; raises :class:`UnknownLoraError` if it is not
+        served, :class:`LoraInUseError` while a request here uses it."""
+        if self.adapters is None:
+            raise LoraDisabledError()
+        if name not in self.adapters:
+            raise UnknownLoraError(name)
+        if any(r.lora == name for r in self.requests.values()):
+            raise LoraInUseError(name)
+        del self.adapters[name]
+        assert self.runner.lora_slots is not None
+        self.runner.lora_slots.evict(name)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks at once; False if it is not in the engine."""

@@ -15,6 +15,7 @@ max_rank)``, ``scaling`` folded in): one grouped product per fused linear
 from __future__ import annotations
 
 import collections
+import heapq
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,11 +50,32 @@ class LoraAdapterError(ModelLoadError):
 
 
 class UnknownLoraError(InvalidRequestError):
-    """A request names an adapter the engine does not hold."""
+    """A request (or an unload) names an adapter the engine does not hold."""
 
     def __init__(self, name: str) -> None:
         super().__init__(f"the LoRA adapter {name!r} is not loaded on this worker", "model")
         self.name = name
+
+
+class LoraDisabledError(InvalidRequestError):
+    """The engine serves no adapters (``enable_lora`` is off)."""
+
+    def __init__(self) -> None:
+        super().__init__("this worker serves no LoRA adapters (enable_lora)", "model")
+
+
+class LoraExistsError(InvalidRequestError):
+    """An adapter of that name is already served."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"the LoRA adapter {name!r} has already been loaded", "lora_name")
+
+
+class LoraInUseError(InvalidRequestError):
+    """Requests of the engine use the adapter: it cannot be unloaded now."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"the LoRA adapter {name!r} is in use by running requests", "lora_name")
 
 
 @dataclass(frozen=True)
@@ -171,25 +193,31 @@ def _read_weights(
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Each targeted (layer, module)'s ``A`` and scaled ``B``, shapes checked."""
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = collections.defaultdict(dict)
-    with safe_open(path, "pt") as tensors:
-        for key in tensors.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-            parsed = _parse_key(key)
-            if parsed is None:
-                raise LoraAdapterError(
-                    f"{path}: {key}",
-                    "only the decoder layers' attention and MLP projections may be adapted",
-                )
-            layer, module, which = parsed
-            if not 0 <= layer < model.num_layers:
-                raise LoraAdapterError(f"{path}: {key}", f"the model has {model.num_layers} layers")
-            pairs[(layer, module)][which] = tensors.get_tensor(key).float()
+    try:
+        with safe_open(path, "pt") as tensors:
+            for key in tensors.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                parsed = _parse_key(key)
+                if parsed is None:
+                    raise LoraAdapterError(
+                        f"{path}: {key}",
+                        "only the decoder layers' attention and MLP projections may be adapted",
+                    )
+                layer, module, which = parsed
+                if not 0 <= layer < model.num_layers:
+                    layers = model.num_layers
+                    raise LoraAdapterError(f"{path}: {key}", f"the model has {layers} layers")
+                pairs[(layer, module)][which] = tensors.get_tensor(key).float()
+    except LoraAdapterError:
+        raise
+    except Exception as exc:  # a file safetensors cannot read, whatever its fault
+        raise LoraAdapterError(str(path), f"unreadable: {exc}") from exc
     weights = {}
     for (layer, module), pair in pairs.items():
         where = f"{path}: layer {layer} {module}"
         if pair.keys() != {"A", "B"}:
             raise LoraAdapterError(where, "lora_A and lora_B must come together")
         a, b = pair["A"], pair["B"]
-        fan_in, fan_out = _shape(model, module)
+        fan_in, fan_out = projection_shape(model, module)
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
             raise LoraAdapterError(
                 where,
@@ -218,7 +246,7 @@ def _parse_key(key: str) -> tuple[int, str, str] | None:
     return int(parts[0]), module, parts[3][-1]
 
 
-def _shape(model: ModelConfig, module: str) -> tuple[int, int]:
+def projection_shape(model: ModelConfig, module: str) -> tuple[int, int]:
     """(inputs, outputs) of ``module`` in ``model``."""
     h, i = model.hidden_size, model.intermediate_size
     return {
@@ -244,8 +272,10 @@ def _fused_layout(model: ModelConfig) -> dict[str, tuple[int, list[tuple[str, in
 
 
 class LoraSlots:
-    """``max_loras`` device slots of adapter weights, per layer and fused linear: ``A``
-    ``(slots, parts × max_rank, in)``, ``B`` ``(slots, out, parts × max_rank)``."""
+    """``max_loras`` device slots of adapter weights, per layer and fused linear of
+    ``parts`` projections (``W = parts × max_rank``): ``A`` ``(slots × W, in)``, slot
+    ``s``'s rows from ``s × W``, and ``B`` ``(out, slots × W)``, its columns likewise
+    (the layout :func:`lamina.kernels.lora.add_lora` takes)."""
 
     def __init__(
         self,
@@ -268,15 +298,21 @@ class LoraSlots:
             per_layer = {}
             for fused, (fan_in, parts) in self.layout.items():
                 width = len(parts) * max_rank
-                a = torch.zeros((max_loras, width, fan_in), dtype=dtype, device=device)
-                b = torch.zeros((max_loras, outputs[fused], width), dtype=dtype, device=device)
+                a = torch.zeros((max_loras * width, fan_in), dtype=dtype, device=device)
+                b = torch.zeros((outputs[fused], max_loras * width), dtype=dtype, device=device)
                 per_layer[fused] = (a, b)
             self.weights.append(per_layer)
         self.resident: collections.OrderedDict[str, int] = collections.OrderedDict()
         """Adapter name → slot, least recently used first."""
-        self.free = list(range(max_loras - 1, -1, -1))
+        self.free = list(range(max_loras))
+        """Free slots, a heap: the lowest is taken first, which keeps the slots a step
+        uses low (the dense product covers the slots up to the highest used)."""
         self.targets: frozenset[str] = frozenset()
         """The fused linears any adapter loaded so far touches (the others are skipped)."""
+
+    def width(self, fused: str) -> int:
+        """Rows (of ``A``) or columns (of ``B``) of one slot of ``fused``."""
+        return len(self.layout[fused][1]) * self.max_rank
 
     def slots_for(self, names: set[str], adapters: dict[str, LoraAdapter]) -> dict[str, int]:
         """A slot per adapter in ``names`` (at most ``max_loras`` of them), loading those
@@ -284,13 +320,13 @@ class LoraSlots:
         for name in names:
             if name in self.resident:
                 self.resident.move_to_end(name)
-        for name in names:
+        for name in sorted(names):
             if name in self.resident:
                 continue
             if not self.free:
                 victim = next(n for n in self.resident if n not in names)
-                self.free.append(self.resident.pop(victim))
-            slot = self.free.pop()
+                heapq.heappush(self.free, self.resident.pop(victim))
+            slot = heapq.heappop(self.free)
             self._write(slot, adapters[name])
             self.resident[name] = slot
         return {name: self.resident[name] for name in names}
@@ -299,24 +335,27 @@ class LoraSlots:
         """Forget ``name``'s slot (an unloaded adapter)."""
         slot = self.resident.pop(name, None)
         if slot is not None:
-            self.free.append(slot)
+            heapq.heappush(self.free, slot)
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         r, rank = self.max_rank, adapter.rank
         touched = set()
         for layer, per_layer in enumerate(self.weights):
             for fused, (a, b) in per_layer.items():
-                a[slot].zero_()
-                b[slot].zero_()
+                width = self.width(fused)
+                base = slot * width
+                a[base : base + width].zero_()
+                b[:, base : base + width].zero_()
                 for part, (module, offset) in enumerate(self.layout[fused][1]):
                     pair = adapter.weights.get((layer, module))
                     if pair is None:
                         continue
                     touched.add(fused)
                     lora_a, lora_b = pair
-                    a[slot, part * r : part * r + rank] = lora_a.to(a.dtype)
+                    start = base + part * r
+                    a[start : start + rank] = lora_a.to(a.dtype)
                     rows = slice(offset, offset + lora_b.shape[0])
-                    b[slot, rows, part * r : part * r + rank] = lora_b.to(b.dtype)
+                    b[rows, start : start + rank] = lora_b.to(b.dtype)
         self.targets |= touched
 
 
@@ -339,5 +378,5 @@ class LoraStep:
         products."""
         if fused in self.slots.targets:
             a, b = self.slots.weights[layer][fused]
-            add_lora(out, x, a, b, self.batch)
+            add_lora(out, x, a, b, self.slots.width(fused), self.batch)
         return out

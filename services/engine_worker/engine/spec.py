@@ -18,6 +18,7 @@ from lamina.services.engine_worker.engine.grammar import (
     GrammarState,
     InvalidGrammarError,
 )
+from lamina.services.engine_worker.engine.lora import LoraDisabledError
 from lamina.services.engine_worker.engine.params import SamplingParams, check_params
 from lamina.services.engine_worker.engine.request import EngineRequest
 
@@ -88,9 +89,7 @@ class EngineSpec:
         it holds it)."""
         params = params or SamplingParams()
         if lora is not None and not self.config.enable_lora:
-            raise InvalidRequestError(
-                f"model {lora!r}: this worker serves no LoRA adapters (enable_lora)", "model"
-            )
+            raise LoraDisabledError()
         if not prompt_token_ids:
             raise EmptyPromptError()
         check_params(params)
