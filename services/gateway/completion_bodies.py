@@ -28,6 +28,9 @@ class Reply:
     """With ``echo``: each choice's prompt text, which its text starts with."""
     batch: bool = False
     """A batch of chats: each choice has a prompt of its own (as a completion's have)."""
+    model: str = ""
+    """The model the request named (the served model, or one of its LoRA adapters),
+    which every body and chunk names as vLLM's do; empty: the served model."""
 
     @property
     def prompt_per_choice(self) -> bool:
@@ -168,26 +171,38 @@ class Bodies:
         return "chat.completion.chunk" if chat else "text_completion"
 
     def chat_chunk(
-        self, response_id: str, created: int, delta: dict, finish: str | None, logprobs: Any = None
+        self,
+        response_id: str,
+        created: int,
+        delta: dict,
+        finish: str | None,
+        logprobs: Any = None,
+        model: str = "",
     ) -> dict[str, Any]:
         return {
             "id": response_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": self.model_name,
+            "model": model or self.model_name,
             "choices": [
                 {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             ],
         }
 
     def completion(
-        self, d: TextDelta, response_id: str, created: int, streaming: bool, as_ids: bool = False
+        self,
+        d: TextDelta,
+        response_id: str,
+        created: int,
+        streaming: bool,
+        as_ids: bool = False,
+        model: str = "",
     ) -> dict[str, Any]:
         body = {
             "id": response_id,
             "object": "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": model or self.model_name,
             "choices": [
                 {
                     "index": 0,
@@ -203,7 +218,13 @@ class Bodies:
         return body
 
     def chat(
-        self, d: TextDelta, response_id: str, created: int, streaming: bool, as_ids: bool = False
+        self,
+        d: TextDelta,
+        response_id: str,
+        created: int,
+        streaming: bool,
+        as_ids: bool = False,
+        model: str = "",
     ) -> dict[str, Any]:
         logprobs = self._chat_logprobs(d.token_ids, d.logprobs, as_ids)
         calls = [call.body(streaming) for call in d.tool_calls or ()]
@@ -211,7 +232,7 @@ class Bodies:
             delta: dict[str, Any] = {"content": d.text}
             if calls:
                 delta["tool_calls"] = calls
-            return self.chat_chunk(response_id, created, delta, d.finish_reason, logprobs)
+            return self.chat_chunk(response_id, created, delta, d.finish_reason, logprobs, model)
         message: dict[str, Any] = {"role": "assistant", "content": d.text}
         if calls:  # OpenAI's: no content (null) when the message is only calls
             message |= {"content": d.text or None, "tool_calls": calls}
@@ -219,7 +240,7 @@ class Bodies:
             "id": response_id,
             "object": "chat.completion",
             "created": created,
-            "model": self.model_name,
+            "model": model or self.model_name,
             "choices": [
                 {
                     "index": 0,

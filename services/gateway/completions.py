@@ -322,14 +322,16 @@ class CompletionsApi:
         return body, self._note_ignored(ignored)
 
     def _reply(self, body: Any, response_key: str, chat: bool, build: Callable) -> Reply:
+        model = body.model or self.intake.model_name  # (started: ours, or an adapter of it)
         return Reply(
             ("chatcmpl-" if chat else "cmpl-") + response_key,
             int(time.time()),
             chat,
-            build,
+            functools.partial(build, model=model),
             bool(body.return_token_ids),
             self._echoes(body),
             isinstance(body, BatchChatCompletionRequest),
+            model,
         )
 
     async def _beams(self, body: Any, scope: Scope) -> tuple[list[list[int]], list[TextDelta]]:
@@ -522,7 +524,9 @@ class CompletionsApi:
         try:
             if response.chat:  # OpenAI opens a chat stream with the role
                 role = {"role": "assistant", "content": ""}
-                chunk = self.bodies.chat_chunk(response.id, response.created, role, None)
+                chunk = self.bodies.chat_chunk(
+                    response.id, response.created, role, None, model=response.model
+                )
                 if response.token_ids:
                     chunk["prompt_token_ids"] = streams[0].prompt_token_ids
                 if continuous:
@@ -548,7 +552,7 @@ class CompletionsApi:
                         "id": response.id,
                         "object": self.bodies.chunk_object(response.chat),
                         "created": response.created,
-                        "model": self.intake.model_name,
+                        "model": response.model,
                         "choices": [],
                         "usage": usage_body(sum_usage(usages, body.n)),
                     },

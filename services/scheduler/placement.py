@@ -253,6 +253,9 @@ class Placer:
         if not fits:
             message = f"all {len(admitted)} workers for this model are saturated"
             return Decision(None, RejectReason.OVERLOADED, message, len(admitted))
+        if adapter is not None:  # llm-d's LoRA affinity: where the adapter runs, or has room
+            now = [w for w in fits if _runs_adapter_now(w.stats, adapter)]
+            fits = now or fits
         if request.numerics:  # a moved stream: where it continues as it began, if it can
             same = [w for w in fits if w.stats.numerics() == request.numerics]
             fits = same or fits
@@ -507,6 +510,14 @@ def _adapter(request: GenerateRequest, workers: Sequence[Candidate]) -> str | No
     if any(w.stats.model == request.model for w in workers):
         return None
     return request.model if workers else None
+
+
+def _runs_adapter_now(stats: WorkerStats, adapter: str) -> bool:
+    """Whether a worker's next step could take a request of ``adapter``: its running
+    requests use it already, or use fewer adapters than its slots (``max_loras``);
+    elsewhere the request waits for one of those adapters' requests to finish."""
+    running = stats.running_lora_adapters
+    return adapter in running or len(running) < stats.max_loras
 
 
 def _shown_state(worker: Candidate) -> str:

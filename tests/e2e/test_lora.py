@@ -7,6 +7,7 @@ are unchanged; an adapter no worker holds is a 404; telemetry shows (vLLM's)
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -40,10 +41,17 @@ def test_a_request_naming_an_adapter_gets_the_adapters_output(stories, tmp_path)
             body |= {"ignore_eos": True, "return_token_ids": True}
             response = httpx.post(url + "/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
+            assert response.json()["model"] == name  # vLLM's: the adapter's name, not the model's
             return response.json()["choices"][0]["token_ids"]
 
         assert tokens("sql") == hf_greedy(merged, PROMPT, 40)
         assert tokens(model) == hf_greedy(base, PROMPT, 40)
+        stream = {"model": "sql", "prompt": PROMPT, "max_tokens": 3, "stream": True}
+        stream["stream_options"] = {"include_usage": True}
+        streamed = httpx.post(url + "/v1/completions", json=stream, timeout=60)
+        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if "{" in line]
+        assert len(chunks) >= 4, streamed.text  # 3 tokens' chunks and the usage
+        assert {chunk["model"] for chunk in chunks} == {"sql"}
         body = {"model": "chat", "prompt": PROMPT, "max_tokens": 4}
         missing = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert missing.status_code == 404

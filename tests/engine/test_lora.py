@@ -170,3 +170,34 @@ def test_adapters_added_and_removed_at_run_time(stories, adapters):
     engine.load_adapter("sql", root / "chat")
     engine.add_request("chat", PROMPTS["b"], greedy(30), lora="sql")
     assert drain(engine)["chat"] == hf_greedy(merged["chat"], PROMPTS["b"], 30)
+
+
+def test_adapters_on_the_triton_kernels(stories, adapters, monkeypatch):
+    """The same mixed batch on the Triton backend (the interpreter, on a CPU): the
+    adapters' products by the Triton BGMV kernels, each output still peft's."""
+    pytest.importorskip("triton")
+    import transformers
+
+    monkeypatch.setenv("LAMINA_KERNELS", "triton")
+    root, merged = adapters
+    base = transformers.AutoModelForCausalLM.from_pretrained(stories).eval()
+    engine = lora_engine(stories, root)
+    assert engine.runner.model.ops.backend == "triton"
+    requests = {f"{lora}": (PROMPTS["b"], lora) for lora in (None, "sql", "chat")}
+    outputs = run(engine, requests, max_tokens=8)
+    for request_id, (prompt, lora) in requests.items():
+        assert outputs[request_id] == hf_greedy(merged[lora] if lora else base, prompt, 8)
+
+
+def test_adapters_with_speculative_decoding(stories, adapters):
+    """Drafted tokens go through the request's adapter too: greedy output unchanged."""
+    from lamina.services.engine_worker.engine.speculative import SpeculativeConfig
+
+    root, merged = adapters
+    ngram = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    engine = lora_engine(stories, root, speculative_config=ngram)
+    requests = {name: (prompt, "sql") for name, prompt in PROMPTS.items()}
+    outputs = run(engine, requests, max_tokens=80)
+    for request_id, (prompt, lora) in requests.items():
+        assert outputs[request_id] == hf_greedy(merged[lora], prompt, 80), request_id
+    assert engine.stats().spec_decode_num_accepted_tokens > 0

@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lamina.kernels.triton import activation, attention, norm, rotary
+from lamina.kernels.triton import activation, attention, lora, norm, rotary
 from lamina.kernels.triton import quant_linear as ql
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -120,6 +120,19 @@ def cases():
                 weights | ({"out_ptr": "fp32"} if split else {}),
                 options,
             )
+    lora_pointers = {"slots_ptr": "i64", "v_ptr": "fp32"}
+    yield (
+        "lora_shrink",
+        lora._lora_shrink_kernel,
+        {"BLOCK_W": 64, "BLOCK_K": lora.BLOCK_K},
+        lora_pointers,
+    )
+    yield (
+        "lora_expand",
+        lora._lora_expand_kernel,
+        {"BLOCK_N": lora.BLOCK_N, "BLOCK_W": 64},
+        lora_pointers,
+    )
     yield (
         "quant_linear split sum",
         ql._split_sum_kernel,

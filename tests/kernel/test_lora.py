@@ -71,3 +71,34 @@ def test_gated_projection_before_activation_on_every_path(rows, intermediate):
     torch.testing.assert_close(
         got, F.linear(x, quantized.dequantize_stored(torch.float32), bias), atol=1e-3, rtol=1e-4
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_product_matches_the_per_token_reference(dtype):
+    """Punica's BGMV in Triton (on CPU under the interpreter): slot widths, outputs and
+    inputs that are not multiples of the blocks, base-model rows untouched."""
+    pytest.importorskip("triton")
+    from lamina.kernels.triton.lora import add_lora as triton_add_lora
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    slots, width, k, n = 3, 48, 300, 200
+    a = torch.randn(slots, width, k) / k**0.5
+    b = torch.randn(slots, n, width) / width**0.5
+    token_slots = torch.tensor([2, -1, 0, 2, 1, -1])
+    x = torch.randn(len(token_slots), k)
+    base = torch.randn(len(token_slots), n)
+    want = add_lora_reference(base.clone(), x, a, b, token_slots)
+    stacked_a = a.reshape(slots * width, k).to(device, dtype)
+    stacked_b = b.permute(1, 0, 2).reshape(n, slots * width).to(device, dtype)
+    got = triton_add_lora(
+        base.clone().to(device, dtype),
+        x.to(device, dtype),
+        stacked_a,
+        stacked_b,
+        width,
+        token_slots.to(device),
+    )
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+    assert torch.equal(got[1].float().cpu(), base[1].to(dtype).float())  # the base model's row

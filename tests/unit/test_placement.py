@@ -300,6 +300,16 @@ def test_a_request_naming_an_adapter_goes_to_a_worker_holding_it():
     unknown = place(request(model="chat"), registry.candidates())
     assert unknown.reason == RejectReason.MODEL_NOT_FOUND
     assert "['m', 'sql']" in unknown.message
+    # LoRA affinity: of two holders, the one whose slots can take it now; when neither
+    # can, both stay candidates.
+    full, one = dict(max_loras=1, **fast, **kv), ["sql"]
+    registry.heartbeat(stats("full", lora_adapters=one, running_lora_adapters=["x"], **full))
+    for _ in range(3):
+        decision = placer.place(request(model="sql"), registry.candidates(), overlap)
+        assert (decision.worker_id, len(decision.scored)) == ("lora", 1)
+    registry.heartbeat(stats("lora", lora_adapters=one, running_lora_adapters=["y"], **full))
+    decision = placer.place(request(model="sql"), registry.candidates(), overlap)
+    assert sorted(s.worker_id for s in decision.scored) == ["full", "lora"]
 
 
 def test_a_decode_workers_long_prompt_gets_a_prefill_leg_on_the_prefill_worker_with_room():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import heapq
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -361,22 +361,39 @@ class LoraSlots:
 
 @dataclass(frozen=True, slots=True)
 class LoraStep:
-    """What a step's model call needs to add its adapters' products."""
+    """What a step's model call needs to add its adapters' products: on the ``triton``
+    backend each row's slot for the Triton kernel (``kernels/triton/lora.py``), elsewhere
+    the step's grouping for the torch forms (``kernels/lora.py``)."""
 
     batch: LoraBatch
     slots: LoraSlots
+    triton_slots: torch.Tensor | None = None
+    """``(T,)`` each row's slot on the device, where the Triton kernel runs."""
+    triton_kernel: Callable[..., torch.Tensor] | None = None
 
     @classmethod
-    def of(cls, token_slots: np.ndarray, slots: LoraSlots, device: torch.device) -> LoraStep | None:
-        """For a step whose tokens use ``token_slots`` (-1: the base model); None when
-        none uses an adapter."""
+    def of(
+        cls, token_slots: np.ndarray, slots: LoraSlots, device: torch.device, backend: str
+    ) -> LoraStep | None:
+        """For a step whose tokens use ``token_slots`` (-1: the base model) on the kernel
+        ``backend``; None when none uses an adapter."""
         batch = LoraBatch.of(token_slots, device)
-        return None if batch is None else cls(batch, slots)
+        if batch is None:
+            return None
+        if backend == "triton":  # (imported here: triton is not needed elsewhere)
+            from lamina.kernels.triton.lora import add_lora as kernel
+
+            return cls(batch, slots, torch.from_numpy(token_slots).to(device), kernel)
+        return cls(batch, slots)
 
     def add(self, fused: str, layer: int, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out`` (fused linear ``fused`` of ``layer`` on ``x``) plus the adapters'
         products."""
         if fused in self.slots.targets:
             a, b = self.slots.weights[layer][fused]
-            add_lora(out, x, a, b, self.slots.width(fused), self.batch)
+            width = self.slots.width(fused)
+            if self.triton_kernel is not None:
+                self.triton_kernel(out, x, a, b, width, self.triton_slots)
+            else:
+                add_lora(out, x, a, b, width, self.batch)
         return out

@@ -158,7 +158,8 @@ class ModelRunner:
         lora = None
         if self.lora_slots is not None and len(step.adapters):
             token_slots = np.repeat(step.adapters, step.num_new)
-            lora = LoraStep.of(token_slots, self.lora_slots, self.device)
+            backend = self.model.ops.backend
+            lora = LoraStep.of(token_slots, self.lora_slots, self.device, backend)
         if lora is not None:  # the adapters' products run in the general forward
             return self._forward(step, lora)
         graphs = self.decode_graphs
