@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--device", default="cpu", help="e.g. cuda: the Triton LoRA kernels")
+    parser.add_argument("--dtype", default="auto", help="e.g. bfloat16 on a GPU")
     args = parser.parse_args()
 
     model_dir = ensure_default_model(args.preset)
@@ -97,6 +99,7 @@ def main() -> None:
     ]
     max_len = args.prompt_len + args.max_tokens
     common = dict(model=model_dir, max_model_len=max_len, max_num_seqs=args.batch)
+    common |= dict(device=args.device, dtype=args.dtype)
     with tempfile.TemporaryDirectory() as scratch:
         most = max(args.adapters)
         paths = [write_adapter(Path(scratch) / f"a{n}", model, args.rank, n) for n in range(most)]
@@ -119,8 +122,9 @@ def main() -> None:
             for name in order:
                 engine, adapters = engines[name]
                 rates[name].append(run(engine, prompts, adapters, args.max_tokens))
+    where = args.device if args.device != "cpu" else platform.processor() or platform.machine()
     print(
-        f"{args.preset} preset, {platform.processor() or platform.machine()}, "
+        f"{args.preset} preset, {where}, {args.dtype}, "
         f"{torch.get_num_threads()} threads; batch {args.batch}, {args.prompt_len} prompt + "
         f"{args.max_tokens} output tokens, rank {args.rank}, medians of {args.runs} runs"
     )

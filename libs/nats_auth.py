@@ -158,11 +158,7 @@ def permissions(identity: str) -> Permissions:
         )
     if role == "operator":
         return Permissions(
-            publish=(
-                subjects.worker_control("*"),
-                subjects.worker_lora("*"),
-                subjects.SCHED_STATUS,
-            ),
+            publish=(subjects.worker_control("*"), subjects.SCHED_STATUS),
             subscribe=(own_inbox,),
         )
     if role == "worker":

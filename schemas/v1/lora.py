@@ -1,4 +1,4 @@
-"""LoRA adapters loaded and unloaded at run time (gateway or operator → worker)."""
+"""LoRA adapters loaded and unloaded at run time (gateway → worker)."""
 
 from __future__ import annotations
 

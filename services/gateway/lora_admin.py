@@ -12,6 +12,7 @@ the adapter is placed (or refused) accordingly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -97,4 +98,5 @@ class LoraAdmin:
         deadline = time.monotonic() + VIEW_TIMEOUT_S
         while (name in self.intake.adapters) != present and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-            await self.refresh()
+            with contextlib.suppress(BusError):  # the view's own watch retries too
+                await self.refresh()

@@ -113,10 +113,18 @@ def test_logprobs_of_verified_tokens_are_the_targets(stories):
             assert [v for _, v in top] == pytest.approx([v for _, v in want_top], abs=1e-4)
 
 
+def test_penalised_requests_speculate_with_the_same_greedy_output(stories):
+    params = greedy(100, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
+    want = staggered(engine(stories, None), params)
+    speculating = engine(stories)
+    assert staggered(speculating, params) == want
+    assert speculating.stats().spec_decode_num_accepted_tokens > 0
+
+
 def test_requests_that_may_not_speculate_and_wide_batches_get_no_drafts(stories):
-    penalised = engine(stories)
-    run_to_completion(penalised, PROMPTS, greedy(40, presence_penalty=0.5))
-    assert penalised.stats().spec_decode_num_drafts == 0
+    banned = engine(stories)
+    run_to_completion(banned, PROMPTS, greedy(40, bad_words_token_ids=[[4]]))
+    assert banned.stats().spec_decode_num_drafts == 0
     off_at_4 = SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=4)
     wide = engine(stories, off_at_4, max_num_batched_tokens=256)
     run_to_completion(wide, PROMPTS, greedy(40, min_tokens=40))  # four run to the end

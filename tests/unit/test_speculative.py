@@ -62,13 +62,33 @@ def request(params: SamplingParams, draft: list[int] = ()) -> Request:
 def test_only_requests_whose_rows_need_no_draft_state_speculate():
     assert may_speculate(request(SamplingParams(temperature=0.7, top_p=0.9, logprobs=2)))
     assert may_speculate(request(SamplingParams(logit_bias={3: 1.0})))
-    assert not may_speculate(request(SamplingParams(presence_penalty=0.5)))
-    assert not may_speculate(request(SamplingParams(repetition_penalty=1.2)))
+    assert may_speculate(request(SamplingParams(presence_penalty=0.5)))  # modelled per row
+    assert may_speculate(request(SamplingParams(repetition_penalty=1.2, frequency_penalty=1)))
     assert not may_speculate(request(SamplingParams(bad_words_token_ids=[[4]])))
     assert not may_speculate(request(SamplingParams(min_tokens=4)))
     seeded = request(SamplingParams(seed=7))
     seeded.generator = torch.Generator()
     assert not may_speculate(seeded)
+
+
+def test_a_rows_penalties_count_the_draft_tokens_before_it():
+    """Verifying a penalised request's draft: row i is penalised as if the draft tokens
+    before it were output, so each row is what the sampler would see after them."""
+    sampler = Sampler((0,), seed=0, device=torch.device("cpu"))
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.5, max_tokens=16)
+    drafted = request(params, draft=[5, 5])
+    drafted.token_ids += [7]  # one output token so far
+    logits = torch.zeros(3, 10)
+    logits[:, 5] = 2.0  # the argmax while 5 is not yet penalised twice
+    logits[:, 6] = 0.9
+    ((tokens, _),) = sampler.verify(logits, [drafted])
+    # Row 0: 5 unseen, 2.0 wins (accept); row 1: 5 once, 0.5 < 0.9: 6 replaces it.
+    assert tokens == [5, 6]
+    for i in range(3):  # each row equals the plain sampler's on that sequence
+        plain = request(params)
+        plain.token_ids += [7, *drafted.draft[:i]]
+        (token,) = sampler(logits[i : i + 1], [plain]).token_ids
+        assert token == (5 if i == 0 else 6)
 
 
 def test_greedy_verification_keeps_the_draft_up_to_the_first_token_not_the_argmax():

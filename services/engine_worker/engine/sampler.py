@@ -50,7 +50,8 @@ class Sampler:
         elif any(r.grammar is not None for r in requests):
             logits = apply_bitmasks(logits, [r.grammar for r in requests])
         if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits, requests)
+            outputs = [r.generated_token_ids for r in requests]
+            logits = self._apply_penalties(logits, requests, outputs)
         suppress = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if suppress:
             # One fill over flat (row, token) indices. (Assigning a Python float through an
@@ -124,7 +125,12 @@ class Sampler:
             out = out.index_copy(0, rows, kept)
         return out
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(
+        self, logits: torch.Tensor, requests: list[Request], outputs: list[list[int]]
+    ) -> torch.Tensor:
+        """Each row's penalties (of its request, ``requests[row]``) over the output
+        ``outputs[row]``: the request's, or (verifying a draft) its output followed by the
+        draft tokens before that row."""
         vocab = logits.shape[1]
         dev = logits.device
         reps = [r.params.repetition_penalty for r in requests]
@@ -133,7 +139,7 @@ class Sampler:
         freq = upload([r.params.frequency_penalty for r in requests], torch.float32, dev)
         # Counts over generated tokens drive presence/frequency (OpenAI); the repetition
         # penalty covers prompt and output (Hugging Face / vLLM).
-        output_counts = _token_counts([r.generated_token_ids for r in requests], vocab, dev)
+        output_counts = _token_counts(outputs, vocab, dev)
         seen = output_counts > 0
         if any(r != 1.0 for r in reps):
             seen_any = seen | (
@@ -157,9 +163,10 @@ class Sampler:
         draft token ``d`` with probability ``p(d)`` and, on a rejection, draw from ``p``
         without ``d`` (renormalised): a draft is one proposed token, so that is rejection
         sampling's residual ``max(p - q, 0)``, and each output token is distributed
-        exactly as ``p``. Only requests that ``speculative.may_speculate`` have drafts:
-        their rows need no penalties, grammar or ``min_tokens``; logit biases and
-        allowed tokens apply to every row alike."""
+        exactly as ``p``. A row's penalties count the draft tokens before it as output
+        (the row is used only when they are). Only requests that
+        ``speculative.may_speculate`` have drafts: their rows need no grammar, bad words
+        or ``min_tokens``; logit biases and allowed tokens apply to every row alike."""
         rows = [r for r in requests for _ in range(len(r.draft) + 1)]
         params = [r.params for r in rows]
         dev = logits.device
@@ -168,6 +175,13 @@ class Sampler:
             if any(p.logprobs is not None for p in params)
             else None
         )
+        if any(p.has_penalties for p in params):
+            outputs = [
+                r.generated_token_ids + r.draft[:i]
+                for r in requests
+                for i in range(len(r.draft) + 1)
+            ]
+            logits = self._apply_penalties(logits, rows, outputs)
         if any(p.has_token_rules for p in params):
             logits = self._apply_token_rules(logits, rows)
         argmax = logits.argmax(dim=-1).tolist()
