@@ -121,10 +121,25 @@ def test_penalised_requests_speculate_with_the_same_greedy_output(stories):
     assert speculating.stats().spec_decode_num_accepted_tokens > 0
 
 
+def test_bad_words_and_min_tokens_speculate_with_the_same_greedy_output(stories):
+    plain = staggered(engine(stories, None), greedy(60))
+    common = [t for tokens in plain.values() for t in tokens]
+    frequent = max(set(common), key=common.count)  # banned: the output must change
+    params = SamplingParams(
+        temperature=0.0, max_tokens=120, min_tokens=80, bad_words_token_ids=[[frequent]]
+    )
+    want = staggered(engine(stories, None), params)
+    assert want != plain
+    speculating = engine(stories)
+    assert staggered(speculating, params) == want
+    assert speculating.stats().spec_decode_num_accepted_tokens > 0
+
+
 def test_requests_that_may_not_speculate_and_wide_batches_get_no_drafts(stories):
-    banned = engine(stories)
-    run_to_completion(banned, PROMPTS, greedy(40, bad_words_token_ids=[[4]]))
-    assert banned.stats().spec_decode_num_drafts == 0
+    seeded = engine(stories)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)
+    run_to_completion(seeded, PROMPTS, params)
+    assert seeded.stats().spec_decode_num_drafts == 0
     off_at_4 = SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=4)
     wide = engine(stories, off_at_4, max_num_batched_tokens=256)
     run_to_completion(wide, PROMPTS, greedy(40, min_tokens=40))  # four run to the end

@@ -64,8 +64,8 @@ def test_only_requests_whose_rows_need_no_draft_state_speculate():
     assert may_speculate(request(SamplingParams(logit_bias={3: 1.0})))
     assert may_speculate(request(SamplingParams(presence_penalty=0.5)))  # modelled per row
     assert may_speculate(request(SamplingParams(repetition_penalty=1.2, frequency_penalty=1)))
-    assert not may_speculate(request(SamplingParams(bad_words_token_ids=[[4]])))
-    assert not may_speculate(request(SamplingParams(min_tokens=4)))
+    assert may_speculate(request(SamplingParams(bad_words_token_ids=[[4]])))
+    assert may_speculate(request(SamplingParams(min_tokens=4)))
     seeded = request(SamplingParams(seed=7))
     seeded.generator = torch.Generator()
     assert not may_speculate(seeded)
@@ -89,6 +89,28 @@ def test_a_rows_penalties_count_the_draft_tokens_before_it():
         plain.token_ids += [7, *drafted.draft[:i]]
         (token,) = sampler(logits[i : i + 1], [plain]).token_ids
         assert token == (5 if i == 0 else 6)
+
+
+def test_a_rows_bad_words_and_min_tokens_follow_the_draft_before_it():
+    """Row i bans a bad word's last token when the output plus draft[:i] ends with its
+    prefix, and holds off EOS while the output plus i tokens is under min_tokens."""
+    sampler = Sampler((0,), seed=0, device=torch.device("cpu"))
+    logits = torch.zeros(3, 10)
+    logits[:, 8] = 2.0  # the argmax after row 0, unless banned
+    logits[:, 4] = 1.0
+    logits[0, 5] = 3.0  # row 0 takes the draft's 5
+    banned = request(SamplingParams(temperature=0.0, bad_words_token_ids=[[5, 8]]), [5, 8])
+    ((tokens, _),) = sampler.verify(logits, [banned])
+    assert tokens == [5, 4]  # row 1 follows 5: 8 is banned there, 4 replaces the draft's 8
+    logits = torch.zeros(3, 10)
+    logits[:, 0] = 2.0  # EOS, the argmax
+    logits[:, 6] = 1.0
+    held = request(SamplingParams(temperature=0.0, min_tokens=1), [6, 0])
+    ((tokens, _),) = sampler.verify(logits, [held])
+    assert tokens == [6, 0, 0]  # row 0 holds EOS off (no token out yet); row 1 may end
+    held.draft = [0]  # EOS proposed first: row 0 holds it off, so 6 replaces it
+    ((tokens, _),) = sampler.verify(logits[:2], [held])
+    assert tokens == [6]
 
 
 def test_greedy_verification_keeps_the_draft_up_to_the_first_token_not_the_argmax():

@@ -52,21 +52,7 @@ class Sampler:
         if any(p.has_penalties for p in params):
             outputs = [r.generated_token_ids for r in requests]
             logits = self._apply_penalties(logits, requests, outputs)
-        suppress = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
-        if suppress:
-            # One fill over flat (row, token) indices. (Assigning a Python float through an
-            # index tensor copies the scalar to the device, which waits on CUDA.)
-            vocab = logits.shape[1]
-            flat = [
-                row * vocab + token
-                for row in suppress
-                for token in sorted(
-                    set(requests[row].params.stop_token_ids) | set(self.eos_token_ids)
-                )
-            ]
-            index = upload(flat, torch.int64, logits.device)
-            logits = logits.reshape(-1).index_fill(0, index, float("-inf")).view_as(logits)
-
+        logits = self._hold_ends(logits, requests, [r.num_output_tokens for r in requests])
         if any(p.has_token_rules for p in params):
             logits = self._apply_token_rules(logits, requests)
 
@@ -85,9 +71,31 @@ class Sampler:
                     )
         return SamplerOutput(token_list, out_logprobs)
 
-    def _apply_token_rules(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _hold_ends(
+        self, logits: torch.Tensor, requests: list[Request], produced: list[int]
+    ) -> torch.Tensor:
+        """EOS and stop tokens masked in each row whose request has produced
+        ``produced[row]`` tokens, fewer than its ``min_tokens``."""
+        suppress = [i for i, r in enumerate(requests) if produced[i] < r.params.min_tokens]
+        if not suppress:
+            return logits
+        # One fill over flat (row, token) indices. (Assigning a Python float through an
+        # index tensor copies the scalar to the device, which waits on CUDA.)
+        vocab = logits.shape[1]
+        flat = [
+            row * vocab + token
+            for row in suppress
+            for token in sorted(set(requests[row].params.stop_token_ids) | set(self.eos_token_ids))
+        ]
+        index = upload(flat, torch.int64, logits.device)
+        return logits.reshape(-1).index_fill(0, index, float("-inf")).view_as(logits)
+
+    def _apply_token_rules(
+        self, logits: torch.Tensor, requests: list[Request], outputs: list[list[int]] | None = None
+    ) -> torch.Tensor:
         """Logit biases, allowed tokens and bad words, by token id: one add, one fill
-        and one masked fill over the whole batch (a new tensor; ``logits`` is kept)."""
+        and one masked fill over the whole batch (a new tensor; ``logits`` is kept). Bad
+        words match the end of ``outputs[row]`` (default: the request's output)."""
         vocab = logits.shape[1]
         flat = logits.reshape(-1).clone()
         biased: list[int] = []
@@ -101,7 +109,7 @@ class Sampler:
                 biased.append(row * vocab + token)
                 biases.append(bias)
             if params.bad_words_token_ids:
-                output = request.generated_token_ids
+                output = request.generated_token_ids if outputs is None else outputs[row]
                 for word in params.bad_words_token_ids:
                     prefix = word[:-1]
                     if not prefix or output[len(output) - len(prefix) :] == prefix:
@@ -163,10 +171,11 @@ class Sampler:
         draft token ``d`` with probability ``p(d)`` and, on a rejection, draw from ``p``
         without ``d`` (renormalised): a draft is one proposed token, so that is rejection
         sampling's residual ``max(p - q, 0)``, and each output token is distributed
-        exactly as ``p``. A row's penalties count the draft tokens before it as output
-        (the row is used only when they are). Only requests that
-        ``speculative.may_speculate`` have drafts: their rows need no grammar, bad words
-        or ``min_tokens``; logit biases and allowed tokens apply to every row alike."""
+        exactly as ``p``. A row stands for the draft tokens before it having been output
+        (it is used only when they were): its penalties count them, its bad words match
+        after them, and ``min_tokens`` holds off EOS while they leave the output short.
+        Only requests that ``speculative.may_speculate`` have drafts (no grammar, no
+        seed); logit biases and allowed tokens apply to every row alike."""
         rows = [r for r in requests for _ in range(len(r.draft) + 1)]
         params = [r.params for r in rows]
         dev = logits.device
@@ -175,15 +184,19 @@ class Sampler:
             if any(p.logprobs is not None for p in params)
             else None
         )
-        if any(p.has_penalties for p in params):
+        outputs = None
+        if any(p.has_penalties or p.bad_words_token_ids for p in params):
             outputs = [
                 r.generated_token_ids + r.draft[:i]
                 for r in requests
                 for i in range(len(r.draft) + 1)
             ]
+        if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, rows, outputs)
+        produced = [r.num_output_tokens + i for r in requests for i in range(len(r.draft) + 1)]
+        logits = self._hold_ends(logits, rows, produced)
         if any(p.has_token_rules for p in params):
-            logits = self._apply_token_rules(logits, rows)
+            logits = self._apply_token_rules(logits, rows, outputs)
         argmax = logits.argmax(dim=-1).tolist()
         probs: torch.Tensor | None = None
         if not all(p.greedy for p in params):

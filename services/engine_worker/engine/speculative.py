@@ -86,18 +86,10 @@ class SpeculativeConfig:
 def may_speculate(request: Request) -> bool:
     """Whether ``request`` may take a draft: its distribution at a draft position must
     not depend on the draft tokens before it in ways verification does not model.
-    Penalties it models (a row counts the draft before it as output); not bad words
-    (which match the output's tail), a grammar, ``min_tokens`` still holding off EOS,
-    prompt logprobs still to send, or a seed (a seeded request's draws must not depend
-    on what was proposed)."""
-    params = request.params
-    return (
-        request.grammar is None
-        and request.generator is None
-        and request.prompt_logprobs is None
-        and not params.bad_words_token_ids
-        and request.num_output_tokens >= params.min_tokens
-    )
+    Penalties, bad words and ``min_tokens`` it models (a row stands for the draft before
+    it having been output); not a grammar, prompt logprobs still to send, or a seed (a
+    seeded request's draws must not depend on what was proposed)."""
+    return request.grammar is None and request.generator is None and request.prompt_logprobs is None
 
 
 def propose(tokens: list[int], config: SpeculativeConfig, most: int) -> list[int]:
