@@ -38,6 +38,10 @@ _CHECKED_CONSTRAINTS = 256
 """Structured output constraints a gateway remembers as checked (an agent sends the same
 schema with every request)."""
 
+SHOWN_MODELS = 8
+"""Models (the served one, then adapters) a ``model_not_found`` message names."""
+
+
 ROLE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 """What a chat message's role may be: a name (vLLM passes any role to the template, which
 decides; a name cannot smuggle a template's own markup into the prompt)."""
@@ -293,7 +297,10 @@ class Intake:
             return self.model_name
         if model in self.adapters:
             return model
-        served = ", ".join(repr(m) for m in (self.model_name, *self.adapters))
+        names = [self.model_name, *self.adapters]
+        served = ", ".join(repr(m) for m in names[:SHOWN_MODELS])
+        if len(names) > SHOWN_MODELS:  # adapters may be many: the message stays short
+            served += f" and {len(names) - SHOWN_MODELS} more (GET /v1/models)"
         raise GenerationError(
             404,
             "not_found_error",
