@@ -445,6 +445,8 @@ class Engine:
     def _lora_slots(self, batch: ScheduledBatch) -> np.ndarray:
         """Each request's LoRA slot in ``batch`` (-1: the base model; empty: no request
         has an adapter), their adapters put in slots."""
+        if self.adapters is None:  # LoRA off: no request has one
+            return NO_ADAPTERS
         names = {r.lora for r in batch.requests if r.lora is not None}
         if not names:
             return NO_ADAPTERS
