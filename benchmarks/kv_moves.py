@@ -7,14 +7,17 @@ pool.
 Each of ``--tenants`` tenants has a system prompt of ``--prefix`` tokens; each request is
 a random tenant's prompt plus a fresh question of ``--question`` tokens, with a few
 output tokens, one request at a time, in process (the engine alone: no bus). The device
-pool holds a quarter of the tenants' prompts. Three layouts: no tier (the rest is
+pool holds a quarter of the tenants' prompts. The layouts: no tier (the rest is
 computed again), a host tier that holds the whole working set (``--kv-offload-bytes``),
 and a host tier as small as the device pool over a disk tier that holds the rest
 (``--kv-offload-disk-bytes``, in ``--kv-offload-dir``: a temporary directory by
-default). Printed per layout: the prefix-cache hit rate, p50 and p90 time to first token
-(from ``add_request`` to its first token), blocks loaded back from each tier, and the
-ratios of each tiered layout's to none's. Every layout sees the same requests; the runs
-rotate which goes first.
+default), twice: as it runs, where the tier's file stays in the page cache while memory
+is plentiful, and cold, its mapping paged out before every request (``madvise``
+``MADV_PAGEOUT``: dirty pages written back, then dropped), so that every block loaded
+from it is read from the disk, as under memory pressure. Printed per layout: the
+prefix-cache hit rate, p50 and p90 time to first token (from ``add_request`` to its first
+token), blocks loaded back from each tier, and the ratios of each tiered layout's to
+none's. Every layout sees the same requests; the runs rotate which goes first.
 
 The transfer: for each ``--contexts`` length, one engine computes a prompt, and a second
 engine serves it three ways, cold each time: computing it (the baseline), and fetching
@@ -55,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -81,7 +85,7 @@ from lamina.services.engine_worker import kv_transfer
 from lamina.services.engine_worker.default_model import ensure_default_model
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
-from lamina.services.engine_worker.engine.kv_tier import KvBlocks
+from lamina.services.engine_worker.engine.kv_tier import DISK, KvBlocks
 from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.runner import kv_block_bytes
@@ -97,14 +101,34 @@ def workload(args: argparse.Namespace, vocab: int, seed: int) -> list[list[int]]
     ]
 
 
-def serve(engine: Engine, requests: list[list[int]], warmup: int) -> dict[str, float]:
-    """TTFTs (ms) and the cache's counters over ``requests`` after the first ``warmup``."""
+MADV_PAGEOUT = 21  # linux/mman.h
+
+
+def page_out(engine: Engine) -> None:
+    """Writes back and drops the engine's disk tier's pages (its file mappings)."""
+    pool = engine.runner.tiers[DISK]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mappings = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in
+                [*pool.caches, *pool.scales] if t is not None}  # fmt: skip
+    for address, size in mappings.items():
+        if libc.madvise(address, size, MADV_PAGEOUT) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_PAGEOUT) of the disk tier")
+
+
+def serve(
+    engine: Engine, requests: list[list[int]], warmup: int, cold: bool = False
+) -> dict[str, float]:
+    """TTFTs (ms) and the cache's counters over ``requests`` after the first ``warmup``
+    (``cold``: the disk tier paged out before each request)."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ttfts: list[float] = []
     before = None
     for n, prompt in enumerate(requests):
         if n == warmup:
             before = engine.stats()
+        if cold:
+            page_out(engine)
         started, first = time.perf_counter(), None
         engine.add_request(f"r{n}", prompt, params)
         while engine.has_work():
@@ -593,6 +617,7 @@ def tier_part(args: argparse.Namespace, directory: str) -> None:
             kv_offload_dir=directory,
         ),
     }
+    layouts["host+cold disk"] = layouts["host+disk"]
     print(
         f"model: {args.preset} preset; {os.cpu_count()} cores; {args.tenants} tenants x "
         f"{args.prefix} tokens = {working_set} blocks of working set; device pool "
@@ -607,7 +632,8 @@ def tier_part(args: argparse.Namespace, directory: str) -> None:
         for name in names[run % len(names) :] + names[: run % len(names)]:
             engine = Engine(layouts[name])
             try:
-                results[name].append(serve(engine, requests, args.warmup))
+                cold = name == "host+cold disk"
+                results[name].append(serve(engine, requests, args.warmup, cold))
             finally:
                 engine.close()
     print(f"medians of {args.runs} runs ({args.requests - args.warmup} measured requests each):")
@@ -621,12 +647,12 @@ def tier_part(args: argparse.Namespace, directory: str) -> None:
             if s[f"{m}_loads"]
         )
         print(
-            f"  {name:10s} hit rate {s['hit_rate']:.2f}  TTFT p50 {s['p50']:7.1f} ms "
+            f"  {name:14s} hit rate {s['hit_rate']:.2f}  TTFT p50 {s['p50']:7.1f} ms "
             f"({min(p50s):.1f}-{max(p50s):.1f})  p90 {s['p90']:7.1f} ms  blocks loaded:"
             + (loads or " none")
         )
     none = summary["no tier"]
-    for name in ("host", "host+disk"):
+    for name in ("host", "host+disk", "host+cold disk"):
         got = summary[name]
         print(
             f"{name} / no tier: TTFT p50 {got['p50'] / none['p50']:.2f}x, "

@@ -9,6 +9,10 @@ computes each prompt's full blocks, the decode worker fetches them from a's addr
 node's ``--address``) and computes only the rest. The text equals a single-host mixed
 stack's, the client sees the fetched blocks as cached tokens (the decode worker did not
 compute them), and telemetry counts the legs and the fetches, none failed.
+
+Then the prefill worker is a pipeline-parallel one whose second stage runs on another
+host: its blocks leave whole, the second stage's layers gathered from that host over the
+step channel before they cross to the decode host.
 """
 
 from __future__ import annotations
@@ -89,3 +93,45 @@ def test_decode_workers_on_other_hosts_fetch_what_the_prefill_host_computed(stor
             and 'prefill_worker_id="a-worker-0"' in line
         ]
         assert sum(float(line.rsplit(" ", 1)[1]) for line in legs) == len(PROMPTS)
+
+
+STAGED = {
+    "a": "gateway,scheduler,telemetry,worker",  # the prefill worker's driver and stage 0
+    "b": "",  # stage 1 of a's worker, nothing else
+    "c": "worker",  # the decode worker
+}
+STAGED_EXTRA = {
+    "a": ["--worker-role", "prefill", "--pipeline-parallel-size", "2",
+          "--remote-pipeline-stages", "1"],
+    "b": ["--pipeline-stage", "a-worker-0:1"],
+    "c": ["--worker-role", "decode"],
+}  # fmt: skip
+
+
+def test_a_prefill_worker_whose_second_stage_is_on_another_host_sends_whole_blocks(
+    stories, tmp_path
+):
+    with make_stack(stories, tmp_path / "reference", worker_args=ENGINE) as reference:
+        want = [_complete(reference.base_url, p)["choices"][0]["text"] for p in PROMPTS]
+
+    with nodes.running(STAGED, stories, ENGINE, tmp_path, extra=STAGED_EXTRA) as c:
+        asyncio.run(converge(c, ("a",), nodes.workers_of(STAGED), timeout=240))
+        prefiller = _workers(c, lambda w: "a-worker-0" in w)["a-worker-0"]
+        assert [(r["stage"], r["host"]) for r in prefiller["ranks"]][1] == (1, "b")
+        assert prefiller["kv_layout"] == _workers(c, lambda w: True)["c-worker-0"]["kv_layout"]
+
+        got = [_complete(c.gateway("a"), p) for p in PROMPTS]
+        assert [g["choices"][0]["text"] for g in got] == want
+        cached = [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got]
+        assert cached == [BLOCKS] * len(PROMPTS)  # every layer's KV came from a and b
+
+        def counted(workers: dict[str, dict]) -> bool:
+            """Both workers' heartbeats since the last request (each beats on its own)."""
+            fetched = workers.get("c-worker-0", {}).get("kv_fetches_total", 0)
+            legs = workers.get("a-worker-0", {}).get("kv_prefills_total", 0)
+            return fetched == legs == len(PROMPTS)
+
+        workers = _workers(c, counted)
+        assert workers["a-worker-0"]["kv_prefills_total"] == len(PROMPTS)
+        assert workers["c-worker-0"]["kv_fetches_total"] == len(PROMPTS)
+        assert workers["c-worker-0"]["kv_fetch_failures_total"] == 0
