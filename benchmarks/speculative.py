@@ -1,5 +1,8 @@
-"""Speculative decoding by prompt lookup (``--speculative-config``) against none, in
-process, on a trained checkpoint (``stories260K``: its acceptance is a real model's).
+"""Speculative decoding (``--speculative-config``) by prompt lookup and by a draft model
+against none, in process, on a trained checkpoint (``stories260K``: its acceptance is a
+real model's). The draft model is ``--draft-model``, or by default the target's first
+``--draft-layers`` layers saved as a checkpoint of their own (no smaller model trained on
+the same data is at hand here).
 
 Two workloads, greedy, ``--max-tokens`` tokens each with EOS ignored:
 
@@ -8,24 +11,30 @@ Two workloads, greedy, ``--max-tokens`` tokens each with EOS ignored:
 * ``repetitive``: each prompt holds a story the model wrote, then that story's opening
   again: the model retells it, as in editing or quoting (lookup's best case).
 
-For each workload and batch size (``--batch-sizes``), each run times both engines on the
-same requests, alternating which goes first, and reports output tokens/s (batch 1:
-its inverse is the TPOT), the acceptance rate (accepted / proposed draft tokens) and the
-tokens a drafted request made per step. Prints the medians of ``--runs`` and the
-speed-up (the median of each run's own ratio). Not a test: run it by hand.
+For each workload and batch size (``--batch-sizes``), each run times the engines
+(``--methods``) on the same requests, rotating which goes first, and reports output
+tokens/s (batch 1: its inverse is the TPOT), the acceptance rate (accepted / proposed
+draft tokens) and the tokens a drafted request made per step. Prints the medians of
+``--runs`` and the speed-up (the median of each run's own ratio). Not a test: run it by
+hand.
 
     .venv/bin/python -u benchmarks/speculative.py [--runs 5] [--model DIR]
+        [--methods ngram draft_model] [--draft-model DIR | --draft-layers 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
+import re
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
@@ -69,6 +78,20 @@ def workloads(model: Path, max_model_len: int, max_tokens: int) -> dict[str, lis
     return {"stories": openings, "repetitive": stories}
 
 
+def first_layers(model: Path, layers: int, out: Path) -> Path:
+    """``model``'s embedding, first ``layers`` layers, norm and head as a checkpoint in
+    ``out``."""
+    config = json.loads((model / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}))
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    weights = {}
+    for file in model.glob("*.safetensors"):
+        weights |= load_file(file)
+    kept = {k: v for k, v in weights.items() if int((layer.match(k) or [0, 0])[1]) < layers}
+    save_file(kept, out / "model.safetensors")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=FIXTURE)
@@ -79,44 +102,71 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"])
+    parser.add_argument("--draft-model", type=Path, help="default: the target's first layers")
+    parser.add_argument("--draft-layers", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ngram = SpeculativeConfig(
-        num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_max=args.prompt_lookup_max,
-        prompt_lookup_min=args.prompt_lookup_min,
-    )
+    with tempfile.TemporaryDirectory(prefix="lamina-draft-") as scratch:
+        draft = args.draft_model or first_layers(args.model, args.draft_layers, Path(scratch))
+        tokens = args.num_speculative_tokens
+        configs = {
+            "ngram": SpeculativeConfig(
+                num_speculative_tokens=tokens,
+                prompt_lookup_max=args.prompt_lookup_max,
+                prompt_lookup_min=args.prompt_lookup_min,
+            ),
+            "draft_model": SpeculativeConfig(
+                method="draft_model", model=str(draft), num_speculative_tokens=tokens
+            ),
+        }
+        methods = {m: configs[m] for m in args.methods}
+        print(f"{platform.node()} {args.model.name} threads={args.threads}")
+        for config in methods.values():
+            print(f"  {config}")
+        compare(args, methods)
+
+
+def compare(args: argparse.Namespace, methods: dict[str, SpeculativeConfig]) -> None:
     max_model_len = 512
-    print(f"{platform.node()} {args.model.name} threads={args.threads} {ngram}")
     for name, prompts in workloads(args.model, max_model_len, args.max_tokens).items():
         for batch in args.batch_sizes:
             work = [prompts[i % len(prompts)] for i in range(batch)]
-            rates: dict[str, list[float]] = {"none": [], "ngram": []}
-            ratios, acceptance, per_step = [], [], []
+            labels = ["none", *methods]
+            rates: dict[str, list[float]] = {label: [] for label in labels}
+            ratios: dict[str, list[float]] = {m: [] for m in methods}
+            acceptance: dict[str, list[float]] = {m: [] for m in methods}
+            per_step: dict[str, list[float]] = {m: [] for m in methods}
             for run in range(args.runs):
                 engines = {"none": engine(args.model, None, max_model_len)}
-                engines["ngram"] = engine(args.model, ngram, max_model_len)
+                engines |= {m: engine(args.model, c, max_model_len) for m, c in methods.items()}
                 for e in engines.values():  # warm: the first steps build caches
                     generate(e, work[:1], 8)
-                order = ["none", "ngram"] if run % 2 == 0 else ["ngram", "none"]
-                for label in order:
+                for label in labels[run % len(labels) :] + labels[: run % len(labels)]:
                     seconds, made = generate(engines[label], work, args.max_tokens)
                     rates[label].append(made / seconds)
-                ratios.append(rates["ngram"][-1] / rates["none"][-1])
-                stats = engines["ngram"].stats()
-                proposed = stats.spec_decode_num_draft_tokens
-                acceptance.append(stats.spec_decode_num_accepted_tokens / max(proposed, 1))
-                drafts = max(stats.spec_decode_num_drafts, 1)
-                per_step.append(1 + stats.spec_decode_num_accepted_tokens / drafts)
-            none, spec = statistics.median(rates["none"]), statistics.median(rates["ngram"])
+                for m in methods:
+                    ratios[m].append(rates[m][-1] / rates["none"][-1])
+                    stats = engines[m].stats()
+                    proposed = stats.spec_decode_num_draft_tokens
+                    acceptance[m].append(stats.spec_decode_num_accepted_tokens / max(proposed, 1))
+                    drafts = max(stats.spec_decode_num_drafts, 1)
+                    per_step[m].append(1 + stats.spec_decode_num_accepted_tokens / drafts)
+            none = statistics.median(rates["none"])
             print(
-                f"{name:10} batch {batch:3}: none {none:8.1f} tok/s, ngram {spec:8.1f} tok/s "
-                f"(x{statistics.median(ratios):.2f}, runs {min(ratios):.2f}-{max(ratios):.2f}); "
-                f"accepted {statistics.median(acceptance):.0%} of draft tokens, "
-                f"{statistics.median(per_step):.2f} tokens per drafted step"
-                + (f"; TPOT {1000 / none:.2f} -> {1000 / spec:.2f} ms" if batch == 1 else ""),
+                f"{name:10} batch {batch:3}: none {none:8.1f} tok/s"
+                + (f" (TPOT {1000 / none:.2f} ms)" if batch == 1 else ""),
                 flush=True,
             )
+            for m in methods:
+                spec, r = statistics.median(rates[m]), ratios[m]
+                print(
+                    f"{'':16}{m:12} {spec:8.1f} tok/s (x{statistics.median(r):.2f}, runs "
+                    f"{min(r):.2f}-{max(r):.2f}); accepted {statistics.median(acceptance[m]):.0%} "
+                    f"of draft tokens, {statistics.median(per_step[m]):.2f} tokens per drafted "
+                    "step" + (f"; TPOT {1000 / spec:.2f} ms" if batch == 1 else ""),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ with the context for it). Among them the policy chooses:
   request's prompt tokens that w does not have cached (the cluster prefix index), R_p
   and R_d its measured prefill and decode rates, and N the sequences it is decoding::
 
-      ttft(w) = (Q + U) / R_p  +  H / R_h  +  D / R_k  +  decode_weight * N / R_d
+      ttft(w) = (Q + U) / R_p  +  H / R_h  +  D / R_k  +  decode_weight * N * c / R_d
 
   The first term is the prefill work ahead of the request's first token, its own
   included; reuse enters through U, in the same unit as load, so a long cached prefix
@@ -18,7 +18,10 @@ with the context for it). Among them the policy chooses:
   H is the cached blocks w's host tier holds and its device does not, and R_h the rate
   w measured loading blocks back from it; D and R_k the same for its disk tier: a host
   hit costs more than a device hit, a disk hit more again, and each less than computing.
-  The second term is one engine step's worth of the decodes that share the steps. Both
+  The last term is one engine step's worth of the decodes that share the steps: ``c``
+  is the tokens a decoding sequence computes per step, 1 without speculative decoding,
+  and with it 1 plus its draft tokens per step, from the worker's measured acceptance
+  (:func:`decode_tokens_per_step`). Both
   rates are measured over whole engine steps, which already mix prefill and decode, so
   the decode term is a correction for a worker busier than when its rates were
   measured; ``decode_weight`` scales it (0 drops it). A worker that has not measured a
@@ -85,6 +88,18 @@ class Policy(StrEnum):
     ROUND_ROBIN = "round-robin"
 
 
+def decode_tokens_per_step(worker: WorkerStats) -> float:
+    """Tokens one of ``worker``'s decoding sequences computes per engine step: 1, plus
+    with speculative decoding its draft tokens per step. From the worker's counts of
+    output tokens G, draft tokens D and accepted draft tokens A: a sequence's step
+    outputs its accepted draft tokens and one token of its own, so its steps number
+    ``G - A``, and they computed ``G - A + D`` tokens."""
+    steps = worker.generation_tokens_total - worker.spec_decode_num_accepted_tokens
+    if not worker.spec_decode_num_draft_tokens or steps <= 0:
+        return 1.0
+    return 1.0 + worker.spec_decode_num_draft_tokens / steps
+
+
 @dataclass(frozen=True)
 class CostModel:
     """The constants of the ``kv`` policy's TTFT prediction."""
@@ -132,7 +147,7 @@ class CostModel:
         prefill_rate = s.prefill_tokens_per_s or prefill_prior
         decode_rate = s.decode_tokens_per_s or decode_prior
         queued = worker.queued_tokens
-        decode = self.decode_weight * s.num_running / decode_rate
+        decode = self.decode_weight * s.num_running * decode_tokens_per_step(s) / decode_rate
         load = host_blocks / (s.host_kv_load_blocks_per_s or self.host_load_rate_prior)
         load += disk_blocks / (s.disk_kv_load_blocks_per_s or self.disk_load_rate_prior)
         return (queued + uncached) / prefill_rate + load + decode

@@ -5,7 +5,13 @@ of rejected draft tokens is given back, and what was accepted is cached as if de
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from lamina.services.engine_worker.engine.params import SamplingParams
 from lamina.services.engine_worker.engine.speculative import SpeculativeConfig
@@ -135,11 +141,19 @@ def test_bad_words_and_min_tokens_speculate_with_the_same_greedy_output(stories)
     assert speculating.stats().spec_decode_num_accepted_tokens > 0
 
 
-def test_requests_that_may_not_speculate_and_wide_batches_get_no_drafts(stories):
-    seeded = engine(stories)
-    params = SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)
-    run_to_completion(seeded, PROMPTS, params)
-    assert seeded.stats().spec_decode_num_drafts == 0
+def test_seeded_requests_speculate_with_the_same_output_seed_for_seed(stories, shallow):
+    """A seeded request draws each verification row with its own generator and keeps
+    draft tokens while they equal the draws: its output, and where its generator stands,
+    are what decoding one token at a time gives (so a moved request continues exactly)."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=60)
+    want = staggered(engine(stories, None), params)
+    for speculative in (NGRAM, drafting(shallow)):
+        speculating = engine(stories, speculative)
+        assert staggered(speculating, params) == want
+        assert speculating.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_wide_batches_get_no_drafts(stories):
     off_at_4 = SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=4)
     wide = engine(stories, off_at_4, max_num_batched_tokens=256)
     run_to_completion(wide, PROMPTS, greedy(40, min_tokens=40))  # four run to the end
@@ -160,3 +174,105 @@ def test_sampled_requests_speculate_too(stories):
 def test_speculation_is_refused_across_pipeline_stages(stories):
     with pytest.raises(ValueError, match="pipeline stages"):
         engine(stories, pipeline_parallel_size=2)
+
+
+# ------------------------------------------------------------------------ a draft model
+def variant(stories: Path, out: Path, layers: int = 5, **config) -> Path:
+    """stories260K's first ``layers`` layers as a checkpoint of its own in ``out``, with
+    ``config`` changed."""
+    given = json.loads((stories / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(given | config | {"num_hidden_layers": layers}))
+    weights = load_file(stories / "model.safetensors")
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    kept = {k: v for k, v in weights.items() if int((layer.match(k) or [0, 0])[1]) < layers}
+    vocab = config.get("vocab_size", given["vocab_size"])
+    kept["model.embed_tokens.weight"] = kept["model.embed_tokens.weight"][:vocab].clone()
+    save_file(kept, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def shallow(stories, tmp_path_factory) -> Path:
+    """stories260K's first two layers of five: a draft model of the same tokenizer that
+    agrees with the target often, not always."""
+    return variant(stories, tmp_path_factory.mktemp("shallow"), layers=2)
+
+
+def drafting(model: Path, tokens: int = 4) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft_model", model=str(model), num_speculative_tokens=tokens)
+
+
+def assert_draft_kv_is_the_targets(engine) -> None:
+    """With the target as its own draft: every cached block's KV in the draft's pool is
+    the target's (up to the rounding of another batch's kernels)."""
+    blocks = torch.tensor(sorted(engine.blocks.cached.values()))
+    assert len(blocks)
+    targets, drafts = engine.runner.kv_caches, engine.drafter.runner.kv_caches
+    for target, draft in zip(targets, drafts, strict=True):
+        torch.testing.assert_close(draft[:, blocks], target[:, blocks], rtol=1e-4, atol=1e-5)
+
+
+def test_a_draft_model_that_is_the_target_has_every_draft_token_accepted(stories):
+    """The target as its own draft: each of its proposals is the target's argmax, so every
+    one is accepted, which holds only if the draft's KV is the target's at every position
+    (prompt chunks, earlier drafts, a cut budget)."""
+    want = staggered(engine(stories, None), greedy(150))
+    speculating = engine(stories, drafting(stories))
+    assert staggered(speculating, greedy(150)) == want
+    stats = speculating.stats()
+    assert stats.spec_decode_num_draft_tokens > 100
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert_draft_kv_is_the_targets(speculating)
+
+
+def test_a_shallow_draft_model_keeps_greedy_output_and_is_partly_accepted(stories, shallow):
+    want = staggered(engine(stories, None), greedy(150))
+    speculating = engine(stories, drafting(shallow))
+    assert staggered(speculating, greedy(150)) == want
+    stats = speculating.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_a_draft_models_kv_follows_blocks_into_the_host_tier_and_back(stories):
+    """A prompt's blocks evicted to the host tier and loaded back: the draft's KV made the
+    same round trip (its tier has the target's slots)."""
+    tiered = engine(
+        stories, drafting(stories), num_kv_blocks=24, kv_offload_bytes=1 << 22, max_model_len=256
+    )
+    prompt = PROMPTS["long"][:100]
+    first = run_to_completion(tiered, {"p": prompt}, greedy(20))["p"]
+    run_to_completion(tiered, {f"f{i}": [1, 7 + i] * 60 for i in range(4)}, greedy(4))
+    assert tiered.stats().host_kv_saves_total > 0
+    before = tiered.stats()
+    tiered.add_request("again", prompt, greedy(20))
+    outputs = []
+    while tiered.has_work():
+        outputs += tiered.step().outputs
+    assert outputs[0].num_cached_tokens == 96
+    assert tiered.stats().host_kv_loads_total == before.host_kv_loads_total + 6
+    assert_draft_kv_is_the_targets(tiered)
+    assert [t for out in outputs for t in out.new_token_ids] == first
+    after = tiered.stats()
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert drafted > 0 and accepted == drafted
+
+
+def test_sampled_requests_speculate_with_a_draft_model(stories, shallow):
+    speculating = engine(stories, drafting(shallow))
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=80, ignore_eos=True)
+    outputs = run_to_completion(speculating, PROMPTS, params)
+    assert {rid: len(tokens) for rid, tokens in outputs.items()} == dict.fromkeys(PROMPTS, 80)
+    assert speculating.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_a_draft_model_of_another_vocabulary_or_too_few_positions_is_refused(stories, tmp_path):
+    (tmp_path / "other").mkdir(), (tmp_path / "short").mkdir()
+    other = variant(stories, tmp_path / "other", vocab_size=300)
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        engine(stories, drafting(other))
+    short = variant(stories, tmp_path / "short", max_position_embeddings=128)
+    with pytest.raises(ValueError, match="positions"):
+        engine(stories, drafting(short))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        engine(stories, drafting(stories), tensor_parallel_size=2)

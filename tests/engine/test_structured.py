@@ -20,6 +20,7 @@ from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.engine import Engine
 from lamina.services.engine_worker.engine.errors import InvalidRequestError
 from lamina.services.engine_worker.engine.grammar import GrammarCompiler, apply_bitmasks
+from lamina.services.engine_worker.engine.speculative import SpeculativeConfig
 
 PROMPT = [5, 6, 7, 8]
 
@@ -346,3 +347,57 @@ def test_the_cpu_and_device_bitmask_unpackings_agree():
     )
     assert torch.equal(unpack_numpy(words, vocab), expected)
     assert torch.equal(unpack_tensor(words, vocab), expected)
+
+
+# ------------------------------------------------------------------- speculative decoding
+def speculating(tiny_model, method: str) -> Engine:
+    spec = {
+        "ngram": SpeculativeConfig(
+            num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3
+        ),
+        "draft_model": SpeculativeConfig(
+            method="draft_model", model=str(tiny_model), num_speculative_tokens=3
+        ),
+    }[method]
+    config = EngineConfig(
+        model=tiny_model, max_model_len=1024, num_kv_blocks=512, speculative_config=spec
+    )
+    return Engine(config)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_constrained_requests_speculate_with_the_same_greedy_output(engine, tiny_model, method):
+    """A drafted constrained request's verification rows are masked as if the draft
+    tokens before each were output (llguidance advances through the draft and rolls
+    back): greedy output is the same token for token as without speculation, every draft
+    token the grammar refuses is rejected, and the unconstrained neighbours draft too."""
+    requests = {
+        f"s{i}": Sampling(
+            max_tokens=120, temperature=0.0, structured=StructuredOutput(json=json.dumps(s))
+        )
+        for i, s in enumerate(SCHEMAS)
+    }
+    requests["regex"] = Sampling(
+        max_tokens=120, temperature=0.0, structured=StructuredOutput(regex=r"(ab|cd){3,40}")
+    )
+    requests["free"] = Sampling(max_tokens=120, temperature=0.0, ignore_eos=True)
+    want = run(engine, requests)
+    drafting = speculating(tiny_model, method)
+    assert run(drafting, requests) == want
+    stats = drafting.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_sampled_constrained_requests_that_speculate_produce_valid_instances(tiny_model, tokenizer):
+    drafting = speculating(tiny_model, "ngram")
+    requests = {
+        f"s{i}": Sampling(
+            max_tokens=600, temperature=1.0, structured=StructuredOutput(json=json.dumps(s))
+        )
+        for i, s in enumerate(SCHEMAS)
+    }
+    results = run(drafting, requests)
+    for i, schema in enumerate(SCHEMAS):
+        jsonschema.validate(json.loads(text_of(tokenizer, *results[f"s{i}"])), schema)
+    assert drafting.stats().spec_decode_num_accepted_tokens > 0

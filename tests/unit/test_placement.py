@@ -14,6 +14,7 @@ from lamina.services.scheduler.placement import (
     CostModel,
     Placer,
     Policy,
+    decode_tokens_per_step,
     drain_time,
     kv_block_bytes,
     retry_after,
@@ -143,6 +144,24 @@ def test_the_predicted_ttft_by_the_numbers():
     assert cost.peer_rates([busy, fresh]) == (2000.0, 50.0)
     assert cost.peer_rates([fresh]) == (1000.0, 100.0)
     assert cost.predict_ttft(fresh, 500, cost.peer_rates([busy, fresh])) == pytest.approx(0.25)
+    # Speculating: 1,000 tokens out, 600 drafted, 400 of them accepted: 600 steps of a
+    # sequence, each computing 1 + 600 / 600 tokens, so each step takes twice as long.
+    drafting = Candidate(
+        stats(
+            "s",
+            num_queued_prefill_tokens=300,
+            num_running=4,
+            prefill_tokens_per_s=2000.0,
+            decode_tokens_per_s=50.0,
+            generation_tokens_total=1000,
+            spec_decode_num_draft_tokens=600,
+            spec_decode_num_accepted_tokens=400,
+        ),
+        queued_tokens=400.0,
+    )
+    assert decode_tokens_per_step(drafting.stats) == pytest.approx(2.0)
+    assert decode_tokens_per_step(busy.stats) == 1.0
+    assert cost.predict_ttft(drafting, 600) == pytest.approx(0.5 + 0.16)
     # The engine always computes the last prompt token, however much is cached.
     assert cost.uncached_tokens(64, overlap_blocks=4, block_size=16) == 1
     assert cost.uncached_tokens(100, overlap_blocks=2, block_size=16) == 68

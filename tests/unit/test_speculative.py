@@ -5,6 +5,7 @@ is: checked by drawing many times with a fixed seed."""
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def test_the_config_takes_vllms_json_and_refuses_unknown_keys():
     assert SpeculativeConfig.parse('{"prompt_lookup_max": 1}').prompt_lookup_min == 1
     with pytest.raises(ValueError, match="unknown keys \\['num_spec_tokens'\\]"):
         SpeculativeConfig.parse('{"num_spec_tokens": 3}')
-    with pytest.raises(ValueError, match="only 'ngram'"):
+    with pytest.raises(ValueError, match="'ngram' and 'draft_model' are built"):
         SpeculativeConfig.parse('{"method": "eagle"}')
     with pytest.raises(ValueError, match="not JSON"):
         SpeculativeConfig.parse("{ngram")
@@ -36,6 +37,24 @@ def test_the_config_takes_vllms_json_and_refuses_unknown_keys():
         SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=3)
     with pytest.raises(ValueError, match="positive"):
         SpeculativeConfig(num_speculative_tokens=0)
+
+
+def test_a_draft_model_is_named_by_its_checkpoint_and_the_method_follows_from_it(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    given = json.dumps({"model": str(tmp_path), "num_speculative_tokens": 5})
+    config = SpeculativeConfig.parse(given)
+    assert (config.method, config.model, config.num_speculative_tokens) == (
+        "draft_model",
+        str(tmp_path),
+        5,
+    )
+    assert SpeculativeConfig.parse(str(config)) == config
+    with pytest.raises(ValueError, match="takes a draft checkpoint"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match="takes a draft checkpoint"):
+        SpeculativeConfig.parse(json.dumps({"method": "ngram", "model": str(tmp_path)}))
+    with pytest.raises(ValueError, match="no config\\.json"):
+        SpeculativeConfig.parse(json.dumps({"model": str(tmp_path / "missing")}))
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
@@ -68,7 +87,10 @@ def test_only_requests_whose_rows_need_no_draft_state_speculate():
     assert may_speculate(request(SamplingParams(min_tokens=4)))
     seeded = request(SamplingParams(seed=7))
     seeded.generator = torch.Generator()
-    assert not may_speculate(seeded)
+    assert may_speculate(seeded)  # its own draw per row
+    unsent = request(SamplingParams(prompt_logprobs=1))
+    unsent.prompt_logprobs = {}
+    assert not may_speculate(unsent)
 
 
 def test_a_rows_penalties_count_the_draft_tokens_before_it():

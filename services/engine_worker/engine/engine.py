@@ -29,6 +29,7 @@ from lamina.libs.block_hash import ROOT_HASH, root_hash
 from lamina.services.engine_worker.engine.batch_scheduler import BatchScheduler, ScheduledBatch
 from lamina.services.engine_worker.engine.block_manager import BlockManager
 from lamina.services.engine_worker.engine.config import EngineConfig
+from lamina.services.engine_worker.engine.draft_model import DraftModel, load_draft
 from lamina.services.engine_worker.engine.errors import (
     DuplicateRequestError,
     KvLayoutMismatch,
@@ -102,7 +103,12 @@ class Engine:
         try:
             tp, pp = (self.ranks.tp, self.ranks.pp) if self.ranks else (SINGLE, WHOLE)
             shard = load_shard(config, tp, pp, self.device)
-            num_blocks, tier_slots = shard.max_blocks, shard.tier_slots()
+            spec = config.speculative_config
+            draft = None  # a draft model's weights, loaded before the pools are sized
+            if spec is not None and spec.method == "draft_model":
+                draft = load_draft(config, shard)
+            beside = draft.block_bytes if draft is not None else 0
+            num_blocks, tier_slots = shard.blocks_in_budget(beside), shard.tier_slots()
             if self.ranks is not None:
                 num_blocks = self.ranks.agree_blocks(num_blocks, tier_slots)
             max_model_len, bs = shard.max_model_len, config.block_size
@@ -113,6 +119,8 @@ class Engine:
                     "kv_cache_memory_bytes or lower max_model_len"
                 )
             self.runner = shard.runner(num_blocks, tier_slots)
+            self.drafter = None if draft is None else DraftModel(draft, num_blocks, tier_slots)
+            """Speculative decoding's draft model (the ``draft_model`` method), if any."""
         except BaseException:
             self.close()
             raise
@@ -154,8 +162,8 @@ class Engine:
             socket.gethostname(),
             str(self.device),
             os.getpid(),
-            shard.weight_bytes,
-            num_blocks * shard.block_bytes,
+            shard.weight_bytes + (draft.weight_bytes if draft is not None else 0),
+            num_blocks * (shard.block_bytes + beside),
         )
         self.spec = EngineSpec(
             config=config,
@@ -318,6 +326,8 @@ class Engine:
         if self.config.speculative_config is not None:
             self._propose()
         batch = self.scheduler.schedule(busy, most)
+        if self.drafter is not None and batch.requests:
+            self.drafter.propose(batch)
         if batch.requests:
             self._in_flight.append(self._launch(batch))
         if not self._in_flight:
@@ -348,17 +358,22 @@ class Engine:
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens - 1,
             )
-            request.draft = propose(request.token_ids, config, most)
+            if self.drafter is not None:  # room made now, the draft filled once scheduled
+                request.draft = [0] * max(most, 0)
+            else:
+                request.draft = propose(request.token_ids, config, most)
+                if request.grammar is not None:  # what it refuses would only be rejected
+                    del request.draft[request.grammar.allowed_prefix(request.draft) :]
 
     def _launch(self, batch: ScheduledBatch) -> _Flight:
         """Start ``batch``: its masks, the model's first stage (or all of it), and its
         tokens counted as computed (its KV is written, stage by stage, in launch order)."""
         started = time.perf_counter()
-        masks = self._start_masks(batch)  # filled while the model runs
+        masks, draft_masks = self._start_masks(batch)  # filled while the model runs
         positions = self._prompt_positions(batch)
         wait = self._start(batch, [row for row, _, _ in positions])
         sampling = self.scheduler.advance(batch)
-        return _Flight(batch, masks, positions, sampling, wait, started)
+        return _Flight(batch, masks, draft_masks, positions, sampling, wait, started)
 
     def _complete(self, flight: _Flight) -> StepResult:
         """Sample the requests of ``flight`` that reached their last token and advance
@@ -373,7 +388,8 @@ class Engine:
         verified = {}
         if any(r.draft for r in sampling):  # the rest sample from their one row each
             drafted_rows, single_rows = _rows(sampling)
-            verified = self._verify(logits[drafted_rows], [r for r in sampling if r.draft])
+            drafted = [r for r in sampling if r.draft]
+            verified = self._verify(logits[drafted_rows], drafted, flight.draft_masks)
             sampling = [r for r in sampling if not r.draft]
             logits = logits[single_rows]
         sampled, errors = self._sample(logits, sampling, flight.masks)
@@ -400,12 +416,16 @@ class Engine:
         return StepResult(flight.batch, outputs, self.blocks.usage)
 
     def _verify(
-        self, logits: torch.Tensor, drafted: list[Request]
+        self, logits: torch.Tensor, drafted: list[Request], masks: BatchMasks | None
     ) -> dict[str, tuple[list[int], list[SampledLogprob] | None]]:
         """The ``drafted`` requests' tokens (``Sampler.verify``), by request id, from
-        ``logits`` (``1 + len(draft)`` rows each, in order); counts what was proposed
-        and accepted."""
-        verified = self.sampler.verify(logits, drafted)
+        ``logits`` (``1 + len(draft)`` rows each, in order) and their grammars' ``masks``;
+        counts what was proposed and accepted."""
+        try:
+            verified = self.sampler.verify(logits, drafted, masks)
+        finally:
+            if masks is not None:
+                masks.wait()  # before any matcher moves
         for request, (tokens, _) in zip(drafted, verified, strict=True):
             accepted = len(tokens) - 1  # the last is the target's own
             self._drafts += 1
@@ -440,6 +460,8 @@ class Engine:
         if self.ranks is not None:
             return self.ranks.launch(step, self.runner)
         logits = self.runner.run(step)
+        if self.drafter is not None:
+            self.drafter.mirror(step)
         return lambda: logits
 
     def _lora_slots(self, batch: ScheduledBatch) -> np.ndarray:
@@ -541,20 +563,28 @@ class Engine:
                 list(zip(top_ids[:n], top_values[:n], strict=True)),
             )  # type: ignore[index]
 
-    def _start_masks(self, batch: ScheduledBatch) -> BatchMasks | None:
+    def _start_masks(self, batch: ScheduledBatch) -> tuple[BatchMasks | None, BatchMasks | None]:
         """The grammar masks of the requests that will sample this step (those whose
-        chunk ends their tokens, in batch order), started now; None if none is
-        constrained."""
+        chunk ends their tokens, and their drafts, in batch order), started now: of those
+        that sample one token, and of the verification rows of those with a draft; None
+        where none is constrained."""
         if all(request.grammar is None for request in batch.requests):
-            return None  # the usual step: one pass, nothing built
+            return None, None  # the usual step: one pass, nothing built
         sampling = [
             request
             for request, n in zip(batch.requests, batch.num_new_tokens, strict=True)
-            if request.num_computed_tokens + n == request.num_tokens
+            if request.num_computed_tokens + n == request.num_step_tokens
         ]
-        if all(request.grammar is None for request in sampling):
-            return None
-        return BatchMasks([r.grammar for r in sampling], self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        singles = [r for r in sampling if not r.draft]
+        drafted = [r for r in sampling if r.draft]
+        masks = draft_masks = None
+        if any(r.grammar is not None for r in singles):
+            masks = BatchMasks([r.grammar for r in singles], vocab)
+        if any(r.grammar is not None for r in drafted):
+            states, drafts = [r.grammar for r in drafted], [r.draft for r in drafted]
+            draft_masks = BatchMasks(states, vocab, drafts)
+        return masks, draft_masks
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request], masks: BatchMasks | None = None
@@ -694,7 +724,7 @@ class Engine:
                 break
         at = np.asarray(where, dtype=np.int64).reshape(-1, 2).T.copy()
         moves = blocks.take_moves()
-        self.runner.transfer(moves)
+        self._transfer(moves)
         shares = [self.runner.read_blocks(at)]
         if self.ranks is not None:
             shares += self.ranks.export_shares(moves, at)
@@ -719,11 +749,17 @@ class Engine:
             [None if s is None else s[:, source] for s in blocks.scales],
         )
         shares = self.sharding.split(whole)
-        self.runner.transfer(moves)
+        self._transfer(moves)
         self.runner.write_blocks(targets, shares[0])
         if self.ranks is not None:
             self.ranks.import_shares(moves, targets, shares[1:])
         return len(placed)
+
+    def _transfer(self, moves: np.ndarray) -> None:
+        """Moves between the tiers made outside a step, on this rank (and the draft's)."""
+        self.runner.transfer(moves)
+        if self.drafter is not None:
+            self.drafter.transfer(moves)
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
@@ -746,6 +782,9 @@ class _Flight:
 
     batch: ScheduledBatch
     masks: BatchMasks | None
+    """The grammar masks of its requests that sample one token."""
+    draft_masks: BatchMasks | None
+    """The grammar masks of its drafted requests' verification rows."""
     positions: list[tuple[int, Request, int]]
     sampling: list[Request]
     """Its requests that reached their last token: they sample."""

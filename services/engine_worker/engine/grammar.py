@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from llguidance.torch import (
     allocate_token_bitmask,
     fill_next_token_bitmask,
     fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
 )
 
 from lamina.libs.bounded import BoundedDict
@@ -78,6 +80,11 @@ class GrammarState:
         self.finished = token in self.stop_token_ids
         return True
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar would take in turn (the
+        state does not move)."""
+        return self.matcher.validate_tokens(tokens)
+
     def refusal(self, token: int) -> str:
         """Why ``token`` was refused: the engine's own error, or, with none, that the
         request's other rules masked every token its grammar allowed."""
@@ -93,27 +100,43 @@ class BatchMasks:
     """The token masks of a batch's constrained rows, filled by one llguidance call on a
     thread of its own (the GIL released), so that they are computed while the model runs;
     :meth:`apply` waits for them. A request's matcher must not move until they are done
-    (:meth:`wait`)."""
+    (:meth:`wait`).
 
-    def __init__(self, states: list[GrammarState | None], vocab: int) -> None:
-        self.rows = [
+    With ``drafts`` (speculative decoding), state ``i`` has ``1 + len(drafts[i])`` rows:
+    its mask now and after each draft token, as if the ones before it were output
+    (llguidance advances the matcher through the draft and rolls it back). Past a draft
+    token the grammar refuses, rows allow everything: verification rejects that token
+    (its row masks it out), so the rows after it are never used."""
+
+    def __init__(
+        self, states: list[GrammarState | None], vocab: int, drafts: list[list[int]] | None = None
+    ) -> None:
+        widths = [1] * len(states) if drafts is None else [1 + len(d) for d in drafts]
+        starts = np.cumsum([0, *widths])
+        constrained = [
             i for i, state in enumerate(states) if state is not None and not state.finished
         ]
-        self.size = len(states)
+        self.rows = [int(starts[i]) + j for i in constrained for j in range(widths[i])]
+        self.size = int(starts[-1])
         self.bitmask = allocate_token_bitmask(len(self.rows), vocab)
-        matchers = [(states[row].matcher, i) for i, row in enumerate(self.rows)]  # type: ignore[union-attr]
-        self._filled = (
-            _FILLER.submit(fill_next_token_bitmask_par, _EXECUTOR, matchers, self.bitmask)
-            if self.rows
-            else None
-        )
+        self._filled = None
+        if not constrained:
+            return
+        firsts = np.cumsum([0, *(widths[i] for i in constrained)])[:-1].tolist()
+        at = list(zip(constrained, firsts, strict=True))  # (state, its first bitmask row)
+        fill: Callable = fill_next_token_bitmask_par
+        work: list[tuple] = [(states[i].matcher, k) for i, k in at]  # type: ignore[union-attr]
+        if drafts is not None:
+            fill = fill_next_token_bitmask_par_with_draft_tokens
+            work = [(states[i].matcher, k, drafts[i]) for i, k in at]  # type: ignore[union-attr]
+        self._filled = _FILLER.submit(fill, _EXECUTOR, work, self.bitmask)
 
     def wait(self) -> None:
         if self._filled is not None:
             self._filled.result()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (a row per state, in order) with each constrained row's disallowed
+        """``logits`` (each state's rows, in order) with each constrained row's disallowed
         tokens at -inf: a new tensor when any row is constrained, the same one otherwise."""
         if not self.rows:
             return logits

@@ -158,7 +158,7 @@ class Sampler:
         return logits - (freq[:, None] * output_counts + pres[:, None] * seen)
 
     def verify(
-        self, logits: torch.Tensor, requests: list[Request]
+        self, logits: torch.Tensor, requests: list[Request], masks: BatchMasks | None = None
     ) -> list[tuple[list[int], list[SampledLogprob] | None]]:
         """Verify each request's draft (speculative decoding): ``logits`` holds, for each
         request in turn, ``1 + len(request.draft)`` rows, the distributions of the token
@@ -174,8 +174,11 @@ class Sampler:
         exactly as ``p``. A row stands for the draft tokens before it having been output
         (it is used only when they were): its penalties count them, its bad words match
         after them, and ``min_tokens`` holds off EOS while they leave the output short.
-        Only requests that ``speculative.may_speculate`` have drafts (no grammar, no
-        seed); logit biases and allowed tokens apply to every row alike."""
+        ``masks``: the requests' grammar masks per row (``BatchMasks`` with drafts: each
+        row's as if the draft tokens before it were output); a draft token its grammar
+        refuses is masked out of its row, so rejected. A seeded request draws each row's
+        token with its own generator and keeps draft tokens while they equal the draws
+        (:meth:`_seeded_draw`). Logit biases and allowed tokens apply to every row alike."""
         rows = [r for r in requests for _ in range(len(r.draft) + 1)]
         params = [r.params for r in rows]
         dev = logits.device
@@ -184,6 +187,8 @@ class Sampler:
             if any(p.logprobs is not None for p in params)
             else None
         )
+        if masks is not None:
+            logits = masks.apply(logits)
         outputs = None
         if any(p.has_penalties or p.bad_words_token_ids for p in params):
             outputs = [
@@ -209,9 +214,12 @@ class Sampler:
         row = 0
         for request in requests:
             draft, tokens = request.draft, []
+            seeded = request.generator is not None and not request.params.greedy
             for i, proposed_token in enumerate(draft):
                 if request.params.greedy:
                     token = argmax[row + i]
+                elif seeded:  # its own draw for this position, as if it had no draft
+                    token = self._seeded_draw(probs[row + i], request)  # type: ignore[index]
                 elif uniform[row + i] < p_proposed[row + i]:
                     token = proposed_token
                 else:
@@ -221,8 +229,12 @@ class Sampler:
                     break
             else:
                 last = row + len(draft)
-                greedy = request.params.greedy
-                tokens.append(argmax[last] if greedy else self._draw(probs[last]))  # type: ignore[index]
+                if request.params.greedy:
+                    tokens.append(argmax[last])
+                elif seeded:
+                    tokens.append(self._seeded_draw(probs[last], request))  # type: ignore[index]
+                else:
+                    tokens.append(self._draw(probs[last]))  # type: ignore[index]
             top_n = request.params.logprobs
             logprobs = None
             if raw_logprobs is not None and top_n is not None:
@@ -232,6 +244,24 @@ class Sampler:
             results.append((tokens, logprobs))
             row += len(draft) + 1
         return results
+
+    def _seeded_draw(self, probs: torch.Tensor, request: Request) -> int:
+        """One token from ``probs`` (one row) by ``request``'s own generator, drawing as
+        :meth:`_sample` does for it: a draft token is kept when this draw is that token,
+        which for a one-token proposal is rejection sampling (kept with probability
+        ``p(d)``, else a token of ``p`` without ``d``), and leaves the generator where
+        decoding the same tokens one by one would: the output is the same as without a
+        draft, seed for seed."""
+        return int((probs / self._request_noise(request, probs)).argmax())
+
+    def _request_noise(self, request: Request, like: torch.Tensor) -> torch.Tensor:
+        """The exponential noise of a seeded request's next token (a row like ``like``),
+        after the draws of the tokens replayed to it (``pending_draws``)."""
+        noise = torch.empty_like(like)
+        for _ in range(request.pending_draws):
+            noise.exponential_(generator=request.generator)
+        request.pending_draws = 0
+        return noise.exponential_(generator=request.generator)
 
     def _draw(self, probs: torch.Tensor, without: int | None = None) -> int:
         """One token from the distribution ``probs`` (one row), ``without`` one token
@@ -264,10 +294,7 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, request in enumerate(requests):
             if request.generator is not None and not greedy[row]:
-                for _ in range(request.pending_draws):  # where its replayed tokens drew
-                    noise[row].exponential_(generator=request.generator)
-                request.pending_draws = 0
-                noise[row].exponential_(generator=request.generator)
+                noise[row] = self._request_noise(request, noise[row])
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
 

@@ -43,8 +43,14 @@ class Shard:
     @property
     def max_blocks(self) -> int:
         """The KV blocks this rank's budget holds (``kv_cache_memory_bytes`` is per rank)."""
+        return self.blocks_in_budget()
+
+    def blocks_in_budget(self, beside: int = 0) -> int:
+        """The KV blocks this rank's budget holds when each block also pays ``beside``
+        bytes (a draft model's KV for the same tokens), unless ``num_kv_blocks`` says."""
         config = self.config
-        return config.num_kv_blocks or config.kv_budget_bytes(self.device) // self.block_bytes
+        budget = config.kv_budget_bytes(self.device)
+        return config.num_kv_blocks or budget // (self.block_bytes + beside)
 
     @property
     def graphs(self) -> bool:

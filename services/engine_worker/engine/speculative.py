@@ -1,24 +1,27 @@
-"""Speculative decoding by prompt lookup (n-gram): what to propose, and for whom.
+"""Speculative decoding: its config, prompt lookup (n-gram), and who may speculate.
 
-A decoding request that may speculate gets a *draft*: the tokens that followed the most
-recent earlier occurrence of its last few tokens (its prompt and output so far). The
-step then computes the request's last token and its draft together, like a chunk of
-prompt, and the sampler verifies the draft against the target model's distribution at
-each position (``Sampler.verify``): greedy requests keep the longest prefix that equals
-their argmax tokens, sampled ones run rejection sampling, which keeps the target
-distribution exactly. Either way the step yields the accepted draft tokens plus one
-token of the target's own, and the KV of rejected positions is given back.
+A decoding request that may speculate gets a *draft*: by prompt lookup (``ngram``), the
+tokens that followed the most recent earlier occurrence of its last few tokens (its
+prompt and output so far); by a draft model (``draft_model``, ``draft_model.py``), a
+smaller checkpoint's greedy continuation. The step then computes the request's last
+token and its draft together, like a chunk of prompt, and the sampler verifies the draft
+against the target model's distribution at each position (``Sampler.verify``): greedy
+requests keep the longest prefix that equals their argmax tokens, sampled ones run
+rejection sampling, which keeps the target distribution exactly. Either way the step
+yields the accepted draft tokens plus one token of the target's own, and the KV of
+rejected positions is given back.
 
 Prompt lookup needs no second model and costs a search over the request's tokens; it
 pays where output repeats its context (code edits, quoting, summaries, loops) and costs a
-wider step where it does not. A draft model is the other method peers offer; it is not
-built here yet.
+wider step where it does not. A draft model proposes everywhere, at the price of its own
+steps.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -30,8 +33,12 @@ from lamina.services.engine_worker.engine.request import Request
 class SpeculativeConfig:
     """``--speculative-config``, in vLLM's shape (a JSON object of these keys)."""
 
-    method: Literal["ngram"] = "ngram"
-    """How drafts are made: ``ngram`` (prompt lookup, no second model)."""
+    method: Literal["ngram", "draft_model"] = "ngram"
+    """How drafts are made: ``ngram`` (prompt lookup, no second model) or
+    ``draft_model`` (the checkpoint ``model``; the default when ``model`` is given)."""
+    model: str | None = None
+    """The draft model's checkpoint directory (``draft_model`` only): a smaller model of
+    the same tokenizer (its vocabulary must equal the target's)."""
     num_speculative_tokens: int = 3
     """Most draft tokens per request per step."""
     prompt_lookup_max: int = 5
@@ -43,8 +50,17 @@ class SpeculativeConfig:
     wide batch is no longer memory-bound, and a rejected draft then costs compute."""
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method {self.method!r}: only 'ngram' is built")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(
+                f"speculative method {self.method!r}: 'ngram' and 'draft_model' are built"
+            )
+        if (self.method == "draft_model") != bool(self.model):
+            raise ValueError(
+                "speculative method 'draft_model' takes a draft checkpoint, 'model', and "
+                f"'ngram' none (method {self.method!r}, model {self.model!r})"
+            )
+        if self.model and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"speculative model {self.model!r}: no config.json there")
         if self.num_speculative_tokens <= 0:
             raise ValueError(
                 f"num_speculative_tokens ({self.num_speculative_tokens}) must be positive"
@@ -78,6 +94,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"--speculative-config: unknown keys {unknown} (known: {sorted(known)})"
             )
+        if given.get("model") and "method" not in given:  # as vLLM infers it
+            given["method"] = "draft_model"
         if "prompt_lookup_max" in given and "prompt_lookup_min" not in given:
             given["prompt_lookup_min"] = min(cls.prompt_lookup_min, given["prompt_lookup_max"])
         return cls(**given)
@@ -86,10 +104,10 @@ class SpeculativeConfig:
 def may_speculate(request: Request) -> bool:
     """Whether ``request`` may take a draft: its distribution at a draft position must
     not depend on the draft tokens before it in ways verification does not model.
-    Penalties, bad words and ``min_tokens`` it models (a row stands for the draft before
-    it having been output); not a grammar, prompt logprobs still to send, or a seed (a
-    seeded request's draws must not depend on what was proposed)."""
-    return request.grammar is None and request.generator is None and request.prompt_logprobs is None
+    Penalties, bad words, ``min_tokens`` and a grammar it models (a row stands for the
+    draft before it having been output), and a seed (its own draw per row); not prompt
+    logprobs still to send."""
+    return request.prompt_logprobs is None
 
 
 def propose(tokens: list[int], config: SpeculativeConfig, most: int) -> list[int]:
