@@ -12,19 +12,22 @@ Two workloads, greedy, ``--max-tokens`` tokens each with EOS ignored:
   again: the model retells it, as in editing or quoting (lookup's best case).
 
 For each workload and batch size (``--batch-sizes``), each run times the engines
-(``--methods``) on the same requests, rotating which goes first, and reports output
-tokens/s (batch 1: its inverse is the TPOT), the acceptance rate (accepted / proposed
-draft tokens) and the tokens a drafted request made per step. Prints the medians of
-``--runs`` and the speed-up (the median of each run's own ratio). Not a test: run it by
-hand.
+(``--methods``; each also as ``<method>-adaptive``, with ``"adaptive": true``: drafting
+only where the engine's gate finds it pays) on the same requests, rotating which goes
+first, and reports output tokens/s (batch 1: its inverse is the TPOT), the acceptance
+rate (accepted / proposed draft tokens) and the tokens a drafted request made per step.
+Prints the medians of ``--runs`` and the speed-up (the median of each run's own ratio).
+Not a test: run it by hand.
 
     .venv/bin/python -u benchmarks/speculative.py [--runs 5] [--model DIR]
-        [--methods ngram draft_model] [--draft-model DIR | --draft-layers 1]
+        [--methods ngram draft_model ngram-adaptive draft_model-adaptive]
+        [--draft-model DIR | --draft-layers 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import re
@@ -102,7 +105,9 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"])
+    parser.add_argument(
+        "--methods", nargs="+", default=["ngram", "draft_model"], help="-adaptive: with the gate"
+    )
     parser.add_argument("--draft-model", type=Path, help="default: the target's first layers")
     parser.add_argument("--draft-layers", type=int, default=1)
     args = parser.parse_args()
@@ -120,6 +125,8 @@ def main() -> None:
                 method="draft_model", model=str(draft), num_speculative_tokens=tokens
             ),
         }
+        for name, config in list(configs.items()):  # each with the gate too
+            configs[f"{name}-adaptive"] = dataclasses.replace(config, adaptive=True)
         methods = {m: configs[m] for m in args.methods}
         print(f"{platform.node()} {args.model.name} threads={args.threads}")
         for config in methods.values():
@@ -161,7 +168,7 @@ def compare(args: argparse.Namespace, methods: dict[str, SpeculativeConfig]) -> 
             for m in methods:
                 spec, r = statistics.median(rates[m]), ratios[m]
                 print(
-                    f"{'':16}{m:12} {spec:8.1f} tok/s (x{statistics.median(r):.2f}, runs "
+                    f"{'':16}{m:20} {spec:8.1f} tok/s (x{statistics.median(r):.2f}, runs "
                     f"{min(r):.2f}-{max(r):.2f}); accepted {statistics.median(acceptance[m]):.0%} "
                     f"of draft tokens, {statistics.median(per_step[m]):.2f} tokens per drafted "
                     "step" + (f"; TPOT {1000 / spec:.2f} ms" if batch == 1 else ""),

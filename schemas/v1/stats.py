@@ -182,6 +182,9 @@ class WorkerStats(Message, gc=False):
     role: WorkerRole = WorkerRole.MIXED
     kv_prefills_total: Count = 0
     """Prefill legs it computed for other workers (cumulative)."""
+    spec_decode_active: bool = False
+    """Whether its decoding requests draft now: speculative decoding is on, under
+    ``disable_by_batch_size``, and (``"adaptive": true``) predicted to pay at its batch."""
     spec_decode_num_drafts: Count = 0
     """Drafts it verified (speculative decoding, ``--speculative-config``: one per
     drafted request per step; cumulative, as the three below)."""

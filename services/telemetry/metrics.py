@@ -92,6 +92,11 @@ WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerStats], float]]] = {
         "Prefix-cache hit ratio reported by the worker.",
         lambda s: s.prefix_cache_hit_ratio,
     ),
+    "spec_decode_active": (
+        "Whether the worker's decoding requests draft now (speculative decoding: 0 when "
+        "off, or turned off at its batch).",
+        lambda s: float(s.spec_decode_active),
+    ),
     "num_queued_prefill_tokens": (
         "Prompt tokens waiting to be prefilled.",
         lambda s: s.num_queued_prefill_tokens,

@@ -276,3 +276,28 @@ def test_a_draft_model_of_another_vocabulary_or_too_few_positions_is_refused(sto
         engine(stories, drafting(short))
     with pytest.raises(ValueError, match="tensor parallelism"):
         engine(stories, drafting(stories), tensor_parallel_size=2)
+
+
+def test_an_adaptive_engine_drafts_only_while_its_gate_finds_drafting_pays(stories):
+    """``"adaptive": true``: the gate's step-time fit (its own test feeds it synthetic
+    steps) stands in for a machine where each token costs a step's worth (compute-bound:
+    drafts at this acceptance do not pay), then for one where a step costs the same at
+    any width (memory-bound: they do). Output is unchanged throughout."""
+    adaptive = SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, adaptive=True
+    )
+    speculating = engine(stories, adaptive)
+    assert speculating.stats().spec_decode_active
+    want = run_to_completion(engine(stories, None), PROMPTS, greedy(100))
+
+    speculating.gate.step_time = lambda tokens: 1e-3 * tokens
+    assert run_to_completion(speculating, PROMPTS, greedy(100)) == want
+    stats = speculating.stats()
+    assert not stats.spec_decode_active
+    assert 0 < stats.spec_decode_num_drafts <= len(PROMPTS)  # until its first acceptance
+
+    speculating.gate.step_time = lambda tokens: 5e-3
+    assert run_to_completion(speculating, PROMPTS, greedy(100)) == want
+    again = speculating.stats()
+    assert again.spec_decode_active
+    assert again.spec_decode_num_drafts > stats.spec_decode_num_drafts + 50

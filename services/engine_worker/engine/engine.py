@@ -68,7 +68,11 @@ from lamina.services.engine_worker.engine.runner import NO_ADAPTERS, ModelRunner
 from lamina.services.engine_worker.engine.sampler import SampledLogprob, Sampler, SamplerOutput
 from lamina.services.engine_worker.engine.shard import load_shard
 from lamina.services.engine_worker.engine.spec import EngineSpec, RankInfo
-from lamina.services.engine_worker.engine.speculative import may_speculate, propose
+from lamina.services.engine_worker.engine.speculative import (
+    SpeculationGate,
+    may_speculate,
+    propose,
+)
 
 log = logging.getLogger("lamina.worker.engine")
 
@@ -195,6 +199,11 @@ class Engine:
         self._accepted_per_position = [0] * (
             config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         )
+        speculative = config.speculative_config
+        self.gate = SpeculationGate() if speculative and speculative.adaptive else None
+        """Whether drafting pays at the step's batch (``"adaptive": true``), if asked."""
+        self._spec_active = speculative is not None
+        """Whether the last step's decoding requests could draft."""
 
     @property
     def max_model_len(self) -> int:
@@ -317,6 +326,7 @@ class Engine:
         the first stage, while the later stages run the earlier ones, and then completes
         the oldest in flight once the pipeline is full, or once there is nothing left to
         launch. Its result is that completed batch's."""
+        started = time.perf_counter()  # (a step's time includes making its drafts)
         stages = self.config.pipeline_parallel_size
         busy = frozenset(r.request_id for f in self._in_flight for r in f.batch.requests)
         most = None
@@ -329,7 +339,7 @@ class Engine:
         if self.drafter is not None and batch.requests:
             self.drafter.propose(batch)
         if batch.requests:
-            self._in_flight.append(self._launch(batch))
+            self._in_flight.append(self._launch(batch, started))
         if not self._in_flight:
             return StepResult(batch, [], self.blocks.usage)
         if batch.requests and len(self._in_flight) < stages:
@@ -338,14 +348,23 @@ class Engine:
 
     def _propose(self) -> None:
         """Give each decoding request that may speculate a draft for this step (none in
-        a batch of ``disable_by_batch_size`` or more), and clear the drafts of the rest
-        (one a request was given for a step that did not schedule it is stale)."""
+        a batch of ``disable_by_batch_size`` or more, or where the gate finds drafting
+        does not pay), and clear the drafts of the rest (one a request was given for a
+        step that did not schedule it is stale)."""
         config = self.config.speculative_config
         assert config is not None
         running = self.scheduler.running
         off = config.disable_by_batch_size is not None and (
             len(running) >= config.disable_by_batch_size
         )
+        if self.gate is not None and not off:
+            decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in running)
+            off = not self.gate.pays(decoding)
+        if off == self._spec_active:
+            self._spec_active = not off
+            if self.gate is not None:  # (its margins keep this rare; the threshold's not)
+                state = "off: drafts do not pay" if off else "on: drafts pay"
+                log.info("speculative decoding %s at %d running requests", state, len(running))
         for request in running:
             request.draft.clear()
             if off or request.num_tokens - request.num_computed_tokens != 1:
@@ -365,10 +384,10 @@ class Engine:
                 if request.grammar is not None:  # what it refuses would only be rejected
                     del request.draft[request.grammar.allowed_prefix(request.draft) :]
 
-    def _launch(self, batch: ScheduledBatch) -> _Flight:
-        """Start ``batch``: its masks, the model's first stage (or all of it), and its
-        tokens counted as computed (its KV is written, stage by stage, in launch order)."""
-        started = time.perf_counter()
+    def _launch(self, batch: ScheduledBatch, started: float) -> _Flight:
+        """Start ``batch`` (its step began at ``started``): its masks, the model's first
+        stage (or all of it), and its tokens counted as computed (its KV is written, stage
+        by stage, in launch order)."""
         masks, draft_masks = self._start_masks(batch)  # filled while the model runs
         positions = self._prompt_positions(batch)
         wait = self._start(batch, [row for row, _, _ in positions])
@@ -426,13 +445,18 @@ class Engine:
         finally:
             if masks is not None:
                 masks.wait()  # before any matcher moves
+        accepted_now = 0
         for request, (tokens, _) in zip(drafted, verified, strict=True):
             accepted = len(tokens) - 1  # the last is the target's own
             self._drafts += 1
             self._draft_tokens += len(request.draft)
             self._accepted_tokens += accepted
+            accepted_now += accepted
             for position in range(accepted):
                 self._accepted_per_position[position] += 1
+        if self.gate is not None:
+            proposed = sum(len(r.draft) for r in drafted)
+            self.gate.observe_drafts(len(drafted), proposed, accepted_now)
         return {r.request_id: result for r, result in zip(drafted, verified, strict=True)}
 
     def _settle_draft(self, request: Request) -> None:
@@ -657,6 +681,8 @@ class Engine:
             self._decode_rate = (
                 (1 - a) * self._decode_rate + a * rate if self._decode_rate else rate
             )
+        if self.gate is not None and num_decodes == num_new:  # decodes (and drafts) only
+            self.gate.observe_step(num_new, seconds)
 
     # ------------------------------------------------------------------------------ state
     def stats(self) -> EngineStats:
@@ -678,6 +704,7 @@ class Engine:
             generation_tokens_total=self._generation_tokens,
             prefill_tokens_per_s=self._prefill_rate,
             decode_tokens_per_s=self._decode_rate,
+            spec_decode_active=self._spec_active,
             spec_decode_num_drafts=self._drafts,
             spec_decode_num_draft_tokens=self._draft_tokens,
             spec_decode_num_accepted_tokens=self._accepted_tokens,

@@ -105,6 +105,7 @@ class EngineStats:
     where there is none)."""
     disk_kv_load_blocks_per_s: float = 0.0
     """How fast this rank's loads from the disk tier ran, where it times them."""
+    spec_decode_active: bool = False
     spec_decode_num_drafts: int = 0
     """Drafts verified (speculative decoding: one per drafted request per step)."""
     spec_decode_num_draft_tokens: int = 0

@@ -48,6 +48,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     """Speculate only in steps with fewer running requests than this (None: always): a
     wide batch is no longer memory-bound, and a rejected draft then costs compute."""
+    adaptive: bool = False
+    """Speculate only while drafting is predicted to pay at the batch the step has, from
+    the engine's measured step times and acceptance (:class:`SpeculationGate`); the
+    worker says whether it drafts now (``WorkerStats.spec_decode_active``)."""
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -140,3 +144,78 @@ def propose(tokens: list[int], config: SpeculativeConfig, most: int) -> list[int
         return []
     start = int(best[-1]) + 1
     return seq[start : start + most].tolist()
+
+
+class SpeculationGate:
+    """Whether drafting pays at the current batch (``"adaptive": true``), decided from
+    the engine's own measurements rather than a fixed batch size.
+
+    A decode step that computes ``n`` tokens takes ``t(n) = a + b·n``: ``a`` the part
+    that does not grow with the tokens (reading the weights, dispatch), ``b`` the part
+    that does, fitted by exponentially weighted least squares over decode-only steps
+    (drafted or not). Drafting ``k`` tokens for each of ``B`` sequences, of which ``α``
+    are accepted on average, turns a step of ``B`` tokens that outputs ``B`` into one of
+    ``B(1 + k)`` that outputs ``B(1 + α)``: it pays while ``(1 + α)·t(B) > t(B(1 + k))``.
+    A memory-bound step (``a`` large) pays for drafts at any acceptance; a compute-bound
+    one only at high acceptance. A margin on each side keeps it from flapping. Until it
+    has drafts to count, it drafts; until it has a fit, which needs steps of two widths
+    at least, it drafts but for one plain step in :attr:`PROBE_EVERY` (a draft model
+    proposes for every request at every step, so without these it would see one width
+    only); while off, the acceptance it last measured stands."""
+
+    MIN_WEIGHT = 8.0
+    """Decode steps' weight before the fit counts (about that many recent steps)."""
+    PROBE_EVERY = 8
+    """Without a fit, one decision in this many is a plain step, to measure one."""
+
+    def __init__(self, decay: float = 0.98, margin: float = 0.05) -> None:
+        self.decay = decay
+        self.margin = margin
+        self.on = True
+        self._sums = np.zeros(5)  # weight, Σn, Σt, Σn², Σn·t (decayed)
+        self._draft_tokens = 0.0  # per drafted sequence-step (decayed means)
+        self._accepted = 0.0
+        self._drafted = 0.0
+        self._unfit = 0  # decisions made without a fit
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode-only step that computed ``tokens`` tokens in ``seconds``."""
+        self._sums = self.decay * self._sums + np.array(
+            [1.0, tokens, seconds, tokens * tokens, tokens * seconds]
+        )
+
+    def observe_drafts(self, drafts: int, draft_tokens: int, accepted: int) -> None:
+        """A step verified ``drafts`` drafts of ``draft_tokens`` tokens in all, of which
+        ``accepted`` were accepted."""
+        self._drafted = self.decay * self._drafted + drafts
+        self._draft_tokens = self.decay * self._draft_tokens + draft_tokens
+        self._accepted = self.decay * self._accepted + accepted
+
+    def step_time(self, tokens: float) -> float | None:
+        """``t(tokens)`` by the fit; None without one (too few steps, or all of one
+        width)."""
+        w, x, y, xx, xy = self._sums
+        spread = w * xx - x * x
+        if w < self.MIN_WEIGHT or spread <= 1e-9 * w * xx:
+            return None
+        slope = max(0.0, (w * xy - x * y) / spread)
+        intercept = max(0.0, (y - slope * x) / w)
+        return intercept + slope * tokens
+
+    def pays(self, batch: int) -> bool:
+        """Whether ``batch`` decoding sequences should draft this step (updates
+        :attr:`on`)."""
+        if batch <= 0 or self._drafted <= 0:
+            return self.on
+        k = self._draft_tokens / self._drafted
+        alpha = self._accepted / self._drafted
+        plain, drafted = self.step_time(batch), self.step_time(batch * (1 + k))
+        if plain is None or drafted is None or drafted <= 0:
+            self._unfit += 1
+            return self.on and self._unfit % self.PROBE_EVERY != 0
+        gain = (1 + alpha) * plain / drafted
+        if self.on and gain < 1 - self.margin:
+            self.on = False
+        elif not self.on and gain > 1 + self.margin:
+            self.on = True
+        return self.on
