@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from lamina.services.engine_worker.engine.batch_scheduler import ScheduledBatch
 from lamina.services.engine_worker.engine.config import EngineConfig
@@ -130,3 +135,17 @@ def make_adapter(stories, path, rank, alpha, targets, seed):
                 param.mul_(0.2)
     model.save_pretrained(path)
     return model.merge_and_unload().eval()
+
+
+def variant(stories: Path, out: Path, layers: int = 5, **config) -> Path:
+    """stories260K's first ``layers`` layers as a checkpoint of its own in ``out``, with
+    ``config`` changed."""
+    given = json.loads((stories / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(given | config | {"num_hidden_layers": layers}))
+    weights = load_file(stories / "model.safetensors")
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    kept = {k: v for k, v in weights.items() if int((layer.match(k) or [0, 0])[1]) < layers}
+    vocab = config.get("vocab_size", given["vocab_size"])
+    kept["model.embed_tokens.weight"] = kept["model.embed_tokens.weight"][:vocab].clone()
+    save_file(kept, out / "model.safetensors")
+    return out

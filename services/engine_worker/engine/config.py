@@ -102,8 +102,8 @@ class EngineConfig:
     """Speculative decoding (``speculative.py``), as vLLM's flag takes it: a JSON object,
     e.g. ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` or
     ``{"model": "/models/small", "num_speculative_tokens": 4}``. Drafts by prompt lookup
-    or by a draft model (``draft_model.py``), verified in the target's step. None: off.
-    Not with pipeline stages; a draft model not with tensor parallelism."""
+    or by a draft model (``draft_model.py``, on rank 0's device), verified in the
+    target's step. None: off."""
     enable_lora: bool = False
     """Serve LoRA adapters of the model (``lora.py``): a request names one as its
     ``model``. On by itself with ``lora_modules``. Not with tensor parallelism or
@@ -182,18 +182,6 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]"
-            )
-        if self.speculative_config is not None and self.pipeline_parallel_size > 1:
-            raise ValueError(
-                "speculative decoding does not run across pipeline stages yet "
-                "(pipeline_parallel_size > 1): a drafted request's KV is settled when its "
-                "batch completes, and stages keep batches in flight"
-            )
-        spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "a draft model does not run with tensor parallelism yet "
-                "(tensor_parallel_size > 1): its steps would run on rank 0 alone"
             )
         if self.lora_modules and not self.enable_lora:
             object.__setattr__(self, "enable_lora", True)

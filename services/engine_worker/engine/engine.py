@@ -334,7 +334,7 @@ class Engine:
             active = len(self.scheduler.running) + len(self.scheduler.waiting)
             most = -(-active // stages)
         if self.config.speculative_config is not None:
-            self._propose()
+            self._propose(busy)
         batch = self.scheduler.schedule(busy, most)
         if self.drafter is not None and batch.requests:
             self.drafter.propose(batch)
@@ -346,11 +346,12 @@ class Engine:
             return StepResult(ScheduledBatch(), [], self.blocks.usage)  # the pipeline fills
         return self._complete(self._in_flight.popleft())
 
-    def _propose(self) -> None:
+    def _propose(self, busy: frozenset[str]) -> None:
         """Give each decoding request that may speculate a draft for this step (none in
         a batch of ``disable_by_batch_size`` or more, or where the gate finds drafting
         does not pay), and clear the drafts of the rest (one a request was given for a
-        step that did not schedule it is stale)."""
+        step that did not schedule it is stale); a ``busy`` request's batch is in flight
+        (pipeline stages), and its draft stays until that batch completes."""
         config = self.config.speculative_config
         assert config is not None
         running = self.scheduler.running
@@ -366,6 +367,8 @@ class Engine:
                 state = "off: drafts do not pay" if off else "on: drafts pay"
                 log.info("speculative decoding %s at %d running requests", state, len(running))
         for request in running:
+            if request.request_id in busy:
+                continue
             request.draft.clear()
             if off or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # (prefilling: a draft follows the prompt's last token only)
@@ -482,11 +485,12 @@ class Engine:
             batch, self.config.block_size, extra, self.blocks.take_moves(), self._lora_slots(batch)
         )
         if self.ranks is not None:
-            return self.ranks.launch(step, self.runner)
-        logits = self.runner.run(step)
-        if self.drafter is not None:
+            wait = self.ranks.launch(step, self.runner)
+        else:
+            wait = _ready(self.runner.run(step))
+        if self.drafter is not None:  # (beside the other ranks' share of the step)
             self.drafter.mirror(step)
-        return lambda: logits
+        return wait
 
     def _lora_slots(self, batch: ScheduledBatch) -> np.ndarray:
         """Each request's LoRA slot in ``batch`` (-1: the base model; empty: no request
@@ -818,6 +822,11 @@ class _Flight:
     wait: Callable[[], torch.Tensor]
     """The logits, once the last stage has them."""
     started: float
+
+
+def _ready(logits: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """What waits for logits that are here already."""
+    return lambda: logits
 
 
 def _rows(sampling: list[Request]) -> tuple[list[int], list[int]]:
