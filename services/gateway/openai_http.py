@@ -184,7 +184,7 @@ class OpenAIApi:
         async def version() -> dict[str, str]:
             return {"version": LAMINA_VERSION}
 
-        document = openapi_document()
+        document = openapi_document(lora_updates=self.lora_admin is not None)
 
         @get("/openapi.json")
         async def openapi() -> dict[str, Any]:

@@ -13,7 +13,9 @@ from lamina.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraRequest,
     TokenizeRequest,
+    UnloadLoraRequest,
 )
 from lamina.services.gateway.responses_api import ResponsesRequest
 
@@ -43,6 +45,10 @@ _ERRORS = {
     "503": "no worker can take it: see Retry-After",
     "504": "its deadline passed",
 }
+_DESCRIPTIONS = _ERRORS | {
+    "409": "the adapter is in use by a running request",
+    "502": "a worker did not answer",
+}
 
 
 def _post(
@@ -52,7 +58,7 @@ def _post(
     responses: dict[str, Any] = {"200": ok}
     for status in errors:
         responses[status] = {
-            "description": _ERRORS[status],
+            "description": _DESCRIPTIONS[status],
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
         }
     return {
@@ -104,7 +110,9 @@ def _probe(operation: str, summary: str) -> dict[str, Any]:
     }
 
 
-def openapi_document() -> dict[str, Any]:
+def openapi_document(lora_updates: bool = False) -> dict[str, Any]:
+    """The document; ``lora_updates``: with vLLM's run-time LoRA routes, which the gateway
+    serves only with ``--allow-runtime-lora-updating``."""
     kinds = [
         CompletionRequest,
         ChatCompletionRequest,
@@ -113,12 +121,15 @@ def openapi_document() -> dict[str, Any]:
         TokenizeRequest,
         DetokenizeRequest,
     ]
-    (completion, chat, batch, responses, tokenize, detokenize), schemas = (
-        msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
+    (completion, chat, batch, responses, tokenize, detokenize, *lora), schemas = (
+        msgspec.json.schema_components(
+            kinds + ([LoadLoraRequest, UnloadLoraRequest] if lora_updates else []),
+            ref_template="#/components/schemas/{name}",
+        )
     )
     either = {"oneOf": [chat, completion]}
     models = {"description": "the served model", "content": {"application/json": {}}}
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {"title": "Lamina gateway (OpenAI-compatible)", "version": "v1"},
         "paths": {
@@ -181,3 +192,19 @@ def openapi_document() -> dict[str, Any]:
         },
         "security": [{"apiKey": []}],
     }
+    if lora_updates:
+        load, unload = lora
+        done = {
+            "description": "done (vLLM's plain-text answer)",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+        errors = ("400", "401", "404", "409", "502")
+        document["paths"] |= {
+            "/v1/load_lora_adapter": _post(
+                "loadLoraAdapter", "load a LoRA adapter on the model's workers", load, done, errors
+            ),
+            "/v1/unload_lora_adapter": _post(
+                "unloadLoraAdapter", "unload a LoRA adapter from them", unload, done, errors
+            ),
+        }
+    return document

@@ -109,7 +109,11 @@ def test_adapters_load_and_unload_at_run_time(stories, tmp_path):
         assert post("/v1/unload_lora_adapter", {"lora_name": "sql"}).status_code == 200
         assert completion("sql").status_code == 404
         assert post("/v1/load_lora_adapter", {"lora_name": ""}).status_code == 400
+        paths = httpx.get(url + "/openapi.json", timeout=10).json()["paths"]
+        assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(paths)
     with make_stack(stories, tmp_path / "plain", worker_args=worker) as stack:
         body = {"lora_name": "sql", "lora_path": str(tmp_path / "sql")}
         response = httpx.post(stack.base_url + "/v1/load_lora_adapter", json=body, timeout=60)
         assert response.status_code in (404, 405)
+        paths = httpx.get(stack.base_url + "/openapi.json", timeout=10).json()["paths"]
+        assert "/v1/load_lora_adapter" not in paths
