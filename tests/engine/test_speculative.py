@@ -292,10 +292,12 @@ def test_an_adaptive_engine_drafts_only_while_its_gate_finds_drafting_pays(stori
     assert run_to_completion(speculating, PROMPTS, greedy(100)) == want
     stats = speculating.stats()
     assert not stats.spec_decode_active
-    assert 0 < stats.spec_decode_num_drafts <= len(PROMPTS)  # until its first acceptance
+    # 400 tokens decoded: drafts only until its first acceptance, then one step in
+    # PROBE_OFF_EVERY (to measure the acceptance again).
+    assert 0 < stats.spec_decode_num_drafts < 400 / 4
 
     speculating.gate.step_time = lambda tokens: 5e-3
     assert run_to_completion(speculating, PROMPTS, greedy(100)) == want
     again = speculating.stats()
     assert again.spec_decode_active
-    assert again.spec_decode_num_drafts > stats.spec_decode_num_drafts + 50
+    assert again.spec_decode_num_drafts > stats.spec_decode_num_drafts + 150

@@ -32,11 +32,15 @@ def test_a_compute_bound_step_stops_drafting_when_its_drafts_cost_more_than_they
     # Batch 8: 2.5 x 9 ms = 22.5 ms of plain steps' worth against t(32) = 33 ms.
     assert not gate.pays(8)
     assert not gate.on
+    # Off, it still drafts one step in PROBE_OFF_EVERY, to measure the acceptance again.
+    every = SpeculationGate.PROBE_OFF_EVERY
+    assert [gate.pays(8) for _ in range(every)] == [False] * (every - 2) + [True, False]
     # Back to batch 1: even again, within the margin, so it stays off (no flapping) ...
-    assert not gate.pays(1)
+    gate.pays(1)
+    assert not gate.on
     # ... until the acceptance it sees makes drafting pay clearly.
     gate.observe_drafts(drafts=100, draft_tokens=300, accepted=290)
-    assert gate.pays(1)
+    assert gate.pays(1) and gate.on
 
 
 def test_it_drafts_until_it_has_measured_what_it_needs_with_a_plain_step_now_and_then():
@@ -50,7 +54,7 @@ def test_it_drafts_until_it_has_measured_what_it_needs_with_a_plain_step_now_and
     assert [gate.pays(10) for _ in range(every)] == [True] * (every - 1) + [False]
     gate.observe_step(10, 8e-3)  # the plain step it asked for gives the fit its slope
     assert gate.step_time(40) == pytest.approx(9e-3, rel=0.01)
-    assert not gate.pays(10)  # 3 draft tokens for none accepted: no
+    assert not gate.pays(10) and not gate.on  # 3 draft tokens for none accepted: no
     few = SpeculationGate()
     few.observe_step(1, 1e-3)
     few.observe_step(2, 2e-3)

@@ -358,14 +358,15 @@ class Engine:
         off = config.disable_by_batch_size is not None and (
             len(running) >= config.disable_by_batch_size
         )
+        active = not off
         if self.gate is not None and not off:
             decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in running)
-            off = not self.gate.pays(decoding)
-        if off == self._spec_active:
-            self._spec_active = not off
-            if self.gate is not None:  # (its margins keep this rare; the threshold's not)
-                state = "off: drafts do not pay" if off else "on: drafts pay"
+            off = not self.gate.pays(decoding)  # (off, it drafts a step now and then)
+            active = self.gate.on
+            if active != self._spec_active:  # (its margins keep this rare)
+                state = "on: drafts pay" if active else "off: drafts do not pay"
                 log.info("speculative decoding %s at %d running requests", state, len(running))
+        self._spec_active = active
         for request in running:
             if request.request_id in busy:
                 continue

@@ -161,15 +161,26 @@ class SpeculationGate:
     has drafts to count, it drafts; until it has a fit, which needs steps of two widths
     at least, it drafts but for one plain step in :attr:`PROBE_EVERY` (a draft model
     proposes for every request at every step, so without these it would see one width
-    only); while off, the acceptance it last measured stands."""
+    only); while off, one step in :attr:`PROBE_OFF_EVERY` drafts all the same, so that
+    the acceptance it goes by follows the requests (a sequence that starts unlike its
+    context often comes to repeat it)."""
 
     MIN_WEIGHT = 8.0
     """Decode steps' weight before the fit counts (about that many recent steps)."""
     PROBE_EVERY = 8
     """Without a fit, one decision in this many is a plain step, to measure one."""
+    PROBE_OFF_EVERY = 16
+    """While off, one decision in this many drafts, to measure the acceptance again (each
+    such step costs what drafting does not pay back)."""
 
-    def __init__(self, decay: float = 0.98, margin: float = 0.05) -> None:
+    def __init__(
+        self, decay: float = 0.98, acceptance_decay: float = 0.9, margin: float = 0.05
+    ) -> None:
         self.decay = decay
+        """Of the step-time fit, per decode step (about the last fifty count)."""
+        self.acceptance_decay = acceptance_decay
+        """Of the draft counts, per drafted step (about the last ten count: acceptance
+        moves with the requests, and while off only probes measure it)."""
         self.margin = margin
         self.on = True
         self._sums = np.zeros(5)  # weight, Σn, Σt, Σn², Σn·t (decayed)
@@ -177,6 +188,7 @@ class SpeculationGate:
         self._accepted = 0.0
         self._drafted = 0.0
         self._unfit = 0  # decisions made without a fit
+        self._off = 0  # decisions made while off
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A decode-only step that computed ``tokens`` tokens in ``seconds``."""
@@ -187,9 +199,10 @@ class SpeculationGate:
     def observe_drafts(self, drafts: int, draft_tokens: int, accepted: int) -> None:
         """A step verified ``drafts`` drafts of ``draft_tokens`` tokens in all, of which
         ``accepted`` were accepted."""
-        self._drafted = self.decay * self._drafted + drafts
-        self._draft_tokens = self.decay * self._draft_tokens + draft_tokens
-        self._accepted = self.decay * self._accepted + accepted
+        keep = self.acceptance_decay
+        self._drafted = keep * self._drafted + drafts
+        self._draft_tokens = keep * self._draft_tokens + draft_tokens
+        self._accepted = keep * self._accepted + accepted
 
     def step_time(self, tokens: float) -> float | None:
         """``t(tokens)`` by the fit; None without one (too few steps, or all of one
@@ -218,4 +231,7 @@ class SpeculationGate:
             self.on = False
         elif not self.on and gain > 1 + self.margin:
             self.on = True
-        return self.on
+        if self.on:
+            return True
+        self._off += 1
+        return self._off % self.PROBE_OFF_EVERY == 0
