@@ -449,17 +449,17 @@ class Engine:
         finally:
             if masks is not None:
                 masks.wait()  # before any matcher moves
-        accepted_now = 0
+        proposed = accepted_now = 0
         for request, (tokens, _) in zip(drafted, verified, strict=True):
             accepted = len(tokens) - 1  # the last is the target's own
-            self._drafts += 1
-            self._draft_tokens += len(request.draft)
-            self._accepted_tokens += accepted
+            proposed += len(request.draft)
             accepted_now += accepted
             for position in range(accepted):
                 self._accepted_per_position[position] += 1
+        self._drafts += len(drafted)
+        self._draft_tokens += proposed
+        self._accepted_tokens += accepted_now
         if self.gate is not None:
-            proposed = sum(len(r.draft) for r in drafted)
             self.gate.observe_drafts(len(drafted), proposed, accepted_now)
         return {r.request_id: result for r, result in zip(drafted, verified, strict=True)}
 

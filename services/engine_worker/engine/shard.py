@@ -49,8 +49,9 @@ class Shard:
         """The KV blocks this rank's budget holds when each block also pays ``beside``
         bytes (a draft model's KV for the same tokens), unless ``num_kv_blocks`` says."""
         config = self.config
-        budget = config.kv_budget_bytes(self.device)
-        return config.num_kv_blocks or budget // (self.block_bytes + beside)
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        return config.kv_budget_bytes(self.device) // (self.block_bytes + beside)
 
     @property
     def graphs(self) -> bool:
