@@ -74,6 +74,9 @@ def test_a_shared_prefix_lands_where_it_is_cached_and_distinct_prompts_spread(ti
                 holder,
                 served,
             )
+            # Let every worker's heartbeat (0.5 s) report the rates its repeats measured:
+            # one that computed only two-token tails must not look slower for it.
+            await asyncio.sleep(1.5)
             placed.clear()
             # Distinct long prompts at once: nothing cached anywhere, so queued work decides.
             distinct = [[(i * 31 + j * 7) % 400 + 500 for j in range(300)] for i in range(6)]

@@ -290,6 +290,21 @@ def test_stats_report_load(model):
     assert stats.iteration_tokens[3] == 3  # a's three full steps of 32 (16 < n <= 32)
 
 
+def test_only_a_step_with_a_real_prefill_measures_the_prefill_rate(model):
+    # A cache hit's two-token tail measures the step's fixed cost: were it a prefill
+    # rate, the scheduler would think this worker far slower than it is.
+    engine = make_engine(model)
+    run_to_completion(engine, {"short": list(range(3, 13))}, greedy(4))
+    stats = engine.stats()
+    assert stats.prefill_tokens_per_s == 0 and stats.decode_tokens_per_s > 0
+    prompt = list(range(3, 131))
+    run_to_completion(engine, {"long": prompt}, greedy(4))
+    measured = engine.stats().prefill_tokens_per_s
+    assert measured > 0
+    run_to_completion(engine, {"tail": [*prompt, 7, 8]}, greedy(4))
+    assert engine.requests == {} and engine.stats().prefill_tokens_per_s == measured
+
+
 def test_finished_requests_report_their_phases(model):
     engine = make_engine(model, max_num_batched_tokens=32)
     engine.add_request("a", list(range(3, 103)), greedy(4))  # four steps of prefill

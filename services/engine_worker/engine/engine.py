@@ -77,6 +77,12 @@ from lamina.services.engine_worker.engine.speculative import (
 log = logging.getLogger("lamina.worker.engine")
 
 _RATE_SMOOTHING = 0.2  # weight of the newest step in the measured token rates
+# A step computing fewer prompt tokens than this measures its fixed cost, not a prefill
+# rate: a worker serving cache hits computes two-token tails, and at "two tokens a step"
+# the scheduler would think it a hundred times slower than its peers and never give it
+# the long prompt that would measure it. Until it computes one it borrows their rate.
+# (An engine whose step budget is smaller measures its full chunks.)
+_RATE_MIN_PREFILL_TOKENS = 64
 
 
 class Engine:
@@ -192,6 +198,7 @@ class Engine:
         self._iteration_tokens = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
         self._prefill_rate = 0.0
+        self._prefill_rate_min_tokens = min(_RATE_MIN_PREFILL_TOKENS, config.max_num_batched_tokens)
         self._decode_rate = 0.0
         self._drafts = 0
         self._draft_tokens = 0
@@ -676,7 +683,7 @@ class Engine:
         a = _RATE_SMOOTHING
         # Each rate starts at its first sample, not at zero (an average from zero would
         # report a fresh engine several times slower than it is for its first steps).
-        if prefill:
+        if prefill >= self._prefill_rate_min_tokens:
             rate = prefill / seconds
             self._prefill_rate = (
                 (1 - a) * self._prefill_rate + a * rate if self._prefill_rate else rate
