@@ -9,9 +9,11 @@ adapters (what the merged model would cost: merging changes the weights, not the
 Each run times every engine on the same requests, the order rotated per run. Prints
 output tokens/s, medians of ``--runs``, and each ``k``'s ratio to the base model (the
 median of each run's own ratio). Target (issue 43): >= 0.8x at 8 adapters; vLLM's and
-S-LoRA's published overheads are the anchors. Not a test: run it by hand.
+S-LoRA's published overheads are the anchors. ``--torch-forms`` adds, per ``k``, the same
+engine with the CPU's native LoRA kernel off (the torch forms on every step). Not a test:
+run it by hand.
 
-    .venv/bin/python -u benchmarks/lora.py [--runs 3] [--preset small]
+    .venv/bin/python -u benchmarks/lora.py [--runs 3] [--preset small] [--torch-forms]
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--device", default="cpu", help="e.g. cuda: the Triton LoRA kernels")
     parser.add_argument("--dtype", default="auto", help="e.g. bfloat16 on a GPU")
+    parser.add_argument(
+        "--torch-forms", action="store_true", help="also each k without the native kernel"
+    )
     args = parser.parse_args()
 
     model_dir = ensure_default_model(args.preset)
@@ -113,6 +118,10 @@ def main() -> None:
             )
             names: list[str | None] = [f"a{i % k}" for i in range(args.batch)]
             engines[f"{k} adapters"] = (Engine(config), names)
+            if args.torch_forms:
+                engine = Engine(config)
+                engine.runner.lora_slots.kernel_rows = 0  # type: ignore[union-attr]
+                engines[f"{k}, torch forms"] = (engine, names)
         for engine, adapters in engines.values():  # warm: kernels built, pages touched
             run(engine, prompts[:2], adapters[:2], 4)
         rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -133,7 +142,7 @@ def main() -> None:
         ratio = statistics.median(m / b for m, b in zip(measured, base, strict=True))
         spread = f"{min(measured):,.0f}-{max(measured):,.0f}"
         print(
-            f"  {name:>12}: {statistics.median(measured):8,.0f} tok/s ({spread})  {ratio:.2f}x base"
+            f"  {name:>16}: {statistics.median(measured):8,.0f} tok/s ({spread})  {ratio:.2f}x base"
         )
 
 

@@ -1,8 +1,9 @@
 """The batched LoRA product of one step, for every adapter in it at once.
 
 A step mixes tokens of several adapters and of the base model. Per fused linear, the
-slots' ``A`` matrices are stacked as ``a`` ``(S × W, K)`` and their ``B`` matrices side by
-side as ``b`` ``(N, S × W)`` (``W`` rows of slot ``s`` from ``s × W``). Two ways to add
+slots' ``A`` matrices are stacked as ``a`` ``(S × W, K)`` and their ``B`` matrices,
+transposed, as ``b`` ``(S × W, N)`` (``W`` rows of slot ``s`` from ``s × W`` in each: a
+kernel's expand then runs along contiguous outputs). Two ways to add
 each row's ``B[s] @ (A[s] @ x)``, chosen per step (:class:`LoraBatch`):
 
 * grouped (Punica's SGMV): per adapter present, its rows through its ``A`` and ``B``, two
@@ -75,7 +76,7 @@ def add_lora(
     out: torch.Tensor,  # (T, N), updated in place
     x: torch.Tensor,  # (T, K)
     a: torch.Tensor,  # (S * W, K)
-    b: torch.Tensor,  # (N, S * W)
+    b: torch.Tensor,  # (S * W, N): B transposed
     width: int,  # W: rows of a slot in ``a``, columns in ``b``
     batch: LoraBatch,
 ) -> torch.Tensor:
@@ -84,12 +85,12 @@ def add_lora(
         columns = (batch.groups[-1][0] + 1) * width  # the slots up to the highest used
         shrunk = x @ a[:columns].T
         shrunk *= batch.mask(width, shrunk.dtype)
-        return out.addmm_(shrunk, b[:, :columns].T)
+        return out.addmm_(shrunk, b[:columns])
     for slot, rows in batch.groups:
         span = slice(slot * width, (slot + 1) * width)
         if rows is None:
-            out.addmm_(x @ a[span].T, b[:, span].T)
+            out.addmm_(x @ a[span].T, b[span])
         else:
-            delta = (x.index_select(0, rows) @ a[span].T) @ b[:, span].T
+            delta = (x.index_select(0, rows) @ a[span].T) @ b[span]
             out.index_add_(0, rows, delta)
     return out

@@ -47,6 +47,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     # name: (argument types, return type), as the sources' extern "C" declarations say.
     "lamina_rms_norm": ([_P, _I64, _P, _I64, _P, _F32, _I64, _I64, _P, _P], None),
     "lamina_silu_and_mul": ([_P, _I64, _I64, _P], None),
+    "lamina_lora_bgmv": ([_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P], None),
     "lamina_rotary": ([_P, _I64, _P, _P, _I64, _I64, _I64, _P], None),
     "lamina_pack_weight": ([_P, _I64, _I64, _P], None),
     "lamina_packed_linear": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P], None),
@@ -62,7 +63,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
         None,
     ),
     "lamina_decode_logits": (
-        [_P, _I64, _P, _F32, _F32, _I64, *[_P] * 9, _I64, _P, _P, _P],
+        [_P, _I64, _P, _F32, _F32, _I64, *[_P] * 9, _I64, _P, _P, _P, _P, _P],
         ctypes.c_int,
     ),
     "lamina_shm_allreduce_bytes": ([_I64, _I64], _I64),

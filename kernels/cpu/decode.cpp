@@ -19,11 +19,20 @@
 //
 // Layers come as rows of int64 fields (pointers and sizes), built once at load by
 // kernels/cpu/decode.py, which names each field.
+//
+// With LoRA adapters (a row of LoraLinear fields per layer, and each sequence's slot),
+// each fused linear an adapter touches adds its product (lora.cpp's BGMV) to its output,
+// where the Python forward adds it: Q/K/V before the head norms and rotary, O before the
+// post-attention norm, down into the hidden state, and gate/up before its activation, so
+// that one runs the plain matmul on the gated weight (its interleaved panels) and the
+// activation after the product is added.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "vec.h"
 
 extern "C" {
 void lamina_rms_norm(const float* x, int64_t x_stride, const float* residual,
@@ -43,6 +52,9 @@ void lamina_packed_silu_mul_q(const float* x, int64_t x_stride, int64_t m, int64
                               const void* packed, int format, const float* scale,
                               const float* zero, int64_t group, int64_t n, const float* bias,
                               float* out);
+void lamina_lora_bgmv(float* out, int64_t out_stride, const float* x, int64_t x_stride,
+                      int64_t rows, int64_t k, const float* a, const float* b, int64_t n,
+                      int64_t width, const int64_t* slots);
 int lamina_paged_decode_attention(const float* q, int64_t q_stride, const void* cache,
                                   int cache_kind, const float* scales, const int64_t* tables,
                                   int64_t table_stride, const int64_t* contexts,
@@ -82,6 +94,23 @@ struct Layer {
 };
 static_assert(sizeof(Layer) == kLayerFields * sizeof(int64_t));
 
+// One fused linear's adapter slots as decode.py lays them out (lora.py's LoraSlots): the
+// slots' stacked A (S W x K), their B transposed (S W x N), and W; a null a: no adapter
+// touches this linear.
+struct LoraLinear {
+  const float* a;
+  const float* b;
+  int64_t width;
+};
+constexpr int64_t kLoraFields = 12;  // decode.py's LORA_FIELDS
+
+struct LayerLora {
+  LoraLinear qkv, o, gate_up, down;
+};
+static_assert(sizeof(LayerLora) == kLoraFields * sizeof(int64_t));
+
+constexpr int64_t kPanel = 16;  // output columns per panel of a packed weight (linear.py)
+
 // The model's shapes, as decode.py passes them.
 struct Dims {
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks, block_size,
@@ -108,6 +137,40 @@ void linear(const Linear& l, const float* x, int64_t rows, float* out, bool gate
   }
 }
 
+// out (rows x n, row stride out_stride) plus each row's adapter product of x (rows x k).
+void add_lora(const LoraLinear& l, const float* x, int64_t k, int64_t rows, float* out,
+              int64_t out_stride, int64_t n, const int64_t* slots) {
+  if (l.a) lamina_lora_bgmv(out, out_stride, x, k, rows, k, l.a, l.b, n, l.width, slots);
+}
+
+thread_local std::vector<float> pre_activation, lora_delta, gate_row, up_row;
+
+// The gated MLP projection with an adapter's product: silu(gate) * up over the plain
+// matmul of the gated weight (per panel of kPanel outputs its gate columns, then its up
+// columns) plus the product, which comes as [gate | up].
+void gated_with_lora(const Linear& l, const LoraLinear& lora, const float* x, int64_t rows,
+                     float* out, const int64_t* slots) {
+  const int64_t half = l.n, width = 2 * ((half + kPanel - 1) / kPanel) * kPanel;
+  Linear plain = l;
+  plain.n = width;
+  pre_activation.resize(rows * width);
+  linear(plain, x, rows, pre_activation.data(), false);
+  lora_delta.assign(rows * 2 * half, 0.0f);
+  add_lora(lora, x, l.k, rows, lora_delta.data(), 2 * half, 2 * half, slots);
+  gate_row.resize(half);
+  up_row.resize(half);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = pre_activation.data() + r * width;
+    const float* delta = lora_delta.data() + r * 2 * half;
+    for (int64_t j = 0; j < half; ++j) {
+      const int64_t at = (j / kPanel) * 2 * kPanel + j % kPanel;
+      gate_row[j] = p[at] + delta[j];
+      up_row[j] = p[at + kPanel] + delta[half + j];
+    }
+    lamina::silu_mul_row(gate_row.data(), up_row.data(), out + r * half, half);
+  }
+}
+
 // Each row of D values of x (rows of `heads` heads, row stride `stride`) normalised and
 // scaled by its head's weight row, in place: Qwen3's q_norm / k_norm.
 void head_norm(float* x, int64_t stride, int64_t rows, int64_t heads, int64_t dim,
@@ -127,7 +190,8 @@ void head_norm(float* x, int64_t stride, int64_t rows, int64_t heads, int64_t di
 int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float eps,
                float sm_scale, int64_t seqs, float* hidden, float* residual, const float* cos,
                const float* sin, const int64_t* slots, const int64_t* tables,
-               int64_t table_stride, const int64_t* contexts, float* work) {
+               int64_t table_stride, const int64_t* contexts, const int64_t* lora,
+               const int64_t* lora_slots, float* work) {
   const int64_t hq = d.num_heads, hkv = d.num_kv_heads, hd = d.head_dim;
   const int64_t q_size = hq * hd, kv_size = hkv * hd, qkv_width = q_size + 2 * kv_size;
   float* x = work;                                // (S, H)
@@ -140,6 +204,8 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
   for (int64_t n = 0; n < num_layers; ++n) {
     Layer layer;
     std::memcpy(&layer, layers + n * kLayerFields, sizeof(layer));
+    LayerLora adapters{};
+    if (lora) std::memcpy(&adapters, lora + n * kLoraFields, sizeof(adapters));
     if (n == 0) {
       lamina_rms_norm(hidden, d.hidden, nullptr, 0, layer.input_norm, eps, seqs, d.hidden, x,
                       nullptr);
@@ -149,6 +215,7 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
                       d.hidden, x, residual);
     }
     linear(layer.qkv, x, seqs, qkv, false);
+    add_lora(adapters.qkv, x, d.hidden, seqs, qkv, qkv_width, qkv_width, lora_slots);
     if (layer.qk_norm) head_norm(qkv, qkv_width, seqs, hq + hkv, hd, layer.qk_norm, eps);
     lamina_rotary(qkv, qkv_width, cos, sin, seqs, hq + hkv, hd, rotated);
     for (int64_t s = 0; s < seqs; ++s) {
@@ -162,10 +229,15 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
         seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, attn);
     if (status) return status;
     linear(layer.o, attn, seqs, o, false);
+    add_lora(adapters.o, attn, q_size, seqs, o, d.hidden, d.hidden, lora_slots);
     lamina_rms_norm(o, d.hidden, residual, d.hidden, layer.post_norm, eps, seqs, d.hidden, x,
                     residual);
-    linear(layer.gate_up, x, seqs, mlp, true);
+    if (adapters.gate_up.a)
+      gated_with_lora(layer.gate_up, adapters.gate_up, x, seqs, mlp, lora_slots);
+    else
+      linear(layer.gate_up, x, seqs, mlp, true);
     linear(layer.down, mlp, seqs, hidden, false);
+    add_lora(adapters.down, mlp, d.intermediate, seqs, hidden, d.hidden, d.hidden, lora_slots);
   }
   return 0;
 }
@@ -177,7 +249,9 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
 // tables, final_norm (H,), head the LM head as one row of Linear fields (or NULL: logits
 // then receives the final norm's output, (S, H), for the caller's head). slots (S,) flat
 // cache slots of the new tokens; tables (S, table_stride) block ids; contexts (S,) cached
-// tokens before each new one. work: at least S * (5 H + D + 3 Hq*D + 3 Hkv*D + I) floats.
+// tokens before each new one. lora: per layer a row of LoraLinear fields (qkv, o, gate_up,
+// down), and lora_slots (S,) each sequence's adapter slot (-1: none); or both NULL.
+// work: at least S * (5 H + D + 3 Hq*D + 3 Hkv*D + I) floats.
 // Returns 0; the attention kernel's error (1: the query heads do not share the KV heads
 // evenly); or 3 for a token id or a position outside the tables (nothing is read then).
 extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
@@ -187,7 +261,8 @@ extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
                                     const float* sin_table, const float* final_norm,
                                     const int64_t* head, const int64_t* slots,
                                     const int64_t* tables, int64_t table_stride,
-                                    const int64_t* contexts, float* work, float* logits) {
+                                    const int64_t* contexts, const int64_t* lora,
+                                    const int64_t* lora_slots, float* work, float* logits) {
   Dims d;
   std::memcpy(&d, dims, sizeof(d));
   const int64_t half = d.head_dim / 2;
@@ -205,7 +280,8 @@ extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
     std::memcpy(sin + s * half, sin_table + positions[s] * half, sizeof(float) * half);
   }
   const int status = run_layers(layers, num_layers, d, eps, sm_scale, seqs, hidden, residual, cos,
-                                sin, slots, tables, table_stride, contexts, layer_work);
+                                sin, slots, tables, table_stride, contexts, lora, lora_slots,
+                                layer_work);
   if (status) return status;
   lamina_rms_norm(hidden, d.hidden, residual, d.hidden, final_norm, eps, seqs, d.hidden,
                   head ? normed : logits, residual);

@@ -18,6 +18,10 @@ from lamina.kernels.cpu.linear import PackedLinear
 
 LAYER_FIELDS = 40
 """Fields in a row of the layer table: ``decode.cpp``'s ``kLayerFields``."""
+LORA_FIELDS = 12
+"""Fields in a row of the LoRA table: ``decode.cpp``'s ``kLoraFields`` (per fused linear,
+Q/K/V, O, gate/up, down: the slots' ``A`` and ``B`` and the slot width, or zeros where no
+adapter touches it)."""
 
 
 @dataclass(frozen=True)
@@ -111,10 +115,16 @@ class DecodeStep:
         slots: np.ndarray,
         block_table: np.ndarray,
         context_lens: np.ndarray,
+        lora: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits ``(S, V)`` for ``S`` sequences' next tokens: each one's last token
         ``ids`` at ``positions``, written to the cache at ``slots``, attending over its
-        ``block_table`` row's ``context_lens`` cached tokens and itself (int64 arrays)."""
+        ``block_table`` row's ``context_lens`` cached tokens and itself (int64 arrays);
+        with ``lora``, the LoRA table (``(layers, LORA_FIELDS)``) and each sequence's
+        adapter slot (``(S,)``, -1: none), both int64."""
+        if lora is not None and lora[0].shape != (self._num_layers, LORA_FIELDS):
+            raise ValueError(f"the LoRA table is {tuple(lora[0].shape)}, not one row a layer")
+        adapters, adapter_slots = (None, None) if lora is None else (ptr(t) for t in lora)
         ids, positions, slots, table, contexts = (
             np.ascontiguousarray(a, dtype=np.int64)
             for a in (ids, positions, slots, block_table, context_lens)
@@ -136,6 +146,8 @@ class DecodeStep:
             table.ctypes.data,
             table.shape[1],
             contexts.ctypes.data,
+            adapters,
+            adapter_slots,
             ptr(work),
             ptr(logits),
         )

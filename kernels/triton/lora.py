@@ -1,7 +1,7 @@
 """The batched LoRA product on the GPU: each row through its own adapter, in two kernels.
 
 The weights are laid out as :mod:`lamina.kernels.lora` takes them: per fused linear, the
-slots' ``A`` stacked ``(S × W, K)`` and their ``B`` side by side ``(N, S × W)``. Punica's
+slots' ``A`` stacked ``(S × W, K)`` and their ``B`` transposed ``(S × W, N)``. Punica's
 BGMV: a *shrink* kernel computes each row's ``v = A[s] @ x`` ``(W,)`` (one program per row
 and block of ``W``, reading its slot's rows of ``A``), an *expand* kernel adds ``B[s] @
 v`` to the row's output (one program per row and block of ``N``). Rows of the base model
@@ -71,7 +71,7 @@ def _lora_expand_kernel(
         w = start + tl.arange(0, BLOCK_W)
         v = tl.load(v_ptr + row * W + w, mask=w < W, other=0.0)
         b = tl.load(
-            b_ptr + n[:, None] * stride_b + (slot * W + w)[None, :],
+            b_ptr + (slot * W + w)[None, :] * stride_b + n[:, None],
             mask=(n[:, None] < N) & (w[None, :] < W),
             other=0.0,
         )
@@ -85,7 +85,7 @@ def add_lora(
     out: torch.Tensor,  # (T, N), updated in place
     x: torch.Tensor,  # (T, K)
     a: torch.Tensor,  # (S * W, K)
-    b: torch.Tensor,  # (N, S * W)
+    b: torch.Tensor,  # (S * W, N)
     width: int,  # W
     token_slots: torch.Tensor,  # (T,) int64, -1: no adapter
 ) -> torch.Tensor:

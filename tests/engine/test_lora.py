@@ -68,6 +68,68 @@ def test_each_adapter_matches_peft_merged_weights_in_one_mixed_batch(stories, ad
         assert outputs[f"{name}/chat"] != outputs[f"{name}/None"]
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+    ids=["two tensor-parallel ranks", "two pipeline stages"],
+)
+def test_adapters_across_ranks_match_peft_merged_weights(stories, adapters, layout):
+    """Each rank adds its share of the adapters' products (a stage its layers; a
+    tensor-parallel rank its heads' and MLP slice's rows, or its inputs' columns before
+    the all-reduce): the mixed batch's output is still peft's. One slot, so the adapters
+    take turns in it and every rank's slot is rewritten while the batch runs."""
+    root, merged = adapters
+    engine = lora_engine(stories, root, max_loras=1, **layout)
+    try:
+        requests = {}
+        for name, prompt in PROMPTS.items():
+            for lora in ("sql", "chat"):
+                requests[f"{name}/{lora}"] = (prompt, lora)
+        outputs = run(engine, requests, max_tokens=20)
+    finally:
+        engine.close()
+    for request_id, (prompt, lora) in requests.items():
+        assert outputs[request_id] == hf_greedy(merged[lora], prompt, 20), request_id
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_decode_steps_with_adapters_run_the_native_step(
+    stories, adapters, monkeypatch, quantization
+):
+    """Every weight packed, so a decode step with adapters runs the native decode step,
+    their products inside it (``decode.cpp``, gate/up's before its activation): the
+    mixed batch's output is peft's (fp32), and the same as the layer-by-layer forward's
+    (int8 weights, which peft does not have)."""
+    import transformers
+
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")
+    monkeypatch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)  # pack every weight
+    root, merged = adapters
+    requests = {
+        f"{name}/{lora}": (p, lora) for name, p in PROMPTS.items() for lora in (None, "sql", "chat")
+    }
+    engine = lora_engine(stories, root, quantization=quantization)
+    runner, left = engine.runner, []
+    forward = runner._forward
+
+    def layer_by_layer(step, lora):
+        left.append(step.decodes_only and step.all_sampled and lora is not None)
+        return forward(step, lora)
+
+    runner._forward = layer_by_layer
+    outputs = run(engine, requests, max_tokens=30)
+    assert runner.model._native[1] is not None and left and not any(left)
+    if quantization is None:
+        base = transformers.AutoModelForCausalLM.from_pretrained(stories).eval()
+        for request_id, (prompt, lora) in requests.items():
+            want = hf_greedy(merged[lora] if lora else base, prompt, 30)
+            assert outputs[request_id] == want, request_id
+    else:
+        python = lora_engine(stories, root, quantization=quantization)
+        python.runner.model.native_decode = False
+        assert run(python, requests, max_tokens=30) == outputs
+
+
 def test_adapters_never_share_prefix_cache_blocks(stories, adapters):
     root, _ = adapters
     engine = lora_engine(stories, root)

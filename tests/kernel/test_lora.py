@@ -35,8 +35,8 @@ def test_batched_product_matches_the_per_token_reference(token_slots, dense):
     base = torch.randn(len(token_slots), n)
     indices = np.asarray(token_slots, dtype=np.int64)
     want = add_lora_reference(base.clone(), x, a, b, torch.from_numpy(indices))
-    stacked_a = a.reshape(slots * rank, k)  # the slots' layout: rows of A, columns of B
-    stacked_b = b.permute(1, 0, 2).reshape(n, slots * rank)
+    stacked_a = a.reshape(slots * rank, k)  # the slots' layout: rows of A, rows of B^T
+    stacked_b = b.transpose(1, 2).reshape(slots * rank, n)
     batch = LoraBatch.of(indices, CPU)
     assert (batch.token_slots is not None) == dense
     got = add_lora(base.clone(), x, stacked_a, stacked_b, rank, batch)
@@ -90,7 +90,7 @@ def test_triton_product_matches_the_per_token_reference(dtype):
     base = torch.randn(len(token_slots), n)
     want = add_lora_reference(base.clone(), x, a, b, token_slots)
     stacked_a = a.reshape(slots * width, k).to(device, dtype)
-    stacked_b = b.permute(1, 0, 2).reshape(n, slots * width).to(device, dtype)
+    stacked_b = b.transpose(1, 2).reshape(slots * width, n).to(device, dtype)
     got = triton_add_lora(
         base.clone().to(device, dtype),
         x.to(device, dtype),
@@ -102,3 +102,30 @@ def test_triton_product_matches_the_per_token_reference(dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
     assert torch.equal(got[1].float().cpu(), base[1].to(dtype).float())  # the base model's row
+
+
+@pytest.mark.parametrize(
+    "token_slots", [[2, -1, 0, 2, 1, -1], [1], [0] * 40, [1, 1, 1, -1, 0, 0, 0, 0, 0]]
+)
+def test_native_product_matches_the_per_token_reference(token_slots):
+    """The native BGMV (``kernels/cpu/lora.cpp``): slot widths and sizes that are not
+    multiples of a vector, strided rows of ``out`` and ``x`` (a fused output's columns),
+    base-model rows untouched."""
+    from lamina.kernels.cpu.lora import add_lora as native_add_lora
+
+    torch.manual_seed(0)
+    slots, width, k, n = 3, 48, 300, 200
+    a = torch.randn(slots, width, k) / k**0.5
+    b = torch.randn(slots, n, width) / width**0.5
+    slots_t = torch.tensor(token_slots)
+    x = torch.randn(len(token_slots), k + 5)[:, 5:]  # rows with a stride
+    base = torch.randn(len(token_slots), n + 7)
+    want = add_lora_reference(base[:, :n].clone(), x, a, b, slots_t)
+    stacked_a = a.reshape(slots * width, k)
+    stacked_b = b.transpose(1, 2).reshape(slots * width, n).contiguous()
+    got = base.clone()
+    native_add_lora(got[:, :n], x, stacked_a, stacked_b, width, slots_t)
+    torch.testing.assert_close(got[:, :n], want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[:, n:], base[:, n:])  # nothing past the view's columns
+    base_rows = slots_t < 0
+    assert torch.equal(got[base_rows], base[base_rows])

@@ -102,8 +102,6 @@ def test_lora_modules_take_vllms_forms_and_round_trip():
     for bad, message in (("sql", "not name=path"), ("a=/x a=/y", "given twice"), ("{", "not JSON")):
         with pytest.raises(ValueError, match=message):
             LoraModules.parse(bad)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2)
 
 
 def test_lamina_up_takes_every_engine_setting():

@@ -190,10 +190,5 @@ class EngineConfig:
                 f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}) "
                 "must be positive"
             )
-        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError(
-                "LoRA adapters do not run with tensor parallelism or pipeline stages yet: "
-                "the adapters' products are not split across ranks"
-            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be positive")

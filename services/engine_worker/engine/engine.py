@@ -49,7 +49,6 @@ from lamina.services.engine_worker.engine.lora import (
     LoraDisabledError,
     LoraExistsError,
     LoraInUseError,
-    LoraSlots,
     UnknownLoraError,
 )
 from lamina.services.engine_worker.engine.outputs import (
@@ -112,6 +111,8 @@ class Engine:
             self.ranks = RankGroup(config, collective_timeout_s, publish_rendezvous)
         try:
             tp, pp = (self.ranks.tp, self.ranks.pp) if self.ranks else (SINGLE, WHOLE)
+            self.place = (tp, pp)
+            """This process's place among the ranks: rank 0 of the first stage."""
             shard = load_shard(config, tp, pp, self.device)
             spec = config.speculative_config
             draft = None  # a draft model's weights, loaded before the pools are sized
@@ -161,9 +162,7 @@ class Engine:
         """The LoRA adapters this engine holds (on the host), by name; None: LoRA off."""
         if config.enable_lora:
             self.adapters = {}
-            self.runner.lora_slots = LoraSlots(
-                mc, config.max_loras, config.max_lora_rank, model.dtype, self.device
-            )
+            self.runner.lora_slots = shard.lora_slots()
             for module in config.lora_modules:
                 self.load_adapter(module.name, module.path)
         self.sampler = Sampler(mc.eos_token_ids, config.seed, self.device)
@@ -509,8 +508,15 @@ class Engine:
         if not names:
             return NO_ADAPTERS
         assert self.adapters is not None and self.runner.lora_slots is not None
-        slots = self.runner.lora_slots.slots_for(names, self.adapters)
+        slots = self.runner.lora_slots.slots_for(names, self._write_adapter)
         return np.array([slots.get(r.lora, -1) for r in batch.requests], dtype=np.int64)
+
+    def _write_adapter(self, slot: int, name: str) -> None:
+        """Put adapter ``name`` in LoRA slot ``slot`` on every rank, each its share."""
+        adapter = self.adapters[name]  # type: ignore[index]
+        self.runner.lora_slots.write(slot, adapter.share(self.model_config, *self.place))  # type: ignore[union-attr]
+        if self.ranks is not None:
+            self.ranks.write_lora(slot, adapter, self.model_config)
 
     def _postprocess(
         self,

@@ -7,9 +7,19 @@ device slots (:class:`LoraSlots`), least recently used out first; the batch sche
 keeps the adapters of the running requests within that many, so a step always finds its
 adapters resident. The base model's linears are fused (Q/K/V into one, gate/up into one),
 so each slot holds, per layer and fused linear, the adapter's ``A`` matrices stacked
-(``(parts × max_rank, in)``) and its ``B`` matrices block-diagonal (``(out, parts ×
-max_rank)``, ``scaling`` folded in): one grouped product per fused linear
+(``(parts × max_rank, in)``) and its ``B`` matrices block-diagonal and transposed
+(``(parts × max_rank, out)``, ``scaling`` folded in): one grouped product per fused linear
 (:func:`lamina.kernels.lora.add_lora`), zero rows for a module the adapter leaves alone.
+
+Across ranks (tensor parallelism, pipeline stages) each rank's slots hold its share of
+each adapter (:meth:`LoraAdapter.share`), split as the base model is (``parallel.py``):
+a stage's layers only; of a column-parallel projection (Q/K/V, gate/up) the ``B`` rows of
+the rank's heads or MLP width, ``A`` whole; of a row-parallel one (O, down) the ``A``
+columns of the rank's inputs, ``B`` whole. The rank adds ``x_r A_r B`` to its partial
+output before the layer's all-reduce, which sums them to ``x A B`` as it sums the base
+linear's parts: no collective of its own, as vLLM's LoRA layers do it. The driver (rank
+0) decides which slot holds which adapter and sends each other rank its share when a
+slot is written (``rank_group.py``), in order with the steps.
 """
 
 from __future__ import annotations
@@ -25,10 +35,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
-from lamina.kernels.lora import LoraBatch, add_lora
+from lamina.kernels.lora import DENSE_MAX_ROWS, LoraBatch, add_lora
 from lamina.services.engine_worker.engine.errors import InvalidRequestError, ModelLoadError
 from lamina.services.engine_worker.engine.model_config import ModelConfig
+from lamina.services.engine_worker.engine.parallel import PipelineStage, TensorParallel
 
 TARGETS = {
     "q_proj": ("qkv", 0),
@@ -42,6 +55,11 @@ TARGETS = {
 """The modules an adapter may target: the fused linear each is part of, and which part."""
 
 _PREFIX = "base_model.model.model.layers."
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_KV = ("k_proj", "v_proj")
+
+LoraWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+"""Per (layer, module): ``A`` ``(r, in)`` and ``B`` ``(out, r)``, ``scaling`` in ``B``."""
 
 
 class LoraAdapterError(ModelLoadError):
@@ -140,7 +158,7 @@ class LoraAdapter:
     rank: int
     base_model: str
     """The checkpoint it was trained on, as its config names it (``/v1/models``' parent)."""
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    weights: LoraWeights = field(repr=False)
 
     @classmethod
     def load(cls, name: str, path: Path, model: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -161,6 +179,43 @@ class LoraAdapter:
         scaling = config["lora_alpha"] / (rank**0.5 if rslora else rank)
         weights = _read_weights(weights_file, model, rank, scaling)
         return cls(name, path, rank, str(config.get("base_model_name_or_path") or ""), weights)
+
+    def share(self, model: ModelConfig, tp: TensorParallel, pp: PipelineStage) -> LoraWeights:
+        """A rank's part of the adapter (see the module's text): its stage's layers,
+        numbered from the stage's first, and its tensor-parallel slice of each."""
+        layers = pp.layers(model.num_layers)
+        shared = {}
+        for (layer, module), (a, b) in self.weights.items():
+            if layer not in layers:
+                continue
+            if module in _ROW_PARALLEL:
+                a = tp.shard(a, 1)
+            elif module in _KV:
+                b = tp.shard_kv(b, 0, model.num_kv_heads)
+            else:
+                b = tp.shard(b, 0)
+            shared[(layer - layers.start, module)] = (a, b)
+        return shared
+
+
+def dump_weights(weights: LoraWeights) -> bytes:
+    """``weights`` as safetensors bytes (to send a rank its share)."""
+    tensors = {}
+    for (layer, module), (a, b) in weights.items():
+        tensors[f"{layer}.{module}.A"] = a.contiguous()
+        tensors[f"{layer}.{module}.B"] = b.contiguous()
+    return save_tensors(tensors)
+
+
+def load_weights(data: bytes) -> LoraWeights:
+    """What :func:`dump_weights` wrote."""
+    tensors = load_tensors(data)
+    weights = {}
+    for key, a in tensors.items():
+        layer, module, which = key.split(".")
+        if which == "A":
+            weights[(int(layer), module)] = (a, tensors[f"{layer}.{module}.B"])
+    return weights
 
 
 def _check_config(config: dict, where: Path, max_rank: int) -> int:
@@ -188,9 +243,7 @@ def _check_config(config: dict, where: Path, max_rank: int) -> int:
     return rank
 
 
-def _read_weights(
-    path: Path, model: ModelConfig, rank: int, scaling: float
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _read_weights(path: Path, model: ModelConfig, rank: int, scaling: float) -> LoraWeights:
     """Each targeted (layer, module)'s ``A`` and scaled ``B``, shapes checked."""
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = collections.defaultdict(dict)
     try:
@@ -274,8 +327,9 @@ def _fused_layout(model: ModelConfig) -> dict[str, tuple[int, list[tuple[str, in
 class LoraSlots:
     """``max_loras`` device slots of adapter weights, per layer and fused linear of
     ``parts`` projections (``W = parts × max_rank``): ``A`` ``(slots × W, in)``, slot
-    ``s``'s rows from ``s × W``, and ``B`` ``(out, slots × W)``, its columns likewise
-    (the layout :func:`lamina.kernels.lora.add_lora` takes)."""
+    ``s``'s rows from ``s × W``, and ``B`` transposed, ``(slots × W, out)``, its rows
+    likewise (the layout :func:`lamina.kernels.lora.add_lora` takes). ``model`` is the rank's
+    share of the model (its layers, heads and MLP width)."""
 
     def __init__(
         self,
@@ -299,7 +353,7 @@ class LoraSlots:
             for fused, (fan_in, parts) in self.layout.items():
                 width = len(parts) * max_rank
                 a = torch.zeros((max_loras * width, fan_in), dtype=dtype, device=device)
-                b = torch.zeros((outputs[fused], max_loras * width), dtype=dtype, device=device)
+                b = torch.zeros((max_loras * width, outputs[fused]), dtype=dtype, device=device)
                 per_layer[fused] = (a, b)
             self.weights.append(per_layer)
         self.resident: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -307,16 +361,39 @@ class LoraSlots:
         self.free = list(range(max_loras))
         """Free slots, a heap: the lowest is taken first, which keeps the slots a step
         uses low (the dense product covers the slots up to the highest used)."""
+        self.kernel_rows = DENSE_MAX_ROWS
+        """Steps of at most this many rows run the ``cpu`` backend's native kernel, larger
+        ones the torch forms (``benchmarks/lora.py`` sets 0 to measure them alone)."""
         self.targets: frozenset[str] = frozenset()
         """The fused linears any adapter loaded so far touches (the others are skipped)."""
+        self._native: tuple[frozenset[str], torch.Tensor] | None = None
+
+    def native_table(self) -> torch.Tensor:
+        """The slots as the native decode step reads them (``kernels/cpu/decode.py``'s
+        LoRA table): per layer, per fused linear, ``A`` and ``B``'s addresses and the slot
+        width; zeros for a linear no adapter touches. Made again only when
+        :attr:`targets` changes (the tensors stay where they are)."""
+        if self._native is None or self._native[0] != self.targets:
+            rows = []
+            for per_layer in self.weights:
+                row = []
+                for fused, (a, b) in per_layer.items():
+                    if fused in self.targets:
+                        row += [a.data_ptr(), b.data_ptr(), self.width(fused)]
+                    else:
+                        row += [0, 0, 0]
+                rows.append(row)
+            self._native = (self.targets, torch.tensor(rows, dtype=torch.int64))
+        return self._native[1]
 
     def width(self, fused: str) -> int:
-        """Rows (of ``A``) or columns (of ``B``) of one slot of ``fused``."""
+        """Rows of ``A`` and of ``B``'s transpose that one slot of ``fused`` takes."""
         return len(self.layout[fused][1]) * self.max_rank
 
-    def slots_for(self, names: set[str], adapters: dict[str, LoraAdapter]) -> dict[str, int]:
-        """A slot per adapter in ``names`` (at most ``max_loras`` of them), loading those
-        not resident into free slots or over the least recently used others."""
+    def slots_for(self, names: set[str], write: Callable[[int, str], None]) -> dict[str, int]:
+        """A slot per adapter in ``names`` (at most ``max_loras`` of them), those not
+        resident put in free slots or over the least recently used others by ``write``
+        (slot, name: the caller writes every rank's share, this one's by :meth:`write`)."""
         for name in names:
             if name in self.resident:
                 self.resident.move_to_end(name)
@@ -327,7 +404,7 @@ class LoraSlots:
                 victim = next(n for n in self.resident if n not in names)
                 heapq.heappush(self.free, self.resident.pop(victim))
             slot = heapq.heappop(self.free)
-            self._write(slot, adapters[name])
+            write(slot, name)
             self.resident[name] = slot
         return {name: self.resident[name] for name in names}
 
@@ -337,39 +414,43 @@ class LoraSlots:
         if slot is not None:
             heapq.heappush(self.free, slot)
 
-    def _write(self, slot: int, adapter: LoraAdapter) -> None:
-        r, rank = self.max_rank, adapter.rank
+    def write(self, slot: int, weights: LoraWeights) -> None:
+        """Slot ``slot`` holds ``weights`` (this rank's share of an adapter)."""
+        r = self.max_rank
         touched = set()
         for layer, per_layer in enumerate(self.weights):
             for fused, (a, b) in per_layer.items():
                 width = self.width(fused)
                 base = slot * width
                 a[base : base + width].zero_()
-                b[:, base : base + width].zero_()
+                b[base : base + width].zero_()
                 for part, (module, offset) in enumerate(self.layout[fused][1]):
-                    pair = adapter.weights.get((layer, module))
+                    pair = weights.get((layer, module))
                     if pair is None:
                         continue
                     touched.add(fused)
                     lora_a, lora_b = pair
-                    start = base + part * r
+                    rank, start = lora_a.shape[0], base + part * r
                     a[start : start + rank] = lora_a.to(a.dtype)
-                    rows = slice(offset, offset + lora_b.shape[0])
-                    b[rows, start : start + rank] = lora_b.to(b.dtype)
+                    columns = slice(offset, offset + lora_b.shape[0])
+                    b[start : start + rank, columns] = lora_b.T.to(b.dtype)
         self.targets |= touched
 
 
 @dataclass(frozen=True, slots=True)
 class LoraStep:
-    """What a step's model call needs to add its adapters' products: on the ``triton``
-    backend each row's slot for the Triton kernel (``kernels/triton/lora.py``), elsewhere
-    the step's grouping for the torch forms (``kernels/lora.py``)."""
+    """What a step's model call needs to add its adapters' products: each row's slot for
+    a one-call kernel (Punica's BGMV: ``kernels/triton/lora.py`` on the ``triton``
+    backend, ``kernels/cpu/lora.py`` on the ``cpu`` one for a step of at most
+    :attr:`LoraSlots.kernel_rows` rows), else the step's grouping for the
+    torch forms (``kernels/lora.py``: a prefill chunk's rows per adapter, as matmuls)."""
 
-    batch: LoraBatch
     slots: LoraSlots
-    triton_slots: torch.Tensor | None = None
-    """``(T,)`` each row's slot on the device, where the Triton kernel runs."""
-    triton_kernel: Callable[..., torch.Tensor] | None = None
+    batch: LoraBatch | None
+    """The torch forms' grouping (None where a kernel runs)."""
+    kernel_slots: torch.Tensor | None = None
+    """``(T,)`` each row's slot on the device, where a kernel runs."""
+    kernel: Callable[..., torch.Tensor] | None = None
 
     @classmethod
     def of(
@@ -377,14 +458,16 @@ class LoraStep:
     ) -> LoraStep | None:
         """For a step whose tokens use ``token_slots`` (-1: the base model) on the kernel
         ``backend``; None when none uses an adapter."""
-        batch = LoraBatch.of(token_slots, device)
-        if batch is None:
+        if not (token_slots >= 0).any():
             return None
-        if backend == "triton":  # (imported here: triton is not needed elsewhere)
+        # (imported here: each backend's kernels are not needed elsewhere)
+        if backend == "triton":
             from lamina.kernels.triton.lora import add_lora as kernel
-
-            return cls(batch, slots, torch.from_numpy(token_slots).to(device), kernel)
-        return cls(batch, slots)
+        elif backend == "cpu" and len(token_slots) <= slots.kernel_rows:
+            from lamina.kernels.cpu.lora import add_lora as kernel
+        else:
+            return cls(slots, LoraBatch.of(token_slots, device))
+        return cls(slots, None, torch.from_numpy(token_slots).to(device), kernel)
 
     def add(self, fused: str, layer: int, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out`` (fused linear ``fused`` of ``layer`` on ``x``) plus the adapters'
@@ -392,8 +475,8 @@ class LoraStep:
         if fused in self.slots.targets:
             a, b = self.slots.weights[layer][fused]
             width = self.slots.width(fused)
-            if self.triton_kernel is not None:
-                self.triton_kernel(out, x, a, b, width, self.triton_slots)
+            if self.kernel is not None:
+                self.kernel(out, x, a, b, width, self.kernel_slots)
             else:
-                add_lora(out, x, a, b, width, self.batch)
+                add_lora(out, x, a, b, width, self.batch)  # type: ignore[arg-type]
         return out

@@ -207,13 +207,17 @@ class CausalLM:
         block_table: np.ndarray,  # (S, max_blocks)
         context_lens: np.ndarray,  # (S,) cached tokens before each new one
         kv_caches: list[torch.Tensor],
+        lora: LoraStep | None = None,  # the step's LoRA adapters, if any sequence has one
     ) -> torch.Tensor | None:
         """Logits ``(S, vocab)`` of a step of decodes only, by the native decode step in one
         call; None where that does not apply (the caller runs :meth:`forward`)."""
+        if lora is not None and lora.kernel_slots is None:  # the adapters' torch forms
+            return None
         step = self._decode_step(kv_caches)
         if step is None:
             return None
-        return step(ids, positions, slots, block_table, context_lens)
+        adapters = None if lora is None else (lora.slots.native_table(), lora.kernel_slots)
+        return step(ids, positions, slots, block_table, context_lens, adapters)
 
     def _decode_step(self, kv_caches: list[torch.Tensor]) -> DecodeStep | None:
         """The native decode step over ``kv_caches``, made on first use; None where it
@@ -309,13 +313,13 @@ class CausalLM:
                 hidden = tp.all_reduce(layer.o(o.view(num_tokens, c.q_size)))
                 x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
                 hidden = tp.all_reduce(layer.down(layer.gate_up(x)))
-            else:  # (LoRA runs on one rank: no all-reduce)
+            else:  # each rank's LoRA product joins its partial sum before the all-reduce
                 o = o.reshape(num_tokens, c.q_size)
-                hidden = lora.add("o", n, layer.o(o), o)
+                hidden = tp.all_reduce(lora.add("o", n, layer.o(o), o))
                 x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
                 gate_up = lora.add("gate_up", n, layer.gate_up.pre_activation(x), x)
                 y = ops.silu_and_mul(gate_up)
-                hidden = lora.add("down", n, layer.down(y), y)
+                hidden = tp.all_reduce(lora.add("down", n, layer.down(y), y))
         if not pp.last:
             pp.send(hidden, residual)
             return None

@@ -24,6 +24,10 @@ of 30 minutes. On the CPU a stage's all-reduces go through shared memory
 (``kernels/cpu/shm_allreduce``: microseconds where gloo's take a millisecond), with the
 same timeout and a dead rank seen at once.
 
+A LoRA adapter put in a slot (``Engine._lora_slots``) reaches the ranks the same way,
+before the step that uses it: each rank is sent its share of the adapter's weights
+(``lora.py``) as safetensors bytes, and writes it into its own slot.
+
 KV blocks that leave or enter the engine (``Engine.export_blocks``, ``import_blocks``:
 a transfer between workers) go through the same pipes, in order with the steps: the
 driver sends each rank the blocks to read (and the tiers' pending moves), and each
@@ -72,6 +76,7 @@ from lamina.services.engine_worker.engine.errors import (
     RankStartError,
 )
 from lamina.services.engine_worker.engine.kv_shards import Share, dump_share, load_share
+from lamina.services.engine_worker.engine.lora import LoraAdapter, dump_weights, load_weights
 from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.parallel import PipelineStage, TensorParallel
 from lamina.services.engine_worker.engine.remote_ranks import (
@@ -87,9 +92,10 @@ from lamina.services.engine_worker.engine.spec import RankInfo
 
 log = logging.getLogger("lamina.worker.ranks")
 
-STEP, EXPORT, IMPORT = 0, 1, 2
+STEP, EXPORT, IMPORT, LORA = 0, 1, 2, 3
 """What a message from the driver asks of a rank (its first int64): run a step; send its
-share of some KV blocks (``RankGroup.export_shares``); write its share of some."""
+share of some KV blocks (``RankGroup.export_shares``); write its share of some; write its
+share of a LoRA adapter into a slot (``RankGroup.write_lora``)."""
 _HEADER = 8  # int64s: STEP, tokens, sequences, table width, sampled rows, decodes, flags, moves
 MAX_SEGMENT_SLOT = 64 << 20
 """Most bytes of one all-reduce through shared memory (per rank and bank)."""
@@ -121,13 +127,15 @@ def pack(step: StepInput) -> bytes:
             step.table.shape[1],
             len(step.sampled),
             step.num_decodes,
-            int(step.decodes_only) | int(step.all_sampled) << 1,
+            int(step.decodes_only)
+            | int(step.all_sampled) << 1
+            | int(bool(len(step.adapters))) << 2,
             step.moves.shape[1],
         ],
         dtype=np.int64,
     )
     parts = (step.ids, step.positions, step.slots, step.num_new, step.context, step.table)
-    parts += (step.sampled, step.moves)
+    parts += (step.sampled, step.moves, step.adapters)
     arrays = [np.ascontiguousarray(a, dtype=np.int64).ravel() for a in parts]
     return np.concatenate([header, *arrays]).tobytes()
 
@@ -136,9 +144,10 @@ def unpack(buffer: bytes) -> StepInput:
     """The :class:`StepInput` :func:`pack` made ``buffer`` from."""
     flat = np.frombuffer(bytearray(buffer), dtype=np.int64)  # writable: torch reads it
     _, tokens, seqs, width, sampled, decodes, flags, moves = (int(v) for v in flat[:_HEADER])
-    sizes = (tokens, tokens, tokens, seqs, seqs, seqs * width, sampled, 4 * moves)
+    adapters = seqs if flags & 4 else 0
+    sizes = (tokens, tokens, tokens, seqs, seqs, seqs * width, sampled, 4 * moves, adapters)
     ends = np.cumsum((_HEADER, *sizes))
-    ids, positions, slots, num_new, context, table, rows, moved = (
+    ids, positions, slots, num_new, context, table, rows, moved, lora = (
         flat[start:end] for start, end in itertools.pairwise(ends)
     )
     return StepInput(
@@ -153,6 +162,7 @@ def unpack(buffer: bytes) -> StepInput:
         decodes_only=bool(flags & 1),
         all_sampled=bool(flags & 2),
         moves=moved.reshape(4, moves),
+        adapters=lora,
     )
 
 
@@ -362,6 +372,18 @@ class RankGroup:
         try:
             for pipe, share in zip(self._pipes, shares, strict=True):
                 pipe.send_bytes(pack_blocks(IMPORT, moves, blocks, dump_share(share)))  # type: ignore[union-attr]
+        except Exception as exc:
+            raise self._failure(exc) from exc
+
+    def write_lora(self, slot: int, adapter: LoraAdapter, model: ModelConfig) -> None:
+        """Have ranks 1.. write their shares of ``adapter`` into LoRA slot ``slot``,
+        before any later step."""
+        try:
+            for rank, pipe in enumerate(self._pipes, start=1):
+                tp = TensorParallel(rank % self.tp_size, self.tp_size)
+                pp = PipelineStage.of(rank, self.tp_size, self.pp_size)
+                header = np.array([LORA, slot], dtype=np.int64).tobytes()
+                pipe.send_bytes(header + dump_weights(adapter.share(model, tp, pp)))  # type: ignore[union-attr]
         except Exception as exc:
             raise self._failure(exc) from exc
 
@@ -591,6 +613,7 @@ def rank_main(
         if segments[pp.stage] is not None and tp.rank == 0:
             segments[pp.stage].unlink(missing_ok=True)  # type: ignore[union-attr]
         runner = shard.runner(num_blocks, tier_slots)
+        runner.lora_slots = shard.lora_slots()
         pipe.send(("ready", dataclasses.replace(info, kv_bytes=num_blocks * shard.block_bytes)))
         sends_logits = pp.last and not pp.first and tp.rank == 0  # to the driver
         while True:
@@ -601,6 +624,10 @@ def rank_main(
                 logits = runner.run(step)
                 if sends_logits and len(step.sampled):
                     dist.send(logits.contiguous(), 0)
+                continue
+            if kind == LORA:
+                slot = int(np.frombuffer(message, dtype=np.int64, count=2)[1])
+                runner.lora_slots.write(slot, load_weights(message[16:]))  # type: ignore[union-attr]
                 continue
             moves, blocks, share = unpack_blocks(message)
             runner.transfer(moves)

@@ -160,18 +160,22 @@ class ModelRunner:
             token_slots = np.repeat(step.adapters, step.num_new)
             backend = self.model.ops.backend
             lora = LoraStep.of(token_slots, self.lora_slots, self.device, backend)
-        if lora is not None:  # the adapters' products run in the general forward
-            return self._forward(step, lora)
-        graphs = self.decode_graphs
+        graphs = None if lora is not None else self.decode_graphs  # (recorded without)
         if graphs is not None and step.decodes_only and graphs.bucket(len(step.ids)):
             return graphs.run(step.ids, step.positions, step.slots, step.context, step.table)
         if step.decodes_only and step.all_sampled:  # (a one-token prompt chunk is not)
             logits = self.model.decode_logits(
-                step.ids, step.positions, step.slots, step.table, step.context, self.kv_caches
+                step.ids,
+                step.positions,
+                step.slots,
+                step.table,
+                step.context,
+                self.kv_caches,
+                lora,
             )
             if logits is not None:
                 return logits
-        return self._forward(step, None)
+        return self._forward(step, lora)
 
     def _forward(self, step: StepInput, lora: LoraStep | None) -> torch.Tensor:
         """The model's general forward over ``step``."""

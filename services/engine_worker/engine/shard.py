@@ -15,6 +15,7 @@ from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
 from lamina.services.engine_worker.engine.kv_tier import DISK, HOST
 from lamina.services.engine_worker.engine.loader import CheckpointTensors
+from lamina.services.engine_worker.engine.lora import LoraSlots
 from lamina.services.engine_worker.engine.model import CausalLM
 from lamina.services.engine_worker.engine.model_config import DTYPES, ModelConfig
 from lamina.services.engine_worker.engine.parallel import PipelineStage, TensorParallel
@@ -86,6 +87,16 @@ class Shard:
                 capture=self.device.type == "cuda",
             )
         return runner
+
+    def lora_slots(self) -> LoraSlots | None:
+        """This rank's device slots of LoRA adapters (None: LoRA is off)."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        model = self.model
+        return LoraSlots(
+            model.local, config.max_loras, config.max_lora_rank, model.dtype, self.device
+        )
 
 
 def load_shard(
