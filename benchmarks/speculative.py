@@ -17,11 +17,17 @@ only where the engine's gate finds it pays) on the same requests, rotating which
 first, and reports output tokens/s (batch 1: its inverse is the TPOT), the acceptance
 rate (accepted / proposed draft tokens) and the tokens a drafted request made per step.
 Prints the medians of ``--runs`` and the speed-up (the median of each run's own ratio).
-Not a test: run it by hand.
+
+``--llamacpp`` adds the peer at batch 1: llama.cpp (``llama-cpp-python``, the ``bench``
+extra) on the same weights converted to an f32 GGUF by llama.cpp's own converter
+(``engine_vs_llamacpp.to_gguf``), greedy, without and with its prompt-lookup decoding
+(``LlamaPromptLookupDecoding``: ``--num-speculative-tokens`` drafted from n-grams of up
+to ``--prompt-lookup-max`` tokens), the same prompt and token count, alternated run by
+run. Not a test: run it by hand.
 
     .venv/bin/python -u benchmarks/speculative.py [--runs 5] [--model DIR]
         [--methods ngram draft_model ngram-adaptive draft_model-adaptive]
-        [--draft-model DIR | --draft-layers 1]
+        [--draft-model DIR | --draft-layers 1] [--llamacpp]
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ def main() -> None:
     )
     parser.add_argument("--draft-model", type=Path, help="default: the target's first layers")
     parser.add_argument("--draft-layers", type=int, default=1)
+    parser.add_argument("--llamacpp", action="store_true", help="the llama.cpp peer at batch 1")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="lamina-draft-") as scratch:
@@ -134,9 +141,62 @@ def main() -> None:
         compare(args, methods)
 
 
+def llamacpp_run(llm, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """Seconds from ``llm``'s first output token to its ``max_tokens``-th, greedy (the
+    first is the prompt's prefill), and the tokens."""
+    stamps, tokens = [], []
+    for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        stamps.append(time.perf_counter())
+        tokens.append(token)
+        if len(stamps) == max_tokens:
+            break
+    return stamps[-1] - stamps[0], tokens
+
+
+def compare_llamacpp(args: argparse.Namespace, workload: str, prompt: list[int]) -> None:
+    """llama.cpp at batch 1 on ``prompt``, without and with prompt-lookup decoding."""
+    from engine_vs_llamacpp import to_gguf
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from lamina.libs.config import lamina_home
+
+    gguf_dir = lamina_home() / "gguf"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    gguf = to_gguf(args.model, "f32", gguf_dir / f"{args.model.name}-f32.gguf")
+    common = dict(
+        model_path=str(gguf), n_ctx=512, n_threads=args.threads, n_threads_batch=args.threads
+    )
+    lookup = LlamaPromptLookupDecoding(
+        max_ngram_size=args.prompt_lookup_max, num_pred_tokens=args.num_speculative_tokens
+    )
+    sides = {
+        "llama.cpp": Llama(**common, verbose=False),
+        "llama.cpp + lookup": Llama(**common, draft_model=lookup, verbose=False),
+    }
+    rates: dict[str, list[float]] = {side: [] for side in sides}
+    outputs: dict[str, list[int]] = {}
+    for run in range(args.runs):
+        for side in list(sides)[run % 2 :] + list(sides)[: run % 2]:
+            seconds, outputs[side] = llamacpp_run(sides[side], prompt, args.max_tokens)
+            rates[side].append((args.max_tokens - 1) / seconds)
+    if len({tuple(tokens) for tokens in outputs.values()}) > 1:  # greedy: it must not change
+        print("  llama.cpp's output with prompt lookup differs from its output without")
+    ratios = [s / p for s, p in zip(rates["llama.cpp + lookup"], rates["llama.cpp"], strict=True)]
+    plain, spec = (statistics.median(rates[side]) for side in sides)
+    print(
+        f"{workload:10} batch   1: llama.cpp {plain:8.1f} tok/s (TPOT {1000 / plain:.2f} ms); "
+        f"with prompt lookup {spec:8.1f} tok/s (x{statistics.median(ratios):.2f}, runs "
+        f"{min(ratios):.2f}-{max(ratios):.2f}; TPOT {1000 / spec:.2f} ms)",
+        flush=True,
+    )
+
+
 def compare(args: argparse.Namespace, methods: dict[str, SpeculativeConfig]) -> None:
     max_model_len = 512
     for name, prompts in workloads(args.model, max_model_len, args.max_tokens).items():
+        if args.llamacpp:
+            compare_llamacpp(args, name, prompts[0])
         for batch in args.batch_sizes:
             work = [prompts[i % len(prompts)] for i in range(batch)]
             labels = ["none", *methods]

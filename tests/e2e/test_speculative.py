@@ -35,7 +35,9 @@ def test_a_worker_with_a_draft_model_serves_a_plain_workers_text(stories, tmp_pa
     args = ["--max-model-len", "256"]
     with make_stack(stories, tmp_path / "plain", worker_args=args) as plain:
         want = texts(plain.base_url)
-    config = json.dumps({"model": str(draft), "num_speculative_tokens": 3, "adaptive": True})
+    # Not adaptive: whether the gate drafts depends on the machine's step times, and what
+    # this checks is what the worker says of its drafts (the gate: tests/engine).
+    config = json.dumps({"model": str(draft), "num_speculative_tokens": 3})
     speculative = [*args, "--speculative-config", config]
     telemetry = ["--metrics-compat", "vllm"]
     with make_stack(
@@ -44,9 +46,10 @@ def test_a_worker_with_a_draft_model_serves_a_plain_workers_text(stories, tmp_pa
         assert texts(stack.base_url) == want
         cluster = stack.metrics_url.replace("/metrics", "/v1/cluster")
         deadline = time.monotonic() + 30
-        while True:  # the heartbeat after the requests
+        made = sum(body["max_tokens"] for body in BODIES)
+        while True:  # a heartbeat whose engine counters include every token the requests made
             (worker,) = httpx.get(cluster, timeout=10).json()["workers"]
-            if worker["spec_decode_num_drafts"] or time.monotonic() > deadline:
+            if worker["generation_tokens_total"] >= made or time.monotonic() > deadline:
                 break
             time.sleep(0.3)
         assert worker["spec_decode_num_accepted_tokens"] > 0
@@ -57,5 +60,5 @@ def test_a_worker_with_a_draft_model_serves_a_plain_workers_text(stories, tmp_pa
             return float(line.rsplit(" ", 1)[1])
 
         assert value("vllm:spec_decode_num_accepted_tokens_total") > 0
-        # Whether it drafts now is the gate's call; telemetry states the heartbeat's.
-        assert value("lamina:spec_decode_active{") == float(worker["spec_decode_active"])
+        assert worker["spec_decode_active"]
+        assert value("lamina:spec_decode_active{") == 1.0

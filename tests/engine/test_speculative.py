@@ -5,6 +5,7 @@ of rejected draft tokens is given back, and what was accepted is cached as if de
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -301,3 +302,34 @@ def test_an_adaptive_engine_drafts_only_while_its_gate_finds_drafting_pays(stori
     again = speculating.stats()
     assert again.spec_decode_active
     assert again.spec_decode_num_drafts > stats.spec_decode_num_drafts + 150
+
+
+def test_a_draft_model_skipped_while_drafts_are_off_catches_up_when_they_resume(stories):
+    """While the gate holds drafts off, steps without drafts leave the draft model out;
+    each drafted step (one in ``PROBE_OFF_EVERY``, then every step once drafts pay again)
+    first computes the draft's KV it was left behind on. The target as its own draft: every
+    proposal is still accepted, which holds only if the caught-up KV is the target's."""
+    adaptive = dataclasses.replace(drafting(stories), adaptive=True)
+    want = staggered(engine(stories, None), greedy(150))
+    speculating = engine(stories, adaptive)
+    mirrored = []
+    mirror = speculating.drafter.mirror
+    speculating.drafter.mirror = lambda step: mirrored.append(step) or mirror(step)
+    # Drafts do not pay, even all accepted: a step's time grows faster than its width.
+    speculating.gate.step_time = lambda tokens: 1e-3 * tokens**2
+    assert staggered(speculating, greedy(150)) == want
+    off = speculating.stats()
+    assert not off.spec_decode_active and off.spec_decode_num_drafts > 0
+    assert off.spec_decode_num_accepted_tokens == off.spec_decode_num_draft_tokens
+    steps_off = len(mirrored)
+    assert steps_off <= off.spec_decode_num_drafts  # only drafted steps ran the draft model
+    speculating.gate.step_time = lambda tokens: 5e-3  # now they do
+    steps = []
+    step = speculating.step
+    speculating.step = lambda: steps.append(1) or step()
+    assert staggered(speculating, greedy(150)) == want
+    on = speculating.stats()
+    assert on.spec_decode_active
+    assert on.spec_decode_num_draft_tokens > off.spec_decode_num_draft_tokens + 100
+    assert on.spec_decode_num_accepted_tokens == on.spec_decode_num_draft_tokens
+    assert len(mirrored) - steps_off >= len(steps) - 1  # every step again

@@ -495,8 +495,15 @@ class Engine:
             wait = self.ranks.launch(step, self.runner)
         else:
             wait = _ready(self.runner.run(step))
-        if self.drafter is not None:  # (beside the other ranks' share of the step)
-            self.drafter.mirror(step)
+        if self.drafter is None:
+            return wait
+        if self.gate is None or self._spec_active or any(r.draft for r in batch.requests):
+            self.drafter.mirror(step)  # (beside the other ranks' share of the step)
+        else:  # drafts are off: the draft model keeps up only when drafting resumes
+            self.drafter.transfer(step.moves)
+            for request in batch.requests:
+                if request.draft_stale_from is None:
+                    request.draft_stale_from = request.num_computed_tokens
         return wait
 
     def _lora_slots(self, batch: ScheduledBatch) -> np.ndarray:

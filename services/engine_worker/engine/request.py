@@ -91,6 +91,10 @@ class Request:
     draft: list[int] = field(default_factory=list)
     """Tokens proposed to follow ``token_ids`` (speculative decoding), for this step
     only: computed after the last token and verified by the sampler (the engine's)."""
+    draft_stale_from: int | None = None
+    """The first position whose KV in a draft model's pool a step left behind (it ran
+    without the draft model: the speculation gate held drafts off); the request's next
+    draft catches up from there. None: the draft's KV follows the target's."""
     prompt_logprobs: dict[int, RankedLogprob] | None = None
     """While its prompt logprobs are wanted and not yet sent: those computed so far, by
     prompt position. Such a request computes its prompt, never reads the prefix cache."""
