@@ -153,6 +153,43 @@ def llamacpp_run(llm, prompt: list[int], max_tokens: int) -> tuple[float, list[i
     return stamps[-1] - stamps[0], tokens
 
 
+def bpe_copy(model: Path, out: Path) -> Path:
+    """``model`` with its tokenizer as a byte-pair one over the same ids, in ``out``:
+    stories260K's is word-level, which llama.cpp's converter writes without the merges its
+    loader requires. Both sides are fed token ids, so names do not matter: the last three
+    tokens are renamed ``xy``, ``x`` and ``y`` for the one merge ``x y``."""
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    if tokenizer["model"]["type"] == "BPE":
+        return model
+    out.mkdir(parents=True, exist_ok=True)
+    for file in model.iterdir():
+        if file.name != "tokenizer.json":
+            (out / file.name).write_bytes(file.read_bytes())
+    names = {i: name for name, i in tokenizer["model"]["vocab"].items()}
+    last = len(names) - 1
+    names |= {last - 2: "xy", last - 1: "x", last: "y"}
+    tokenizer["model"] = {
+        "type": "BPE",
+        "vocab": {name: i for i, name in names.items()},
+        "merges": ["x y"],
+        "unk_token": None,
+        "dropout": None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": False,
+    }
+    tokenizer["pre_tokenizer"] = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return out
+
+
 def compare_llamacpp(args: argparse.Namespace, workload: str, prompt: list[int]) -> None:
     """llama.cpp at batch 1 on ``prompt``, without and with prompt-lookup decoding."""
     from engine_vs_llamacpp import to_gguf
@@ -163,7 +200,9 @@ def compare_llamacpp(args: argparse.Namespace, workload: str, prompt: list[int])
 
     gguf_dir = lamina_home() / "gguf"
     gguf_dir.mkdir(parents=True, exist_ok=True)
-    gguf = to_gguf(args.model, "f32", gguf_dir / f"{args.model.name}-f32.gguf")
+    target = gguf_dir / f"{args.model.name}-f32.gguf"
+    with tempfile.TemporaryDirectory() as scratch:
+        gguf = to_gguf(bpe_copy(args.model, Path(scratch) / args.model.name), "f32", target)
     common = dict(
         model_path=str(gguf), n_ctx=512, n_threads=args.threads, n_threads_batch=args.threads
     )
