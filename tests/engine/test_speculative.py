@@ -301,7 +301,11 @@ def test_an_adaptive_engine_drafts_only_while_its_gate_finds_drafting_pays(stori
     assert run_to_completion(speculating, PROMPTS, greedy(100)) == want
     again = speculating.stats()
     assert again.spec_decode_active
-    assert again.spec_decode_num_drafts > stats.spec_decode_num_drafts + 150
+    # Drafting every step again: many times the drafts of the same work while off.
+    assert (
+        again.spec_decode_num_drafts - stats.spec_decode_num_drafts
+        > 4 * stats.spec_decode_num_drafts
+    )
 
 
 def test_a_draft_model_skipped_while_drafts_are_off_catches_up_when_they_resume(stories):

@@ -66,6 +66,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert propose([7, 2, 5, 2, 6, 7, 2], config, 2) == [5, 2]
     assert propose([1, 2, 3, 4, 5, 2], config, 3) == [3, 4, 5]
     assert propose([1, 2, 3], config, 3) == []  # nothing repeats
+    # What followed the match runs into the end: the copy goes on from its start.
+    assert propose([7, 4, 4, 4], config, 4) == [4, 4, 4, 4]
+    assert propose([1, 5, 6, 5, 6], config, 3) == [5, 6, 5]
     assert propose([1, 2, 1, 2], config, 0) == []
     at_least_3 = SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=4)
     assert propose([5, 1, 2, 7, 1, 2], at_least_3, 2) == []

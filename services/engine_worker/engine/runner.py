@@ -266,11 +266,14 @@ class StepInput:
         context = [r.num_computed_tokens for r in requests]
         ids: list[int] = []
         drafted = False
+        chunks = False  # a prompt chunk of several tokens
         for request, start, n in zip(requests, context, num_new, strict=True):
             ids.extend(request.token_ids[start : start + n])
             if request.draft and start + n > request.num_tokens:
                 ids.extend(request.draft[: start + n - request.num_tokens])
                 drafted = True
+            elif n > 1:
+                chunks = True
         n_arr = np.asarray(num_new, dtype=np.int64)
         ctx_arr = np.asarray(context, dtype=np.int64)
         ends = np.cumsum(n_arr)
@@ -290,6 +293,26 @@ class StepInput:
                     for r, end, last in zip(requests, ends, done, strict=True)
                     if last
                 ]
+            )
+        if drafted and not chunks and not extra and done.all():
+            # Decodes and drafts alone: each drafted token as a decode row of its own
+            # (its context the tokens before it, its KV written before any row attends),
+            # so the step stays on the decode paths (the native decode step, CUDA graphs)
+            # where a drafted request would run as a prompt chunk through the general
+            # forward. Every row is sampled, as verification wants.
+            return cls(
+                ids=np.asarray(ids),
+                positions=positions,
+                slots=slots,
+                num_new=np.ones(len(ids), dtype=np.int64),
+                context=positions,
+                table=table[row],
+                sampled=np.arange(len(ids)),
+                num_decodes=len(ids),
+                decodes_only=True,
+                all_sampled=True,
+                moves=moves,
+                adapters=adapters[row] if len(adapters) else adapters,
             )
         if extra:
             sampled = np.concatenate([sampled, np.asarray(extra, dtype=np.int64)])

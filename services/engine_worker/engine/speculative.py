@@ -115,10 +115,13 @@ def may_speculate(request: Request) -> bool:
 
 
 def propose(tokens: list[int], config: SpeculativeConfig, most: int) -> list[int]:
-    """Up to ``most`` tokens that followed the latest earlier occurrence of the longest
-    suffix of ``tokens`` (between ``prompt_lookup_min`` and ``prompt_lookup_max`` long)
-    found before it; ``[]`` when there is none. The latest occurrence, since what a
-    sequence repeats is likelier what it wrote recently."""
+    """``most`` tokens that followed the latest earlier occurrence of the longest suffix of
+    ``tokens`` (between ``prompt_lookup_min`` and ``prompt_lookup_max`` long) found before
+    it; ``[]`` when there is none. The latest occurrence, since what a sequence repeats is
+    likelier what it wrote recently. Where what followed it runs into the end of
+    ``tokens``, the copy goes on from its own start (an overlapping copy, as LZ77's): a
+    sequence in a loop of ``p`` tokens is proposed the loop again, not the ``p - 1``
+    tokens left before its end."""
     length = len(tokens)
     if most <= 0 or length < config.prompt_lookup_min + 1:
         return []
@@ -143,7 +146,10 @@ def propose(tokens: list[int], config: SpeculativeConfig, most: int) -> list[int
     if best is None:
         return []
     start = int(best[-1]) + 1
-    return seq[start : start + most].tolist()
+    copied = seq[start:].tolist()
+    while len(copied) < most:  # (an overlapping copy)
+        copied += copied[: most - len(copied)]
+    return copied[:most]
 
 
 class SpeculationGate:
