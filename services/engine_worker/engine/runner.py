@@ -285,15 +285,6 @@ class StepInput:
             table[i, : len(t)] = t
         slots = table[row, positions // block_size] * block_size + (positions % block_size)
         done = (ctx_arr + n_arr) == np.asarray([r.num_step_tokens for r in requests])
-        sampled = (ends - 1)[done]
-        if drafted:  # a drafted request's last token and each draft token are scored
-            sampled = np.concatenate(
-                [
-                    np.arange(end - len(r.draft) - 1, end)
-                    for r, end, last in zip(requests, ends, done, strict=True)
-                    if last
-                ]
-            )
         if drafted and not chunks and not extra and done.all():
             # Decodes and drafts alone: each drafted token as a decode row of its own
             # (its context the tokens before it, its KV written before any row attends),
@@ -313,6 +304,15 @@ class StepInput:
                 all_sampled=True,
                 moves=moves,
                 adapters=adapters[row] if len(adapters) else adapters,
+            )
+        sampled = (ends - 1)[done]
+        if drafted:  # a drafted request's last token and each draft token are scored
+            sampled = np.concatenate(
+                [
+                    np.arange(end - len(r.draft) - 1, end)
+                    for r, end, last in zip(requests, ends, done, strict=True)
+                    if last
+                ]
             )
         if extra:
             sampled = np.concatenate([sampled, np.asarray(extra, dtype=np.int64)])
