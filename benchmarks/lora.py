@@ -6,12 +6,13 @@ output each, greedy, EOS ignored) runs on an engine serving ``k`` adapters (rank
 requests spread round-robin over the ``k`` (``--max-loras k``: every adapter in every
 step), for each ``k`` of ``--adapters``; the same batch runs on the engine without
 adapters (what the merged model would cost: merging changes the weights, not the work).
-Each run times every engine on the same requests, the order rotated per run. Prints
-output tokens/s, medians of ``--runs``, and each ``k``'s ratio to the base model (the
-median of each run's own ratio). Target (issue 43): >= 0.8x at 8 adapters; vLLM's and
-S-LoRA's published overheads are the anchors. ``--torch-forms`` adds, per ``k``, the same
-engine with the CPU's native LoRA kernel off (the torch forms on every step). Not a test:
-run it by hand.
+Each run times every engine on the same requests (its prefix cache emptied first, so that
+every run computes its prompts), the order rotated per run. Prints output tokens/s over
+the whole batch and over its decode phase, medians of ``--runs``, and each ``k``'s ratio
+to the base model (the median of each run's own ratio). Target (issue 43): >= 0.8x at 8
+adapters; vLLM's and S-LoRA's published overheads are the anchors. ``--torch-forms``
+adds, per ``k``, the same engine with the CPU's native LoRA kernel off (the torch forms on
+every step). Not a test: run it by hand.
 
     .venv/bin/python -u benchmarks/lora.py [--runs 3] [--preset small] [--torch-forms]
 """
@@ -67,16 +68,27 @@ def write_adapter(directory: Path, model: ModelConfig, rank: int, seed: int) -> 
     return directory
 
 
-def run(engine: Engine, prompts: list[list[int]], adapters: list[str | None], tokens: int) -> float:
-    """Output tokens per second of the batch, each prompt with its adapter."""
+def run(
+    engine: Engine, prompts: list[list[int]], adapters: list[str | None], tokens: int
+) -> tuple[float, float]:
+    """Output tokens per second of the batch, each prompt with its adapter: over the whole
+    batch, and over its decode phase (the steps after every request's first token)."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    engine.reset_prefix_cache()  # every run computes its prompts (each run repeats them)
     stamp = time.monotonic_ns()
     for i, (prompt, lora) in enumerate(zip(prompts, adapters, strict=True)):
         engine.add_request(f"r{stamp}-{i}", prompt, params, lora=lora)
     started, made = time.perf_counter(), 0
+    decoding, decoded = 0.0, 0  # when every request had its first token, tokens since
     while engine.has_work():
-        made += sum(len(out.new_token_ids) for out in engine.step().outputs)
-    return made / (time.perf_counter() - started)
+        step = sum(len(out.new_token_ids) for out in engine.step().outputs)
+        made += step
+        if decoding:
+            decoded += step
+        elif made >= len(prompts):
+            decoding = time.perf_counter()
+    ended = time.perf_counter()
+    return made / (ended - started), decoded / (ended - decoding)
 
 
 def main() -> None:
@@ -124,7 +136,7 @@ def main() -> None:
                 engines[f"{k}, torch forms"] = (engine, names)
         for engine, adapters in engines.values():  # warm: kernels built, pages touched
             run(engine, prompts[:2], adapters[:2], 4)
-        rates: dict[str, list[float]] = {name: [] for name in engines}
+        rates: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
         for r in range(args.runs):
             order = list(engines)
             order = order[r % len(order) :] + order[: r % len(order)]
@@ -137,13 +149,15 @@ def main() -> None:
         f"{torch.get_num_threads()} threads; batch {args.batch}, {args.prompt_len} prompt + "
         f"{args.max_tokens} output tokens, rank {args.rank}, medians of {args.runs} runs"
     )
-    base = rates["base"]
-    for name, measured in rates.items():
-        ratio = statistics.median(m / b for m, b in zip(measured, base, strict=True))
-        spread = f"{min(measured):,.0f}-{max(measured):,.0f}"
-        print(
-            f"  {name:>16}: {statistics.median(measured):8,.0f} tok/s ({spread})  {ratio:.2f}x base"
-        )
+    for phase, label in ((0, "whole batch"), (1, "decode phase")):
+        print(f" {label}:")
+        base = [rate[phase] for rate in rates["base"]]
+        for name, both in rates.items():
+            measured = [rate[phase] for rate in both]
+            ratio = statistics.median(m / b for m, b in zip(measured, base, strict=True))
+            spread = f"{min(measured):,.0f}-{max(measured):,.0f}"
+            median = statistics.median(measured)
+            print(f"  {name:>16}: {median:8,.0f} tok/s ({spread})  {ratio:.2f}x base")
 
 
 if __name__ == "__main__":

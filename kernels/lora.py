@@ -6,9 +6,11 @@ transposed, as ``b`` ``(S × W, N)`` (``W`` rows of slot ``s`` from ``s × W`` i
 kernel's expand then runs along contiguous outputs). Two ways to add
 each row's ``B[s] @ (A[s] @ x)``, chosen per step (:class:`LoraBatch`):
 
-* grouped (Punica's SGMV): per adapter present, its rows through its ``A`` and ``B``, two
-  matmuls over all of its rows at once. Few, large products: prefill chunks, or one
-  adapter.
+* grouped (Punica's SGMV): per run of consecutive rows of one adapter (a prefill chunk,
+  or the whole step), that run through its ``A`` and ``B`` in place, two matmuls on views;
+  where the runs are many (decode rows of interleaved adapters), per adapter present, its
+  rows gathered, multiplied and scattered back. Few, large products: prefill chunks, or
+  one adapter.
 * dense (one BGMV-like product for all): every row through the stacked ``A`` of the slots
   up to the highest used, the columns of other slots masked to zero, then through the
   stacked ``B``: three calls per linear however many adapters. Many small products cost
@@ -28,15 +30,19 @@ import torch
 
 DENSE_MAX_ROWS = 256
 """Steps of at most this many rows with several adapters run the dense product."""
+MAX_RUNS = 64
+"""At most this many runs of consecutive rows are multiplied run by run (views, no
+copies); a step of more gathers each adapter's rows instead."""
 
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
-    """A step's tokens by adapter slot: ``(slot, rows)`` per slot present, ``rows`` the
-    token rows of that slot (None: every row of the step); for the dense product, each
-    row's slot."""
+    """A step's tokens by adapter slot: ``(slot, rows)`` per run of consecutive rows of
+    one slot (``rows`` a slice) or per slot present (``rows`` its row indices, or a slice
+    when they are consecutive), in ascending slot order where they are per slot; for the
+    dense product, each row's slot."""
 
-    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    groups: tuple[tuple[int, torch.Tensor | slice], ...]
     token_slots: torch.Tensor | None = None
     """``(T,)`` each row's slot (-1: none), where the step runs the dense product."""
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -50,15 +56,18 @@ class LoraBatch:
         present = present[present >= 0]
         if not len(present):
             return None
-        if len(present) == 1 and (token_slots == present[0]).all():
-            return cls(((int(present[0]), None),))
+        dense = len(present) > 1 and len(token_slots) <= DENSE_MAX_ROWS
+        if not dense:
+            starts = (np.flatnonzero(np.diff(token_slots)) + 1).tolist()
+            bounds = zip([0, *starts], [*starts, len(token_slots)], strict=True)
+            runs = [(int(token_slots[s]), slice(s, e)) for s, e in bounds if token_slots[s] >= 0]
+            if len(runs) <= MAX_RUNS:
+                return cls(tuple(runs))
         groups = tuple(
             (int(slot), torch.from_numpy(np.flatnonzero(token_slots == slot)).to(device))
             for slot in present
         )
-        dense = len(present) > 1 and len(token_slots) <= DENSE_MAX_ROWS
-        slots = torch.from_numpy(token_slots).to(device) if dense else None
-        return cls(groups, slots)
+        return cls(groups, torch.from_numpy(token_slots).to(device) if dense else None)
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """``(T, (highest slot + 1) × width)``: 1 where a column is the row's slot's."""
@@ -88,8 +97,8 @@ def add_lora(
         return out.addmm_(shrunk, b[:columns])
     for slot, rows in batch.groups:
         span = slice(slot * width, (slot + 1) * width)
-        if rows is None:
-            out.addmm_(x @ a[span].T, b[span])
+        if isinstance(rows, slice):  # a view of ``out``: added in place
+            out[rows].addmm_(x[rows] @ a[span].T, b[span])
         else:
             delta = (x.index_select(0, rows) @ a[span].T) @ b[span]
             out.index_add_(0, rows, delta)

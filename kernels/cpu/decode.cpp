@@ -27,6 +27,7 @@
 // that one runs the plain matmul on the gated weight (its interleaved panels) and the
 // activation after the product is added.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -122,9 +123,10 @@ thread_local std::vector<float> gathered;  // x in a linear's stored input order
 void linear(const Linear& l, const float* x, int64_t rows, float* out, bool gated) {
   if (l.order) {
     if (static_cast<int64_t>(gathered.size()) < rows * l.k) gathered.resize(rows * l.k);
+    float* to = gathered.data();  // a thread-local read once: each access is a call
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < l.k; ++j) gathered[r * l.k + j] = x[r * l.k + l.order[j]];
-    x = gathered.data();
+      for (int64_t j = 0; j < l.k; ++j) to[r * l.k + j] = x[r * l.k + l.order[j]];
+    x = to;
   }
   if (l.format == 0) {
     (gated ? lamina_packed_silu_mul : lamina_packed_linear)(
@@ -143,31 +145,34 @@ void add_lora(const LoraLinear& l, const float* x, int64_t k, int64_t rows, floa
   if (l.a) lamina_lora_bgmv(out, out_stride, x, k, rows, k, l.a, l.b, n, l.width, slots);
 }
 
-thread_local std::vector<float> pre_activation, lora_delta, gate_row, up_row;
+thread_local std::vector<float> pre_activation, lora_delta;
 
 // The gated MLP projection with an adapter's product: silu(gate) * up over the plain
 // matmul of the gated weight (per panel of kPanel outputs its gate columns, then its up
-// columns) plus the product, which comes as [gate | up].
+// columns) plus the product, which comes as [gate | up], added panel by panel in place.
 void gated_with_lora(const Linear& l, const LoraLinear& lora, const float* x, int64_t rows,
                      float* out, const int64_t* slots) {
   const int64_t half = l.n, width = 2 * ((half + kPanel - 1) / kPanel) * kPanel;
   Linear plain = l;
   plain.n = width;
   pre_activation.resize(rows * width);
-  linear(plain, x, rows, pre_activation.data(), false);
   lora_delta.assign(rows * 2 * half, 0.0f);
-  add_lora(lora, x, l.k, rows, lora_delta.data(), 2 * half, 2 * half, slots);
-  gate_row.resize(half);
-  up_row.resize(half);
+  float* pre = pre_activation.data();  // thread-locals read once: each access is a call
+  float* delta = lora_delta.data();
+  linear(plain, x, rows, pre, false);
+  add_lora(lora, x, l.k, rows, delta, 2 * half, 2 * half, slots);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* p = pre_activation.data() + r * width;
-    const float* delta = lora_delta.data() + r * 2 * half;
-    for (int64_t j = 0; j < half; ++j) {
-      const int64_t at = (j / kPanel) * 2 * kPanel + j % kPanel;
-      gate_row[j] = p[at] + delta[j];
-      up_row[j] = p[at + kPanel] + delta[half + j];
+    const float* d = delta + r * 2 * half;
+    for (int64_t j0 = 0; j0 < half; j0 += kPanel) {
+      float* gate = pre + r * width + 2 * j0;
+      float* up = gate + kPanel;
+      const int64_t count = std::min(kPanel, half - j0);
+      for (int64_t i = 0; i < count; ++i) {
+        gate[i] += d[j0 + i];
+        up[i] += d[half + j0 + i];
+      }
+      lamina::silu_mul_row(gate, up, out + r * half + j0, count);
     }
-    lamina::silu_mul_row(gate_row.data(), up_row.data(), out + r * half, half);
   }
 }
 

@@ -18,16 +18,20 @@ from lamina.kernels.weight_quant import quantize
 CPU = torch.device("cpu")
 
 
+CHUNKS = [2] * 200 + [-1] * 7 + [0] * 90 + [2] * 5  # prefill chunks: runs of one slot
+
+
 @pytest.mark.parametrize(
-    ("token_slots", "dense"),
+    ("token_slots", "form"),
     [
-        ([0, 0, 0, 0, 0], False),  # one adapter, every row
-        ([-1, 2, 2, 0, -1, 2, 1, 1], True),  # adapters and the base model, interleaved
-        ([-1, 3, 3], False),  # one adapter, some rows
-        ([1, 0] * (DENSE_MAX_ROWS // 2 + 1), False),  # too many rows: grouped
+        ([0, 0, 0, 0, 0], "runs"),  # one adapter, every row
+        ([-1, 2, 2, 0, -1, 2, 1, 1], "dense"),  # adapters and the base model, interleaved
+        ([-1, 3, 3], "runs"),  # one adapter, some rows
+        (CHUNKS, "runs"),  # too many rows for the dense product, in few runs
+        ([1, 0] * (DENSE_MAX_ROWS // 2 + 1), "gathered"),  # too many rows, too many runs
     ],
 )
-def test_batched_product_matches_the_per_token_reference(token_slots, dense):
+def test_batched_product_matches_the_per_token_reference(token_slots, form):
     torch.manual_seed(0)
     slots, rank, k, n = 4, 6, 40, 24
     a, b = torch.randn(slots, rank, k), torch.randn(slots, n, rank)
@@ -38,11 +42,13 @@ def test_batched_product_matches_the_per_token_reference(token_slots, dense):
     stacked_a = a.reshape(slots * rank, k)  # the slots' layout: rows of A, rows of B^T
     stacked_b = b.transpose(1, 2).reshape(slots * rank, n)
     batch = LoraBatch.of(indices, CPU)
-    assert (batch.token_slots is not None) == dense
+    assert batch is not None
+    runs = all(isinstance(rows, slice) for _, rows in batch.groups)
+    assert form == ("dense" if batch.token_slots is not None else "runs" if runs else "gathered")
     got = add_lora(base.clone(), x, stacked_a, stacked_b, rank, batch)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not torch.equal(got, base)
-    if dense:  # the grouped product, on the same rows, agrees
+    if form == "dense":  # the gathered product, on the same rows, agrees
         grouped = LoraBatch(batch.groups)
         got = add_lora(base.clone(), x, stacked_a, stacked_b, rank, grouped)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
