@@ -38,9 +38,8 @@ copies); a step of more gathers each adapter's rows instead."""
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
     """A step's tokens by adapter slot: ``(slot, rows)`` per run of consecutive rows of
-    one slot (``rows`` a slice) or per slot present (``rows`` its row indices, or a slice
-    when they are consecutive), in ascending slot order where they are per slot; for the
-    dense product, each row's slot."""
+    one slot (``rows`` a slice), or per slot present, in ascending order (``rows`` its row
+    indices); for the dense product, each row's slot."""
 
     groups: tuple[tuple[int, torch.Tensor | slice], ...]
     token_slots: torch.Tensor | None = None
