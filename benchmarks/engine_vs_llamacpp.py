@@ -16,7 +16,12 @@ bits per 32 values and multiplies in integers, while Lamina keeps them in fp32 a
 widens the weights (weight-only, exact against the dequantized model).
 
 Needs the ``bench`` extra (``pip install -e '.[bench]'``: builds llama.cpp from source,
-minutes on two cores). Not a test: run it by hand.
+minutes on two cores). On a CPU with AMX, llama.cpp's native build crashes in its AMX
+Q8_0 matmul; there, reinstall it (``pip install --no-cache-dir --force-reinstall
+--no-deps llama-cpp-python==0.3.36``) with ``CMAKE_ARGS`` set to ``-DGGML_NATIVE=OFF
+-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF
+-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF``. Not a test: run it by hand.
 
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --runs 3
 """
