@@ -131,11 +131,17 @@ extern "C" void lamina_lora_bgmv(float* out, int64_t out_stride, const float* x,
                          shrunk[tile.rows[r] * width + w] = sums[r];
                      }
                    });
-  const int64_t blocks = (n + kOutputs - 1) / kOutputs;
-  const int64_t work = std::max<int64_t>(1, static_cast<int64_t>(order.size()) * width * kOutputs);
+  // Blocks of at most kOutputs outputs (whole chunks), as many as a multiple of the
+  // threads where there are that many, so that no thread takes one block more than another.
+  const int64_t threads = at::get_num_threads();
+  int64_t blocks = (n + kOutputs - 1) / kOutputs;
+  if (blocks >= threads) blocks = (blocks + threads - 1) / threads * threads;
+  const int64_t span = ((n + blocks - 1) / blocks + kChunk - 1) / kChunk * kChunk;
+  blocks = (n + span - 1) / span;
+  const int64_t work = std::max<int64_t>(1, static_cast<int64_t>(order.size()) * width * span);
   at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / work), [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      const int64_t first = block * kOutputs, last = std::min(n, first + kOutputs);
+      const int64_t first = block * span, last = std::min(n, first + span);
       for (const Tile& tile : tiles)
         tile_expand(b + tile.slot * width * n, n, shrunk.data(), width, tile, out, out_stride,
                     first, last);

@@ -110,17 +110,18 @@ def test_triton_product_matches_the_per_token_reference(dtype):
     assert torch.equal(got[1].float().cpu(), base[1].to(dtype).float())  # the base model's row
 
 
+@pytest.mark.parametrize("n", [200, 600])  # one block of outputs; blocks of uneven spans
 @pytest.mark.parametrize(
     "token_slots", [[2, -1, 0, 2, 1, -1], [1], [0] * 40, [1, 1, 1, -1, 0, 0, 0, 0, 0]]
 )
-def test_native_product_matches_the_per_token_reference(token_slots):
+def test_native_product_matches_the_per_token_reference(token_slots, n):
     """The native BGMV (``kernels/cpu/lora.cpp``): slot widths and sizes that are not
     multiples of a vector, strided rows of ``out`` and ``x`` (a fused output's columns),
     base-model rows untouched."""
     from lamina.kernels.cpu.lora import add_lora as native_add_lora
 
     torch.manual_seed(0)
-    slots, width, k, n = 3, 48, 300, 200
+    slots, width, k = 3, 48, 300
     a = torch.randn(slots, width, k) / k**0.5
     b = torch.randn(slots, n, width) / width**0.5
     slots_t = torch.tensor(token_slots)
