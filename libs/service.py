@@ -5,6 +5,8 @@ A service is an object with ``async start()`` (connect, subscribe, begin serving
 :func:`run` starts it, waits for SIGTERM or SIGINT, drains, closes and returns 0. A
 signal while it starts (waiting for NATS, loading a model) stops it there; a start that
 cannot reach NATS within ``--nats-connect-timeout``, or is refused, is one line and exit 1.
+A service whose supervisor was killed (``lamina up`` SIGKILLed) gets SIGTERM from the
+kernel, closes for at most :data:`ORPHAN_CLOSE_S` and exits without draining.
 
 Once a service has started, everything built so far (modules, the model, the tokenizer,
 the HTTP app: a few hundred thousand objects) is moved out of the garbage collector's
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 from typing import Protocol
 
@@ -121,6 +124,7 @@ async def _serve(name: str, service: Service) -> int:
         log.error("%s cannot serve: %s", name, failure.reason.result())
     elif orphaned():  # its supervisor was killed: stop now, not after a drain that waits
         log.warning("%s: its supervisor is gone; stopping without draining", name)
+        await _leave(name, service)
     else:
         log.info("%s draining", name)
         with contextlib.suppress(Exception):
@@ -128,3 +132,20 @@ async def _serve(name: str, service: Service) -> int:
     await service.close()
     log.info("%s stopped", name)
     return 1 if failed else 0
+
+
+ORPHAN_CLOSE_S = 5.0
+"""How long an orphaned service's close may take before the process exits regardless."""
+
+
+async def _leave(name: str, service: Service) -> None:
+    """Close ``service`` for at most :data:`ORPHAN_CLOSE_S`, then end the process at once.
+    The supervisor's ``nats-server`` dies with it, so a close that flushes the bus may meet
+    a server that is going or gone: nats-py's drain then waits out its timeouts, and a
+    task of its that outlives the cancellation kept the event loop's shutdown (which waits
+    for every task) waiting for good. An orphan has nobody left to serve or to tell."""
+    closing = asyncio.ensure_future(service.close())
+    await asyncio.wait({closing}, timeout=ORPHAN_CLOSE_S)
+    log.info("%s stopped%s", name, "" if closing.done() else " (its close did not finish)")
+    logging.shutdown()  # flush the log before the exit skips it
+    os._exit(0)
