@@ -23,7 +23,7 @@ import gc
 import logging
 import os
 import signal
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from lamina.libs.bus import Bus
 from lamina.libs.config import env_name, process_env
@@ -138,7 +138,7 @@ ORPHAN_CLOSE_S = 5.0
 """How long an orphaned service's close may take before the process exits regardless."""
 
 
-async def _leave(name: str, service: Service) -> None:
+async def _leave(name: str, service: Service) -> NoReturn:
     """Close ``service`` for at most :data:`ORPHAN_CLOSE_S`, then end the process at once.
     The supervisor's ``nats-server`` dies with it, so a close that flushes the bus may meet
     a server that is going or gone: nats-py's drain then waits out its timeouts, and a
