@@ -12,6 +12,10 @@ by the tokens the clients received: CPU microseconds per streamed token for the 
 nats-server, the gateway, the rest (scheduler and telemetry) and the client (this
 process: httpx, and a ``/health`` probe every 20 ms whose p99 the table shows too).
 
+With ``--floor``, each level also runs ``bus_relay.py`` on the same bus: a process that
+takes one message a step and writes a chunk from it to each stream's connection and does
+nothing else, its CPU per chunk the least a gateway's loop can cost a token here.
+
 With ``--profile``, one more window at the last level runs under ``py-spy record``
 (``pip install .[profile]``; only threads holding the GIL: CPU, not waits) on the
 gateway and the worker, and prints where their samples land: each one's hottest
@@ -21,6 +25,7 @@ Not a test: run it by hand on an otherwise idle machine::
 
     .venv/bin/python -u benchmarks/data_path.py
     .venv/bin/python -u benchmarks/data_path.py --stream-interval 4 --gateways 2
+    .venv/bin/python -u benchmarks/data_path.py --floor
     .venv/bin/python -u benchmarks/data_path.py --lean --step-ms 2 --concurrency 16 32 64 128
 
 ``--lean`` clients read each response as raw bytes, for the most tokens/s the stack
@@ -44,6 +49,8 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+from bus_relay import SUBJECT, TOKEN
+from nats import connect as bus_connect
 from timing import pct, wait_for_workers
 
 from lamina.libs.nats_server import NatsServer, free_port
@@ -223,6 +230,45 @@ def measure(
     return row, messages
 
 
+async def floor(nats_url: str, streams: int, step_ms: float, seconds: float) -> float:
+    """CPU microseconds per chunk of ``bus_relay.py`` (a bus message in, a chunk out to
+    each stream, nothing else) with ``streams`` streams and a message every
+    ``step_ms``: the least a gateway's loop can cost a token on this machine."""
+    chunks = 0
+
+    async def reading(reader: asyncio.StreamReader, _: asyncio.StreamWriter) -> None:
+        nonlocal chunks
+        while data := await reader.read(1 << 16):
+            chunks += data.count(b"data: ")
+
+    server = await asyncio.start_server(reading, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    relay = await asyncio.create_subprocess_exec(
+        sys.executable, str(HERE / "bus_relay.py"), nats_url, str(port), str(streams),
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert relay.stdout is not None
+    await relay.stdout.readline()  # subscribed
+    client = await bus_connect(nats_url)
+    payload = bytes(TOKEN * streams)
+    try:
+        for window in (1.0, seconds):  # a second's warm-up, then the measured window
+            cpu, counted, n = tree_cpu(relay.pid), chunks, 0
+            started = time.perf_counter()
+            while time.perf_counter() - started < window:
+                n += 1
+                await client.publish(SUBJECT, payload)
+                await asyncio.sleep(max(0.0, started + n * step_ms / 1e3 - time.perf_counter()))
+            await client.flush()
+            await asyncio.sleep(0.2)  # the last chunks arrive
+        return (tree_cpu(relay.pid) - cpu) / (chunks - counted) * 1e6
+    finally:
+        await client.close()
+        relay.kill()
+        await relay.wait()
+        server.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 256])
@@ -240,6 +286,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="py-spy, at the last level")
     parser.add_argument("--top", type=int, default=12, help="--profile: functions shown")
     parser.add_argument("--log-dir", default="", help="keep the services' logs here")
+    parser.add_argument(
+        "--floor", action="store_true", help="at each level, bus_relay.py's CPU per token too"
+    )
     args = parser.parse_args()
     model = ensure_default_model(args.preset)
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))
@@ -273,6 +322,7 @@ def main() -> None:
                 "published per token"
             )
             names = ["worker-0", "nats-server", "gateway", "rest", "client"]
+            names += ["floor"] if args.floor else []
             head = " ".join(f"{n:>11}" for n in names)
             print(f"{'streams':>8} {head}   tok/s    health  retried  msgs/tok")
             by_service, healthy = {}, []
@@ -282,6 +332,8 @@ def main() -> None:
                     healthy.append((row["tokens_per_s"], clients, row["health_p99_ms"]))
                 row["rest"] = row.pop("scheduler") + row.pop("telemetry")
                 row["gateway"] = sum(row.pop(n) for n in list(row) if n.startswith("gateway"))
+                if args.floor:
+                    row["floor"] = asyncio.run(floor(nats.url, clients, args.step_ms, args.seconds))
                 cells = " ".join(f"{row[n]:11.1f}" for n in names)
                 print(
                     f"{clients:8d} {cells} {row['tokens_per_s']:7.0f} "

@@ -15,7 +15,8 @@ without ``torchvision``/``torchaudio``, whose wheels from the index are built fo
 another torch and break ``transformers``' import (the model is text-only). vLLM serves
 with ``VLLM_TARGET_DEVICE=cpu`` and, unless ``--vllm-bind`` says otherwise, its own
 default placement (``VLLM_CPU_OMP_THREADS_BIND=auto``: on two cores, one for the engine
-and one kept for its API server).
+and one kept for its API server). pip finds ``torch==2.13.0+cpu`` where Lamina's install
+found it (elsewhere, ``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu``).
 
 Not a test: run it by hand on an otherwise idle machine::
 
