@@ -19,11 +19,11 @@ say nothing it could not say one event at a time.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
 from nats.aio.msg import Msg
 
@@ -49,9 +49,15 @@ ATTEMPT_KEY_BYTES = 16
 """Randomness in an attempt's subject: 128 bits, never guessed."""
 
 
+class EventSink(Protocol):
+    """Where an attempt's believed events go (a :class:`~.mailbox.Mailbox`)."""
+
+    def put_nowait(self, item: object) -> None: ...
+
+
 @dataclass(slots=True)
 class _Attempt:
-    queue: asyncio.Queue
+    queue: EventSink
     request_id: str
     worker_id: str | None = None
     """The worker that accepted it (None until one did)."""
@@ -86,7 +92,7 @@ class Inbox:
             no_responders=self._undeliverable,
         )
 
-    def open(self, queue: asyncio.Queue, request_id: str) -> str:
+    def open(self, queue: EventSink, request_id: str) -> str:
         """A new reply subject for an attempt of ``request_id``, whose believed events go to
         ``queue``."""
         key = secrets.token_urlsafe(ATTEMPT_KEY_BYTES)

@@ -56,16 +56,13 @@ from lamina.schemas.v1.generate import (
 from lamina.schemas.v1.records import Outcome, RequestRecord
 from lamina.services.gateway.errors import CLIENT_RETRIES, GenerationError
 from lamina.services.gateway.inbox import Inbox, Undeliverable
+from lamina.services.gateway.mailbox import Mailbox
 from lamina.services.gateway.worker_watch import WorkerWatch
 
 log = logging.getLogger("lamina.gateway")
 tracer = spans.Tracer("lamina.gateway")
 
 _LIVENESS_CHECK_S = 0.5  # how often a waiting stream checks its worker's heartbeats
-
-
-class _Expired:
-    """Queued by a timer when a wait for the next event runs out."""
 
 
 class _WorkerLost(Exception):
@@ -130,7 +127,7 @@ class RemoteRequest:
     _accepted_at: float = 0.0
     _first_accepted_at: float | None = None
     _subject: str = ""
-    _queue: asyncio.Queue | None = None
+    _queue: Mailbox | None = None
     _span: Span | None = None
 
     @property
@@ -164,6 +161,8 @@ class RemoteRequest:
 
     async def __aexit__(self, *exc: object) -> None:
         self.inbox.close(self._subject)
+        if self._queue is not None:
+            self._queue.close()
         if self.finished is None:
             await self._cancel()
         self._end_span(await self._record())
@@ -254,7 +253,9 @@ class RemoteRequest:
         when nothing came within ``accept_timeout``)."""
         self.attempts += 1
         self.inbox.close(self._subject)
-        self._queue = asyncio.Queue()
+        if self._queue is not None:
+            self._queue.close()
+        self._queue = Mailbox()
         self._subject = self.inbox.open(self._queue, request.request_id)
         try:
             await self.bus.publish(
@@ -393,23 +394,13 @@ class RemoteRequest:
     async def _next_event(self, timeout: float) -> object | None:
         """The next event of the current attempt, or None after ``timeout`` seconds.
 
-        The timeout is a timer that queues a marker, not a cancellation
-        (``asyncio.timeout``): the task waiting here is also cancelled from outside when
-        an HTTP client goes away (``asgi.ClientWatch``), and a timeout kept out of the
-        cancellation machinery can never be mistaken for that, or swallow it. Either way
-        it is one timer per wait.
+        The timeout ends the wait, not the task (no ``asyncio.timeout``): the task waiting
+        here is also cancelled from outside when an HTTP client goes away
+        (``asgi.ClientWatch``), and a timeout kept out of the cancellation machinery can
+        never be mistaken for that, or swallow it.
         """
-        marker = _Expired()
-        timer = asyncio.get_running_loop().call_later(timeout, self._queue.put_nowait, marker)
-        try:
-            while True:
-                event = await self._queue.get()
-                if event is marker:
-                    return None
-                if not isinstance(event, _Expired):  # a marker left by an earlier wait
-                    return event
-        finally:
-            timer.cancel()
+        assert self._queue is not None
+        return await self._queue.get(timeout)
 
     # ------------------------------------------------------------------------- record
     def _note_tokens(self, token_ids: list[int]) -> None:
