@@ -33,13 +33,6 @@ class Mailbox:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def get_nowait(self) -> object:
-        """The oldest item; raises ``IndexError`` when there is none."""
-        return self._items.popleft()
-
-    def empty(self) -> bool:
-        return not self._items
-
     async def get(self, timeout: float) -> object | None:
         """The oldest item, waiting up to ``timeout`` seconds for one; None if none came."""
         if self._items:
