@@ -13,25 +13,17 @@ import argparse
 import json
 import sys
 import time
-import urllib.request
 
 from openai import OpenAI
+from timing import wait_http
 
 
 def wait_ready(base_url: str, timeout: float) -> None:
     """Until the gateway's ``/ready`` answers 200 (a worker is ready), or exit."""
-    url = base_url.removesuffix("/v1") + "/ready"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"{url} not ready after {timeout:g}s")
-        time.sleep(1)
+    try:
+        wait_http(base_url.removesuffix("/v1") + "/ready", timeout)
+    except TimeoutError as exc:
+        sys.exit(str(exc))
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import urllib.request
 from collections.abc import Callable
 
 import httpx
@@ -69,3 +70,18 @@ def wait_for_workers(metrics_url: str, count: int, timeout_s: float = 120.0) -> 
             return
         time.sleep(0.3)
     raise TimeoutError(f"{count} workers never were ready")
+
+
+def wait_http(url: str, timeout_s: float) -> None:
+    """Until ``url`` answers 200; raises ``TimeoutError`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g}s")
+        time.sleep(1)

@@ -38,10 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from timing import wait_for_workers
+from timing import wait_for_workers, wait_http
 
 from lamina.libs.nats_server import free_port
 from lamina.services.engine_worker.default_model import ensure_default_model
@@ -72,20 +71,6 @@ def setup_vllm(venv: Path) -> None:
     (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
     (record / "RECORD").write_text("vllm/__init__.py,,\n")
     (record / "top_level.txt").write_text("vllm\n")
-
-
-def wait_http(url: str, timeout_s: float = 300.0) -> None:
-    """Until ``url`` answers 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} never answered")
 
 
 def engine_throughput(engine: Engine, args: argparse.Namespace, seed: int) -> float:
@@ -180,7 +165,7 @@ def main() -> None:
                 worker_args=worker_args + shlex.split(args.lamina_args),
             ) as stack:
                 wait_for_workers(f"http://127.0.0.1:{stack.metrics_port}/metrics", 1)
-                wait_http(f"http://127.0.0.1:{vllm_port}/v1/models")
+                wait_http(f"http://127.0.0.1:{vllm_port}/v1/models", 300)
                 urls = {
                     "lamina": (f"http://{stack.http_host}:{stack.http_port}", model.name),
                     "vllm": (f"http://127.0.0.1:{vllm_port}", str(model)),
