@@ -160,9 +160,7 @@ class RemoteRequest:
         self.local_finish_reason = reason
 
     async def __aexit__(self, *exc: object) -> None:
-        self.inbox.close(self._subject)
-        if self._queue is not None:
-            self._queue.close()
+        self._close_attempt()
         if self.finished is None:
             await self._cancel()
         self._end_span(await self._record())
@@ -252,9 +250,7 @@ class RemoteRequest:
         """One attempt: a fresh reply subject, the submission, and its first event (None
         when nothing came within ``accept_timeout``)."""
         self.attempts += 1
-        self.inbox.close(self._subject)
-        if self._queue is not None:
-            self._queue.close()
+        self._close_attempt()
         self._queue = Mailbox()
         self._subject = self.inbox.open(self._queue, request.request_id)
         try:
@@ -277,6 +273,12 @@ class RemoteRequest:
                 "request_too_large",
             ) from exc
         return await self._next_event(self.settings.accept_timeout)
+
+    def _close_attempt(self) -> None:
+        """Stop routing events to the current attempt, and its mailbox's timer with it."""
+        self.inbox.close(self._subject)
+        if self._queue is not None:
+            self._queue.close()
 
     async def _attempt_events(self) -> AsyncIterator[PromptLogprobs | Tokens | Finished]:
         """The accepted attempt's ``PromptLogprobs``, ``Tokens`` and ``Finished``, checked
