@@ -99,16 +99,18 @@ def cpu_of(pids: dict[str, int]) -> dict[str, float]:
 
 async def load(
     base_url: str, clients: int, tokens: int, seconds: float, lean: bool = False
-) -> tuple[int, list, int]:
+) -> tuple[int, list, int, list]:
     """``clients`` streams of ``tokens``-token completions, back to back, for
-    ``seconds``; the tokens received, the ``/health`` latencies meanwhile (s), and the
+    ``seconds``; the tokens received, the ``/health`` latencies meanwhile (s), the
     requests sent again because their kept-alive connection was closed under them (a
     client whose loop lags more than the server's keep-alive timeout between two
     requests: the OpenAI SDK retries those too). ``lean``: each stream read as bytes
-    (:func:`lean_stream`) instead of by httpx line by line."""
+    (:func:`lean_stream`) instead of by httpx line by line; and each httpx stream's time
+    to its first token (s; none for ``lean``)."""
     stop = time.perf_counter() + seconds
     received = retried = 0
     health: list[float] = []
+    first_tokens: list[float] = []
     body = {
         "prompt": [5, 6, 7, 8, 9, 10, 11, 12],
         "max_tokens": tokens,
@@ -123,10 +125,14 @@ async def load(
         async def one() -> None:
             nonlocal received, retried
             while time.perf_counter() < stop:
+                started, first = time.perf_counter(), True
                 try:
                     async with client.stream("POST", "/v1/completions", json=body) as response:
                         response.raise_for_status()
                         async for line in response.aiter_lines():
+                            if first and line.startswith("data: {"):
+                                first_tokens.append(time.perf_counter() - started)
+                                first = False
                             if line.startswith('data: {"id"') and '"usage":{' in line:
                                 start = line.index('"completion_tokens":') + 20
                                 received += int(line[start : line.index(",", start)])
@@ -147,7 +153,7 @@ async def load(
 
         streams = (one_lean() if lean else one() for _ in range(clients))
         await asyncio.gather(probe(), *streams)
-    return received, health, retried
+    return received, health, retried, first_tokens
 
 
 CHUNKED_END = b"\r\n0\r\n\r\n"
@@ -214,7 +220,7 @@ def measure(
     idle = {name: value - before[name] for name, value in cpu_of(pids).items()}
     before, sent = cpu_of(pids), published(monitor)
     started = time.perf_counter()
-    tokens, health, retried = asyncio.run(
+    tokens, health, retried, first_tokens = asyncio.run(
         load(stack.base_url, clients, args.tokens, args.seconds, args.lean)
     )
     elapsed = time.perf_counter() - started
@@ -225,6 +231,7 @@ def measure(
     }
     row["tokens_per_s"] = tokens / elapsed
     row["health_p99_ms"] = pct(health, 0.99) * 1e3
+    row["ttft_ms"] = [pct(first_tokens, q) * 1e3 if first_tokens else 0.0 for q in (0.5, 0.9)]
     row["retried"] = retried
     row["messages"] = messages.total() / tokens
     return row, messages
@@ -319,12 +326,12 @@ def main() -> None:
                 f"{args.gateways} gateway(s), stream interval {args.stream_interval}; "
                 f"{args.tokens}-token completions, {args.seconds:g} s per level; CPU us per "
                 "streamed token (idle subtracted), tokens/s, /health p99, bus messages "
-                "published per token"
+                "published per token, each stream's time to first token"
             )
             names = ["worker-0", "nats-server", "gateway", "rest", "client"]
             names += ["floor"] if args.floor else []
             head = " ".join(f"{n:>11}" for n in names)
-            print(f"{'streams':>8} {head}   tok/s    health  retried  msgs/tok")
+            print(f"{'streams':>8} {head}   tok/s    health  retried  msgs/tok  TTFT p50/p90")
             by_service, healthy = {}, []
             for clients in args.concurrency:
                 row, by_service[clients] = measure(stack, pids, monitor, args, clients)
@@ -337,7 +344,8 @@ def main() -> None:
                 cells = " ".join(f"{row[n]:11.1f}" for n in names)
                 print(
                     f"{clients:8d} {cells} {row['tokens_per_s']:7.0f} "
-                    f"{row['health_p99_ms']:6.0f} ms {row['retried']:8.0f} {row['messages']:9.3f}",
+                    f"{row['health_p99_ms']:6.0f} ms {row['retried']:8.0f} {row['messages']:9.3f}"
+                    f"  {row['ttft_ms'][0]:.0f}/{row['ttft_ms'][1]:.0f} ms",
                     flush=True,
                 )
             for clients, messages in by_service.items():

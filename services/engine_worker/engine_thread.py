@@ -141,6 +141,9 @@ class EngineThread(threading.Thread):
         self.on_death = on_death
         """Called once with the reason when the thread can no longer serve: it raised out
         of its loop, or :meth:`declare_wedged` found it stuck. What it held was failed."""
+        self.submitted = 0
+        """Requests submitted so far (counted on the asyncio side): with
+        :attr:`num_requests`, it tells whether any came or went since it was last read."""
         self.beat = time.monotonic()
         """When the thread last went round its loop (at least every ``_STATS_PERIOD_S``
         while it is idle, once per step while it is busy)."""
@@ -168,6 +171,7 @@ class EngineThread(threading.Thread):
         """
         assert self.spec is not None, "submit after the engine is built"
         checked = checked or wire.engine_request(request, self.spec)
+        self.submitted += 1
         with self._lock:
             self._pending_adds += 1
         taken = threading.Event() if self._idle else None
@@ -276,6 +280,7 @@ class EngineThread(threading.Thread):
         engine = self.engine
         while not self._stopping.is_set():
             self.beat = time.monotonic()
+            held = len(self._streams)
             self._drain_commands(block=not engine.has_work())
             if engine.has_work():
                 started = self._tracer.start()
@@ -292,6 +297,8 @@ class EngineThread(threading.Thread):
                 self._end_prefills(result.outputs)
                 traced = self._tracer.requests(result.batch, self._streams, started)
                 batch = self._streams.outputs(result.outputs)
+                if len(self._streams) != held:  # requests came or went: fresh counts
+                    self._refresh_stats(now=True)  # before their events wake the loop
                 if traced is not None:  # its tokens go first: they do not wait for spans
                     if batch:
                         self.emit(batch)
@@ -496,11 +503,14 @@ class EngineThread(threading.Thread):
             if out.finished and (done := self._prefills.pop(out.request_id, None)):
                 done()
 
-    def _refresh_stats(self) -> None:
+    def _refresh_stats(self, now: bool = False) -> None:
         """New stats every ``_STATS_PERIOD_S``, when the engine is also checked (a rank
-        of a parallel engine that exited while it was idle ends the thread)."""
-        now = time.monotonic()
-        if now - self._stats_at >= _STATS_PERIOD_S:
+        of a parallel engine that exited while it was idle ends the thread); ``now``: new
+        stats at once (a few microseconds), without the check."""
+        at = time.monotonic()
+        if at - self._stats_at >= _STATS_PERIOD_S:
             self.engine.check()
-            self.stats = self.engine.stats()  # one reference swap: safe to read elsewhere
-            self._stats_at = now
+            self._stats_at = at
+        elif not now:
+            return
+        self.stats = self.engine.stats()  # one reference swap: safe to read elsewhere

@@ -2,8 +2,10 @@
 
 Subscribes to its own ``generate``, ``cancel`` and ``control`` subjects; streams
 ``Accepted`` then token events to each request's reply inbox; publishes ``WorkerStats``
-every ``stats_interval`` seconds (and at once on a state change) and KV events as they
-happen. SIGTERM drains: new requests are rejected as retryable, accepted ones finish.
+every ``stats_interval`` seconds, at once on a state change and, while requests come and
+go, every ``stats_min_interval`` (so that schedulers see the room a finished request
+left), and KV events as they happen. SIGTERM drains: new requests are rejected as
+retryable, accepted ones finish.
 """
 
 from __future__ import annotations
@@ -92,8 +94,8 @@ from lamina.services.engine_worker.lifecycle import Event, IllegalTransition, Li
 log = logging.getLogger("lamina.worker")
 tracer = spans.Tracer("lamina.worker")
 
-TRACE_HEARTBEAT_EVERY = 20
-"""Trace one heartbeat in this many (and every change of state)."""
+TRACE_HEARTBEAT_EVERY_S = 10.0
+"""Trace a heartbeat at most this often (and every change of state)."""
 
 SNAPSHOT_PART = 40_000
 """Block hashes per ``KvSnapshot`` message: ~20 bytes each in JSON, under 1 MiB."""
@@ -115,6 +117,12 @@ class WorkerConfig:
     worker_id: str = option("", "unique worker id (default: <host>-<pid>)")
     model_name: str = option("", "served model name (default: the model directory's name)")
     stats_interval: float = option(0.5, "seconds between WorkerStats heartbeats")
+    stats_min_interval: float = option(
+        0.05,
+        "the soonest a heartbeat follows the last when requests came or went and the "
+        "schedulers' count of this worker's waiting requests (its last heartbeat's, plus "
+        "every one placed since) has reached half of max_num_seqs",
+    )
     engine_stall_timeout: float = option(
         60.0,
         "seconds the engine thread may go without a loop iteration before it is failed; "
@@ -212,7 +220,13 @@ class WorkerService:
         """The inbox prefixes of gateways that read a ``StreamBatch``."""
         self.cordoned = False
         """Set by ``Cordon``: schedulers place nothing new here (see ``WorkerStats``)."""
-        self._beats, self._beat_state = 0, None
+        self._beat_state: WorkerState | None = None
+        self._traced_beat_at = -TRACE_HEARTBEAT_EVERY_S
+        self._outbox_moved = asyncio.Event()
+        """Set whenever the outbox is drained: the engine has stepped."""
+        self._beat_counts = (0, 0, 0)
+        """As of the last heartbeat: requests submitted so far, requests held, and the
+        waiting ones it reported."""
         self.incarnation = uuid.uuid4().hex[:16]
         """This run of the worker: a restart under the same id is a new incarnation."""
         self.numerics = ""
@@ -307,6 +321,7 @@ class WorkerService:
             subjects.GATEWAY_ALIVE_ALL, GatewayAlive, self._on_gateway_alive, traced=False
         )
         self._tasks.append(asyncio.create_task(self._publish_outbox()))
+        self._tasks.append(asyncio.create_task(self._prompt_heartbeats()))
         self.numerics = self.worker_stats().numerics()
         await bus.flush()  # the server has the subscriptions before a heartbeat says ready
         self.lifecycle.move(Event.LOADED)
@@ -637,6 +652,7 @@ class WorkerService:
             taken = [await self._outbox.get()]
             while not self._outbox.empty():
                 taken.append(self._outbox.get_nowait())
+            self._outbox_moved.set()
             outgoing = (item for batch in taken for item in batch)
             for subject, message, context in stream_batches.coalesce(
                 outgoing, self._batching, self.worker_id
@@ -667,6 +683,29 @@ class WorkerService:
                 self._stop_orphans()
             with contextlib.suppress(Exception):
                 await self._publish_stats()
+
+    async def _prompt_heartbeats(self) -> None:
+        """A heartbeat before the schedulers think this worker full when it is not. A
+        scheduler counts every request placed here since the last heartbeat as waiting
+        (``Placer.saturated``: full once those and the heartbeat's waiting ones reach
+        ``max_num_seqs``), so between ``stats_interval`` heartbeats short requests that had
+        long finished kept it full in their eyes, and new ones waited in the queue for
+        room that was free. Once that count reaches half of ``max_num_seqs`` and requests
+        came or went, a heartbeat goes (at most one per ``stats_min_interval``); below
+        it, nothing extra is sent. Woken by the outbox (the engine stepped): an idle worker
+        is not woken at all."""
+        thread, spec = self.engine_thread, self.spec
+        assert thread is not None and spec is not None
+        while True:
+            await self._outbox_moved.wait()
+            self._outbox_moved.clear()
+            submitted, held, waiting = self._beat_counts
+            placed = thread.submitted - submitted
+            moved = placed or thread.num_requests != held
+            if moved and 2 * (waiting + placed) >= spec.config.max_num_seqs:
+                with contextlib.suppress(Exception):
+                    await self._publish_stats()
+            await asyncio.sleep(self.config.stats_min_interval)
 
     def worker_stats(self) -> WorkerStats:
         """The heartbeat: identity, state and limits, plus the engine's counters once it
@@ -711,16 +750,22 @@ class WorkerService:
         )
 
     async def _publish_stats(self) -> None:
-        """A heartbeat. One in ``TRACE_HEARTBEAT_EVERY`` (every 10 s at the default 0.5 s
-        interval) is traced, as its own small trace, and so is any that reports a new
-        state: a placement links to the last traced heartbeat of each worker it weighed,
-        and the trace store gets a few spans a minute per worker, not two a second."""
+        """A heartbeat. One every ``TRACE_HEARTBEAT_EVERY_S`` is traced, as its own small
+        trace, and so is any that reports a new state: a placement links to the last
+        traced heartbeat of each worker it weighed, and the trace store gets a few spans a
+        minute per worker, not one for each heartbeat."""
         stats, subject = self.worker_stats(), subjects.worker_stats(self.worker_id)
-        sampled = self._beats % TRACE_HEARTBEAT_EVERY == 0 or stats.state != self._beat_state
-        self._beats, self._beat_state = self._beats + 1, stats.state
+        if (thread := self.engine_thread) is not None:
+            self._beat_counts = (thread.submitted, thread.num_requests, stats.num_waiting)
+        now = time.monotonic()
+        sampled = (
+            now - self._traced_beat_at >= TRACE_HEARTBEAT_EVERY_S or stats.state != self._beat_state
+        )
+        self._beat_state = stats.state
         if not sampled:
             await self.bus.publish(subject, stats)
             return
+        self._traced_beat_at = now
         attributes = {"lamina.worker_id": self.worker_id, "lamina.state": str(stats.state)}
         with spans.Current(
             spans.start(tracer, f"heartbeat {self.worker_id}", attributes=attributes)

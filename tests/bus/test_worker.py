@@ -297,6 +297,62 @@ async def _heartbeats(bus: Bus, worker_id: str) -> asyncio.Queue[WorkerStats]:
     return heartbeats
 
 
+def test_a_worker_heartbeats_before_schedulers_would_count_it_full_and_not_while_idle(
+    nats_url, tiny_model
+):
+    """A scheduler counts what it placed on a worker since its last heartbeat as waiting
+    there, and counts the worker full once those and the heartbeat's waiting ones reach
+    ``max_num_seqs``. With the heartbeat interval at ten minutes and two sequences, each
+    request (half of them) is still followed by a heartbeat built after it was sent, so
+    that count drops back; below half nothing extra goes, and an idle worker sends none."""
+    worker_id = "bus-test-prompt-beats"
+
+    def request(rid: str) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=rid,
+            model="lamina-tiny",
+            prompt_token_ids=[5, 6, 7],
+            sampling=Sampling(max_tokens=3, ignore_eos=True),
+        )
+
+    async def run(max_num_seqs: int, requests: int) -> list[list[WorkerStats]]:
+        """Each request's heartbeats: those built after it was sent, before the next."""
+        engine = EngineConfig(model=tiny_model, max_num_seqs=max_num_seqs)
+        config = worker_config(nats_url, worker_id, tiny_model, stats_interval=600, engine=engine)
+        worker = WorkerService(config)
+        await worker.start()
+        bus = await Bus.connect(nats_url, "bus-test-prompt-beats-client")
+        heartbeats = await _heartbeats(bus, worker_id)
+        await bus.flush()
+        seen: list[list[WorkerStats]] = []
+        try:
+            await asyncio.sleep(0.5)
+            assert heartbeats.empty()  # idle: nothing to tell
+            for i in range(requests):
+                sent_ms = time.time() * 1000
+                events = await _stream(bus, request(f"short-{i}"), worker_id)
+                assert isinstance(events[-1], Finished)
+                await asyncio.sleep(0.3)
+                seen.append([])
+                while not heartbeats.empty():
+                    stats = heartbeats.get_nowait()
+                    assert stats.timestamp_ms >= sent_ms
+                    seen[-1].append(stats)
+            await asyncio.sleep(0.5)
+            assert heartbeats.empty()  # idle again
+        finally:
+            await bus.close()
+            await worker.drain()
+            await worker.close()
+        return seen
+
+    async def main() -> None:
+        assert all(await run(max_num_seqs=2, requests=3))  # one of two: half
+        assert await run(max_num_seqs=8, requests=3) == [[], [], []]  # three of eight
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
 def test_a_dead_engine_thread_turns_the_worker_failed(nats_url, tiny_model):
     """The seed that used to kill the engine thread is refused at decode; whatever else
     kills it turns the worker ``failed`` in its next heartbeat (with the reason), fails what

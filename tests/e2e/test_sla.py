@@ -123,6 +123,27 @@ def test_queued_requests_are_served_by_priority(tiny_model, tmp_path):
     assert queued[0] == "urgent", done
 
 
+def test_short_requests_one_after_another_find_the_room_the_last_ones_left(tiny_model, tmp_path):
+    """A scheduler counts what it placed on a worker as there until a heartbeat shows it.
+    The worker heartbeats soon after requests end, so eight short requests in a row on a
+    worker of two sequences all run at once; with only its (here ten-minute)
+    ``stats_interval`` heartbeat, the third would wait in the queue until it expired."""
+    stack = make_stack(
+        tiny_model,
+        tmp_path,
+        worker_args=["--max-num-seqs", "2", "--stats-interval", "600"],
+        extra_env={"LAMINA_MAX_QUEUE_WAIT": "5"},
+    )
+
+    async def main(base_url: str) -> list[int]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            return [(await complete(client, max_tokens=2)).status_code for _ in range(8)]
+
+    with stack:
+        statuses = asyncio.run(main(stack.base_url))
+    assert statuses == [200] * 8, statuses
+
+
 def test_the_gateway_sheds_beyond_what_it_holds_and_lets_go_when_requests_end(tiny_model, tmp_path):
     stack = make_stack(tiny_model, tmp_path, gateway_args=["--max-open-requests", "1"])
 
