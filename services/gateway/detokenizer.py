@@ -1,18 +1,21 @@
 """Incremental detokenization and stop strings.
 
-Text is released only once it is final: the newest tokens are decoded together with a few
-tokens before them (a token can change how its predecessors render, e.g. a byte-level BPE
-character split across tokens), and output ending in U+FFFD (an incomplete UTF-8
-sequence) is held back until the rest arrives. Stop strings hold back as many trailing
-characters as the longest stop string, minus one, so a stop string split across steps is
-never streamed.
+Text is released only once it is final: each step's tokens are decoded by the tokenizer's
+own incremental decoder (``tokenizers.decoders.DecodeStream``: the new tokens rendered
+together with those before them, since a token can change how its predecessors render,
+e.g. a byte-level BPE character split across tokens), and text that would end in an
+incomplete UTF-8 sequence is held back until the rest arrives. Stop strings hold back as
+many trailing characters as the longest stop string, minus one, so a stop string split
+across steps is never streamed.
 """
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 from lamina.services.gateway.tokenizer import ModelTokenizer
 
-_CONTEXT_TOKENS = 6  # tokens decoded before the new ones, for a stable rendering
+_CONTEXT_TOKENS = 6  # tokens decoded before the held-back ones at the end, for a stable rendering
 
 
 class IncrementalDetokenizer:
@@ -33,8 +36,8 @@ class IncrementalDetokenizer:
         self.tokens: list[int] = []
         self.stop = [s for s in (stop or []) if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
-        self._prefix_offset = 0  # tokens[prefix_offset:read_offset] are already rendered
-        self._read_offset = 0
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._read_offset = 0  # tokens[:read_offset] are rendered in ``text``
         self.text = ""  # everything decoded so far
         self._emitted = 0  # characters of ``text`` already released
         self.stopped = False
@@ -44,20 +47,19 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.tokens += token_ids
-        prefix = self._decode(self.tokens[self._prefix_offset : self._read_offset])
-        full = self._decode(self.tokens[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
+        new = self._stream.step(self.tokenizer.tokenizer, token_ids)
+        if new is not None:
+            self.text += new
             self._read_offset = len(self.tokens)
-            self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
         return self._release(final=False)
 
     def flush(self) -> str:
         """The request ended: release what was held back (never half a stop string),
         including an incomplete UTF-8 tail, which decodes to U+FFFD."""
         if not self.stopped and self._read_offset < len(self.tokens):
-            prefix = self._decode(self.tokens[self._prefix_offset : self._read_offset])
-            full = self._decode(self.tokens[self._prefix_offset :])
+            start = max(0, self._read_offset - _CONTEXT_TOKENS)
+            prefix = self._decode(self.tokens[start : self._read_offset])
+            full = self._decode(self.tokens[start:])
             self.text += full[len(prefix) :]
             self._read_offset = len(self.tokens)
         return self._release(final=True)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from lamina.services.gateway.detokenizer import IncrementalDetokenizer
 from lamina.services.gateway.tokenizer import ModelTokenizer
+from tests.conftest import STORIES
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +29,25 @@ def test_streamed_text_equals_full_decode_and_is_valid_utf8(tokenizer, text):
     pieces, _ = stream(tokenizer, ids)
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("model", ["tiny", "stories260K"])
+def test_any_tokens_in_any_steps_stream_the_full_decode(model, tiny_model):
+    """Random token ids (special, byte-fallback and partial UTF-8 ones included), fed one
+    to three at a time: the pieces join to what decoding them all at once gives, with or
+    without special tokens, for a byte-level BPE (``tiny``) and a SentencePiece tokenizer
+    with byte fallback (``stories260K``)."""
+    if model == "stories260K" and not (STORIES / "tokenizer.json").exists():
+        pytest.skip("the stories260K fixture is not here")
+    tok = ModelTokenizer(tiny_model if model == "tiny" else STORIES)
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 24))]
+        skip, step = rng.random() < 0.7, rng.randint(1, 3)
+        d = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        pieces = [d.add(ids[i : i + step]) for i in range(0, len(ids), step)]
+        pieces.append(d.flush())
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip), (ids, step)
 
 
 def test_stop_string_split_across_tokens_is_never_streamed(tokenizer):
