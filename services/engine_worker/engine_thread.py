@@ -182,7 +182,11 @@ class EngineThread(threading.Thread):
     def prefill(self, checked: EngineRequest, done: Callable[[], None]) -> None:
         """Compute ``checked``'s prompt into the prefix cache, streaming nothing (a prefill
         leg: another worker fetches the blocks); ``done()`` is called on this thread once
-        the request ended, computed or failed."""
+        the request ended, computed or failed. A leg counts as a request here (the
+        scheduler placed it, and it takes a sequence in the engine)."""
+        self.submitted += 1
+        with self._lock:
+            self._pending_adds += 1
         self._commands.put(_Prefill(checked, done))
 
     def cancel(self, request_id: str) -> None:
@@ -219,9 +223,10 @@ class EngineThread(threading.Thread):
 
     @property
     def num_requests(self) -> int:
-        """Requests submitted and not yet finished (queued commands included)."""
+        """Requests submitted and not yet finished, prefill legs and queued commands
+        included."""
         with self._lock:
-            return self._pending_adds + len(self._streams)
+            return self._pending_adds + len(self._streams) + len(self._prefills)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -280,7 +285,7 @@ class EngineThread(threading.Thread):
         engine = self.engine
         while not self._stopping.is_set():
             self.beat = time.monotonic()
-            held = len(self._streams)
+            held = len(self._streams) + len(self._prefills)
             self._drain_commands(block=not engine.has_work())
             if engine.has_work():
                 started = self._tracer.start()
@@ -297,7 +302,7 @@ class EngineThread(threading.Thread):
                 self._end_prefills(result.outputs)
                 traced = self._tracer.requests(result.batch, self._streams, started)
                 batch = self._streams.outputs(result.outputs)
-                if len(self._streams) != held:  # requests came or went: fresh counts
+                if len(self._streams) + len(self._prefills) != held:  # came or went: fresh counts
                     self._refresh_stats(now=True)  # before their events wake the loop
                 if traced is not None:  # its tokens go first: they do not wait for spans
                     if batch:
@@ -383,13 +388,16 @@ class EngineThread(threading.Thread):
                     if taken is not None:
                         taken.set()
             case _Prefill(checked, done):
-                try:
-                    self.engine.add(checked)
-                except Exception:  # a duplicate id: the leg ends at once, computing nothing
-                    log.exception("prefill leg %s refused", checked.request_id)
-                    done()
-                else:
-                    self._prefills[checked.request_id] = done
+                with self._lock:
+                    self._pending_adds -= 1
+                    try:
+                        self.engine.add(checked)
+                    except Exception:  # a duplicate id: the leg ends at once, computing nothing
+                        log.exception("prefill leg %s refused", checked.request_id)
+                    else:
+                        self._prefills[checked.request_id] = done
+                        return
+                done()
             case _Cancel(request_id):
                 if self.engine.abort(request_id):
                     stream = self._streams.pop(request_id, None)

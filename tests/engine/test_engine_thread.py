@@ -287,7 +287,7 @@ def test_a_prefill_leg_caches_its_prompt_streams_nothing_and_says_when_it_ended(
     loop.call(lambda engine: exported.append(engine.export_blocks(hashes))).wait(30)
     assert exported[0].hashes == hashes
     assert not [m for m in seen.messages if getattr(m, "request_id", "") == "prefill-1"]
-    assert loop.num_requests == 0 and len(calls) == 1
+    assert loop.num_requests == 0 and len(calls) == 1 and loop.submitted == 1
 
     request = msgspec.structs.replace(long_request("r"), sampling=Sampling(max_tokens=2))
     loop.submit(request, reply="inbox", seq=4)
