@@ -273,23 +273,30 @@ class CompletionsApi:
         build = self.bodies.chat if chat else self.bodies.completion
         if body.return_tokens_as_token_ids:
             build = functools.partial(build, as_ids=True)
+        streaming = False
         with ClientWatch(receive) as client:
             try:
                 if body.use_beam_search:
                     beams = await self._beams(body, scope)
                 else:
                     streams = await self.open_in_callers_trace(body, scope, response_key)
-            except GenerationError as exc:
-                status, payload = exc.status, error_of(exc)
-                headers += retry_headers(exc)
-            else:
                 response = self._reply(body, response_key, chat, build)
                 if body.use_beam_search:
                     payload = self._beam_payload(*beams, body, response)
                 elif body.stream:
+                    streaming = True
                     await self._stream(streams, body, response, send, headers)
                 else:
                     status, payload = await self._collect(streams, body, response)
+            except Exception as exc:
+                if streaming:  # the response has started: an error can only end it
+                    raise
+                if isinstance(exc, GenerationError):
+                    status, payload = exc.status, error_of(exc)
+                    headers += retry_headers(exc)
+                else:  # a bug: a 500 in OpenAI's shape (this route is not Litestar's)
+                    log.exception("%s failed", scope["path"])
+                    status, payload = 500, error_body("api_error", "the gateway failed (logged)")
         if client.disconnected:
             return
         if payload is None:

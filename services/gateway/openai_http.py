@@ -12,10 +12,10 @@ from importlib.metadata import version as package_version
 from typing import Any
 
 from litestar import Litestar, Request, Response, asgi, delete, get, post, route
-from litestar.types import Receive, Scope, Send
+from litestar.types import ASGIApp, Receive, Scope, Send
 
 from lamina.libs.errors import error_body
-from lamina.services.gateway.asgi import with_request_ids
+from lamina.services.gateway.asgi import direct_routes, with_request_ids
 from lamina.services.gateway.completions import CompletionsApi
 from lamina.services.gateway.errors import GenerationError
 from lamina.services.gateway.intake import Intake
@@ -83,24 +83,31 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------------------ the app
     def app(self) -> Any:
-        """The ASGI app: every route, each response with its ``x-request-id``."""
-        return with_request_ids(self._routes())
+        """The ASGI app: every route, each response with its ``x-request-id``; the
+        completion routes served directly (``direct_routes``), the rest by Litestar."""
+        return with_request_ids(direct_routes(self._completion_routes(), self._routes()))
+
+    def _completion_routes(self) -> dict[str, ASGIApp]:
+        serve = self.completions.serve
+
+        async def completions(scope: Scope, receive: Receive, send: Send) -> None:
+            await serve(scope, receive, send, lambda _: CompletionRequest)
+
+        async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
+            await serve(scope, receive, send, lambda _: ChatCompletionRequest)
+
+        async def chat_completions_batch(scope: Scope, receive: Receive, send: Send) -> None:
+            await serve(scope, receive, send, lambda _: BatchChatCompletionRequest)
+
+        return {
+            "/v1/completions": completions,
+            "/v1/chat/completions": chat_completions,
+            "/v1/chat/completions/batch": chat_completions_batch,
+        }
 
     def _routes(self) -> Litestar:
         api = self
         completions_api = self.completions
-
-        @asgi("/v1/completions")
-        async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await completions_api.serve(scope, receive, send, lambda _: CompletionRequest)
-
-        @asgi("/v1/chat/completions")
-        async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await completions_api.serve(scope, receive, send, lambda _: ChatCompletionRequest)
-
-        @asgi("/v1/chat/completions/batch")
-        async def chat_completions_batch(scope: Scope, receive: Receive, send: Send) -> None:
-            await completions_api.serve(scope, receive, send, lambda _: BatchChatCompletionRequest)
 
         responses = ResponsesApi(completions_api)
 
@@ -212,9 +219,6 @@ class OpenAIApi:
 
         return Litestar(
             route_handlers=[
-                completions,
-                chat_completions,
-                chat_completions_batch,
                 invocations,
                 create_response,
                 get_response,
