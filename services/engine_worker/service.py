@@ -2,10 +2,10 @@
 
 Subscribes to its own ``generate``, ``cancel`` and ``control`` subjects; streams
 ``Accepted`` then token events to each request's reply inbox; publishes ``WorkerStats``
-every ``stats_interval`` seconds, at once on a state change and, while requests come and
-go, every ``stats_min_interval`` (so that schedulers see the room a finished request
-left), and KV events as they happen. SIGTERM drains: new requests are rejected as
-retryable, accepted ones finish.
+every ``stats_interval`` seconds, at once on a state change, and sooner (at most every
+``stats_min_interval``) when requests came or went while the schedulers count it half
+full (``_prompt_heartbeats``), and KV events as they happen. SIGTERM drains: new requests
+are rejected as retryable, accepted ones finish.
 """
 
 from __future__ import annotations
