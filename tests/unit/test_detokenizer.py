@@ -8,7 +8,6 @@ import pytest
 
 from lamina.services.gateway.detokenizer import IncrementalDetokenizer
 from lamina.services.gateway.tokenizer import ModelTokenizer
-from tests.conftest import STORIES
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +30,13 @@ def test_streamed_text_equals_full_decode_and_is_valid_utf8(tokenizer, text):
     assert all("\ufffd" not in p for p in pieces)
 
 
-@pytest.mark.parametrize("model", ["tiny", "stories260K"])
-def test_any_tokens_in_any_steps_stream_the_full_decode(model, tiny_model):
+@pytest.mark.parametrize("model", ["tiny_model", "stories"])
+def test_any_tokens_in_any_steps_stream_the_full_decode(model, request):
     """Random token ids (special, byte-fallback and partial UTF-8 ones included), fed one
     to three at a time: the pieces join to what decoding them all at once gives, with or
     without special tokens, for a byte-level BPE (``tiny``) and a SentencePiece tokenizer
     with byte fallback (``stories260K``)."""
-    if model == "stories260K" and not (STORIES / "tokenizer.json").exists():
-        pytest.skip("the stories260K fixture is not here")
-    tok = ModelTokenizer(tiny_model if model == "tiny" else STORIES)
+    tok = ModelTokenizer(request.getfixturevalue(model))
     rng = random.Random(0)
     for _ in range(300):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 24))]
