@@ -226,7 +226,11 @@ class EngineThread(threading.Thread):
         """Requests submitted and not yet finished, prefill legs and queued commands
         included."""
         with self._lock:
-            return self._pending_adds + len(self._streams) + len(self._prefills)
+            return self._pending_adds + self._in_engine()
+
+    def _in_engine(self) -> int:
+        """Streams and prefill legs the engine holds."""
+        return len(self._streams) + len(self._prefills)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -285,7 +289,7 @@ class EngineThread(threading.Thread):
         engine = self.engine
         while not self._stopping.is_set():
             self.beat = time.monotonic()
-            held = len(self._streams) + len(self._prefills)
+            held = self._in_engine()
             self._drain_commands(block=not engine.has_work())
             if engine.has_work():
                 started = self._tracer.start()
@@ -302,7 +306,7 @@ class EngineThread(threading.Thread):
                 self._end_prefills(result.outputs)
                 traced = self._tracer.requests(result.batch, self._streams, started)
                 batch = self._streams.outputs(result.outputs)
-                if len(self._streams) + len(self._prefills) != held:  # came or went: fresh counts
+                if self._in_engine() != held:  # requests came or went: fresh counts
                     self._refresh_stats(now=True)  # before their events wake the loop
                 if traced is not None:  # its tokens go first: they do not wait for spans
                     if batch:

@@ -48,6 +48,16 @@ def worker_config(nats_url: str, worker_id: str, model: Path, **options) -> Work
     return WorkerConfig(nats=NatsConfig(nats_url), worker_id=worker_id, **options)
 
 
+def tiny_request(rid: str, prompt: list[int] | None = None, **sampling) -> GenerateRequest:
+    """A request for the tiny model: ``prompt`` (default ``[5, 6, 7]``), ``sampling``."""
+    return GenerateRequest(
+        request_id=rid,
+        model="lamina-tiny",
+        prompt_token_ids=prompt or [5, 6, 7],
+        sampling=Sampling(**sampling),
+    )
+
+
 async def _stream(bus: Bus, request: GenerateRequest, worker_id: str = WORKER) -> list[StreamEvent]:
     """Every event on the reply subject up to the last one (Finished, Rejected, Failed, or
     the ``BadMessage`` of a request that did not decode)."""
@@ -153,13 +163,8 @@ def test_drain_resume_reset_and_kv_events(nats_url, tiny_model):
     cache's changes reach ``worker.<id>.kv`` as they happen, a reset included."""
     worker_id = "bus-ctl-worker"
 
-    def generate(rid: str) -> GenerateRequest:
-        return GenerateRequest(
-            request_id=rid,
-            model="lamina-tiny",
-            prompt_token_ids=list(range(5, 45)),  # two full 16-token blocks
-            sampling=Sampling(max_tokens=2, temperature=0, ignore_eos=True),
-        )
+    def generate(rid: str) -> GenerateRequest:  # two full 16-token blocks
+        return tiny_request(rid, list(range(5, 45)), max_tokens=2, temperature=0, ignore_eos=True)
 
     async def main() -> None:
         worker = WorkerService(worker_config(nats_url, worker_id, tiny_model))
@@ -242,12 +247,7 @@ def test_a_failed_step_degrades_the_worker_until_resumed(nats_url, tiny_model):
     worker_id = "bus-degraded-worker"
 
     def generate(rid: str) -> GenerateRequest:
-        return GenerateRequest(
-            request_id=rid,
-            model="lamina-tiny",
-            prompt_token_ids=[5, 6, 7],
-            sampling=Sampling(max_tokens=3, temperature=0, ignore_eos=True),
-        )
+        return tiny_request(rid, max_tokens=3, temperature=0, ignore_eos=True)
 
     def break_step(engine) -> None:  # a fault injected on the engine thread
         def fail() -> None:
@@ -307,14 +307,6 @@ def test_a_worker_heartbeats_before_schedulers_would_count_it_full_and_not_while
     that count drops back; below half nothing extra goes, and an idle worker sends none."""
     worker_id = "bus-test-prompt-beats"
 
-    def request(rid: str) -> GenerateRequest:
-        return GenerateRequest(
-            request_id=rid,
-            model="lamina-tiny",
-            prompt_token_ids=[5, 6, 7],
-            sampling=Sampling(max_tokens=3, ignore_eos=True),
-        )
-
     async def run(max_num_seqs: int, requests: int) -> list[list[WorkerStats]]:
         """Each request's heartbeats: those built after it was sent, before the next."""
         engine = EngineConfig(model=tiny_model, max_num_seqs=max_num_seqs)
@@ -330,7 +322,8 @@ def test_a_worker_heartbeats_before_schedulers_would_count_it_full_and_not_while
             assert heartbeats.empty()  # idle: nothing to tell
             for i in range(requests):
                 sent_ms = time.time() * 1000
-                events = await _stream(bus, request(f"short-{i}"), worker_id)
+                request = tiny_request(f"short-{i}", max_tokens=3, ignore_eos=True)
+                events = await _stream(bus, request, worker_id)
                 assert isinstance(events[-1], Finished)
                 await asyncio.sleep(0.3)
                 seen.append([])
@@ -360,12 +353,7 @@ def test_a_dead_engine_thread_turns_the_worker_failed(nats_url, tiny_model):
     worker_id = "bus-test-failed"
 
     def generate(rid: str, **sampling) -> GenerateRequest:
-        return GenerateRequest(
-            request_id=rid,
-            model="lamina-tiny",
-            prompt_token_ids=[5, 6, 7],
-            sampling=Sampling(**({"max_tokens": 200, "ignore_eos": True} | sampling)),
-        )
+        return tiny_request(rid, **({"max_tokens": 200, "ignore_eos": True} | sampling))
 
     async def main() -> None:
         worker = WorkerService(worker_config(nats_url, worker_id, tiny_model, stats_interval=0.1))
