@@ -10,8 +10,13 @@ GFLOP/s of the fastest, and the ratios: oneDNN to torch and to native, native to
 ``--quantized``: the fused native layers on int8, fp8 and int4 (groups of 128) weights
 against fp32, with the bytes each reads per second and its speed-up over fp32.
 
+``--bf16``: the layers on bf16 weights, ``F.linear`` against oneDNN's packed matmul (what
+the engine runs in bf16 where oneDNN has bf16 matmuls), beside the fused native layers in
+fp32 (what it runs in fp32).
+
     .venv/bin/python benchmarks/cpu_linear.py    # the 'small' preset's 40 linears
     .venv/bin/python benchmarks/cpu_linear.py --quantized --rows 1 8 64
+    .venv/bin/python benchmarks/cpu_linear.py --bf16 --rows 1 32 512
 """
 
 from __future__ import annotations
@@ -82,17 +87,43 @@ def compare_formats(shapes: list[tuple[int, int]], weights: list[torch.Tensor], 
         print(f"{rows:>6} {cells}  {ups}", flush=True)
 
 
+def compare_bf16(shapes: list[tuple[int, int]], weights: list[torch.Tensor], args) -> None:
+    halves = [w.bfloat16() for w in weights]
+    layers = {
+        "bf16 torch": [TorchLinear(w, None) for w in halves],
+        "bf16 oneDNN": [OneDnnLinear(w, None) for w in halves],
+        "fp32 fused": quantized_layers(weights)["fp32"],
+    }
+    print(f"{'rows':>6} " + " ".join(f"{name + ' ms':>15}" for name in layers)
+          + "  torch/oneDNN  fp32/oneDNN")  # fmt: skip
+    for rows in args.rows:
+        xs = [torch.randn(rows, k) for _, k in shapes]
+        inputs = {name: [x.bfloat16() for x in xs] if "bf16" in name else xs for name in layers}
+        with torch.inference_mode():
+            ms = {
+                name: median_ms(run_all(layers[name], inputs[name]), args.runs) for name in layers
+            }
+        b = ms["bf16 oneDNN"]
+        print(f"{rows:>6} " + " ".join(f"{v:>15.2f}" for v in ms.values())
+              + f"  {ms['bf16 torch'] / b:>11.2f}x {ms['fp32 fused'] / b:>11.2f}x",
+              flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="checkpoint (default: the 'small' preset)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 512, 2048])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--quantized", action="store_true", help="int8, fp8, int4 vs fp32")
+    parser.add_argument("--bf16", action="store_true", help="bf16: F.linear vs oneDNN packed")
     args = parser.parse_args()
     shapes = layer_shapes(args.model or ensure_default_model("small"))
     weights = [torch.randn(n, k) for n, k in shapes]
     if args.quantized:
         compare_formats(shapes, weights, args)
+        return
+    if args.bf16:
+        compare_bf16(shapes, weights, args)
         return
     impls = {"torch": TorchLinear, "oneDNN": OneDnnLinear, "native": PackedLinear}
 

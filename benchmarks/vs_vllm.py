@@ -24,6 +24,10 @@ Not a test: run it by hand on an otherwise idle machine::
     .venv/bin/python -u benchmarks/vs_vllm.py --vllm-venv ~/vllm-venv --runs 3
     .venv/bin/python -u benchmarks/vs_vllm.py --vllm-venv ~/vllm-venv --vllm-bind 0-1 \\
         --lamina-args=--stream-interval=4
+    .venv/bin/python -u benchmarks/vs_vllm.py --vllm-venv ~/vllm-venv --dtype bfloat16
+
+Both sides serve the weights in ``--dtype`` (fp32 by default; bf16 is what vLLM's CPU
+build runs a bf16 checkpoint in, and where AMX makes the matmuls several times faster).
 """
 
 from __future__ import annotations
@@ -135,6 +139,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=3, help="runs of each side, alternated")
     parser.add_argument("--lamina-args", default="", help="extra worker arguments (one string)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="both sides' weights"
+    )
     args = parser.parse_args()
     if args.setup_vllm:
         setup_vllm(args.setup_vllm)
@@ -142,7 +149,7 @@ def main() -> None:
     vllm_bin = args.vllm_venv / "bin" / "vllm"
     model = ensure_default_model(args.preset)
     max_len = str(max(2048, args.input_len + args.output_len))
-    print(f"model {model.name}; {args.prompts} requests of {args.input_len} in / "
+    print(f"model {model.name} in {args.dtype}; {args.prompts} requests of {args.input_len} in / "
           f"{args.output_len} out at concurrency {args.concurrency}; {args.runs} runs a side, "
           f"alternated; client: vllm bench serve")  # fmt: skip
     vllm_port = free_port()
@@ -150,12 +157,13 @@ def main() -> None:
         vllm_log = open(Path(logs) / "vllm.log", "w")  # noqa: SIM115 - closed with the process
         vllm = subprocess.Popen(
             [str(vllm_bin), "serve", str(model), "--port", str(vllm_port),
-             "--dtype", "float32", "--max-model-len", max_len,
+             "--dtype", args.dtype, "--max-model-len", max_len,
              "--max-num-seqs", str(args.concurrency), "--seed", str(args.seed)],
             stdout=vllm_log, stderr=subprocess.STDOUT, env=vllm_env(args),
         )  # fmt: skip
         try:
-            worker_args = ["--max-model-len", max_len, "--max-num-seqs", str(args.concurrency)]
+            worker_args = ["--max-model-len", max_len, "--max-num-seqs", str(args.concurrency),
+                           "--dtype", args.dtype]  # fmt: skip
             with Stack(
                 model=model,
                 http_port=free_port(),
@@ -175,7 +183,10 @@ def main() -> None:
                     bench(vllm_bin, url, model, served, warm)
                 engine = Engine(
                     EngineConfig(
-                        model=model, max_model_len=int(max_len), max_num_seqs=args.concurrency
+                        model=model,
+                        max_model_len=int(max_len),
+                        max_num_seqs=args.concurrency,
+                        dtype=args.dtype,
                     )
                 )
                 engine_throughput(engine, warm, 10_000)

@@ -1,6 +1,10 @@
 """Linear layers, with their weights prepared once at load.
 
-On GPUs (and for dtypes other than fp32) a linear is ``F.linear``. On x86 CPUs in fp32:
+On GPUs a linear is ``F.linear``. On CPUs in bf16 where oneDNN has bf16 matmuls
+(:func:`onednn_bf16`), it is ``onednn`` below: ``F.linear`` in bf16 hands
+oneDNN the plain weight, which it reorders into its blocked layout on every call (1.5-2x
+the packed matmul's time on AMX, ``benchmarks/cpu_linear.py --dtype bfloat16``). On x86
+CPUs in fp32:
 
 * ``onednn``: each weight is packed for oneDNN at load and oneDNN's matmul runs on it. On
   the small-batch shapes that decoding makes, ``F.linear`` goes to MKL's sgemm, which on
@@ -188,9 +192,10 @@ def _plain_linear(
         raise ValueError(f"LAMINA_CPU_LINEAR={requested!r}: choose one of {', '.join(CHOICES)}")
     cpu_fp32 = device.type == "cpu" and dtype == torch.float32
     onednn = (
-        cpu_fp32
+        device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16()))
     )
     if requested == "native" and not (cpu_fp32 and backend == "cpu"):
         raise ValueError("LAMINA_CPU_LINEAR=native needs fp32 on the CPU with the cpu kernels")
@@ -205,6 +210,12 @@ def _plain_linear(
         choice, make = "torch", TorchLinear
     _log_once(f"{choice} ({device.type}, {dtype})")
     return make
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN has bf16 matmuls on this CPU: AVX-512 (with AMX or AVX-512 BF16 in
+    hardware, else emulated) or ARM's BF16; on AVX2 alone it has none."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _log_once(choice: str) -> None:

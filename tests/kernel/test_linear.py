@@ -18,6 +18,7 @@ from lamina.kernels.linear import (
     gated_linear_factory,
     linear_factory,
     native_linear,
+    onednn_bf16,
 )
 from lamina.kernels.weight_quant import quantize
 
@@ -32,6 +33,19 @@ def test_onednn_linear_matches_f_linear(rows, with_bias):
     bias = torch.randn(96) if with_bias else None
     got = OneDnnLinear(weight, bias)(x)
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN has no bf16 matmul on this CPU")
+@pytest.mark.parametrize("rows", [1, 64, 700])
+def test_onednn_linear_in_bf16_is_f_linear_on_a_packed_weight(rows):
+    """Packing changes where the weight's bytes lie, not the arithmetic: bf16 products
+    accumulated in fp32 either way, so the two agree to the bit."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 80, dtype=torch.bfloat16), torch.randn(rows, 80).bfloat16()
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    got = OneDnnLinear(weight, bias)(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("rows", [1, 64])
@@ -67,7 +81,12 @@ def test_which_linear_runs_where(monkeypatch):
         assert _built(CPU, torch.float32, "cpu", "int8") is DequantLinear
     assert _built(CPU, torch.float32, "reference") is OneDnnLinear
     assert _built(CPU, torch.float32, "reference", "int8") is DequantLinear
-    assert _built(CPU, torch.bfloat16, "reference") is TorchLinear
+    bf16 = OneDnnLinear if onednn_bf16() else TorchLinear
+    assert _built(CPU, torch.bfloat16, "reference") is bf16
+    assert _built(CPU, torch.float16, "reference") is TorchLinear
+    with monkeypatch.context() as patch:  # a CPU where oneDNN has no bf16 (AVX2 alone)
+        patch.setattr("lamina.kernels.linear.onednn_bf16", lambda: False)
+        assert _built(CPU, torch.bfloat16, "reference") is TorchLinear
     assert _built(cuda, torch.float32, "triton") is TorchLinear
     assert _built(cuda, torch.bfloat16, "triton", "fp8").__name__ == "TritonQuantLinear"
     assert _built(cuda, torch.bfloat16, "reference", "fp8") is DequantLinear
@@ -79,6 +98,7 @@ def test_which_linear_runs_where(monkeypatch):
         linear_factory(CPU, torch.float32, "reference")
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "torch")
     assert _built(CPU, torch.float32, "cpu") is TorchLinear
+    assert _built(CPU, torch.bfloat16, "reference") is TorchLinear
     monkeypatch.setenv("LAMINA_CPU_LINEAR", "mkl")
     with pytest.raises(ValueError, match="LAMINA_CPU_LINEAR"):
         linear_factory(CPU, torch.float32)
