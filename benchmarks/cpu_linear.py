@@ -7,7 +7,7 @@ native matmul with gate/up and the activation fused into one call (``PackedSiluM
 the engine runs). Prints median milliseconds of ``--runs``, the weight read rate and
 GFLOP/s of the fastest, and the ratios: oneDNN to torch and to native, native to fused.
 
-``--quantized``: the fused native layers on int8, fp8 and int4 (groups of 128) weights
+``--quantized``: the fused native layers on bf16, int8, fp8 and int4 (groups of 128) weights
 against fp32, with the bytes each reads per second and its speed-up over fp32.
 
 ``--bf16``: the layers on bf16 weights, ``F.linear`` against oneDNN's packed matmul (what
@@ -55,7 +55,7 @@ def run_all(layers: list, inputs: list[torch.Tensor]):
     return lambda: [f(x) for f, x in zip(layers, inputs, strict=True)]
 
 
-BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5}
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5}
 
 
 def quantized_layers(weights: list[torch.Tensor]) -> dict[str, list]:
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="checkpoint (default: the 'small' preset)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 512, 2048])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--quantized", action="store_true", help="int8, fp8, int4 vs fp32")
+    parser.add_argument("--quantized", action="store_true", help="bf16, int8, fp8, int4 vs fp32")
     parser.add_argument("--bf16", action="store_true", help="bf16: F.linear vs oneDNN packed")
     args = parser.parse_args()
     shapes = layer_shapes(args.model or ensure_default_model("small"))

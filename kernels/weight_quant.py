@@ -12,6 +12,11 @@ scale``:
 
 A row of zeros gets scale 1 (its values are all 0 either way).
 
+* ``bf16``: each weight rounded to bf16 (to nearest, ties to even), scale 1: bf16 has
+  fp32's exponent range, so no scale helps. Half of fp32's bytes with fp32 activations,
+  and exact for a bf16 checkpoint run with ``dtype="float32"``: its weights come back to
+  the same bf16 values, and the products are fp32 arithmetic, as on the fp32 weights.
+
 A third format, ``int4``, is what GPTQ and AWQ checkpoints hold: codes ``0..15`` with a
 scale and a zero point per row and group of ``group_size`` inputs, ``W = (Q - zero) *
 scale``. The loader unpacks those checkpoints into it; :func:`quantize_int4` makes one by
@@ -27,7 +32,7 @@ from typing import Literal
 
 import torch
 
-WeightFormat = Literal["int8", "fp8"]
+WeightFormat = Literal["int8", "fp8", "bf16"]
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = typing.get_args(WeightFormat)
 """The formats a weight can be quantized to at load (``--quantization``)."""
 
@@ -43,7 +48,7 @@ class QuantizedWeight:
     format: str
     """``int8``, ``fp8`` or ``int4``."""
     qweight: torch.Tensor
-    """``(N, K)`` int8, float8_e4m3fn, or uint8 codes 0-15 (int4)."""
+    """``(N, K)`` int8, float8_e4m3fn, bfloat16, or uint8 codes 0-15 (int4)."""
     scale: torch.Tensor
     """``(N,)`` float32, one per output channel; int4: ``(N, K / group_size)``."""
     zero: torch.Tensor | None = None
@@ -89,6 +94,9 @@ def quantize(weight: torch.Tensor, format: str) -> QuantizedWeight:
     if weight.dim() != 2:
         raise ValueError(f"a linear's weight is 2-D, not {tuple(weight.shape)}")
     w = weight.to(torch.float32)
+    if format == "bf16":
+        ones = torch.ones(w.shape[0])
+        return QuantizedWeight(format, w.to(torch.bfloat16).contiguous(), ones)
     peak = w.abs().amax(dim=1)
     scale = torch.where(peak > 0, peak / _RANGE[format], torch.ones_like(peak))
     scaled = w / scale[:, None]

@@ -1,7 +1,7 @@
 """Native linears on the CPU, ``x @ weight.T + bias``, and the MLP's gated input
 projection, ``silu(x @ gate.T) * (x @ up.T)``: the blocked matmul of ``gemm.cpp`` on a
-weight packed once at load, fp32 or quantized (int8, fp8: see
-:mod:`lamina.kernels.weight_quant`) with fp32 activations. See
+weight packed once at load, fp32 or stored in a smaller format (int8, fp8, int4, bf16:
+see :mod:`lamina.kernels.weight_quant`) with fp32 activations. See
 :func:`lamina.kernels.linear.linear_factory` for when they run."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lamina.kernels.cpu import hugepages
 from lamina.kernels.cpu.build import load_library, ptr
 from lamina.kernels.weight_quant import QuantizedWeight
 
-FORMATS = {"int8": 1, "fp8": 2, "int4": 3}
+FORMATS = {"int8": 1, "fp8": 2, "int4": 3, "bf16": 4}
 """The quantized formats the native matmul takes, by the number ``gemm.cpp``'s ``Format``
 gives each."""
 
@@ -80,27 +80,36 @@ class PackedLinear:
 
 
 class PackedQuantLinear(PackedLinear):
-    """``x @ weight.dequantize().T + bias`` on the CPU for fp32 ``x`` and an int8, fp8 or
-    int4 weight, packed once as :class:`PackedLinear` packs fp32 (one byte per element, or
-    two int4 codes per byte); the kernel widens the codes in registers and applies the
-    scales (and int4's zero points, per group of K) to the sums."""
+    """``x @ weight.dequantize().T + bias`` on the CPU for fp32 ``x`` and an int8, fp8,
+    int4 or bf16 weight, packed once as :class:`PackedLinear` packs fp32 (one byte per
+    element, two int4 codes per byte, two bytes per bf16); the kernel widens the codes in
+    registers and applies the scales (and int4's zero points, per group of K) to the sums."""
 
     _kernel = "lamina_packed_linear_q"
     _outputs_at = 5
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         if weight.format not in FORMATS:
-            raise ValueError(f"{type(self).__name__} takes int8, fp8 or int4, not {weight.format}")
+            raise ValueError(
+                f"{type(self).__name__} takes {', '.join(FORMATS)}, not {weight.format}"
+            )
         self.in_features = k = weight.shape[1]
         self.out_features = self._outputs(weight.qweight)
-        codes = self._arrange(weight.qweight.view(torch.uint8))
+        bf16 = weight.format == "bf16"
+        codes = self._arrange(weight.qweight.view(torch.int16 if bf16 else torch.uint8))
         bias = self._arrange(bias)
         rows = codes.shape[0]
         panels = -(-rows // PANEL) * PANEL
         library = load_library()
-        int4 = weight.format == "int4"
-        self.packed = hugepages.weights.empty(panels * k // (2 if int4 else 1), torch.uint8)
-        pack = library.lamina_pack_weight_int4 if int4 else library.lamina_pack_weight_bytes
+        if weight.format == "int4":
+            self.packed = hugepages.weights.empty(panels * k // 2, torch.uint8)
+            pack = library.lamina_pack_weight_int4
+        elif bf16:
+            self.packed = hugepages.weights.empty(panels * k, torch.int16)
+            pack = library.lamina_pack_weight_halves
+        else:
+            self.packed = hugepages.weights.empty(panels * k, torch.uint8)
+            pack = library.lamina_pack_weight_bytes
         pack(ptr(codes.contiguous()), rows, k, ptr(self.packed))
         self.group = weight.group_size or k
         # Scales (and zero points) per packed row and group, [panel][group][16]: the

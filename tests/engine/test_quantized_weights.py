@@ -1,4 +1,4 @@
-"""The engine on quantized weights, quantized at load (``--quantization int8|fp8``) or
+"""The engine on quantized weights, quantized at load (``--quantization int8|fp8|bf16``) or
 stored so by an fp8 checkpoint (vLLM's ``fp8``, llm-compressor's ``compressed-tensors``),
 against Hugging Face ``transformers`` running the same dequantized weights: the engine's
 quantized matmuls must compute exactly what the dequantized model does. Checkpoints of
@@ -76,8 +76,9 @@ def test_quantized_engine_matches_transformers_on_the_dequantized_weights(
 
 
 # Stated tolerance: the quantized logits' relative (L2) error against the fp32 model's.
-# Measured on the default model: int8 1.3-1.7%, fp8 6.3% (e4m3 keeps 3 mantissa bits).
-RELATIVE_ERROR = {"int8": 0.03, "fp8": 0.10}
+# Measured on the default model: int8 1.3-1.7%, fp8 6.3% (e4m3 keeps 3 mantissa bits),
+# bf16 ~0.4% (7 mantissa bits).
+RELATIVE_ERROR = {"int8": 0.03, "fp8": 0.10, "bf16": 0.01}
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
@@ -89,6 +90,25 @@ def test_quantized_engine_tracks_the_unquantized_model(tiny_model, fmt):
     got = teacher_forced_logits(make_engine(tiny_model, quantization=fmt), sequences, lens)
     for w, g in zip(want, got, strict=True):
         assert 0 < (w - g).norm() / w.norm() < RELATIVE_ERROR[fmt]
+
+
+def test_a_bf16_checkpoint_on_bf16_weights_runs_as_on_its_fp32_values(make_checkpoint):
+    """``--dtype float32 --quantization bf16`` on a bf16 checkpoint keeps its weights as they
+    are stored (half the bytes of fp32) and computes what ``--dtype float32`` computes on
+    them: the same greedy tokens, and logits equal up to summation order."""
+    path = make_checkpoint("llama", dtype=torch.bfloat16)
+    prompts = dict(zip("abc", sequences(256, [3, 19, 40], seed=2), strict=True))
+    fp32 = make_engine(path, dtype="float32")
+    halves = make_engine(path, dtype="float32", quantization="bf16")
+    assert halves.runner.model.weight_dtype == "bf16"
+    assert run_to_completion(halves, prompts, greedy(20)) == run_to_completion(
+        fp32, prompts, greedy(20)
+    )
+    seqs, lens = list(prompts.values()), [2, 10, 30]
+    want = teacher_forced_logits(make_engine(path, dtype="float32"), seqs, lens)
+    got = teacher_forced_logits(make_engine(path, dtype="float32", quantization="bf16"), seqs, lens)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 def fp8_checkpoint(source: Path, target: Path, method: str, per_tensor: bool) -> Path:
@@ -359,6 +379,8 @@ def test_an_unknown_quantization_is_refused():
 
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match=r"bf16.*CPU"):  # on a GPU, bf16 is a dtype
+        EngineConfig(quantization="bf16", device="cuda")
 
 
 def test_the_int4_layouts_unpack_as_published():

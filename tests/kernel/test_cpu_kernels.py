@@ -261,8 +261,36 @@ def test_every_fp8_code_widens_to_what_torch_matches():
     assert torch.equal(got, weight.dequantize().T)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 18, 19, 73])
+@pytest.mark.parametrize("gated", [False, True])
+def test_bf16_weights_give_what_their_fp32_values_give(rows, gated):
+    """bf16 widens exactly (its bits are fp32's top half), so a bf16 weight's products are
+    the fp32 matmul's on the same values: to the bit where both run the same loops, and
+    within rounding where a micro-panel of one row is left (1, 7 and 13 rows: up to 18
+    each micro-panel of 6 runs in registers), which bf16 runs on the AVX-512 one-register
+    path (four sums in another order) on CPUs that have it. A bf16 pattern of every exponent,
+    subnormals and both zeros included, reads back exactly (an identity input)."""
+    g = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(2 * 67, 600, generator=g) / 600**0.5).bfloat16().float()
+    bias = torch.randn(2 * 67, generator=g)
+    x = torch.randn(rows, 600, generator=g)
+    fp32 = (cpu.PackedSiluMul if gated else cpu.PackedLinear)(weight, bias)
+    bf16 = (cpu.PackedQuantSiluMul if gated else cpu.PackedQuantLinear)(
+        quantize(weight, "bf16"), bias
+    )
+    if rows <= 18 and rows % 6 == 1:
+        torch.testing.assert_close(bf16(x), fp32(x), atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(bf16(x), fp32(x))
+    patterns = torch.arange(0, 1 << 16, 97, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    patterns = patterns[patterns.float().isfinite()]
+    weight = QuantizedWeight("bf16", patterns.view(1, -1).repeat(3, 1), torch.ones(3))
+    got = cpu.PackedQuantLinear(weight, None)(torch.eye(len(patterns)))
+    assert torch.equal(got, weight.dequantize().T)
+
+
 def test_quantized_packed_linear_refuses_other_formats():
-    with pytest.raises(ValueError, match="int8, fp8 or int4"):
+    with pytest.raises(ValueError, match="int8, fp8, int4, bf16"):
         cpu.PackedQuantLinear(QuantizedWeight("int2", torch.zeros(4, 4), torch.ones(4)), None)
 
 

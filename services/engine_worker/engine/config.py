@@ -32,8 +32,10 @@ class EngineConfig:
     or ``float16``."""
     quantization: WeightFormat | None = None
     """Quantize every linear's weight at load (weight-only: activations keep ``dtype``):
-    ``int8`` or ``fp8`` (e4m3), each with a scale per output channel
-    (:mod:`lamina.kernels.weight_quant`). ``None``: the checkpoint's weights as they are."""
+    ``int8`` or ``fp8`` (e4m3), each with a scale per output channel, or ``bf16`` (on the
+    CPU with ``dtype="float32"``: half the bytes of fp32 weights, exact for a bf16
+    checkpoint) (:mod:`lamina.kernels.weight_quant`). ``None``: the checkpoint's weights as
+    they are."""
     device: str = "cpu"
     """Torch device the model and KV pool live on (with several ranks, rank 0's: rank
     ``r`` takes the ``r``-th CUDA device after it)."""
@@ -158,6 +160,11 @@ class EngineConfig:
             if (value := getattr(self, name)) is not None and value not in typing.get_args(kind):
                 choices = ", ".join(typing.get_args(kind))
                 raise ValueError(f"{name} ({value!r}) must be one of {choices}")
+        if self.quantization == "bf16" and torch.device(self.device).type != "cpu":
+            raise ValueError(
+                "quantization bf16 (bf16 weights, fp32 activations) is a CPU format: on "
+                f"{self.device} run the model in bf16 (dtype bfloat16)"
+            )
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
         for name in (*positive, "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) <= 0:

@@ -231,7 +231,7 @@ def checkpoint_quantization(where: str, config: Any) -> CheckpointQuantization |
         field,
         f"quant_method {method!r} is not supported; supported: fp8, compressed-tensors (fp8 "
         "weights), gptq and awq (4 bits); unquantized checkpoints load with --quantization "
-        "int8 or fp8 to quantize them at load",
+        "int8, fp8 or bf16 to quantize them at load",
     )
 
 
