@@ -1,10 +1,10 @@
 """Linear layers, with their weights prepared once at load.
 
 On GPUs a linear is ``F.linear``. On CPUs in bf16 where oneDNN has bf16 matmuls
-(:func:`onednn_bf16`), it is ``onednn`` below: ``F.linear`` in bf16 hands
-oneDNN the plain weight, which it reorders into its blocked layout on every call (1.5-2x
-the packed matmul's time on AMX, ``benchmarks/cpu_linear.py --dtype bfloat16``). On x86
-CPUs in fp32:
+(:func:`onednn_bf16`), it is ``onednn`` below: ``F.linear`` in bf16 hands oneDNN the plain
+weight, which it reorders into its blocked layout on every call (1.4-1.7x the packed
+matmul's time up to 128 rows on AMX, ``benchmarks/cpu_linear.py --bf16``). On x86 CPUs in
+fp32:
 
 * ``onednn``: each weight is packed for oneDNN at load and oneDNN's matmul runs on it. On
   the small-batch shapes that decoding makes, ``F.linear`` goes to MKL's sgemm, which on

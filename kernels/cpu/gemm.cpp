@@ -35,11 +35,10 @@
 // then paid once per slice, not once per 6 rows. Neither keeps a dequantized copy of the
 // weight.
 //
-// Layouts: x (m, k) with row stride x_stride; packed as lamina_pack_weight (fp32) or
+// Layouts: x (m, k) with row stride x_stride; packed as lamina_pack_weight (fp32),
 // lamina_pack_weight_bytes (int8, fp8) or lamina_pack_weight_halves (bf16) writes it,
-// ceil(n / 16) * 16 * k elements, 32-byte
-// aligned; scale (ceil(n / 16) * 16,) for a quantized weight; bias (n,) or NULL; out (m,
-// n) contiguous.
+// ceil(n / 16) * 16 * k elements, 32-byte aligned; scale (ceil(n / 16) * 16,) for a
+// quantized weight; bias (n,) or NULL; out (m, n) contiguous.
 
 #include <ATen/Parallel.h>
 
@@ -730,10 +729,9 @@ extern "C" void lamina_pack_weight_int4(const uint8_t* codes, int64_t n, int64_t
 
 // lamina_packed_linear and lamina_packed_silu_mul on a quantized weight: format 1 int8 and
 // 2 fp8 e4m3 (packed by lamina_pack_weight_bytes; scale, one per packed row, in panel
-// order as the bias), 4 bf16 (packed by lamina_pack_weight_halves; scale as int8's, all
-// ones), 3 int4 (packed by lamina_pack_weight_int4; scale and zero, one per
+// order as the bias), 3 int4 (packed by lamina_pack_weight_int4; scale and zero, one per
 // packed row and group of `group` along K, [panel][group][16]; zero is read only for
-// int4).
+// int4), 4 bf16 (packed by lamina_pack_weight_halves; scale as int8's, all ones).
 extern "C" void lamina_packed_linear_q(const float* x, int64_t x_stride, int64_t m, int64_t k,
                                        const void* packed, int format, const float* scale,
                                        const float* zero, int64_t group, int64_t n,
