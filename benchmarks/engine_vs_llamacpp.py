@@ -1,7 +1,7 @@
 """Batch-1 decode against llama.cpp on the same weights, in one run: TPOT and tokens/s of
 Lamina's engine in process and of the whole stack over HTTP, against llama.cpp in process
-(``llama-cpp-python``), fp32 against llama.cpp's f32 and int8 (``--quantization int8``)
-against its Q8_0.
+(``llama-cpp-python``), fp32 against llama.cpp's f32, bf16 weights (``--quantization
+bf16``) against its BF16, and int8 (``--quantization int8``) against its Q8_0.
 
 The GGUF files are written from the same checkpoint by llama.cpp's own converter
 (``convert_hf_to_gguf.py``, from the ``llama-cpp-python`` source distribution of the
@@ -53,8 +53,10 @@ from lamina.services.launcher import Stack
 
 PROMPT = list(range(5, 37))
 TOKENS = 129
-PAIRS = (("f32", None), ("q8_0", "int8"))
-"""(llama.cpp's GGUF type, Lamina's ``--quantization``) compared with each other."""
+PAIRS = (("f32", None), ("bf16", "bf16"), ("q8_0", "int8"))
+"""(llama.cpp's GGUF type, Lamina's ``--quantization``) compared with each other. In bf16
+both round the same fp32 weights to nearest (ties to even); llama.cpp also rounds the
+activations to bf16 for its dot products, Lamina keeps them in fp32."""
 
 
 def converter() -> Path:
@@ -214,12 +216,13 @@ def main() -> None:
         ))  # fmt: skip
         print(f"       stack / llama.cpp {row['stack'] / row['llama.cpp']:.2f}, "
               f"engine / llama.cpp {row['engine'] / row['llama.cpp']:.2f}")  # fmt: skip
-    if "fp32" in results and "int8" in results:
-        fp32, int8 = results["fp32"], results["int8"]
+    fp32 = results["fp32"]
+    for ours, theirs in (("bf16", "BF16"), ("int8", "Q8_0")):
+        row = results[ours]
         print(
-            f"int8 tokens/s over fp32: engine {fp32['engine'] / int8['engine']:.2f}x, "
-            f"stack {fp32['stack'] / int8['stack']:.2f}x "
-            f"(llama.cpp Q8_0 over f32: {fp32['llama.cpp'] / int8['llama.cpp']:.2f}x)"
+            f"{ours} tokens/s over fp32: engine {fp32['engine'] / row['engine']:.2f}x, "
+            f"stack {fp32['stack'] / row['stack']:.2f}x "
+            f"(llama.cpp {theirs} over f32: {fp32['llama.cpp'] / row['llama.cpp']:.2f}x)"
         )
 
 
