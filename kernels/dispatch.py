@@ -46,6 +46,11 @@ def choose_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> 
         backend, reason = "triton", "device cuda"
     elif dtype != torch.float32:
         backend, reason = "reference", f"device {device.type}, {dtype}"
+        if dtype == torch.bfloat16:  # what runs a bf16 checkpoint on the native kernels
+            reason += (
+                "; the native CPU kernels take fp32: --dtype float32 --quantization bf16 "
+                "runs them on the weights kept in bf16"
+            )
     else:
         backend, reason = "cpu", f"device {device.type}, {dtype}"
     if backend == "cpu":
