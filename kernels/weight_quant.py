@@ -8,14 +8,13 @@ scale``:
 * ``int8``: symmetric, ``Q = round(W / s)`` in ``[-127, 127]`` with ``s = max|W_j| / 127``
   (rounded half to even, torch's rule);
 * ``fp8``: e4m3 (``torch.float8_e4m3fn``), ``Q = fp8(W / s)`` with ``s = max|W_j| / 448``,
-  e4m3's largest value, so each row uses the format's whole range.
-
-A row of zeros gets scale 1 (its values are all 0 either way).
-
+  e4m3's largest value, so each row uses the format's whole range;
 * ``bf16``: each weight rounded to bf16 (to nearest, ties to even), scale 1: bf16 has
   fp32's exponent range, so no scale helps. Half of fp32's bytes with fp32 activations,
   and exact for a bf16 checkpoint run with ``dtype="float32"``: its weights come back to
   the same bf16 values, and the products are fp32 arithmetic, as on the fp32 weights.
+
+A row of zeros gets scale 1 (its values are all 0 either way).
 
 A third format, ``int4``, is what GPTQ and AWQ checkpoints hold: codes ``0..15`` with a
 scale and a zero point per row and group of ``group_size`` inputs, ``W = (Q - zero) *
@@ -46,7 +45,7 @@ class QuantizedWeight:
     row), or ``(qweight - zero) * scale`` per row and group of ``group_size`` (``int4``)."""
 
     format: str
-    """``int8``, ``fp8`` or ``int4``."""
+    """``int8``, ``fp8``, ``bf16`` or ``int4``."""
     qweight: torch.Tensor
     """``(N, K)`` int8, float8_e4m3fn, bfloat16, or uint8 codes 0-15 (int4)."""
     scale: torch.Tensor
