@@ -92,23 +92,27 @@ def test_quantized_engine_tracks_the_unquantized_model(tiny_model, fmt):
         assert 0 < (w - g).norm() / w.norm() < RELATIVE_ERROR[fmt]
 
 
-def test_a_bf16_checkpoint_on_bf16_weights_runs_as_on_its_fp32_values(make_checkpoint):
-    """``--dtype float32 --quantization bf16`` on a bf16 checkpoint keeps its weights as they
-    are stored (half the bytes of fp32) and computes what ``--dtype float32`` computes on
-    them: the same greedy tokens, and logits equal up to summation order."""
-    path = make_checkpoint("llama", dtype=torch.bfloat16)
-    prompts = dict(zip("abc", sequences(256, [3, 19, 40], seed=2), strict=True))
-    fp32 = make_engine(path, dtype="float32")
+def test_a_bf16_checkpoint_on_bf16_weights_runs_as_on_its_fp32_values(stories, tmp_path):
+    """``--dtype float32 --quantization bf16`` on a bf16 checkpoint (the trained
+    stories260K, saved in bf16) keeps its weights as they are stored (half the bytes of
+    fp32) and computes what ``--dtype float32`` computes on them: the same greedy tokens,
+    and logits equal up to summation order."""
+    path = tmp_path / "bf16"
+    shutil.copytree(stories, path)
+    tensors = load_file(str(stories / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(path / "model.safetensors")
+    )
+    prompts = dict(enumerate(PROMPTS))
     halves = make_engine(path, dtype="float32", quantization="bf16")
     assert halves.runner.model.weight_dtype == "bf16"
-    assert run_to_completion(halves, prompts, greedy(20)) == run_to_completion(
-        fp32, prompts, greedy(20)
-    )
-    seqs, lens = list(prompts.values()), [2, 10, 30]
-    want = teacher_forced_logits(make_engine(path, dtype="float32"), seqs, lens)
+    want = run_to_completion(make_engine(path, dtype="float32"), prompts, greedy(100))
+    assert run_to_completion(halves, prompts, greedy(100)) == want
+    seqs, lens = [p + want[i][:30] for i, p in prompts.items()], [len(p) for p in PROMPTS]
+    expected = teacher_forced_logits(make_engine(path, dtype="float32"), seqs, lens)
     got = teacher_forced_logits(make_engine(path, dtype="float32", quantization="bf16"), seqs, lens)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-5)
 
 
 def fp8_checkpoint(source: Path, target: Path, method: str, per_tensor: bool) -> Path:

@@ -39,13 +39,14 @@ def test_onednn_linear_matches_f_linear(rows, with_bias):
 @pytest.mark.parametrize("rows", [1, 64, 700])
 def test_onednn_linear_in_bf16_is_f_linear_on_a_packed_weight(rows):
     """Packing changes where the weight's bytes lie, not the arithmetic: bf16 products
-    accumulated in fp32 either way, so the two agree to the bit."""
+    accumulated in fp32 either way (equal to the bit on the AMX VM; another CPU's oneDNN
+    may block the two calls differently, so within bf16's rounding of the output)."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 80, dtype=torch.bfloat16), torch.randn(rows, 80).bfloat16()
     bias = torch.randn(96, dtype=torch.bfloat16)
     got = OneDnnLinear(weight, bias)(x)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=0, rtol=0)
+    torch.testing.assert_close(got, F.linear(x, weight, bias))
 
 
 @pytest.mark.parametrize("rows", [1, 64])
