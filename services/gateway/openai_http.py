@@ -90,19 +90,16 @@ class OpenAIApi:
     def _completion_routes(self) -> dict[str, ASGIApp]:
         serve = self.completions.serve
 
-        async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await serve(scope, receive, send, lambda _: CompletionRequest)
+        def route(kind: type) -> ASGIApp:
+            async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+                await serve(scope, receive, send, lambda _: kind)
 
-        async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await serve(scope, receive, send, lambda _: ChatCompletionRequest)
-
-        async def chat_completions_batch(scope: Scope, receive: Receive, send: Send) -> None:
-            await serve(scope, receive, send, lambda _: BatchChatCompletionRequest)
+            return handle
 
         return {
-            "/v1/completions": completions,
-            "/v1/chat/completions": chat_completions,
-            "/v1/chat/completions/batch": chat_completions_batch,
+            "/v1/completions": route(CompletionRequest),
+            "/v1/chat/completions": route(ChatCompletionRequest),
+            "/v1/chat/completions/batch": route(BatchChatCompletionRequest),
         }
 
     def _routes(self) -> Litestar:
