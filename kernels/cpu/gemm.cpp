@@ -11,7 +11,8 @@
 //     walks the 6-row panels of x down it;
 //   * the micro-kernel keeps a 6 x 16 block of the output in twelve AVX2 registers:
 //     per k two weight loads, six broadcasts of x and twelve FMAs (with AVX-512, fp32 in
-//     six registers: one load, six broadcasts and six FMAs).
+//     six registers: one load, six broadcasts and six FMAs; and from 19 rows on, two
+//     panels a call, 6 x 32 in twelve registers: two loads, six broadcasts, twelve FMAs).
 // The first slice writes the output block (plus bias), later slices add to it. With one
 // row the same loops are a single pass over the weight in memory order, as fast as a
 // dedicated matrix-vector kernel. Measured against oneDNN's packed matmul and MKL in
@@ -171,6 +172,63 @@ inline __m512 load16(const Bf16* b) {
 template <typename W>
 constexpr float kWiden = std::is_same_v<W, Fp8> && LAMINA_AVX2 ? 256.0f : 1.0f;
 
+// The first `cols` columns of an M x kNR block of sums into out (row stride ldo): written
+// (plus bias) by a K's first slice, added to by the later ones.
+template <int M>
+inline void write_block(const float (&block)[M][kNR], float* out, int64_t ldo, bool first,
+                        const float* bias, int64_t cols) {
+  for (int i = 0; i < M; ++i) {
+    float* row = out + i * ldo;
+    if (first) {
+      for (int64_t j = 0; j < cols; ++j) row[j] = block[i][j] + (bias ? bias[j] : 0.0f);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) row[j] += block[i][j];
+    }
+  }
+}
+
+#if LAMINA_AVX2
+// A micro-kernel's finished sums (an M x kNR block as two registers a row) into out, each
+// column's sums times its scale first for a quantized weight.
+template <typename W, int M>
+inline void store(__m256 (&lo)[M], __m256 (&hi)[M], float* out, int64_t ldo, bool first,
+                  const float* bias, const float* scale, int64_t cols) {
+  if constexpr (kQuantized<W>) {
+    const __m256 fix = _mm256_set1_ps(kWiden<W>);
+    const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(scale), fix);
+    const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(scale + 8), fix);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      lo[i] = _mm256_mul_ps(lo[i], s0);
+      hi[i] = _mm256_mul_ps(hi[i], s1);
+    }
+  }
+  if (cols == kNR) {  // a whole panel: straight from the registers
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      float* row = out + i * ldo;
+      if (!first) {
+        lo[i] = _mm256_add_ps(lo[i], _mm256_loadu_ps(row));
+        hi[i] = _mm256_add_ps(hi[i], _mm256_loadu_ps(row + 8));
+      } else if (bias) {
+        lo[i] = _mm256_add_ps(lo[i], _mm256_loadu_ps(bias));
+        hi[i] = _mm256_add_ps(hi[i], _mm256_loadu_ps(bias + 8));
+      }
+      _mm256_storeu_ps(row, lo[i]);
+      _mm256_storeu_ps(row + 8, hi[i]);
+    }
+    return;
+  }
+  alignas(32) float block[M][kNR];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) {
+    _mm256_store_ps(block[i], lo[i]);
+    _mm256_store_ps(block[i] + 8, hi[i]);
+  }
+  write_block<M>(block, out, ldo, first, bias, cols);
+}
+#endif
+
 // out block (M x cols, row stride ldo) = or += a (kc x M, k-major) * b (kc x kNR), each
 // column's sums times its scale for a quantized weight (scale: the panel's 16). With
 // Fetch (b then holds all of K), also pulls the next weight panel in, a line per 64 bytes
@@ -263,38 +321,7 @@ inline void micro(const float* a, const W* b, int64_t kc, float* out, int64_t ld
       hi[i] = _mm256_fmadd_ps(x, b1, hi[i]);
     }
   }
-  if constexpr (kQuantized<W>) {
-    const __m256 fix = _mm256_set1_ps(kWiden<W>);
-    const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(scale), fix);
-    const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(scale + 8), fix);
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      lo[i] = _mm256_mul_ps(lo[i], s0);
-      hi[i] = _mm256_mul_ps(hi[i], s1);
-    }
-  }
-  if (cols == kNR) {  // a whole panel: straight from the registers
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      float* row = out + i * ldo;
-      if (!first) {
-        lo[i] = _mm256_add_ps(lo[i], _mm256_loadu_ps(row));
-        hi[i] = _mm256_add_ps(hi[i], _mm256_loadu_ps(row + 8));
-      } else if (bias) {
-        lo[i] = _mm256_add_ps(lo[i], _mm256_loadu_ps(bias));
-        hi[i] = _mm256_add_ps(hi[i], _mm256_loadu_ps(bias + 8));
-      }
-      _mm256_storeu_ps(row, lo[i]);
-      _mm256_storeu_ps(row + 8, hi[i]);
-    }
-    return;
-  }
-  alignas(32) float block[M][kNR];
-#pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) {
-    _mm256_store_ps(block[i], lo[i]);
-    _mm256_store_ps(block[i] + 8, hi[i]);
-  }
+  store<W, M>(lo, hi, out, ldo, first, bias, scale, cols);
 #else
   float block[M][kNR] = {};
   for (int64_t k = 0; k < kc; ++k)
@@ -304,15 +331,8 @@ inline void micro(const float* a, const W* b, int64_t kc, float* out, int64_t ld
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < kNR; ++j) block[i][j] *= scale[j];
   }
+  write_block<M>(block, out, ldo, first, bias, cols);
 #endif
-  for (int i = 0; i < M; ++i) {
-    float* row = out + i * ldo;
-    if (first) {
-      for (int64_t j = 0; j < cols; ++j) row[j] = block[i][j] + (bias ? bias[j] : 0.0f);
-    } else {
-      for (int64_t j = 0; j < cols; ++j) row[j] += block[i][j];
-    }
-  }
 }
 
 template <typename W>
@@ -324,6 +344,51 @@ constexpr Micro<W> kMicro[2][kMR + 1] = {
      micro<W, 5, false>, micro<W, 6, false>},
     {nullptr, micro<W, 1, true>, micro<W, 2, true>, micro<W, 3, true>, micro<W, 4, true>,
      micro<W, 5, true>, micro<W, 6, true>}};
+
+#if defined(__AVX512F__)
+constexpr bool kPairs = true;
+// M rows against two adjacent fp32 panels (32 output columns; b the first panel's slice,
+// the second's `stride` floats on), both from L1: per k two loads, M broadcasts and 2M
+// FMAs, where the one-panel loop above issues M + 1 loads for M FMAs. Each column's sums
+// are the one-panel loop's, in the same order.
+template <int M>
+inline void micro_pair(const float* a, const float* b, int64_t stride, int64_t kc, float* out,
+                       int64_t ldo, bool first, const float* bias, int64_t cols,
+                       int64_t cols2) {
+  __m512 acc[M], acc2[M];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) acc[i] = acc2[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 w = _mm512_loadu_ps(b + k * kNR), w2 = _mm512_loadu_ps(b + stride + k * kNR);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const __m512 x = _mm512_set1_ps(a[k * M + i]);
+      acc[i] = _mm512_fmadd_ps(x, w, acc[i]);
+      acc2[i] = _mm512_fmadd_ps(x, w2, acc2[i]);
+    }
+  }
+  __m256 lo[M], hi[M];
+  const auto halves = [&](const __m512(&sums)[M]) {
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      lo[i] = _mm512_castps512_ps256(sums[i]);
+      hi[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums[i]), 1));
+    }
+  };
+  halves(acc);
+  store<float, M>(lo, hi, out, ldo, first, bias, nullptr, cols);
+  halves(acc2);
+  store<float, M>(lo, hi, out + kNR, ldo, first, bias ? bias + kNR : nullptr, nullptr, cols2);
+}
+using MicroPair = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, bool,
+                           const float*, int64_t, int64_t);
+constexpr MicroPair kMicroPair[kMR + 1] = {nullptr,         micro_pair<1>, micro_pair<2>,
+                                           micro_pair<3>, micro_pair<4>, micro_pair<5>,
+                                           micro_pair<6>};
+#else
+constexpr bool kPairs = false;
+#endif
 
 // dst (kc x kNR fp32) = a quantized panel's slice b, widened, times its columns' scales.
 template <typename W>
@@ -577,12 +642,16 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
     // front to back in one pass instead of in slices a panel apart (and micro<M, true>
     // finds the next panel right after its own).
     const int64_t slice = m <= kFetchCalls * kMR ? k : kKC;
+    // With more rows than that, on AVX-512, the micro-kernel takes two panels a call
+    // (micro_pair): fp32 ones as packed, quantized ones widened into two buffers.
+    const bool pairs = kPairs && m > kFetchCalls * kMR;
+    const int64_t span = pairs ? 2 : 1;  // panels a pass
     float* a = aligned(packed_rows, std::min(kMC, m) * slice);
     const int64_t groups_per_column = (k + group - 1) / group;
     float* xs = kGrouped<W> && !widen_slices && m > 1
                     ? aligned(x_sums, std::min(kMC, m) * groups_per_column)
                     : nullptr;
-    float* wide = widen_slices ? aligned(widened, slice * kNR) : nullptr;
+    float* wide = widen_slices ? aligned(widened, span * slice * kNR) : nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t part = item / group_parts, q = item % group_parts;
       const int64_t first_row = micro_rows * part / row_parts * kMR;
@@ -613,8 +682,11 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
           // against 7.9); and so does one row, where micro has a path for it.
           const int64_t calls = (rows + kMR - 1) / kMR;
           const int64_t lines = (kc * kPerK<W> * static_cast<int64_t>(sizeof(W)) + 63) / 64;
-          const int64_t share = calls > kFetchCalls ? -(-lines / calls) : 0;
-          for (int64_t panel = p0; panel < p1; ++panel) {
+          const int64_t panel_size = k * kPerK<W>;  // elements of one whole packed panel
+          for (int64_t panel = p0; panel < p1; panel += span) {
+            const int64_t count = std::min(span, p1 - panel);  // panels in this pass
+            const int64_t ahead = std::min(span, p1 - panel - count);  // in the next one
+            const int64_t share = calls > kFetchCalls || pairs ? -(-lines * ahead / calls) : 0;
             const W* b = packed + (panel * k + depth) * kPerK<W>;
             const int64_t col = panel / kStep * kNR, cols = std::min<int64_t>(kNR, n - col);
             const float* panel_bias = bias ? bias + panel * kNR : nullptr;
@@ -622,22 +694,38 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
             const float* panel_scale = kQuantized<W> ? scale + panel_groups : nullptr;
             const float* panel_zero = kGrouped<W> ? zero + panel_groups : nullptr;
             float* dst = Gated ? sums + (panel - p0) * kNR : out + r0 * n + col;
-            const char* next = reinterpret_cast<const char*>(b + k * kPerK<W>);
-            const bool has_next = panel + 1 < p1;
+            const char* next = reinterpret_cast<const char*>(b + count * panel_size);
+            const int64_t next_bytes = panel_size * static_cast<int64_t>(sizeof(W));
             if (widen_slices) {
-              if constexpr (kGrouped<W>)
-                widen_panel(b, kc, depth, panel_scale, panel_zero, group, wide);
-              else
-                widen_panel(b, kc, panel_scale, wide);
+              for (int64_t i = 0; i < count; ++i) {
+                const int64_t at = i * groups_per_column * kNR;
+                if constexpr (kGrouped<W>)
+                  widen_panel(b + i * panel_size, kc, depth, panel_scale + at, panel_zero + at,
+                              group, wide + i * kc * kNR);
+                else
+                  widen_panel(b + i * panel_size, kc, panel_scale + at, wide + i * kc * kNR);
+              }
             }
             for (int64_t r = 0; r < rows; r += kMR) {
-              if (has_next && share) {
-                const int64_t line = r / kMR * share, last = std::min(lines, line + share);
-                for (int64_t l = line; l < last; ++l) __builtin_prefetch(next + 64 * l, 0, 3);
+              if (share) {
+                const int64_t line = r / kMR * share;
+                const int64_t last = std::min(lines * ahead, line + share);
+                for (int64_t l = line; l < last; ++l)
+                  __builtin_prefetch(next + l / lines * next_bytes + 64 * (l % lines), 0, 3);
               }
-              const bool fetch = has_next && r == 0 && !share && kc == k;
+              const bool fetch = ahead && r == 0 && !share && kc == k;
               const int width = static_cast<int>(std::min<int64_t>(kMR, rows - r));
               float* block = dst + r * ld;
+#if defined(__AVX512F__)
+              if (count == 2) {  // fp32 panels, or quantized ones widened (see pairs)
+                const float* both = widen_slices ? wide : reinterpret_cast<const float*>(b);
+                const int64_t cols2 = std::min<int64_t>(kNR, n - (panel + 1) / kStep * kNR);
+                kMicroPair[width](panels_of_x + r * kc, both,
+                                  widen_slices ? kc * kNR : panel_size, kc, block, ld,
+                                  depth == 0, panel_bias, cols, cols2);
+                continue;
+              }
+#endif
               if (widen_slices) {
                 kMicro<float>[0][width](panels_of_x + r * kc, wide, kc, block, ld, depth == 0,
                                         panel_bias, nullptr, cols);
@@ -654,8 +742,13 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
                                         panel_bias, panel_scale, cols);
               }
             }
-            if (Gated && panel % 2 == 1 && depth + kc == k)  // both sums of these columns
-              silu_mul_block(dst - kNR, dst, ld, rows, cols, out + r0 * n + col, n);
+            const int64_t last = panel + count - 1;  // the gated sums are done at an up panel
+            if (Gated && last % 2 == 1 && depth + kc == k) {
+              float* up = dst + (count - 1) * kNR;
+              const int64_t up_col = last / kStep * kNR;
+              silu_mul_block(up - kNR, up, ld, rows, std::min<int64_t>(kNR, n - up_col),
+                             out + r0 * n + up_col, n);
+            }
           }
         }
       }
