@@ -1,9 +1,10 @@
 """Which implementation of the device ops the engine runs.
 
 * ``triton`` on CUDA (on CPU only under ``TRITON_INTERPRET=1``: slow, for tests).
-* ``cpu`` on CPU for fp32 models: the native kernels of :mod:`lamina.kernels.cpu` (decode
-  attention, fused RMSNorm, SiLU-and-mul, rotary; compiled on first use; if that fails,
-  the reason is logged and the engine runs ``reference``), the reference for the rest.
+* ``cpu`` on CPU for fp32 and bf16 models: the native kernels of
+  :mod:`lamina.kernels.cpu` (decode attention, fused RMSNorm, SiLU-and-mul, rotary;
+  compiled on first use; if that fails, the reason is logged and the engine runs
+  ``reference``), the reference for the rest.
 * ``reference``: the torch reference ops, everywhere else.
 
 ``LAMINA_KERNELS=triton|cpu|reference`` overrides the choice. It is logged once per
@@ -23,6 +24,8 @@ from lamina.libs.config import process_env
 log = logging.getLogger("lamina.kernels")
 _logged: set[str] = set()
 BACKENDS = ("triton", "cpu", "reference")
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+"""What the ``cpu`` backend's kernels take (its fused decode step: fp32 only)."""
 
 
 def _cpu_kernels_build() -> str | None:
@@ -44,18 +47,15 @@ def choose_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> 
         backend, reason = requested, "LAMINA_KERNELS"
     elif device.type == "cuda":
         backend, reason = "triton", "device cuda"
-    elif dtype != torch.float32:
+    elif dtype not in CPU_DTYPES:
         backend, reason = "reference", f"device {device.type}, {dtype}"
-        if dtype == torch.bfloat16:  # what runs a bf16 checkpoint on the native kernels
-            reason += (
-                "; the native CPU kernels take fp32: --dtype float32 --quantization bf16 "
-                "runs them on the weights kept in bf16"
-            )
     else:
         backend, reason = "cpu", f"device {device.type}, {dtype}"
     if backend == "cpu":
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError(f"the cpu kernels run fp32 on the CPU, not {dtype} on {device}")
+        if device.type != "cpu" or dtype not in CPU_DTYPES:
+            raise ValueError(
+                f"the cpu kernels run fp32 or bf16 on the CPU, not {dtype} on {device}"
+            )
         failure = _cpu_kernels_build()
         if failure is not None:
             if requested:

@@ -1,4 +1,5 @@
-"""Paged attention on the CPU: decodes by the native kernel, prefill by the reference.
+"""Paged attention on the CPU: decodes by the native kernel, prefill by the reference (in
+fp32 or bf16).
 
 Decode tokens read their keys and values in place from the paged cache
 (``paged_attention.cpp``): the reference path instead copies every block of every
@@ -12,10 +13,12 @@ from __future__ import annotations
 import torch
 
 from lamina.kernels.cpu.build import load_library, ptr
-from lamina.kernels.reference import AttentionMetadata, kv_quant
+from lamina.kernels.reference import AttentionMetadata
 from lamina.kernels.reference.attention import prefill_attention
 
-_CACHE_KINDS = {None: 0, "fp8": 1, "int8": 2}
+_CACHE_KINDS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.int8: 2, torch.bfloat16: 3}
+"""The caches the kernel reads, by its ``cache_kind`` argument (a bf16 cache belongs to a
+bf16 model)."""
 
 
 def decode_attention(
@@ -27,30 +30,38 @@ def decode_attention(
     kv_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one fp32 query ``(Hq, D)`` per sequence over its cached context and
-    its own new token (already written): ``context_lens[s] + 1`` tokens. ``q`` ``(S, Hq,
-    D)`` (rows may be strided; heads contiguous), ``block_table`` ``(S, W)`` int64,
+    """Attention of one query ``(Hq, D)`` per sequence over its cached context and its
+    own new token (already written): ``context_lens[s] + 1`` tokens. ``q`` ``(S, Hq, D)``
+    (rows may be strided; heads contiguous), ``block_table`` ``(S, W)`` int64,
     ``context_lens`` ``(S,)`` int64, as in :class:`AttentionMetadata`. Returns ``(S, Hq,
-    D)`` (written into ``out`` if given)."""
+    D)`` (written into ``out`` if given). The kernel computes in fp32: bf16 queries (a
+    bf16 model's, over its bf16 cache) are widened for it and its result rounded back
+    once, as SDPA's bf16 kernel rounds its result."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    if q.dtype == torch.bfloat16:
+        result = decode_attention(
+            q.float(), kv_cache, block_table, context_lens, scale, kv_scales
+        ).to(torch.bfloat16)
+        return result if out is None else out.copy_(result)
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
-        raise ValueError("decode_attention needs fp32 queries with contiguous heads")
+        raise ValueError("decode_attention needs fp32 or bf16 queries with contiguous heads")
     contiguous = kv_cache.is_contiguous() and context_lens.is_contiguous()
     if not (contiguous and block_table.stride(1) == 1):
         raise ValueError("decode_attention needs a contiguous cache, table rows and lengths")
     if block_table.dtype != torch.int64 or context_lens.dtype != torch.int64:
         raise ValueError("decode_attention needs int64 block tables and lengths")
-    kind = kv_quant.quant_kind(kv_cache)
-    if kind is None and kv_cache.dtype != torch.float32:
-        raise ValueError(f"decode_attention reads fp32, fp8 or int8 caches, not {kv_cache.dtype}")
+    if kv_cache.dtype not in _CACHE_KINDS:
+        raise ValueError(
+            f"decode_attention reads fp32, bf16, fp8 or int8 caches, not {kv_cache.dtype}"
+        )
     if out is None:
         out = q.new_empty((num_seqs, num_heads, head_dim))
     status = load_library().lamina_paged_decode_attention(
         ptr(q),
         q.stride(0),
         ptr(kv_cache),
-        _CACHE_KINDS[kind],
+        _CACHE_KINDS[kv_cache.dtype],
         ptr(kv_scales.contiguous() if kv_scales is not None else None),
         ptr(block_table),
         block_table.stride(0),
@@ -78,8 +89,8 @@ def paged_attention(
     scale: float,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Drop-in for :func:`lamina.kernels.reference.paged_attention` (fp32 queries), with
-    metadata built with ``dense_decodes=False``."""
+    """Drop-in for :func:`lamina.kernels.reference.paged_attention` (fp32 or bf16
+    queries), with metadata built with ``dense_decodes=False``."""
     nd = meta.num_decodes
     if not nd:
         return prefill_attention(q, k, v, kv_cache, meta, scale, kv_scales)

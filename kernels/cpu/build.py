@@ -45,10 +45,10 @@ def ptr(t: torch.Tensor | None) -> int | None:
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, tuple[list, object]] = {
     # name: (argument types, return type), as the sources' extern "C" declarations say.
-    "lamina_rms_norm": ([_P, _I64, _P, _I64, _P, _F32, _I64, _I64, _P, _P], None),
-    "lamina_silu_and_mul": ([_P, _I64, _I64, _P], None),
+    "lamina_rms_norm": ([_P, _I64, _P, _I64, _P, _F32, _I64, _I64, _P, _P, ctypes.c_int], None),
+    "lamina_silu_and_mul": ([_P, _I64, _I64, _P, ctypes.c_int], None),
     "lamina_lora_bgmv": ([_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P], None),
-    "lamina_rotary": ([_P, _I64, _P, _P, _I64, _I64, _I64, _P], None),
+    "lamina_rotary": ([_P, _I64, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int], None),
     "lamina_pack_weight": ([_P, _I64, _I64, _P], None),
     "lamina_packed_linear": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P], None),
     "lamina_packed_silu_mul": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P], None),

@@ -36,11 +36,12 @@
 #include "vec.h"
 
 extern "C" {
-void lamina_rms_norm(const float* x, int64_t x_stride, const float* residual,
-                     int64_t residual_stride, const float* weight, float eps, int64_t rows,
-                     int64_t dim, float* out, float* residual_out);
-void lamina_rotary(const float* x, int64_t x_stride, const float* cos, const float* sin,
-                   int64_t tokens, int64_t heads, int64_t dim, float* out);
+// (elementwise.cpp's; dtype 0: fp32)
+void lamina_rms_norm(const void* x, int64_t x_stride, const void* residual,
+                     int64_t residual_stride, const void* weight, float eps, int64_t rows,
+                     int64_t dim, void* out, void* residual_out, int dtype);
+void lamina_rotary(const void* x, int64_t x_stride, const void* cos, const void* sin,
+                   int64_t tokens, int64_t heads, int64_t dim, void* out, int dtype);
 void lamina_packed_linear(const float* x, int64_t x_stride, int64_t m, int64_t k,
                           const float* packed, int64_t n, const float* bias, float* out);
 void lamina_packed_silu_mul(const float* x, int64_t x_stride, int64_t m, int64_t k,
@@ -65,6 +66,8 @@ int lamina_paged_decode_attention(const float* q, int64_t q_stride, const void* 
 }
 
 namespace {
+
+constexpr int kFp32 = 0;  // the elementwise kernels' dtype argument
 
 // A packed linear as decode.py lays it out: format (0 fp32, else gemm.cpp's Format),
 // packed weight, scales (quantized) or 0, zero points (int4) or 0, the group size along K,
@@ -213,16 +216,16 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
     if (lora) std::memcpy(&adapters, lora + n * kLoraFields, sizeof(adapters));
     if (n == 0) {
       lamina_rms_norm(hidden, d.hidden, nullptr, 0, layer.input_norm, eps, seqs, d.hidden, x,
-                      nullptr);
+                      nullptr, kFp32);
       std::memcpy(residual, hidden, sizeof(float) * seqs * d.hidden);
     } else {
       lamina_rms_norm(hidden, d.hidden, residual, d.hidden, layer.input_norm, eps, seqs,
-                      d.hidden, x, residual);
+                      d.hidden, x, residual, kFp32);
     }
     linear(layer.qkv, x, seqs, qkv, false);
     add_lora(adapters.qkv, x, d.hidden, seqs, qkv, qkv_width, qkv_width, lora_slots);
     if (layer.qk_norm) head_norm(qkv, qkv_width, seqs, hq + hkv, hd, layer.qk_norm, eps);
-    lamina_rotary(qkv, qkv_width, cos, sin, seqs, hq + hkv, hd, rotated);
+    lamina_rotary(qkv, qkv_width, cos, sin, seqs, hq + hkv, hd, rotated, kFp32);
     for (int64_t s = 0; s < seqs; ++s) {
       float* keys = layer.kv_cache + slots[s] * token_kv;
       std::memcpy(keys, rotated + (s * (hq + hkv) + hq) * hd, sizeof(float) * kv_size);
@@ -236,7 +239,7 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
     linear(layer.o, attn, seqs, o, false);
     add_lora(adapters.o, attn, q_size, seqs, o, d.hidden, d.hidden, lora_slots);
     lamina_rms_norm(o, d.hidden, residual, d.hidden, layer.post_norm, eps, seqs, d.hidden, x,
-                    residual);
+                    residual, kFp32);
     if (adapters.gate_up.a)
       gated_with_lora(layer.gate_up, adapters.gate_up, x, seqs, mlp, lora_slots);
     else
@@ -289,7 +292,7 @@ extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
                                 layer_work);
   if (status) return status;
   lamina_rms_norm(hidden, d.hidden, residual, d.hidden, final_norm, eps, seqs, d.hidden,
-                  head ? normed : logits, residual);
+                  head ? normed : logits, residual, kFp32);
   if (head) {
     Linear lm_head;
     std::memcpy(&lm_head, head, sizeof(lm_head));

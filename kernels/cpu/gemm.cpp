@@ -72,10 +72,7 @@ struct Fp8 {
 struct Int4 {
   uint8_t bits;
 };
-// bf16: an fp32 number's top 16 bits (sign, the same 8-bit exponent, 7 mantissa bits).
-struct Bf16 {
-  uint16_t bits;
-};
+using lamina::Bf16;  // see vec.h
 template <typename W>
 constexpr bool kQuantized = !std::is_same_v<W, float>;
 template <typename W>
@@ -87,12 +84,7 @@ constexpr int64_t kPerK = kGrouped<W> ? kNR / 2 : kNR;
 // One element as fp32 (the scalar path; the column's scale is applied by the caller).
 inline float widen(float w) { return w; }
 inline float widen(int8_t w) { return static_cast<float>(w); }
-inline float widen(Bf16 w) {
-  const uint32_t bits = static_cast<uint32_t>(w.bits) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
+inline float widen(Bf16 w) { return lamina::load(w); }
 inline float widen(Fp8 w) {
   const int exponent = (w.bits >> 3) & 0xF, mantissa = w.bits & 0x7;
   const float magnitude = exponent ? std::ldexp(1.0f + mantissa / 8.0f, exponent - 7)

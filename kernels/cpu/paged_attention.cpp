@@ -9,12 +9,13 @@
 // the running maximum and sum are rescaled once per tile, and the value rows are
 // accumulated into 64 output lanes at a time held in registers. Quantized caches are
 // converted row by row as the tile is gathered (fp8 e4m3 through a 256-entry table, int8
-// as is), with their scale applied.
+// as is), with their scale applied; so is a bf16 cache (exactly, by a shift).
 //
 // Layouts (all contiguous unless a stride is given):
 //   q        (num_seqs, num_heads, head_dim) fp32, token stride q_stride
-//   cache    (2, num_blocks, block_size, num_kv_heads, head_dim) fp32, fp8 bytes or int8
-//   scales   fp8: (2, num_kv_heads); int8: (2, num_blocks, num_kv_heads); fp32: unused
+//   cache    (2, num_blocks, block_size, num_kv_heads, head_dim) fp32, fp8 bytes, int8 or
+//            bf16
+//   scales   fp8: (2, num_kv_heads); int8: (2, num_blocks, num_kv_heads); else unused
 //   tables   (num_seqs, table_stride) int64 block ids
 //   contexts (num_seqs,) int64 tokens cached before this step's one new token (which
 //            is already written: each sequence attends to contexts[s] + 1 tokens)
@@ -31,7 +32,7 @@
 
 namespace {
 
-enum CacheKind : int { kFloat32 = 0, kFp8E4M3 = 1, kInt8 = 2 };
+enum CacheKind : int { kFloat32 = 0, kFp8E4M3 = 1, kInt8 = 2, kBf16 = 3 };
 
 struct Fp8Table {
   float value[256];
@@ -94,6 +95,14 @@ inline void tile_rows(const void* cache, const float* scales, const int64_t* tab
         for (int64_t i = 0; i < d; ++i) {
           k_row[i] = static_cast<float>(k_src[i]) * k_scale;
           v_row[i] = static_cast<float>(v_src[i]) * v_scale;
+        }
+      } else if constexpr (Kind == kBf16) {  // exact
+        const lamina::Bf16* k_src = static_cast<const lamina::Bf16*>(cache) + offset;
+        const lamina::Bf16* v_src = k_src + values_offset;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) {
+          k_row[i] = lamina::load(k_src[i]);
+          v_row[i] = lamina::load(v_src[i]);
         }
       }
       keys[j] = k_row;
@@ -295,7 +304,7 @@ inline void prefetch_tokens(const void* cache, const int64_t* table, int64_t sta
                             int64_t end, int64_t block_size, int64_t block_stride,
                             int64_t values_offset, int64_t token_stride, int64_t h0, int64_t d,
                             int64_t width) {
-  const int64_t size = Kind == kFloat32 ? 4 : 1;
+  const int64_t size = Kind == kFloat32 ? 4 : Kind == kBf16 ? 2 : 1;
   const char* base = static_cast<const char*>(cache);
   for (int64_t j0 = start; j0 < end; j0 += block_size) {  // start is a block boundary
     const char* k = base + (table[j0 / block_size] * block_stride + h0 * d) * size;
@@ -327,7 +336,7 @@ void attend(const float* q, const void* cache, const float* scales, const int64_
   float* score = acc + heads * d;  // one tile's scores (then weights) per head
   float* run_max = score + heads * tile;
   float* run_sum = run_max + heads;
-  float* scratch = run_sum + heads;  // quantized caches: the tile's rows in fp32
+  float* scratch = run_sum + heads;  // other than fp32 caches: the tile's rows in fp32
   const float** keys = rows.data();
   const float** values = keys + tile;
   for (int64_t i = 0; i < heads * d; ++i) {
@@ -419,6 +428,11 @@ extern "C" int lamina_paged_decode_attention(
       return 0;
     case kInt8:
       decode_attention<kInt8>(q, q_stride, cache, scales, tables, table_stride, contexts,
+                              num_seqs, num_blocks, block_size, num_heads, num_kv_heads,
+                              head_dim, sm_scale, out);
+      return 0;
+    case kBf16:
+      decode_attention<kBf16>(q, q_stride, cache, scales, tables, table_stride, contexts,
                               num_seqs, num_blocks, block_size, num_heads, num_kv_heads,
                               head_dim, sm_scale, out);
       return 0;

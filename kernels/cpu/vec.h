@@ -10,8 +10,46 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace lamina {
+
+// bf16: an fp32 number's top 16 bits (sign, the same 8-bit exponent, 7 mantissa bits).
+struct Bf16 {
+  uint16_t bits;
+};
+
+// An element as fp32 (exact for bf16).
+inline float load(float x) { return x; }
+inline float load(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// An fp32 result as a T: for bf16 rounded to nearest, ties to even (NaN a quiet NaN), as
+// torch rounds the result of every bf16 op, so a kernel that rounds where the reference's
+// ops do computes what they compute.
+template <typename T>
+inline T round_to(float x);
+template <>
+inline float round_to<float>(float x) {
+  return x;
+}
+template <>
+inline Bf16 round_to<Bf16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if (x != x) return Bf16{0x7FC0};
+  return Bf16{static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)};
+}
+
+// x as a T op of the reference leaves it: rounded to T, and back to fp32.
+template <typename T>
+inline float rounded(float x) {
+  return load(round_to<T>(x));
+}
 
 // silu(g) * up = g / (1 + exp(-g)) * up.
 inline float silu_mul(float g, float up) { return g / (1.0f + std::exp(-g)) * up; }
@@ -38,10 +76,42 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-// silu_mul of 8 lanes.
-inline __m256 silu_mul8(__m256 g, __m256 up) {
+// silu of 8 lanes.
+inline __m256 silu8(__m256 g) {
   const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// silu_mul of 8 lanes.
+inline __m256 silu_mul8(__m256 g, __m256 up) { return _mm256_mul_ps(silu8(g), up); }
+
+// 8 bf16 elements as fp32.
+inline __m256 load8(const Bf16* p) {
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+// 8 lanes rounded as round_to<Bf16> rounds one, in each lane's top 16 bits.
+inline __m256i bf16_bits8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i sum = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_castsi256_ps(sum), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+}
+
+// rounded<Bf16> of 8 lanes.
+inline __m256 rounded8(__m256 x) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(bf16_bits8(x), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 8 lanes stored as bf16 (round_to<Bf16> of each).
+inline void store8(Bf16* p, __m256 x) {
+  const __m256i top = _mm256_srli_epi32(bf16_bits8(x), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
 #endif
@@ -54,6 +124,20 @@ inline void silu_mul_row(const float* g, const float* up, float* o, int64_t n) {
     _mm256_storeu_ps(o + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(up + j)));
 #endif
   for (; j < n; ++j) o[j] = silu_mul(g[j], up[j]);
+}
+
+// The same for bf16 rows, rounded where the reference's two bf16 ops round: o[j] =
+// bf16(bf16(silu(g[j])) * up[j]).
+inline void silu_mul_row(const Bf16* g, const Bf16* up, Bf16* o, int64_t n) {
+  int64_t j = 0;
+#if LAMINA_AVX2
+  for (; j + 8 <= n; j += 8)
+    store8(o + j, _mm256_mul_ps(rounded8(silu8(load8(g + j))), load8(up + j)));
+#endif
+  for (; j < n; ++j) {
+    const float x = load(g[j]);
+    o[j] = round_to<Bf16>(rounded<Bf16>(x / (1.0f + std::exp(-x))) * load(up[j]));
+  }
 }
 
 }  // namespace lamina

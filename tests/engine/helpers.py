@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -149,3 +150,13 @@ def variant(stories: Path, out: Path, layers: int = 5, **config) -> Path:
     kept["model.embed_tokens.weight"] = kept["model.embed_tokens.weight"][:vocab].clone()
     save_file(kept, out / "model.safetensors")
     return out
+
+
+def bf16_copy(source: Path, target: Path) -> Path:
+    """``source`` (a checkpoint) at ``target`` with its weights saved in bf16."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(target / "model.safetensors")
+    )
+    return target

@@ -130,6 +130,20 @@ def test_decode_steps_with_adapters_run_the_native_step(
         assert run(python, requests, max_tokens=30) == outputs
 
 
+def test_adapters_on_a_bf16_model_run_the_torch_forms(stories, adapters, monkeypatch):
+    """The cpu kernels take a bf16 model but the native LoRA kernel takes fp32: its
+    adapters' products run as the torch forms, and they do change the output."""
+    monkeypatch.setenv("LAMINA_KERNELS", "cpu")
+    root, _ = adapters
+    engine = lora_engine(stories, root, dtype="bfloat16")
+    assert engine.runner.model.ops.backend == "cpu"
+    assert engine.runner.lora_slots.kernel_rows == 0
+    prompt = PROMPTS["a"]
+    outputs = run(engine, {"base": (prompt, None), "sql": (prompt, "sql")}, 20)
+    assert len(outputs["sql"]) == len(outputs["base"]) == 20
+    assert outputs["sql"] != outputs["base"]
+
+
 def test_adapters_never_share_prefix_cache_blocks(stories, adapters):
     root, _ = adapters
     engine = lora_engine(stories, root)

@@ -361,9 +361,10 @@ class LoraSlots:
         self.free = list(range(max_loras))
         """Free slots, a heap: the lowest is taken first, which keeps the slots a step
         uses low (the dense product covers the slots up to the highest used)."""
-        self.kernel_rows = DENSE_MAX_ROWS
-        """Steps of at most this many rows run the ``cpu`` backend's native kernel, larger
-        ones the torch forms (``benchmarks/lora.py`` sets 0 to measure them alone)."""
+        self.kernel_rows = DENSE_MAX_ROWS if dtype == torch.float32 else 0
+        """Steps of at most this many rows run the ``cpu`` backend's native kernel (it takes
+        fp32: none in another dtype), larger ones the torch forms (``benchmarks/lora.py``
+        sets 0 to measure them alone)."""
         self.targets: frozenset[str] = frozenset()
         """The fused linears any adapter loaded so far touches (the others are skipped)."""
         self._native: tuple[frozenset[str], torch.Tensor] | None = None
