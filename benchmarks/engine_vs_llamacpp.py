@@ -24,6 +24,7 @@ Q8_0 matmul; there, reinstall it (``pip install --no-cache-dir --force-reinstall
 -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF``. Not a test: run it by hand.
 
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --runs 3
+    .venv/bin/python benchmarks/engine_vs_llamacpp.py --runs 3 --stream-interval 4
 """
 
 from __future__ import annotations
@@ -137,9 +138,11 @@ def engine_gaps(engine: Engine) -> list[float]:
     return _gaps(stamps)
 
 
-async def stack_gaps(host: str, port: int) -> list[float]:
+async def stack_gaps(host: str, port: int, interval: int = 1) -> list[float]:
     """One streamed completion over HTTP/1.1 (a minimal client: it shares the cores with
-    the stack): the time of each token's chunk."""
+    the stack): the gaps between its tokens, from the times of their chunks. With a
+    worker's ``--stream-interval`` a chunk after the first carries ``interval`` tokens, so
+    each gap between chunks counts as ``interval`` gaps of its ``1 / interval``."""
     body = msgspec.json.encode(
         {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
          "stream": True}
@@ -158,7 +161,7 @@ async def stack_gaps(host: str, port: int) -> list[float]:
         now = time.perf_counter()
         stamps += [now for e in events if e.startswith(b"data: {") and b'"text":""' not in e]
     writer.close()
-    return _gaps(stamps)
+    return [gap / interval for gap in _gaps(stamps) for _ in range(interval)]
 
 
 def _gaps(stamps: list[float]) -> list[float]:
@@ -170,6 +173,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="checkpoint (default: the 'small' preset)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="the worker's (tokens a chunk)"
+    )
     args = parser.parse_args()
     model = args.model or ensure_default_model("small")
     threads = torch.get_num_threads()
@@ -187,6 +193,7 @@ def main() -> None:
         engine = Engine(config)
         engine_gaps(engine)  # warm-up
         worker_args = ["--max-model-len", "512", "--num-kv-blocks", "64"]
+        worker_args += ["--stream-interval", str(args.stream_interval)]
         if quantization:
             worker_args += ["--quantization", quantization]
         with (
@@ -200,12 +207,13 @@ def main() -> None:
                 worker_args=worker_args,
             ) as stack,
         ):
-            asyncio.run(stack_gaps(stack.http_host, stack.http_port))  # warm-up
+            interval = args.stream_interval
+            asyncio.run(stack_gaps(stack.http_host, stack.http_port, interval))  # warm-up
             sides: dict[str, list[float]] = {"llama.cpp": [], "engine": [], "stack": []}
             for _ in range(args.runs):  # interleaved, so drift falls on every side alike
                 sides["llama.cpp"].append(statistics.median(llamacpp_gaps(gguf, threads)))
                 sides["engine"].append(statistics.median(engine_gaps(engine)))
-                gaps = asyncio.run(stack_gaps(stack.http_host, stack.http_port))
+                gaps = asyncio.run(stack_gaps(stack.http_host, stack.http_port, interval))
                 sides["stack"].append(statistics.median(gaps))
         del engine
         results[ours] = {side: statistics.median(v) * 1e3 for side, v in sides.items()}
