@@ -3,10 +3,10 @@
 //
 // The classic blocked layout (Goto / BLIS). The weight (N x K) is packed into panels of 16
 // output columns, each panel k-major ([K][16]), so the 6 x 16 micro-kernel reads it
-// strictly in order. Per work item (a block of up to kMC rows of x and a range of panels)
-// and per kKC-deep slice of K:
-//   * the rows' slice of x is packed into 6-row panels, k-major ([kKC][6]): ~150 KB,
-//     which stays in L2 while every weight panel of the range passes over it;
+// strictly in order. Per work item (a block of up to block_rows() rows of x and a range
+// of panels) and per kKC-deep slice of K:
+//   * the rows' slice of x is packed into 6-row panels, k-major ([kKC][6]): up to half
+//     of L2, where it stays while every weight panel of the range passes over it;
 //   * each weight panel's slice (kKC x 16, 32 KB) stays in L1 while the micro-kernel
 //     walks the 6-row panels of x down it;
 //   * the micro-kernel keeps a 6 x 16 block of the output in twelve AVX2 registers:
@@ -50,6 +50,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>
+
 #include "vec.h"
 
 namespace {
@@ -57,11 +59,25 @@ namespace {
 constexpr int kMR = 6;         // rows of x per micro-kernel call
 constexpr int kNR = 16;        // output columns per weight panel (two AVX2 registers)
 constexpr int64_t kKC = 512;   // depth of one slice of K
-constexpr int64_t kMC = 72;    // rows of x packed at a time (12 micro-panels)
 constexpr int64_t kMinRows = 192;  // fewest rows a thread gets when rows are split
 constexpr int64_t kFetchCalls = 3;  // see the panel prefetch in packed_matmul
-// kKC and kMC: of the sizes tried (KC 256-512, MC 48-144, K unrolled by one or four) at
-// 64, 600 and 2048 rows, none was faster beyond the noise.
+// kKC: of the sizes tried (256-512, K unrolled by one or four) at 64, 600 and 2048 rows,
+// none was faster beyond the noise.
+
+// Rows of x packed at a time: as many as half of a core's L2 holds at kKC deep, 72 to
+// 288 (a multiple of kMR). Each block of rows is one more pass over the weight panels of
+// a work item, from memory: on the Intel VM (2 MB of L2) 288 rows made the `small`
+// model's linears 8-10% faster than 72 at 256-2048 rows (144 no faster than 72); on the
+// AMD EPYC (512 KB, so 126 rows) 48-144 measured alike.
+int64_t block_rows() {
+  static const int64_t rows = [] {
+    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (l2 <= 0) l2 = 512 * 1024;
+    const int64_t fit = l2 / 2 / (kKC * static_cast<int64_t>(sizeof(float)));
+    return std::clamp<int64_t>(fit / kMR * kMR, 72, 288);
+  }();
+  return rows;
+}
 
 // The weight's element types. fp8 is e4m3 ("fn": no infinities), the format of torch's
 // float8_e4m3fn and of fp8 checkpoints.
@@ -638,10 +654,11 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
     // (micro_pair): fp32 ones as packed, quantized ones widened into two buffers.
     const bool pairs = kPairs && m > kFetchCalls * kMR;
     const int64_t span = pairs ? 2 : 1;  // panels a pass
-    float* a = aligned(packed_rows, std::min(kMC, m) * slice);
+    const int64_t mc = block_rows();
+    float* a = aligned(packed_rows, std::min(mc, m) * slice);
     const int64_t groups_per_column = (k + group - 1) / group;
     float* xs = kGrouped<W> && !widen_slices && m > 1
-                    ? aligned(x_sums, std::min(kMC, m) * groups_per_column)
+                    ? aligned(x_sums, std::min(mc, m) * groups_per_column)
                     : nullptr;
     float* wide = widen_slices ? aligned(widened, span * slice * kNR) : nullptr;
     for (int64_t item = begin; item < end; ++item) {
@@ -653,9 +670,9 @@ void packed_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k, const
       // Where the micro-kernel writes: the output itself, or (Gated) this item's gate and
       // up sums for a block of rows, (p1 - p0) panels wide.
       const int64_t ld = Gated ? (p1 - p0) * kNR : n;
-      float* sums = Gated ? aligned(gated_sums, std::min(kMC, m) * ld) : nullptr;
-      for (int64_t r0 = first_row; r0 < last_row; r0 += kMC) {
-        const int64_t rows = std::min(kMC, last_row - r0);
+      float* sums = Gated ? aligned(gated_sums, std::min(mc, m) * ld) : nullptr;
+      for (int64_t r0 = first_row; r0 < last_row; r0 += mc) {
+        const int64_t rows = std::min(mc, last_row - r0);
         if (xs) group_sums(x + r0 * x_stride, x_stride, rows, k, group, xs);
         for (int64_t depth = 0; depth < k; depth += slice) {
           const int64_t kc = std::min(slice, k - depth);

@@ -185,13 +185,14 @@ def test_rotary_matches_reference(d):
     torch.testing.assert_close(cpu.apply_rotary(qk, c, s), ref.apply_rotary(qk, c, s))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 18, 19, 72, 73, 400])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 18, 19, 72, 73, 400, 700])
 @pytest.mark.parametrize("k", [37, 512, 1100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_f_linear(rows, k, with_bias):
-    """Rows around the micro-kernel's 6, the 18 that still take K whole and the 72-row
-    blocks (and enough to split rows between threads), depths inside one 512-deep slice and
-    across three, and 67 outputs: four whole 16-column panels and a partial one."""
+    """Rows around the micro-kernel's 6, the 18 that still take K whole and the blocks of
+    rows (72 to 288, by the L2's size: 700 split between two threads is more than one
+    block each), depths inside one 512-deep slice and across three, and 67 outputs: four
+    whole 16-column panels and a partial one (two panels a call on AVX-512, then one)."""
     g = torch.Generator().manual_seed(rows * k)
     weight = torch.randn(67, k, generator=g)
     bias = torch.randn(67, generator=g) if with_bias else None
@@ -200,13 +201,13 @@ def test_packed_linear_matches_f_linear(rows, k, with_bias):
     torch.testing.assert_close(cpu.PackedLinear(weight, bias)(x), want, atol=2e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 18, 19, 73, 400])
+@pytest.mark.parametrize("rows", [1, 2, 7, 18, 19, 73, 400, 700])
 @pytest.mark.parametrize("k", [37, 1100])
 @pytest.mark.parametrize(("half", "with_bias"), [(16, False), (67, True)])
 def test_packed_silu_mul_matches_linear_then_silu_and_mul(rows, k, half, with_bias):
     """The fused gate/up: one slice of K and three, one whole panel pair and a partial
     one (67 = 4 x 16 + 3), and rows around the micro-kernel's 6, the 18 that take K whole,
-    the 72-row blocks and the split of rows between threads."""
+    the blocks of rows and the split of rows between threads."""
     g = torch.Generator().manual_seed(rows * k + half)
     gate_up = torch.randn(2 * half, k, generator=g) / k**0.5
     bias = torch.randn(2 * half, generator=g) if with_bias else None
@@ -238,7 +239,7 @@ def test_packed_linear_takes_any_leading_shape_and_refuses_other_dtypes():
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 18, 19, 73, 400])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 18, 19, 73, 400, 700])
 @pytest.mark.parametrize("k", [37, 1100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_quantized_packed_linear_matches_dequantize_then_linear(fmt, rows, k, with_bias):
