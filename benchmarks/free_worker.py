@@ -6,6 +6,13 @@ model's forward pass, logits that pick one token, ready one step period
 gets a token a step, as from a real engine at that step time, and what the worker
 process spends beyond sleeping is the shell's and the engine's bookkeeping.
 
+The free engine computes on one thread (``torch.set_num_threads(1)``). With two, the
+engine's bookkeeping ops over a large batch (the sampler over every stream's logits) are
+OpenMP parallel regions, and libgomp's idle thread then spins for ~6 ms after each one
+(its default spin count, on the development VM): through the step's sleep, where a real
+engine's forward pass would have that thread computing. That spin was 57 µs of the
+worker's CPU a token at 256 streams, a cost no real worker has.
+
 Run as the stack's worker module (``Stack.worker_module``), with this directory on
 ``PYTHONPATH``; it takes ``lamina worker``'s flags.
 """
@@ -48,5 +55,6 @@ class FreeEngine(Engine):
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # see the module's docstring
     service.Engine = FreeEngine  # type: ignore[misc]  # what the worker builds
     sys.exit(worker_main.main())
