@@ -152,11 +152,14 @@ def variant(stories: Path, out: Path, layers: int = 5, **config) -> Path:
     return out
 
 
-def bf16_copy(source: Path, target: Path) -> Path:
-    """``source`` (a checkpoint) at ``target`` with its weights saved in bf16."""
+def saved_in(source: Path, target: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """``source`` (a checkpoint) at ``target`` with its weights saved in ``dtype``, and its
+    ``config.json`` saying so (what ``dtype="auto"`` reads)."""
     shutil.copytree(source, target)
     tensors = load_file(str(source / "model.safetensors"))
-    save_file(
-        {k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(target / "model.safetensors")
-    )
+    save_file({k: v.to(dtype) for k, v in tensors.items()}, str(target / "model.safetensors"))
+    config = json.loads((target / "config.json").read_text())
+    config.pop("dtype", None)  # newer writers' name for it, read first
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (target / "config.json").write_text(json.dumps(config))
     return target

@@ -76,7 +76,7 @@ def test_batched_greedy_tokens_match_hf_generate(family, make_checkpoint):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_checkpoints_load_and_track_hf(dtype, make_checkpoint):
     path = make_checkpoint("qwen2", dtype=dtype)
-    engine = make_engine(path)
+    engine = make_engine(path, dtype=str(dtype).removeprefix("torch."))  # auto: fp32 on CPUs
     assert engine.runner.model.dtype == dtype
     hf = hf_model(path, dtype=dtype)
     seq = sequences(256, [24])[0]

@@ -18,11 +18,11 @@ from lamina.kernels.weight_quant import WEIGHT_FORMATS, QuantizedWeight, quantiz
 from lamina.services.engine_worker.engine.errors import ModelLoadError
 from lamina.services.engine_worker.engine.loader import AWQ_ORDER
 from tests.engine.helpers import (
-    bf16_copy,
     greedy,
     hf_greedy,
     make_engine,
     run_to_completion,
+    saved_in,
     teacher_forced_logits,
 )
 from tests.engine.test_hf_parity import assert_logits_match, hf_model, sequences
@@ -98,7 +98,7 @@ def test_a_bf16_checkpoint_on_bf16_weights_runs_as_on_its_fp32_values(stories, t
     stories260K, saved in bf16) keeps its weights as they are stored (half the bytes of
     fp32) and computes what ``--dtype float32`` computes on them: the same greedy tokens,
     and logits equal up to summation order."""
-    path = bf16_copy(stories, tmp_path / "bf16")
+    path = saved_in(stories, tmp_path / "bf16")
     prompts = dict(enumerate(PROMPTS))
     halves = make_engine(path, dtype="float32", quantization="bf16")
     assert halves.runner.model.weight_dtype == "bf16"

@@ -366,14 +366,14 @@ def test_a_bf16_model_on_the_cpu_kernels_is_as_close_to_fp32_as_on_the_reference
     as far from fp32's as the reference's bf16 are, and near them. (Greedy tokens are no
     test here: in bf16 both part from fp32's within 7-31 tokens.)"""
     from tests.engine.helpers import (
-        bf16_copy,
         greedy,
         make_engine,
         run_to_completion,
+        saved_in,
         teacher_forced_logits,
     )
 
-    path = bf16_copy(stories, tmp_path / "bf16")
+    path = saved_in(stories, tmp_path / "bf16")
     prompts = {0: [1, 400, 261, 403], 1: [1, 306, 323, 283, 272, 260, 389], 2: [1, 73, 87, 316]}
     monkeypatch.setenv("LAMINA_KERNELS", "cpu")
     fp32 = make_engine(path, dtype="float32")

@@ -28,8 +28,10 @@ class EngineConfig:
     ``$LAMINA_HOME/models/lamina-tiny`` (``LAMINA_HOME``: ``~/.cache/lamina``); the worker
     resolves it before it builds the engine, which needs a directory."""
     dtype: Dtype = "auto"
-    """Weight/activation dtype: ``auto`` (the checkpoint's own), ``float32``, ``bfloat16``
-    or ``float16``."""
+    """Weight/activation dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``: on CUDA
+    the checkpoint's own; on the CPU what its kernels run fast, fp32 for quantized, fp16
+    and fp32 weights, bf16 for bf16 weights where the CPU has a bf16 matmul (AMX or
+    AVX-512 BF16), else fp32 with the weights kept in bf16 (``auto_dtype.py``)."""
     quantization: WeightFormat | None = None
     """Quantize every linear's weight at load (weight-only: activations keep ``dtype``):
     ``int8`` or ``fp8`` (e4m3), each with a scale per output channel, or ``bf16`` (on the

@@ -26,6 +26,7 @@ import torch
 
 from lamina.kernels.transfer import upload
 from lamina.libs.block_hash import ROOT_HASH, root_hash
+from lamina.services.engine_worker.engine.auto_dtype import resolve_dtype
 from lamina.services.engine_worker.engine.batch_scheduler import BatchScheduler, ScheduledBatch
 from lamina.services.engine_worker.engine.block_manager import BlockManager
 from lamina.services.engine_worker.engine.config import EngineConfig
@@ -51,6 +52,7 @@ from lamina.services.engine_worker.engine.lora import (
     LoraInUseError,
     UnknownLoraError,
 )
+from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.engine_worker.engine.outputs import (
     STEP_TOKEN_BUCKETS,
     EngineStats,
@@ -103,6 +105,8 @@ class Engine:
                 "EngineConfig.model is None: name a checkpoint directory "
                 "(the worker resolves None to Lamina's default model before building)"
             )
+        # Before any other rank starts: each then runs the dtype this one chose.
+        config = resolve_dtype(config, ModelConfig.from_dir(config.model))
         self.config = config
         self.device = rank_device(config.device, 0)
         self.ranks: RankGroup | None = None

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from lamina.services.engine_worker.engine.auto_dtype import resolve_dtype
 from lamina.services.engine_worker.engine.config import EngineConfig
 from lamina.services.engine_worker.engine.cuda_graphs import DecodeGraphs
 from lamina.services.engine_worker.engine.kv_tier import DISK, HOST
@@ -106,12 +107,13 @@ def load_shard(
     slice of them) on ``device``."""
     assert config.model is not None, "the worker resolves the default model first"
     model_config = ModelConfig.from_dir(config.model)
+    config = resolve_dtype(config, model_config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = CausalLM(
         model_config,
         CheckpointTensors(config.model),
-        model_config.dtype if config.dtype == "auto" else DTYPES[config.dtype],
+        DTYPES[config.dtype],
         device,
         tp,
         quantization=config.quantization,
