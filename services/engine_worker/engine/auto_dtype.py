@@ -62,13 +62,10 @@ def resolve_dtype(
     else:
         dtype, quantization = torch.float32, "bf16"
     if dtype != stored:
-        kept = " (its weights kept in bf16)" if quantization == "bf16" and not quantized else ""
-        log.info(
-            "dtype auto: %s for the checkpoint's %s weights on the CPU%s",
-            _name(dtype),
-            "quantized" if quantized else _name(stored),
-            kept,
-        )
+        stored_format = model_config.quantization and model_config.quantization.weight_format
+        weights = config.quantization or stored_format or _name(stored)
+        kept = " (kept in bf16)" if quantization == "bf16" and not quantized else ""
+        log.info("dtype auto: %s for %s weights%s on the CPU", _name(dtype), weights, kept)
     return dataclasses.replace(config, dtype=_name(dtype), quantization=quantization)
 
 
