@@ -10,9 +10,10 @@ GFLOP/s of the fastest, and the ratios: oneDNN to torch and to native, native to
 ``--quantized``: the fused native layers on bf16, int8, fp8 and int4 (groups of 128) weights
 against fp32, with the bytes each reads per second and its speed-up over fp32.
 
-``--bf16``: the layers on bf16 weights, ``F.linear`` against oneDNN's packed matmul (what
-the engine runs in bf16 where oneDNN has bf16 matmuls), beside the fused native layers in
-fp32 (what it runs in fp32).
+``--bf16``: the layers on bf16 weights and activations: ``F.linear``, oneDNN's packed
+matmul (what the engine runs in bf16 where oneDNN has bf16 matmuls) and, on a CPU with
+AVX-512 BF16, the native bf16 matmul (``PackedBf16Linear``, what it runs there), beside the
+fused native layers in fp32 (what it runs in fp32).
 
     .venv/bin/python benchmarks/cpu_linear.py    # the 'small' preset's 40 linears
     .venv/bin/python benchmarks/cpu_linear.py --quantized --rows 1 8 64
@@ -35,6 +36,8 @@ from lamina.kernels.cpu import (
     PackedSiluMul,
     silu_and_mul,
 )
+from lamina.kernels.cpu.bf16_linear import PackedBf16Linear
+from lamina.kernels.cpu.bf16_linear import available as bf16_available
 from lamina.kernels.linear import OneDnnLinear, SiluMulLinear, TorchLinear
 from lamina.kernels.weight_quant import quantize, quantize_int4
 from lamina.services.engine_worker.default_model import ensure_default_model
@@ -94,8 +97,10 @@ def compare_bf16(shapes: list[tuple[int, int]], weights: list[torch.Tensor], arg
         "bf16 oneDNN": [OneDnnLinear(w, None) for w in halves],
         "fp32 fused": quantized_layers(weights)["fp32"],
     }
+    if bf16_available():
+        layers["bf16 native"] = [PackedBf16Linear(w, None) for w in halves]
     print(f"{'rows':>6} " + " ".join(f"{name + ' ms':>15}" for name in layers)
-          + "  torch/oneDNN  fp32/oneDNN")  # fmt: skip
+          + "  torch/oneDNN  fp32/oneDNN  oneDNN/native")  # fmt: skip
     for rows in args.rows:
         xs = [torch.randn(rows, k) for _, k in shapes]
         inputs = {name: [x.bfloat16() for x in xs] if "bf16" in name else xs for name in layers}
@@ -105,7 +110,8 @@ def compare_bf16(shapes: list[tuple[int, int]], weights: list[torch.Tensor], arg
             }
         b = ms["bf16 oneDNN"]
         print(f"{rows:>6} " + " ".join(f"{v:>15.2f}" for v in ms.values())
-              + f"  {ms['bf16 torch'] / b:>11.2f}x {ms['fp32 fused'] / b:>11.2f}x",
+              + f"  {ms['bf16 torch'] / b:>11.2f}x {ms['fp32 fused'] / b:>11.2f}x"
+              + (f" {b / ms['bf16 native']:>12.2f}x" if "bf16 native" in ms else ""),
               flush=True)  # fmt: skip
 
 

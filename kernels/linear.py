@@ -1,10 +1,13 @@
 """Linear layers, with their weights prepared once at load.
 
-On GPUs a linear is ``F.linear``. On CPUs in bf16 where oneDNN has bf16 matmuls
+On GPUs a linear is ``F.linear``. On CPUs in bf16 with AVX-512 BF16 and the ``cpu``
+kernels, it is ``native``: :class:`~lamina.kernels.cpu.bf16_linear.PackedBf16Linear`, on
+one pair-interleaved layout, AMX tiles from 8 rows where there is AMX and ``vdpbf16ps``
+below (~1.5x oneDNN's packed bf16 matmul at 1 and 32 rows, as fast from 128,
+``benchmarks/cpu_linear.py --bf16``). Elsewhere in bf16 where oneDNN has bf16 matmuls
 (:func:`onednn_bf16`), it is ``onednn`` below: ``F.linear`` in bf16 hands oneDNN the plain
 weight, which it reorders into its blocked layout on every call (1.4-1.7x the packed
-matmul's time up to 128 rows on AMX, ``benchmarks/cpu_linear.py --bf16``). On x86 CPUs in
-fp32:
+matmul's time up to 128 rows on AMX). On x86 CPUs in fp32:
 
 * ``onednn``: each weight is packed for oneDNN at load and oneDNN's matmul runs on it. On
   the small-batch shapes that decoding makes, ``F.linear`` goes to MKL's sgemm, which on
@@ -38,6 +41,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from lamina.kernels.cpu import bf16_linear
+from lamina.kernels.cpu.bf16_linear import PackedBf16Linear
 from lamina.kernels.cpu.build import vectorized
 from lamina.kernels.cpu.linear import (
     PackedLinear,
@@ -107,7 +112,7 @@ def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> TorchLinea
     return PackedLinear(weight, bias)
 
 
-Linear = TorchLinear | OneDnnLinear | PackedLinear | DequantLinear
+Linear = TorchLinear | OneDnnLinear | PackedLinear | PackedBf16Linear | DequantLinear
 
 
 class SiluMulLinear:
@@ -191,19 +196,23 @@ def _plain_linear(
     if requested and requested not in CHOICES:
         raise ValueError(f"LAMINA_CPU_LINEAR={requested!r}: choose one of {', '.join(CHOICES)}")
     cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and bf16_linear.available()
     onednn = (
         device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16()))
     )
-    if requested == "native" and not (cpu_fp32 and backend == "cpu"):
-        raise ValueError("LAMINA_CPU_LINEAR=native needs fp32 on the CPU with the cpu kernels")
+    if requested == "native" and not ((cpu_fp32 or cpu_bf16) and backend == "cpu"):
+        raise ValueError(
+            "LAMINA_CPU_LINEAR=native needs fp32 (or bf16 on a CPU with AVX-512 BF16) on the "
+            "CPU with the cpu kernels"
+        )
     make: Callable[[torch.Tensor, torch.Tensor | None], Linear]
     # The matmul's micro-kernel is AVX2; without it (e.g. on ARM) oneDNN is the default.
-    default_native = cpu_fp32 and backend == "cpu" and vectorized()
+    default_native = ((cpu_fp32 and vectorized()) or cpu_bf16) and backend == "cpu"
     if requested == "native" or (not requested and default_native):
-        choice, make = "native", native_linear
+        choice, make = "native", PackedBf16Linear if cpu_bf16 else native_linear
     elif onednn and requested != "torch":
         choice, make = "onednn", OneDnnLinear
     else:

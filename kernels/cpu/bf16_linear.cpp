@@ -1,0 +1,230 @@
+// out = x @ weight^T (+ bias) for bf16 x, weight and out, the sums in fp32: a bf16 model's
+// linears on a CPU that multiplies bf16 pairs in hardware (AVX-512 BF16, and AMX where
+// there is one), on one weight layout for every batch size.
+//
+// The weight (N x K) is packed pair-interleaved (lamina_pack_weight_pairs): per panel of 16
+// output columns, per block of 32 k, a 1 KB block of 16 rows, row j holding the 16
+// columns' weights at k = 2j and 2j + 1, side by side (column c's pair at 2c, 2c + 1).
+// That block is AMX's B tile as it is, and its rows are what vdpbf16ps multiplies a
+// broadcast pair of x by. N is padded to whole pairs of panels (32 columns) and K to whole
+// blocks, with zeros.
+//
+// From 8 rows on, with AMX: 32 x 32 blocks of the output (two row tiles of 16 by two
+// panels) in four accumulator tiles; per k block, two tiles of x (16 rows x 32 k each,
+// loaded straight from x where it has whole blocks, else from a zero-padded copy) and
+// two weight blocks, four tile products (at 8-31 rows, on a zero-padded copy of 32: the
+// weights' bytes bound those steps, not the tiles' arithmetic). Below 8 rows, or without AMX: rows of up to 8
+// against two panels in sixteen 512-bit accumulators, each weight row loaded once for
+// all of them. The sums are rounded to bf16 once, after the bias is added in fp32.
+
+#include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+using lamina::Bf16;
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output columns per panel
+constexpr int64_t kDepth = 32;  // k per packed block (16 pairs)
+constexpr int64_t kBlock = kPanel * kDepth;  // elements per packed block (1 KB)
+constexpr int kRows = 8;  // rows per pass of the vdpbf16ps path
+
+int64_t blocks_of(int64_t k) { return (k + kDepth - 1) / kDepth; }
+int64_t panels_of(int64_t n) { return (n + 2 * kPanel - 1) / (2 * kPanel) * 2; }
+
+// One thread's copy of 32 rows of x, zero-padded to whole k blocks.
+thread_local std::vector<uint16_t> padded_rows;
+
+// The finished sums of a block (rows x cols of out, row stride ldo) plus bias, rounded.
+void write_sums(const float* sums, int64_t lds, int64_t rows, int64_t cols, const float* bias,
+                Bf16* out, int64_t ldo) {
+  for (int64_t i = 0; i < rows; i++)
+    for (int64_t j = 0; j < cols; j++)
+      out[i * ldo + j] = lamina::round_to<Bf16>(sums[i * lds + j] + (bias ? bias[j] : 0.0f));
+}
+
+#if defined(__x86_64__)
+// Rows [0, M) of x against panels p and p + 1, by vdpbf16ps, into out's columns there.
+template <int M>
+__attribute__((target("avx512f,avx512bf16")))
+void pair_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel0,
+               const uint16_t* panel1, float* sums) {
+  __m512 acc[M][2];
+  for (int i = 0; i < M; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;  // whole pairs of x; an odd last k is taken below
+  for (int64_t j = 0; j < pairs; j++) {
+    const int64_t at = (j / 16) * kBlock + (j % 16) * 32;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel0 + at);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel1 + at);
+    for (int i = 0; i < M; i++) {
+      uint32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * j, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xb);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xb);
+    }
+  }
+  if (k % 2) {  // the last k alone: its pair's second weight is the packing's zero
+    const int64_t j = pairs, at = (j / 16) * kBlock + (j % 16) * 32;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel0 + at);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel1 + at);
+    for (int i = 0; i < M; i++) {
+      const uint32_t pair = x[i * ldx + 2 * j];
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xb);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xb);
+    }
+  }
+  for (int i = 0; i < M; i++) {
+    _mm512_storeu_ps(sums + i * 32, acc[i][0]);
+    _mm512_storeu_ps(sums + i * 32 + 16, acc[i][1]);
+  }
+}
+
+using PairRows = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const uint16_t*,
+                          float*);
+constexpr PairRows kPairRows[kRows] = {pair_rows<1>, pair_rows<2>, pair_rows<3>, pair_rows<4>,
+                                       pair_rows<5>, pair_rows<6>, pair_rows<7>, pair_rows<8>};
+
+// The tile configuration (palette 1): tiles 0-7 of 16 rows of 64 bytes. In memory, as
+// ldtilecfg reads it (a local copy's stores were optimized away before the load).
+struct TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+alignas(64) const TileConfig kTiles = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+// 32 rows of x (row stride ldx, k padded to whole blocks) against panels p and p + 1, by
+// AMX, into sums (32 x 32).
+__attribute__((target("amx-tile,amx-bf16")))
+void tile_block(const uint16_t* x, int64_t ldx, int64_t blocks, const uint16_t* panel0,
+                const uint16_t* panel1, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t b = 0; b < blocks; b++) {
+    _tile_loadd(4, x + b * kDepth, ldx * 2);
+    _tile_loadd(5, x + 16 * ldx + b * kDepth, ldx * 2);
+    _tile_loadd(6, panel0 + b * kBlock, 64);
+    _tile_loadd(7, panel1 + b * kBlock, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, sums, 32 * 4);
+  _tile_stored(1, sums + 16, 32 * 4);
+  _tile_stored(2, sums + 16 * 32, 32 * 4);
+  _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+}
+
+__attribute__((target("amx-tile")))
+void tiles_on() { _tile_loadconfig(&kTiles); }
+
+__attribute__((target("amx-tile")))
+void tiles_off() { _tile_release(); }
+
+// Whether this process may use AMX's tile registers (Linux asks each process to request
+// them once: ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+#endif  // __x86_64__
+
+}  // namespace
+
+extern "C" {
+
+// weight (n, k) bf16 into packed (panels_of(n) * blocks_of(k) * 512 bf16, zeroed by the
+// caller).
+void lamina_pack_weight_pairs(const uint16_t* weight, int64_t n, int64_t k, uint16_t* packed) {
+  const int64_t blocks = blocks_of(k);
+  for (int64_t c = 0; c < n; c++) {
+    uint16_t* panel = packed + (c / kPanel) * blocks * kBlock;
+    for (int64_t kk = 0; kk < k; kk++)
+      panel[(kk / kDepth) * kBlock + (kk % kDepth / 2) * 32 + (c % kPanel) * 2 + kk % 2] =
+          weight[c * k + kk];
+  }
+}
+
+// out (m, n) = x (m, k; row stride ldx) @ weight^T (+ bias, fp32 or NULL), all bf16 but the
+// bias. tiles: use AMX from 8 rows on (the caller checked the CPU has it; AVX-512 BF16 is
+// needed either way).
+void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
+                        const uint16_t* packed, int64_t n, const float* bias, uint16_t* out,
+                        int tiles) {
+#if !defined(__x86_64__)
+  // Python runs this kernel only where the CPU has AVX-512 BF16; elsewhere it is this
+  // plain loop, correct and slow, over the same packed layout.
+  const int64_t blocks = blocks_of(k);
+  Bf16* y = reinterpret_cast<Bf16*>(out);
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t c = 0; c < n; c++) {
+      const uint16_t* panel = packed + (c / kPanel) * blocks * kBlock;
+      float sum = bias ? bias[c] : 0.0f;
+      for (int64_t kk = 0; kk < k; kk++) {
+        const uint16_t w = panel[(kk / kDepth) * kBlock + (kk % kDepth / 2) * 32 +
+                                 (c % kPanel) * 2 + kk % 2];
+        sum += lamina::load(Bf16{x[i * ldx + kk]}) * lamina::load(Bf16{w});
+      }
+      y[i * n + c] = lamina::round_to<Bf16>(sum);
+    }
+  (void)tiles;
+#else
+  const int64_t blocks = blocks_of(k), pairs = panels_of(n) / 2;
+  const bool amx = tiles && m >= kRows && tiles_permitted();
+  const int64_t row_blocks = amx ? (m + 31) / 32 : 1;
+  Bf16* y = reinterpret_cast<Bf16*>(out);
+  at::parallel_for(0, pairs * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[32 * 32];
+    if (amx) tiles_on();
+    for (int64_t item = begin; item < end; item++) {
+      const int64_t p = item / row_blocks, r = (item % row_blocks) * 32;
+      const uint16_t* panel0 = packed + 2 * p * blocks * kBlock;
+      const uint16_t* panel1 = panel0 + blocks * kBlock;
+      const int64_t cols = std::min<int64_t>(32, n - 2 * p * kPanel);
+      const float* b = bias ? bias + 2 * p * kPanel : nullptr;
+      if (amx) {
+        const int64_t rows = std::min<int64_t>(32, m - r);
+        const uint16_t* a = x + r * ldx;
+        int64_t lda = ldx;
+        if (rows < 32 || k % kDepth) {  // the tiles read whole blocks of 32 rows
+          lda = blocks * kDepth;
+          padded_rows.assign(32 * lda, 0);
+          for (int64_t i = 0; i < rows; i++)
+            std::memcpy(padded_rows.data() + i * lda, a + i * ldx, k * 2);
+          a = padded_rows.data();
+        }
+        tile_block(a, lda, blocks, panel0, panel1, sums);
+        write_sums(sums, 32, rows, cols, b, y + r * n + 2 * p * kPanel, n);
+      } else {
+        for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+          const int64_t rows = std::min<int64_t>(kRows, m - r0);
+          kPairRows[rows - 1](x + r0 * ldx, ldx, k, panel0, panel1, sums);
+          write_sums(sums, 32, rows, cols, b, y + r0 * n + 2 * p * kPanel, n);
+        }
+      }
+    }
+    if (amx) tiles_off();
+  });
+#endif
+}
+
+}  // extern "C"
