@@ -11,9 +11,9 @@
 //
 // From 8 rows on, with AMX: 32 x 32 blocks of the output (two row tiles of 16 by two
 // panels) in four accumulator tiles; per k block, two tiles of x (16 rows x 32 k each,
-// loaded straight from x where it has whole blocks, else from a zero-padded copy) and
-// two weight blocks, four tile products (at 8-31 rows, on a zero-padded copy of 32: the
-// weights' bytes bound those steps, not the tiles' arithmetic). Below 8 rows, or without AMX: rows of up to 8
+// straight from x where the block has 32 rows and K whole blocks, else from a zero-padded
+// copy: from 8 to 31 rows the weights' bytes bound a step, not the tiles' arithmetic)
+// and two weight blocks, four tile products. Below 8 rows, or without AMX: up to 8 rows
 // against two panels in sixteen 512-bit accumulators, each weight row loaded once for
 // all of them. The sums are rounded to bf16 once, after the bias is added in fp32.
 
@@ -55,7 +55,7 @@ void write_sums(const float* sums, int64_t lds, int64_t rows, int64_t cols, cons
 }
 
 #if defined(__x86_64__)
-// Rows [0, M) of x against panels p and p + 1, by vdpbf16ps, into out's columns there.
+// Rows [0, M) of x against two panels, by vdpbf16ps, into sums (M rows of 32).
 template <int M>
 __attribute__((target("avx512f,avx512bf16")))
 void pair_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel0,
