@@ -43,8 +43,11 @@ constexpr int kRows = 8;  // rows per pass of the vdpbf16ps path
 int64_t blocks_of(int64_t k) { return (k + kDepth - 1) / kDepth; }
 int64_t panels_of(int64_t n) { return (n + 2 * kPanel - 1) / (2 * kPanel) * 2; }
 
-// One thread's copy of 32 rows of x, zero-padded to whole k blocks.
-thread_local std::vector<uint16_t> padded_rows;
+// Where the pair holding (column c, depth kk) sits in its panel (a panel is blocks of
+// kBlock, row kk / 2 of a block holds the 16 columns' pairs).
+inline int64_t pair_at(int64_t c, int64_t kk) {
+  return (kk / kDepth) * kBlock + (kk % kDepth / 2) * 32 + (c % kPanel) * 2 + kk % 2;
+}
 
 // The finished sums of a block (rows x cols of out, row stride ldo) plus bias, rounded.
 void write_sums(const float* sums, int64_t lds, int64_t rows, int64_t cols, const float* bias,
@@ -64,7 +67,7 @@ void pair_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel0
   for (int i = 0; i < M; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   const int64_t pairs = k / 2;  // whole pairs of x; an odd last k is taken below
   for (int64_t j = 0; j < pairs; j++) {
-    const int64_t at = (j / 16) * kBlock + (j % 16) * 32;
+    const int64_t at = pair_at(0, 2 * j);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel0 + at);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel1 + at);
     for (int i = 0; i < M; i++) {
@@ -76,7 +79,7 @@ void pair_rows(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel0
     }
   }
   if (k % 2) {  // the last k alone: its pair's second weight is the packing's zero
-    const int64_t j = pairs, at = (j / 16) * kBlock + (j % 16) * 32;
+    const int64_t j = pairs, at = pair_at(0, 2 * j);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel0 + at);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel1 + at);
     for (int i = 0; i < M; i++) {
@@ -158,9 +161,7 @@ void lamina_pack_weight_pairs(const uint16_t* weight, int64_t n, int64_t k, uint
   const int64_t blocks = blocks_of(k);
   for (int64_t c = 0; c < n; c++) {
     uint16_t* panel = packed + (c / kPanel) * blocks * kBlock;
-    for (int64_t kk = 0; kk < k; kk++)
-      panel[(kk / kDepth) * kBlock + (kk % kDepth / 2) * 32 + (c % kPanel) * 2 + kk % 2] =
-          weight[c * k + kk];
+    for (int64_t kk = 0; kk < k; kk++) panel[pair_at(c, kk)] = weight[c * k + kk];
   }
 }
 
@@ -179,11 +180,8 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
     for (int64_t c = 0; c < n; c++) {
       const uint16_t* panel = packed + (c / kPanel) * blocks * kBlock;
       float sum = bias ? bias[c] : 0.0f;
-      for (int64_t kk = 0; kk < k; kk++) {
-        const uint16_t w = panel[(kk / kDepth) * kBlock + (kk % kDepth / 2) * 32 +
-                                 (c % kPanel) * 2 + kk % 2];
-        sum += lamina::load(Bf16{x[i * ldx + kk]}) * lamina::load(Bf16{w});
-      }
+      for (int64_t kk = 0; kk < k; kk++)
+        sum += lamina::load(Bf16{x[i * ldx + kk]}) * lamina::load(Bf16{panel[pair_at(c, kk)]});
       y[i * n + c] = lamina::round_to<Bf16>(sum);
     }
   (void)tiles;
@@ -192,6 +190,16 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
   const bool amx = tiles && m >= kRows && tiles_permitted();
   const int64_t row_blocks = amx ? (m + 31) / 32 : 1;
   Bf16* y = reinterpret_cast<Bf16*>(out);
+  // The tiles read whole blocks of 32 rows and 32 k: rows from `copied` on (the last
+  // partial block; every row where K has a partial block) are read from one zero-padded
+  // copy, made here once for every panel.
+  const int64_t copied = k % kDepth ? 0 : m / 32 * 32, lda = blocks * kDepth;
+  std::vector<uint16_t> padded;
+  if (amx && copied < m) {
+    padded.assign((row_blocks * 32 - copied) * lda, 0);
+    for (int64_t i = copied; i < m; i++)
+      std::memcpy(padded.data() + (i - copied) * lda, x + i * ldx, k * 2);
+  }
   at::parallel_for(0, pairs * row_blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[32 * 32];
     if (amx) tiles_on();
@@ -203,16 +211,10 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
       const float* b = bias ? bias + 2 * p * kPanel : nullptr;
       if (amx) {
         const int64_t rows = std::min<int64_t>(32, m - r);
-        const uint16_t* a = x + r * ldx;
-        int64_t lda = ldx;
-        if (rows < 32 || k % kDepth) {  // the tiles read whole blocks of 32 rows
-          lda = blocks * kDepth;
-          padded_rows.assign(32 * lda, 0);
-          for (int64_t i = 0; i < rows; i++)
-            std::memcpy(padded_rows.data() + i * lda, a + i * ldx, k * 2);
-          a = padded_rows.data();
-        }
-        tile_block(a, lda, blocks, panel0, panel1, sums);
+        if (r < copied)
+          tile_block(x + r * ldx, ldx, blocks, panel0, panel1, sums);
+        else
+          tile_block(padded.data() + (r - copied) * lda, lda, blocks, panel0, panel1, sums);
         write_sums(sums, 32, rows, cols, b, y + r * n + 2 * p * kPanel, n);
       } else {
         for (int64_t r0 = 0; r0 < m; r0 += kRows) {
