@@ -28,9 +28,11 @@ Triton W8A16 / W4A16 kernel with the ``triton`` backend on CUDA
 :class:`DequantLinear`, the reference, which dequantizes on every call.
 
 The MLP's gate and up projections are one :data:`GatedLinear`, ``silu(x @ gate.T) * (x @
-up.T)`` (:func:`gated_linear_factory`): with the native matmul, one fused call
+up.T)`` (:func:`gated_linear_factory`): with the native fp32 matmul, one fused call
 (:class:`~lamina.kernels.cpu.linear.PackedSiluMul`) that never makes the ``(T, 2I)``
-intermediate; elsewhere the linear followed by the backend's ``silu_and_mul``.
+intermediate; with the native bf16 matmul, that matmul and the native ``silu_and_mul``
+(:class:`~lamina.kernels.cpu.bf16_linear.PackedBf16SiluMul`, which ``decode.cpp`` runs
+too); elsewhere the linear followed by the backend's ``silu_and_mul``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from lamina.kernels.cpu import bf16_linear
-from lamina.kernels.cpu.bf16_linear import PackedBf16Linear
+from lamina.kernels.cpu.bf16_linear import PackedBf16Linear, PackedBf16SiluMul
 from lamina.kernels.cpu.build import vectorized
 from lamina.kernels.cpu.linear import (
     PackedLinear,
@@ -130,7 +132,7 @@ class SiluMulLinear:
         return self.linear(x)
 
 
-GatedLinear = SiluMulLinear | PackedSiluMul
+GatedLinear = SiluMulLinear | PackedSiluMul | PackedBf16SiluMul
 
 Weight = torch.Tensor | QuantizedWeight
 """A linear's weight as the model hands it over: plain, or already quantized."""
@@ -245,7 +247,8 @@ def gated_linear_factory(
     native linear (for an fp32 weight, one that is not small), else that linear and
     ``silu_and_mul``. ``quantization`` as for :func:`linear_factory`."""
     make = linear_factory(device, dtype, backend, quantization)
-    plain_native = _plain_linear(device, dtype, backend) is native_linear
+    plain = _plain_linear(device, dtype, backend)
+    plain_native = plain is native_linear
     quantized_native = _native_quantized(device, dtype, backend)
 
     def gated(gate_up: Weight, bias: torch.Tensor | None) -> GatedLinear:
@@ -256,6 +259,8 @@ def gated_linear_factory(
                 return PackedQuantSiluMul(gate_up, bias)
         elif plain_native and gate_up.numel() >= NATIVE_MIN_ELEMENTS:
             return PackedSiluMul(gate_up, bias)
+        elif plain is PackedBf16Linear:
+            return PackedBf16SiluMul(gate_up, bias)
         return SiluMulLinear(make(gate_up, bias), silu_and_mul)
 
     return gated

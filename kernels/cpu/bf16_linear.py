@@ -9,9 +9,13 @@ import torch
 
 from lamina.kernels.cpu import hugepages
 from lamina.kernels.cpu.build import load_library, ptr, vectorized
+from lamina.kernels.cpu.elementwise import silu_and_mul
 
 BLOCK = 512
 """bf16 elements in one packed block: 16 output columns by 32 of K (1 KB)."""
+
+NATIVE_FORMAT = 16
+"""This layout's format in ``decode.cpp``'s ``Linear`` (``kBf16Pairs``)."""
 
 
 def available() -> bool:
@@ -48,6 +52,13 @@ class PackedBf16Linear:
         self._tiles = int(torch.cpu._is_amx_tile_supported())
         """Whether the kernel may use AMX (from 8 rows); else AVX-512 BF16 alone."""
 
+    def native_fields(self) -> tuple[int, ...]:
+        """This linear as ``decode.cpp``'s ``Linear`` reads it: format, packed weight, no
+        scales or zero points, whether AMX may run (its group field), bias (0: none),
+        outputs, inputs, no input order."""
+        k, packed, n, bias = self._after_x
+        return (NATIVE_FORMAT, packed, 0, 0, self._tiles, bias or 0, n, k, 0)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(..., K)`` bf16; returns ``(..., N)`` bf16."""
         if x.dtype != torch.bfloat16:
@@ -60,3 +71,30 @@ class PackedBf16Linear:
         out = torch.empty((rows, self.out_features), dtype=torch.bfloat16)
         self._matmul(x.data_ptr(), x.stride(0), rows, *self._after_x, out.data_ptr(), self._tiles)
         return out
+
+
+class PackedBf16SiluMul:
+    """The MLP's gated input projection for a bf16 model: for ``gate_up`` ``(2I, K)``
+    holding ``[gate; up]`` (and a bias ``(2I,)`` likewise), :class:`PackedBf16Linear` over
+    it, then the native ``silu_and_mul`` on the ``(..., 2I)`` result, rounded where the
+    reference's bf16 ops round."""
+
+    def __init__(self, gate_up: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.linear = PackedBf16Linear(gate_up, bias)
+        self.in_features = self.linear.in_features
+        self.out_features = self.linear.out_features // 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(T, K)`` bf16; returns ``(T, I)`` bf16."""
+        return silu_and_mul(self.linear(x))
+
+    def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``[gate; up]`` before the activation (what a LoRA adds to)."""
+        return self.linear(x)
+
+    def native_fields(self) -> tuple[int, ...]:
+        """:meth:`PackedBf16Linear.native_fields` with the gated outputs (``I``), as
+        ``decode.cpp`` reads a gated linear."""
+        fields = list(self.linear.native_fields())
+        fields[6] = self.out_features
+        return tuple(fields)

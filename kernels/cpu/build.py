@@ -66,9 +66,10 @@ SIGNATURES: dict[str, tuple[list, object]] = {
         None,
     ),
     "lamina_decode_logits": (
-        [_P, _I64, _P, _F32, _F32, _I64, *[_P] * 9, _I64, _P, _P, _P, _P, _P],
+        [_P, _I64, _P, ctypes.c_int, _F32, _F32, _I64, *[_P] * 9, _I64, _P, _P, _P, _P, _P],
         ctypes.c_int,
     ),
+    "lamina_decode_work_bytes": ([_I64, _P, ctypes.c_int], _I64),
     "lamina_shm_allreduce_bytes": ([_I64, _I64], _I64),
     "lamina_shm_allreduce_attach": ([_P, _I64, _I64], None),
     "lamina_shm_allreduce": (

@@ -17,6 +17,13 @@
 //   hidden = silu(x @ Wgate^T) * (x @ Wup^T) @ Wdown^T (+ biases)
 // then logits = rms_norm(hidden + residual) @ Whead^T.
 //
+// In fp32 or bf16 (the model's dtype): a bf16 model's step runs its linears on
+// bf16_linear.cpp's matmul and its norms, rotary and activation on elementwise.cpp's bf16
+// kernels, rounding where its Python forward's ops round (the attention widens the
+// queries to fp32 and rounds its output once, as attention.py does), so both compute the
+// same logits. A bf16 step takes no adapters and no per-head norms (decode.py refuses
+// them; the Python forward runs those).
+//
 // Layers come as rows of int64 fields (pointers and sizes), built once at load by
 // kernels/cpu/decode.py, which names each field.
 //
@@ -31,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -54,6 +62,10 @@ void lamina_packed_silu_mul_q(const float* x, int64_t x_stride, int64_t m, int64
                               const void* packed, int format, const float* scale,
                               const float* zero, int64_t group, int64_t n, const float* bias,
                               float* out);
+void lamina_silu_and_mul(const void* x, int64_t rows, int64_t half, void* out, int dtype);
+void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
+                        const uint16_t* packed, int64_t n, const float* bias, uint16_t* out,
+                        int tiles);
 void lamina_lora_bgmv(float* out, int64_t out_stride, const float* x, int64_t x_stride,
                       int64_t rows, int64_t k, const float* a, const float* b, int64_t n,
                       int64_t width, const int64_t* slots);
@@ -67,12 +79,21 @@ int lamina_paged_decode_attention(const float* q, int64_t q_stride, const void* 
 
 namespace {
 
-constexpr int kFp32 = 0;  // the elementwise kernels' dtype argument
+using lamina::Bf16;
 
-// A packed linear as decode.py lays it out: format (0 fp32, else gemm.cpp's Format),
-// packed weight, scales (quantized) or 0, zero points (int4) or 0, the group size along K,
-// bias or 0, outputs, inputs, and the order its inputs are stored in (act-order GPTQ: the
-// weight's input j is x's input order[j]) or 0.
+// The elementwise kernels' dtype argument, and the attention kernel's cache kind, for T.
+template <typename T>
+constexpr int kDtype = std::is_same_v<T, Bf16> ? 1 : 0;
+template <typename T>
+constexpr int kCacheKind = std::is_same_v<T, Bf16> ? 3 : 0;
+
+constexpr int64_t kBf16Pairs = 16;  // a bf16 model's Linear format (bf16_linear.cpp's layout)
+
+// A packed linear as decode.py lays it out: format (0 fp32, kBf16Pairs, else gemm.cpp's
+// Format), packed weight, scales (quantized) or 0, zero points (int4) or 0, the group size
+// along K (quantized; for kBf16Pairs whether AMX tiles may run), bias or 0, outputs,
+// inputs, and the order its inputs are stored in (act-order GPTQ: the weight's input j is
+// x's input order[j]) or 0.
 struct Linear {
   int64_t format;
   const void* packed;
@@ -87,14 +108,14 @@ static_assert(sizeof(Linear) == 9 * sizeof(int64_t));
 constexpr int64_t kLayerFields = 40;  // decode.py's LAYER_FIELDS
 
 struct Layer {
-  const float* input_norm;
+  const void* input_norm;  // the norms in the model's dtype
   Linear qkv;
-  const float* qk_norm;  // (Hq + Hkv, D), or null
+  const float* qk_norm;  // (Hq + Hkv, D), or null (fp32 only)
   Linear o;
-  const float* post_norm;
+  const void* post_norm;
   Linear gate_up;  // gated: n is the intermediate size
   Linear down;
-  float* kv_cache;  // (2, num_blocks, block_size, Hkv, D) fp32
+  void* kv_cache;  // (2, num_blocks, block_size, Hkv, D) in the model's dtype
 };
 static_assert(sizeof(Layer) == kLayerFields * sizeof(int64_t));
 
@@ -193,21 +214,76 @@ void head_norm(float* x, int64_t stride, int64_t rows, int64_t heads, int64_t di
     }
 }
 
-// The decoder layers on hidden (S, H), the step's embeddings, which end as the last
-// layer's output, with the residual stream in residual (S, H).
+// A bf16 model's linear on bf16_linear.cpp's matmul; gated: n is the intermediate size,
+// the matmul's output [gate | up] goes through `pre` (rows x 2n) to the activation.
+void linear(const Linear& l, const Bf16* x, int64_t rows, Bf16* out, bool gated, Bf16* pre) {
+  const auto* packed = static_cast<const uint16_t*>(l.packed);
+  const auto* in = reinterpret_cast<const uint16_t*>(x);
+  const int tiles = static_cast<int>(l.group);
+  if (!gated) {
+    lamina_bf16_linear(in, l.k, rows, l.k, packed, l.n, l.bias,
+                       reinterpret_cast<uint16_t*>(out), tiles);
+    return;
+  }
+  lamina_bf16_linear(in, l.k, rows, l.k, packed, 2 * l.n, l.bias,
+                     reinterpret_cast<uint16_t*>(pre), tiles);
+  lamina_silu_and_mul(pre, rows, l.n, out, kDtype<Bf16>);
+}
+
+void linear(const Linear& l, const float* x, int64_t rows, float* out, bool gated, float*) {
+  linear(l, x, rows, out, gated);
+}
+
+// The step's work buffers, carved from one allocation: the fp32 ones first (a bf16 step
+// runs its attention in fp32), then those in the model's dtype T. decode.py sizes the
+// allocation as work_bytes says.
+template <typename T>
+struct Work {
+  float* queries;    // (S, Hq, D) fp32 queries for the attention (bf16 only)
+  float* attn_fp32;  // (S, Hq, D) its fp32 output (bf16 only)
+  T* hidden;         // (S, H)
+  T* residual;       // (S, H)
+  T* cos;            // (S, D/2)
+  T* sin;            // (S, D/2)
+  T* normed;         // (S, H) the final norm's output
+  T* x;              // (S, H)
+  T* qkv;            // (S, Hq*D + 2 Hkv*D)
+  T* rotated;        // (S, Hq + Hkv, D)
+  T* attn;           // (S, Hq, D)
+  T* o;              // (S, H)
+  T* mlp;            // (S, I)
+  T* pre;            // (S, 2 I) gate and up before the activation (bf16 only)
+
+  Work(void* base, int64_t seqs, const Dims& d) {
+    const bool half = std::is_same_v<T, Bf16>;
+    const int64_t q = d.num_heads * d.head_dim, kv = d.num_kv_heads * d.head_dim;
+    float* f = static_cast<float*>(base);
+    queries = f;
+    attn_fp32 = queries + (half ? seqs * q : 0);
+    T* t = reinterpret_cast<T*>(attn_fp32 + (half ? seqs * q : 0));
+    const int64_t sizes[] = {d.hidden, d.hidden, d.head_dim / 2, d.head_dim / 2, d.hidden,
+                             d.hidden, q + 2 * kv, q + kv, q, d.hidden, d.intermediate,
+                             half ? 2 * d.intermediate : 0};
+    T** regions[] = {&hidden, &residual, &cos, &sin, &normed, &x,
+                     &qkv,    &rotated,  &attn, &o,  &mlp,    &pre};
+    for (int i = 0; i < 12; ++i) {
+      *regions[i] = t;
+      t += seqs * sizes[i];
+    }
+  }
+};
+
+// The decoder layers on w.hidden (S, H), the step's embeddings, which end as the last
+// layer's output, with the residual stream in w.residual (S, H).
+template <typename T>
 int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float eps,
-               float sm_scale, int64_t seqs, float* hidden, float* residual, const float* cos,
-               const float* sin, const int64_t* slots, const int64_t* tables,
-               int64_t table_stride, const int64_t* contexts, const int64_t* lora,
-               const int64_t* lora_slots, float* work) {
+               float sm_scale, int64_t seqs, const Work<T>& w, const int64_t* slots,
+               const int64_t* tables, int64_t table_stride, const int64_t* contexts,
+               const int64_t* lora, const int64_t* lora_slots) {
+  constexpr bool kHalf = std::is_same_v<T, Bf16>;
+  constexpr int dtype = kDtype<T>;
   const int64_t hq = d.num_heads, hkv = d.num_kv_heads, hd = d.head_dim;
   const int64_t q_size = hq * hd, kv_size = hkv * hd, qkv_width = q_size + 2 * kv_size;
-  float* x = work;                                // (S, H)
-  float* qkv = x + seqs * d.hidden;               // (S, q + 2 kv)
-  float* rotated = qkv + seqs * qkv_width;        // (S, Hq + Hkv, D)
-  float* attn = rotated + seqs * (hq + hkv) * hd;  // (S, Hq, D)
-  float* o = attn + seqs * q_size;                // (S, H)
-  float* mlp = o + seqs * d.hidden;               // (S, I)
   const int64_t token_kv = kv_size, cache_half = d.num_blocks * d.block_size * kv_size;
   for (int64_t n = 0; n < num_layers; ++n) {
     Layer layer;
@@ -215,88 +291,147 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
     LayerLora adapters{};
     if (lora) std::memcpy(&adapters, lora + n * kLoraFields, sizeof(adapters));
     if (n == 0) {
-      lamina_rms_norm(hidden, d.hidden, nullptr, 0, layer.input_norm, eps, seqs, d.hidden, x,
-                      nullptr, kFp32);
-      std::memcpy(residual, hidden, sizeof(float) * seqs * d.hidden);
+      lamina_rms_norm(w.hidden, d.hidden, nullptr, 0, layer.input_norm, eps, seqs, d.hidden,
+                      w.x, nullptr, dtype);
+      std::memcpy(w.residual, w.hidden, sizeof(T) * seqs * d.hidden);
     } else {
-      lamina_rms_norm(hidden, d.hidden, residual, d.hidden, layer.input_norm, eps, seqs,
-                      d.hidden, x, residual, kFp32);
+      lamina_rms_norm(w.hidden, d.hidden, w.residual, d.hidden, layer.input_norm, eps, seqs,
+                      d.hidden, w.x, w.residual, dtype);
     }
-    linear(layer.qkv, x, seqs, qkv, false);
-    add_lora(adapters.qkv, x, d.hidden, seqs, qkv, qkv_width, qkv_width, lora_slots);
-    if (layer.qk_norm) head_norm(qkv, qkv_width, seqs, hq + hkv, hd, layer.qk_norm, eps);
-    lamina_rotary(qkv, qkv_width, cos, sin, seqs, hq + hkv, hd, rotated, kFp32);
+    linear(layer.qkv, w.x, seqs, w.qkv, false, w.pre);
+    if constexpr (!kHalf) {
+      add_lora(adapters.qkv, w.x, d.hidden, seqs, w.qkv, qkv_width, qkv_width, lora_slots);
+      if (layer.qk_norm) head_norm(w.qkv, qkv_width, seqs, hq + hkv, hd, layer.qk_norm, eps);
+    }
+    lamina_rotary(w.qkv, qkv_width, w.cos, w.sin, seqs, hq + hkv, hd, w.rotated, dtype);
+    T* cache = static_cast<T*>(layer.kv_cache);
     for (int64_t s = 0; s < seqs; ++s) {
-      float* keys = layer.kv_cache + slots[s] * token_kv;
-      std::memcpy(keys, rotated + (s * (hq + hkv) + hq) * hd, sizeof(float) * kv_size);
-      std::memcpy(keys + cache_half, qkv + s * qkv_width + q_size + kv_size,
-                  sizeof(float) * kv_size);
+      T* keys = cache + slots[s] * token_kv;
+      std::memcpy(keys, w.rotated + (s * (hq + hkv) + hq) * hd, sizeof(T) * kv_size);
+      std::memcpy(keys + cache_half, w.qkv + s * qkv_width + q_size + kv_size,
+                  sizeof(T) * kv_size);
     }
-    const int status = lamina_paged_decode_attention(
-        rotated, (hq + hkv) * hd, layer.kv_cache, 0, nullptr, tables, table_stride, contexts,
-        seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, attn);
+    int status;
+    if constexpr (kHalf) {  // attention.py's bf16 path: fp32 queries, the output rounded
+      for (int64_t s = 0; s < seqs; ++s)
+        for (int64_t i = 0; i < q_size; ++i)
+          w.queries[s * q_size + i] = lamina::load(w.rotated[s * (hq + hkv) * hd + i]);
+      status = lamina_paged_decode_attention(
+          w.queries, q_size, cache, kCacheKind<T>, nullptr, tables, table_stride, contexts,
+          seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn_fp32);
+      for (int64_t i = 0; i < seqs * q_size; ++i)
+        w.attn[i] = lamina::round_to<Bf16>(w.attn_fp32[i]);
+    } else {
+      status = lamina_paged_decode_attention(
+          w.rotated, (hq + hkv) * hd, cache, kCacheKind<T>, nullptr, tables, table_stride,
+          contexts, seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn);
+    }
     if (status) return status;
-    linear(layer.o, attn, seqs, o, false);
-    add_lora(adapters.o, attn, q_size, seqs, o, d.hidden, d.hidden, lora_slots);
-    lamina_rms_norm(o, d.hidden, residual, d.hidden, layer.post_norm, eps, seqs, d.hidden, x,
-                    residual, kFp32);
-    if (adapters.gate_up.a)
-      gated_with_lora(layer.gate_up, adapters.gate_up, x, seqs, mlp, lora_slots);
-    else
-      linear(layer.gate_up, x, seqs, mlp, true);
-    linear(layer.down, mlp, seqs, hidden, false);
-    add_lora(adapters.down, mlp, d.intermediate, seqs, hidden, d.hidden, d.hidden, lora_slots);
+    linear(layer.o, w.attn, seqs, w.o, false, w.pre);
+    if constexpr (!kHalf) add_lora(adapters.o, w.attn, q_size, seqs, w.o, d.hidden, d.hidden, lora_slots);
+    lamina_rms_norm(w.o, d.hidden, w.residual, d.hidden, layer.post_norm, eps, seqs, d.hidden,
+                    w.x, w.residual, dtype);
+    if constexpr (!kHalf) {
+      if (adapters.gate_up.a) {
+        gated_with_lora(layer.gate_up, adapters.gate_up, w.x, seqs, w.mlp, lora_slots);
+      } else {
+        linear(layer.gate_up, w.x, seqs, w.mlp, true);
+      }
+    } else {
+      linear(layer.gate_up, w.x, seqs, w.mlp, true, w.pre);
+    }
+    linear(layer.down, w.mlp, seqs, w.hidden, false, w.pre);
+    if constexpr (!kHalf)
+      add_lora(adapters.down, w.mlp, d.intermediate, seqs, w.hidden, d.hidden, d.hidden,
+               lora_slots);
+  }
+  return 0;
+}
+
+template <typename T>
+int decode_logits(const int64_t* layers, int64_t num_layers, const Dims& d, float eps,
+                  float sm_scale, int64_t seqs, const int64_t* ids, const int64_t* positions,
+                  const T* embed, const T* cos_table, const T* sin_table, const T* final_norm,
+                  const int64_t* head, const int64_t* slots, const int64_t* tables,
+                  int64_t table_stride, const int64_t* contexts, const int64_t* lora,
+                  const int64_t* lora_slots, void* work, T* logits) {
+  const int64_t half = d.head_dim / 2;
+  const Work<T> w(work, seqs, d);
+  for (int64_t s = 0; s < seqs; ++s) {
+    if (ids[s] < 0 || ids[s] >= d.vocab || positions[s] < 0 || positions[s] >= d.max_positions)
+      return 3;
+    std::memcpy(w.hidden + s * d.hidden, embed + ids[s] * d.hidden, sizeof(T) * d.hidden);
+    std::memcpy(w.cos + s * half, cos_table + positions[s] * half, sizeof(T) * half);
+    std::memcpy(w.sin + s * half, sin_table + positions[s] * half, sizeof(T) * half);
+  }
+  const int status = run_layers<T>(layers, num_layers, d, eps, sm_scale, seqs, w, slots,
+                                   tables, table_stride, contexts, lora, lora_slots);
+  if (status) return status;
+  lamina_rms_norm(w.hidden, d.hidden, w.residual, d.hidden, final_norm, eps, seqs, d.hidden,
+                  head ? w.normed : logits, w.residual, kDtype<T>);
+  if (head) {
+    Linear lm_head;
+    std::memcpy(&lm_head, head, sizeof(lm_head));
+    linear(lm_head, w.normed, seqs, logits, false, w.pre);
   }
   return 0;
 }
 
 }  // namespace
 
-// logits (S, V) for the S sequences' next tokens: ids (S,) their last tokens, positions
-// (S,) those tokens' positions; embed (V, H), cos and sin (max_positions, D/2) the rotary
+// logits (S, V) for the S sequences' next tokens, in the model's dtype (dtype: 0 fp32, 1
+// bf16, as every table and buffer here is): ids (S,) their last tokens, positions (S,)
+// those tokens' positions; embed (V, H), cos and sin (max_positions, D/2) the rotary
 // tables, final_norm (H,), head the LM head as one row of Linear fields (or NULL: logits
 // then receives the final norm's output, (S, H), for the caller's head). slots (S,) flat
 // cache slots of the new tokens; tables (S, table_stride) block ids; contexts (S,) cached
-// tokens before each new one. lora: per layer a row of LoraLinear fields (qkv, o, gate_up,
-// down), and lora_slots (S,) each sequence's adapter slot (-1: none); or both NULL.
-// work: at least S * (5 H + D + 3 Hq*D + 3 Hkv*D + I) floats.
+// tokens before each new one. lora (fp32 only): per layer a row of LoraLinear fields (qkv,
+// o, gate_up, down), and lora_slots (S,) each sequence's adapter slot (-1: none); or both
+// NULL. work: lamina_decode_work_bytes(S, dims, dtype) bytes.
 // Returns 0; the attention kernel's error (1: the query heads do not share the KV heads
-// evenly); or 3 for a token id or a position outside the tables (nothing is read then).
+// evenly); 3 for a token id or a position outside the tables (nothing is read then); or 4
+// for adapters or per-head norms in a bf16 step.
 extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
-                                    const int64_t* dims, float eps, float sm_scale, int64_t seqs,
-                                    const int64_t* ids, const int64_t* positions,
-                                    const float* embed, const float* cos_table,
-                                    const float* sin_table, const float* final_norm,
+                                    const int64_t* dims, int dtype, float eps, float sm_scale,
+                                    int64_t seqs, const int64_t* ids, const int64_t* positions,
+                                    const void* embed, const void* cos_table,
+                                    const void* sin_table, const void* final_norm,
                                     const int64_t* head, const int64_t* slots,
                                     const int64_t* tables, int64_t table_stride,
                                     const int64_t* contexts, const int64_t* lora,
-                                    const int64_t* lora_slots, float* work, float* logits) {
+                                    const int64_t* lora_slots, void* work, void* logits) {
   Dims d;
   std::memcpy(&d, dims, sizeof(d));
-  const int64_t half = d.head_dim / 2;
-  float* hidden = work;                      // (S, H)
-  float* residual = hidden + seqs * d.hidden;  // (S, H)
-  float* cos = residual + seqs * d.hidden;   // (S, D/2)
-  float* sin = cos + seqs * half;            // (S, D/2)
-  float* normed = sin + seqs * half;         // (S, H)
-  float* layer_work = normed + seqs * d.hidden;
-  for (int64_t s = 0; s < seqs; ++s) {
-    if (ids[s] < 0 || ids[s] >= d.vocab || positions[s] < 0 || positions[s] >= d.max_positions)
-      return 3;
-    std::memcpy(hidden + s * d.hidden, embed + ids[s] * d.hidden, sizeof(float) * d.hidden);
-    std::memcpy(cos + s * half, cos_table + positions[s] * half, sizeof(float) * half);
-    std::memcpy(sin + s * half, sin_table + positions[s] * half, sizeof(float) * half);
+  if (dtype != 1)
+    return decode_logits<float>(layers, num_layers, d, eps, sm_scale, seqs, ids, positions,
+                                static_cast<const float*>(embed),
+                                static_cast<const float*>(cos_table),
+                                static_cast<const float*>(sin_table),
+                                static_cast<const float*>(final_norm), head, slots, tables,
+                                table_stride, contexts, lora, lora_slots, work,
+                                static_cast<float*>(logits));
+  if (lora) return 4;
+  for (int64_t n = 0; n < num_layers; ++n) {
+    Layer layer;
+    std::memcpy(&layer, layers + n * kLayerFields, sizeof(layer));
+    if (layer.qk_norm) return 4;
   }
-  const int status = run_layers(layers, num_layers, d, eps, sm_scale, seqs, hidden, residual, cos,
-                                sin, slots, tables, table_stride, contexts, lora, lora_slots,
-                                layer_work);
-  if (status) return status;
-  lamina_rms_norm(hidden, d.hidden, residual, d.hidden, final_norm, eps, seqs, d.hidden,
-                  head ? normed : logits, residual, kFp32);
-  if (head) {
-    Linear lm_head;
-    std::memcpy(&lm_head, head, sizeof(lm_head));
-    linear(lm_head, normed, seqs, logits, false);
-  }
-  return 0;
+  return decode_logits<Bf16>(layers, num_layers, d, eps, sm_scale, seqs, ids, positions,
+                             static_cast<const Bf16*>(embed), static_cast<const Bf16*>(cos_table),
+                             static_cast<const Bf16*>(sin_table),
+                             static_cast<const Bf16*>(final_norm), head, slots, tables,
+                             table_stride, contexts, nullptr, nullptr, work,
+                             static_cast<Bf16*>(logits));
+}
+
+// Bytes of the work buffer lamina_decode_logits needs for S sequences of the model dims
+// describes, in dtype (0 fp32, 1 bf16).
+extern "C" int64_t lamina_decode_work_bytes(int64_t seqs, const int64_t* dims, int dtype) {
+  Dims d;
+  std::memcpy(&d, dims, sizeof(d));
+  const int64_t q = d.num_heads * d.head_dim, kv = d.num_kv_heads * d.head_dim;
+  const int64_t elements = 5 * d.hidden + d.head_dim + 3 * q + 3 * kv + d.intermediate;
+  if (dtype != 1) return seqs * elements * static_cast<int64_t>(sizeof(float));
+  return seqs * (2 * q * static_cast<int64_t>(sizeof(float)) +
+                 (elements + 2 * d.intermediate) * static_cast<int64_t>(sizeof(Bf16)));
 }

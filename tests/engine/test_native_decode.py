@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lamina.kernels.cpu import bf16_linear
 from tests.conftest import FAMILIES
 from tests.engine.helpers import (
     greedy,
@@ -48,6 +49,26 @@ def test_native_decode_steps_equal_the_layer_by_layer_forward(
     if quantization is None:
         engine.runner.model.native_decode = True
         assert_logits_match(engine, hf_model(path))
+
+
+@pytest.mark.skipif(not bf16_linear.available(), reason="the bf16 matmul needs AVX-512 BF16")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_native_decode_steps_equal_the_layer_by_layer_forward(family, make_checkpoint):
+    """A bf16 model's native step rounds where its Python forward's ops round (the native
+    bf16 matmul, norms, rotary, activation and attention in both): logits bit for bit
+    equal, with Qwen2's q/k/v biases and Llama's attention and MLP biases. Qwen3's
+    per-head norms keep the Python forward in bf16 (they are fp32-only in the step)."""
+    biases = dict(attention_bias=True, mlp_bias=True) if family == "llama" else {}
+    path = make_checkpoint(family, intermediate_size=72, **biases)
+    engine = make_engine(path, dtype="bfloat16")
+    native = _logits(engine, True)
+    if family == "qwen3":
+        assert engine.runner.model._native[1] is None
+        return
+    assert engine.runner.model._native[1] is not None
+    python = _logits(make_engine(path, dtype="bfloat16"), False)
+    for got, want in zip(native, python, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_long_native_greedy_decoding_matches_transformers(stories):

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lamina.kernels.cpu.decode import DecodeLayer, DecodeStep
-from lamina.kernels.cpu.linear import PackedLinear
+from lamina.kernels.cpu.decode import DTYPES as DECODE_DTYPES
+from lamina.kernels.cpu.decode import DecodeLayer, DecodeStep, NativeGated, NativeLinear
 from lamina.kernels.dispatch import load_ops
 from lamina.kernels.linear import (
     GatedLinear,
@@ -211,8 +211,8 @@ class CausalLM:
     ) -> torch.Tensor | None:
         """Logits ``(S, vocab)`` of a step of decodes only, by the native decode step in one
         call; None where that does not apply (the caller runs :meth:`forward`)."""
-        if lora is not None and lora.kernel_slots is None:  # the adapters' torch forms
-            return None
+        if lora is not None and (lora.kernel_slots is None or self.dtype != torch.float32):
+            return None  # the adapters' torch forms, or a bf16 model's (the native step's are fp32)
         step = self._decode_step(kv_caches)
         if step is None:
             return None
@@ -221,8 +221,9 @@ class CausalLM:
 
     def _decode_step(self, kv_caches: list[torch.Tensor]) -> DecodeStep | None:
         """The native decode step over ``kv_caches``, made on first use; None where it
-        does not apply: another backend or dtype, tensor parallelism, a linear not on the
-        native matmul (a small fp32 weight runs ``F.linear``), or a quantized KV cache."""
+        does not apply: another backend or dtype, tensor parallelism, a linear not on a
+        native matmul (a small fp32 weight runs ``F.linear``), a quantized KV cache, or
+        per-head norms in bf16."""
         if not self.native_decode or not kv_caches:
             return None
         key = kv_caches[0].data_ptr()
@@ -231,14 +232,17 @@ class CausalLM:
         return self._native[1]
 
     def _make_decode_step(self, kv_caches: list[torch.Tensor]) -> DecodeStep | None:
-        if self.dtype != torch.float32:
+        dtype = self.dtype
+        if dtype not in DECODE_DTYPES:
             return None
         layers = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if not all(isinstance(lin, PackedLinear) for lin in linears):
+            linears = (layer.qkv, layer.o, layer.down)
+            if not all(isinstance(lin, NativeLinear) for lin in linears):
                 return None
-            if cache.dtype != torch.float32:
+            if not isinstance(layer.gate_up, NativeGated) or cache.dtype != dtype:
+                return None
+            if layer.qk_norm is not None and dtype != torch.float32:
                 return None
             layers.append(
                 DecodeLayer(
@@ -261,8 +265,8 @@ class CausalLM:
             c.rms_norm_eps,
             self.scale,
             self.embed.contiguous(),
-            self.cos.contiguous(),
-            self.sin.contiguous(),
+            self.cos.to(dtype).contiguous(),  # rounded once, as each step's lookup rounds
+            self.sin.to(dtype).contiguous(),
             self.norm.contiguous(),
             self.lm_head,
         )
