@@ -1,7 +1,8 @@
 """Batch-1 decode against llama.cpp on the same weights, in one run: TPOT and tokens/s of
 Lamina's engine in process and of the whole stack over HTTP, against llama.cpp in process
 (``llama-cpp-python``), fp32 against llama.cpp's f32, bf16 weights (``--quantization
-bf16``) against its BF16, and int8 (``--quantization int8``) against its Q8_0.
+bf16``) and a bf16 model (``--dtype bfloat16``, bf16 activations, on a CPU with a bf16
+matmul) against its BF16, and int8 (``--quantization int8``) against its Q8_0.
 
 The GGUF files are written from the same checkpoint by llama.cpp's own converter
 (``convert_hf_to_gguf.py``, from the ``llama-cpp-python`` source distribution of the
@@ -44,6 +45,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from lamina.kernels.cpu import bf16_linear
 from lamina.libs.config import lamina_home
 from lamina.libs.nats_server import free_port
 from lamina.services.engine_worker.default_model import ensure_default_model
@@ -54,10 +56,17 @@ from lamina.services.launcher import Stack
 
 PROMPT = list(range(5, 37))
 TOKENS = 129
-PAIRS = (("f32", None), ("bf16", "bf16"), ("q8_0", "int8"))
-"""(llama.cpp's GGUF type, Lamina's ``--quantization``) compared with each other. In bf16
-both round the same fp32 weights to nearest (ties to even); llama.cpp also rounds the
-activations to bf16 for its dot products, Lamina keeps them in fp32."""
+PAIRS = (
+    ("fp32", "f32", None, "float32"),
+    ("bf16", "bf16", "bf16", "float32"),
+    ("bf16a", "bf16", None, "bfloat16"),
+    ("int8", "q8_0", "int8", "float32"),
+)
+"""(Lamina's side's name, llama.cpp's GGUF type, Lamina's ``--quantization`` and
+``--dtype``) compared with each other. In bf16 both round the same fp32 weights to
+nearest (ties to even); llama.cpp also rounds the activations to bf16 for its dot
+products; Lamina keeps them in fp32 with bf16 weights (``bf16``) and rounds them as torch's
+bf16 ops do in a bf16 model (``bf16a``, run only where the CPU has a bf16 matmul)."""
 
 
 def converter() -> Path:
@@ -184,15 +193,21 @@ def main() -> None:
     print(f"model {model.name}; batch 1, {len(PROMPT)}-token prompt, {TOKENS} tokens, "
           f"{threads} threads; medians of {args.runs} runs of each side")  # fmt: skip
     results: dict[str, dict[str, float]] = {}
-    for outtype, quantization in PAIRS:
+    for ours, outtype, quantization, dtype in PAIRS:
+        if dtype == "bfloat16" and not bf16_linear.available():
+            print(f"{ours:>5}: skipped (this CPU has no bf16 matmul)")
+            continue
         gguf = to_gguf(model, outtype, gguf_dir / f"{model.name}-{outtype}.gguf")
-        ours = quantization or "fp32"
         config = EngineConfig(
-            model=model, quantization=quantization, max_model_len=512, num_kv_blocks=64
+            model=model,
+            quantization=quantization,
+            dtype=dtype,
+            max_model_len=512,
+            num_kv_blocks=64,
         )
         engine = Engine(config)
         engine_gaps(engine)  # warm-up
-        worker_args = ["--max-model-len", "512", "--num-kv-blocks", "64"]
+        worker_args = ["--max-model-len", "512", "--num-kv-blocks", "64", "--dtype", dtype]
         worker_args += ["--stream-interval", str(args.stream_interval)]
         if quantization:
             worker_args += ["--quantization", quantization]
@@ -225,7 +240,9 @@ def main() -> None:
         print(f"       stack / llama.cpp {row['stack'] / row['llama.cpp']:.2f}, "
               f"engine / llama.cpp {row['engine'] / row['llama.cpp']:.2f}")  # fmt: skip
     fp32 = results["fp32"]
-    for ours, theirs in (("bf16", "BF16"), ("int8", "Q8_0")):
+    for ours, theirs in (("bf16", "BF16"), ("bf16a", "BF16"), ("int8", "Q8_0")):
+        if ours not in results:
+            continue
         row = results[ours]
         print(
             f"{ours} tokens/s over fp32: engine {fp32['engine'] / row['engine']:.2f}x, "
