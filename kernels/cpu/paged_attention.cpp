@@ -9,7 +9,8 @@
 // the running maximum and sum are rescaled once per tile, and the value rows are
 // accumulated into 64 output lanes at a time held in registers. Quantized caches are
 // converted row by row as the tile is gathered (fp8 e4m3 through a 256-entry table, int8
-// as is), with their scale applied; so is a bf16 cache (exactly, by a shift).
+// as is), with their scale applied; a bf16 cache's rows are read in place and widened
+// as they are loaded (exactly, by a shift: it attends as the fp32 cache of its values).
 //
 // Layouts (all contiguous unless a stride is given):
 //   q        (num_seqs, num_heads, head_dim) fp32, token stride q_stride
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -33,6 +35,14 @@
 namespace {
 
 enum CacheKind : int { kFloat32 = 0, kFp8E4M3 = 1, kInt8 = 2, kBf16 = 3 };
+
+using lamina::Bf16;
+
+// The element type the score and value loops read a cache's rows as: fp32 rows in place,
+// bf16 rows in place where the loops are vectorized (widened exactly as they are loaded),
+// other rows converted to fp32 as a tile is gathered.
+template <int Kind>
+using RowOf = std::conditional_t<Kind == kBf16 && LAMINA_AVX2, Bf16, float>;
 
 struct Fp8Table {
   float value[256];
@@ -53,14 +63,14 @@ struct Fp8Table {
 };
 const Fp8Table kFp8;
 
-// The tile's key and value rows of KV head h as fp32, scaled: pointers into the cache
-// when it is fp32, else rows converted into `scratch` (2 * tile rows of d).
+// The tile's key and value rows of KV head h: pointers into the cache when it is fp32 or
+// bf16, else rows converted to fp32, scaled, into `scratch` (2 * tile rows of d).
 template <int Kind>
 inline void tile_rows(const void* cache, const float* scales, const int64_t* table,
                       int64_t first_block, int64_t n, int64_t block_size, int64_t block_stride,
                       int64_t values_offset, int64_t token_stride, int64_t num_blocks,
                       int64_t num_kv_heads, int64_t h, int64_t d, int64_t tile, float* scratch,
-                      const float** keys, const float** values) {
+                      const RowOf<Kind>** keys, const RowOf<Kind>** values) {
   for (int64_t j0 = 0; j0 < n; j0 += block_size) {  // whole blocks (the last may be partial)
     const int64_t block = table[first_block + j0 / block_size];
     const int64_t block_offset = block * block_stride + h * d;
@@ -74,39 +84,39 @@ inline void tile_rows(const void* cache, const float* scales, const int64_t* tab
     }
     for (int64_t j = j0; j < std::min(n, j0 + block_size); ++j) {
       const int64_t offset = block_offset + (j - j0) * token_stride;
-      if constexpr (Kind == kFloat32) {
-        keys[j] = static_cast<const float*>(cache) + offset;
-        values[j] = static_cast<const float*>(cache) + values_offset + offset;
-        continue;
-      }
-      float* k_row = scratch + j * d;
-      float* v_row = scratch + (tile + j) * d;
-      if constexpr (Kind == kFp8E4M3) {
-        const uint8_t* k_src = static_cast<const uint8_t*>(cache) + offset;
-        const uint8_t* v_src = k_src + values_offset;
-        for (int64_t i = 0; i < d; ++i) {
-          k_row[i] = kFp8.value[k_src[i]] * k_scale;
-          v_row[i] = kFp8.value[v_src[i]] * v_scale;
-        }
-      } else if constexpr (Kind == kInt8) {
-        const int8_t* k_src = static_cast<const int8_t*>(cache) + offset;
-        const int8_t* v_src = k_src + values_offset;
+      if constexpr (Kind == kFloat32 || !std::is_same_v<RowOf<Kind>, float>) {
+        keys[j] = static_cast<const RowOf<Kind>*>(cache) + offset;
+        values[j] = static_cast<const RowOf<Kind>*>(cache) + values_offset + offset;
+      } else {
+        float* k_row = scratch + j * d;
+        float* v_row = scratch + (tile + j) * d;
+        if constexpr (Kind == kFp8E4M3) {
+          const uint8_t* k_src = static_cast<const uint8_t*>(cache) + offset;
+          const uint8_t* v_src = k_src + values_offset;
+          for (int64_t i = 0; i < d; ++i) {
+            k_row[i] = kFp8.value[k_src[i]] * k_scale;
+            v_row[i] = kFp8.value[v_src[i]] * v_scale;
+          }
+        } else if constexpr (Kind == kInt8) {
+          const int8_t* k_src = static_cast<const int8_t*>(cache) + offset;
+          const int8_t* v_src = k_src + values_offset;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) {
-          k_row[i] = static_cast<float>(k_src[i]) * k_scale;
-          v_row[i] = static_cast<float>(v_src[i]) * v_scale;
-        }
-      } else if constexpr (Kind == kBf16) {  // exact
-        const lamina::Bf16* k_src = static_cast<const lamina::Bf16*>(cache) + offset;
-        const lamina::Bf16* v_src = k_src + values_offset;
+          for (int64_t i = 0; i < d; ++i) {
+            k_row[i] = static_cast<float>(k_src[i]) * k_scale;
+            v_row[i] = static_cast<float>(v_src[i]) * v_scale;
+          }
+        } else {  // bf16, exactly
+          const Bf16* k_src = static_cast<const Bf16*>(cache) + offset;
+          const Bf16* v_src = k_src + values_offset;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) {
-          k_row[i] = lamina::load(k_src[i]);
-          v_row[i] = lamina::load(v_src[i]);
+          for (int64_t i = 0; i < d; ++i) {
+            k_row[i] = lamina::load(k_src[i]);
+            v_row[i] = lamina::load(v_src[i]);
+          }
         }
+        keys[j] = k_row;
+        values[j] = v_row;
       }
-      keys[j] = k_row;
-      values[j] = v_row;
     }
   }
 }
@@ -118,16 +128,32 @@ inline float dot(const float* x, const float* y, int64_t d) {
   return sum;
 }
 
+// A bf16 row's dot as its fp32 widening's (the same sum in the same order: a bf16 cache
+// attends exactly as the fp32 cache of its values does).
+inline float dot(const float* x, const Bf16* y, int64_t d) {
+  thread_local std::vector<float> widened;
+  widened.resize(d);
+  float* w = widened.data();  // a thread-local read once: each access is a call
+  for (int64_t i = 0; i < d; ++i) w[i] = lamina::load(y[i]);
+  return dot(x, w, d);
+}
+
 #if LAMINA_AVX2
 // Rows ahead that the score and value loops pull into L1: the hardware prefetchers do not
 // follow a tile's rows (one or two per block, at the pool's stride), and 8-16 ahead was
 // 8-14% faster on caches beyond L3 than none (32 ahead: less).
 constexpr int64_t kL1Ahead = 8;
 
-inline void prefetch_row(const float* row, int64_t floats) {
+template <typename T>
+inline void prefetch_row(const T* row, int64_t elements) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t byte = 0; byte < floats * 4; byte += 64) _mm_prefetch(p + byte, _MM_HINT_T0);
+  for (int64_t byte = 0; byte < elements * static_cast<int64_t>(sizeof(T)); byte += 64)
+    _mm_prefetch(p + byte, _MM_HINT_T0);
 }
+
+// Eight elements of a row as fp32 (bf16 widened exactly).
+inline __m256 row8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 row8(const Bf16* p) { return lamina::load8(p); }
 
 // Lane j = the sum of a[j]'s eight lanes.
 inline __m256 hsum8(const __m256* a) {
@@ -139,14 +165,14 @@ inline __m256 hsum8(const __m256* a) {
 
 // out[g * T + t] = q_g . k_t for G query heads (rows of q) and T key rows, G * T = 8, d a
 // multiple of 8.
-template <int G, int T>
-inline void dots(const float* q, int64_t d, const float* const* k, float* out) {
+template <int G, int T, typename R>
+inline void dots(const float* q, int64_t d, const R* const* k, float* out) {
   static_assert(G * T == 8, "eight accumulators");
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
     __m256 kv[T];
-    for (int t = 0; t < T; ++t) kv[t] = _mm256_loadu_ps(k[t] + i);
+    for (int t = 0; t < T; ++t) kv[t] = row8(k[t] + i);
     for (int g = 0; g < G; ++g) {
       const __m256 qv = _mm256_loadu_ps(q + g * d + i);
       for (int t = 0; t < T; ++t) a[g * T + t] = _mm256_fmadd_ps(qv, kv[t], a[g * T + t]);
@@ -158,10 +184,9 @@ inline void dots(const float* q, int64_t d, const float* const* k, float* out) {
 // score[g * tile + t] for t < n - n % T (the rest is left to the caller). The first pass
 // over the keys also pulls the same tokens' value rows into L1: the value loop reads them
 // once the tile's scores are done, long enough after for them to arrive from DRAM.
-template <int G, int T>
-inline int64_t tile_dots(const float* qs, int64_t group, const float* const* k,
-                         const float* const* v, int64_t n, int64_t d, int64_t tile,
-                         float* score) {
+template <int G, int T, typename R>
+inline int64_t tile_dots(const float* qs, int64_t group, const R* const* k, const R* const* v,
+                         int64_t n, int64_t d, int64_t tile, float* score) {
   const int64_t done = n - n % T;
   float s[8];
   for (int64_t g0 = 0; g0 < group; g0 += G) {
@@ -181,9 +206,9 @@ inline int64_t tile_dots(const float* qs, int64_t group, const float* const* k,
 
 // score[g * tile + t] = q_g . k_t for the tile's n key rows (value rows v: see tile_dots)
 // and the group's query heads.
-inline void tile_scores(const float* qs, int64_t group, const float* const* k,
-                        const float* const* v, int64_t n, int64_t d, int64_t tile,
-                        float* score) {
+template <typename R>
+inline void tile_scores(const float* qs, int64_t group, const R* const* k, const R* const* v,
+                        int64_t n, int64_t d, int64_t tile, float* score) {
   int64_t done = 0;
 #if LAMINA_AVX2
   if (d % 8 == 0) {
@@ -202,23 +227,24 @@ inline void tile_scores(const float* qs, int64_t group, const float* const* k,
 
 #if LAMINA_AVX2
 // acc[0 : 8 * R] += sum_t p[t] * v_t[0 : 8 * R], the accumulators in registers.
-template <int R>
-inline void weighted_rows(const float* p, const float* const* v, int64_t n, int64_t offset,
+template <int R, typename E>
+inline void weighted_rows(const float* p, const E* const* v, int64_t n, int64_t offset,
                           float* acc) {
   __m256 r[R];
   for (int j = 0; j < R; ++j) r[j] = _mm256_loadu_ps(acc + 8 * j);
   for (int64_t t = 0; t < n; ++t) {
     if (t + kL1Ahead < n) prefetch_row(v[t + kL1Ahead] + offset, 8 * R);
     const __m256 w = _mm256_set1_ps(p[t]);
-    const float* vt = v[t] + offset;
-    for (int j = 0; j < R; ++j) r[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), r[j]);
+    const E* vt = v[t] + offset;
+    for (int j = 0; j < R; ++j) r[j] = _mm256_fmadd_ps(w, row8(vt + 8 * j), r[j]);
   }
   for (int j = 0; j < R; ++j) _mm256_storeu_ps(acc + 8 * j, r[j]);
 }
 
 // acc_g[i : i + 16] += sum_t p[g * tile + t] * v_t[i : i + 16] for four query heads g at
 // once: each value load feeds four FMAs (the one-head loop above loads once per FMA).
-inline void weighted_rows_4x16(const float* p, int64_t tile, const float* const* v, int64_t n,
+template <typename E>
+inline void weighted_rows_4x16(const float* p, int64_t tile, const E* const* v, int64_t n,
                                int64_t i, int64_t d, float* acc) {
   __m256 r[8];
   for (int g = 0; g < 4; ++g) {
@@ -227,7 +253,7 @@ inline void weighted_rows_4x16(const float* p, int64_t tile, const float* const*
   }
   for (int64_t t = 0; t < n; ++t) {
     if (i == 0 && t + kL1Ahead < n) prefetch_row(v[t + kL1Ahead], d);  // first pass only
-    const __m256 v0 = _mm256_loadu_ps(v[t] + i), v1 = _mm256_loadu_ps(v[t] + i + 8);
+    const __m256 v0 = row8(v[t] + i), v1 = row8(v[t] + i + 8);
     for (int g = 0; g < 4; ++g) {
       const __m256 w = _mm256_broadcast_ss(p + g * tile + t);
       r[2 * g] = _mm256_fmadd_ps(w, v0, r[2 * g]);
@@ -242,7 +268,8 @@ inline void weighted_rows_4x16(const float* p, int64_t tile, const float* const*
 #endif
 
 // acc_g += sum_t p[g * tile + t] * v_t over the tile's n value rows.
-inline void tile_values(const float* p, int64_t group, const float* const* v, int64_t n,
+template <typename E>
+inline void tile_values(const float* p, int64_t group, const E* const* v, int64_t n,
                         int64_t d, int64_t tile, float* acc) {
   int64_t g = 0;
 #if LAMINA_AVX2
@@ -260,9 +287,9 @@ inline void tile_values(const float* p, int64_t group, const float* const* v, in
     for (; i + 8 <= d; i += 8) weighted_rows<1>(pg, v, n, i, ag + i);
 #endif
     for (int64_t t = 0; t < n; ++t) {
-      const float* vt = v[t];
+      const E* vt = v[t];
 #pragma omp simd
-      for (int64_t j = i; j < d; ++j) ag[j] += pg[t] * vt[j];
+      for (int64_t j = i; j < d; ++j) ag[j] += pg[t] * lamina::load(vt[j]);
     }
   }
 }
@@ -322,13 +349,13 @@ template <int Kind>
 void attend(const float* q, const void* cache, const float* scales, const int64_t* table,
             int64_t len, int64_t h0, int64_t kv_heads, int64_t num_blocks, int64_t block_size,
             int64_t num_kv_heads, int64_t group, int64_t d, float sm_scale, float* out,
-            std::vector<float>& buf, std::vector<const float*>& rows) {
+            std::vector<float>& buf, std::vector<const RowOf<Kind>*>& rows) {
   const int64_t heads = kv_heads * group;  // query heads, consecutive from h0 * group
   const int64_t token_stride = num_kv_heads * d;
   const int64_t block_stride = block_size * token_stride;
   const int64_t values_offset = num_blocks * block_stride;
   const int64_t tile = block_size * std::max<int64_t>(1, 64 / block_size);
-  const int64_t scratch_rows = Kind == kFloat32 ? 0 : 2 * tile;
+  const int64_t scratch_rows = std::is_same_v<RowOf<Kind>, float> && Kind != kFloat32 ? 2 * tile : 0;
   buf.resize(heads * d * 2 + heads * tile + heads * 2 + scratch_rows * d);
   rows.resize(2 * tile);
   float* qs = buf.data();  // scaled queries
@@ -336,9 +363,9 @@ void attend(const float* q, const void* cache, const float* scales, const int64_
   float* score = acc + heads * d;  // one tile's scores (then weights) per head
   float* run_max = score + heads * tile;
   float* run_sum = run_max + heads;
-  float* scratch = run_sum + heads;  // other than fp32 caches: the tile's rows in fp32
-  const float** keys = rows.data();
-  const float** values = keys + tile;
+  float* scratch = run_sum + heads;  // 8-bit caches: the tile's rows in fp32
+  const RowOf<Kind>** keys = rows.data();
+  const RowOf<Kind>** values = keys + tile;
   for (int64_t i = 0; i < heads * d; ++i) {
     qs[i] = q[i] * sm_scale;
     acc[i] = 0.0f;
@@ -396,7 +423,7 @@ void decode_attention(const float* q, int64_t q_stride, const void* cache, const
   const int64_t kv_heads = num_kv_heads / split;
   at::parallel_for(0, num_seqs * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
-    std::vector<const float*> rows;
+    std::vector<const RowOf<Kind>*> rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / split, h0 = (item % split) * kv_heads;
       attend<Kind>(q + s * q_stride + h0 * group * d, cache, scales,
