@@ -5,6 +5,7 @@ milliseconds of ``--runs`` repetitions per layer call, the native kernel's effec
 bandwidth over the K/V bytes it reads, and the ratio.
 
     .venv/bin/python benchmarks/cpu_attention.py    # the 'small' preset's heads: 8 / 2 x 64
+    .venv/bin/python benchmarks/cpu_attention.py --dtype bfloat16   # a bf16 model's
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ def case(batch: int, context: int, args: argparse.Namespace) -> tuple[float, flo
     num_blocks = batch * per_seq
     table = np.random.default_rng(0).permutation(num_blocks).reshape(batch, per_seq)
     slots = torch.from_numpy(table[:, context // bs] * bs + context % bs)
-    cache = torch.randn(2, num_blocks, bs, hkv, d)
-    q = torch.randn(batch, hq + hkv, d)[:, :hq]  # strided, as the model's fused QKV makes it
-    kv = torch.randn(batch, hkv, d)
+    dtype = getattr(torch, args.dtype)
+    cache = torch.randn(2, num_blocks, bs, hkv, d).to(dtype)
+    q = torch.randn(batch, hq + hkv, d).to(dtype)[:, :hq]  # strided, as the fused QKV makes it
+    kv = torch.randn(batch, hkv, d).to(dtype)
 
     def meta(dense: bool) -> AttentionMetadata:
         return AttentionMetadata.build(
@@ -41,7 +43,7 @@ def case(batch: int, context: int, args: argparse.Namespace) -> tuple[float, flo
     scale = d**-0.5
     t_ref = median_ms(lambda: ref.paged_attention(q, kv, kv, cache, dense, scale), args.runs, 3)
     t_cpu = median_ms(lambda: cpu.paged_attention(q, kv, kv, cache, flat, scale), args.runs, 3)
-    return t_ref, t_cpu, batch * (context + 1) * hkv * d * 4 * 2 / 1e6
+    return t_ref, t_cpu, batch * (context + 1) * hkv * d * cache.element_size() * 2 / 1e6
 
 
 def main() -> None:
@@ -53,10 +55,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     cpu.load_library()  # compile outside the timing
     print(
-        f"decode attention, fp32, {args.hq} query / {args.hkv} KV heads x {args.head_dim}, "
+        f"decode attention, {args.dtype}, {args.hq} query / {args.hkv} KV heads x {args.head_dim}, "
         f"block {args.block_size}, {torch.get_num_threads()} threads; median of {args.runs}"
     )
     print(f"{'batch':>5} {'context':>7} {'reference ms':>12} {'native ms':>9} {'GB/s':>5} ratio")
