@@ -40,6 +40,10 @@ constexpr int64_t kPanel = 16;  // output columns per panel
 constexpr int64_t kDepth = 32;  // k per packed block (16 pairs)
 constexpr int64_t kBlock = kPanel * kDepth;  // elements per packed block (1 KB)
 constexpr int kRows = 8;  // rows per pass of the vdpbf16ps path
+// x's bytes in one group of row blocks (lamina_bf16_linear): at prefill's hundreds of rows,
+// 128 KB groups ran a layer's linears ~20% faster than one pass over all of x per panel
+// pair, and faster than 256 KB to 1 MB groups.
+constexpr int64_t kGroupBytes = 128 << 10;
 
 int64_t blocks_of(int64_t k) { return (k + kDepth - 1) / kDepth; }
 int64_t panels_of(int64_t n) { return (n + 2 * kPanel - 1) / (2 * kPanel) * 2; }
@@ -207,11 +211,18 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
     for (int64_t i = copied; i < m; i++)
       std::memcpy(padded.data() + (i - copied) * lda, x + i * ldx, k * 2);
   }
+  // Items run group by group (row blocks of x's rows in kGroupBytes), within a group pair
+  // by pair over its row blocks: the group's rows stay in L2 while every panel pair passes
+  // over them (the weights are read once a group), where one pass of each pair over all
+  // of x read x again from memory for every pair once it outgrew L2.
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (32 * lda * 2));
   at::parallel_for(0, pairs * row_blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[32 * 32];
     if (amx) tiles_on();
     for (int64_t item = begin; item < end; item++) {
-      const int64_t p = item / row_blocks, r = (item % row_blocks) * 32;
+      const int64_t g = item / (group * pairs), first = g * group;
+      const int64_t size = std::min(group, row_blocks - first), at = item - first * pairs;
+      const int64_t p = at / size, r = (first + at % size) * 32;
       const uint16_t* panel0 = packed + 2 * p * blocks * kBlock;
       const uint16_t* panel1 = panel0 + blocks * kBlock;
       const int64_t cols = std::min<int64_t>(32, n - 2 * p * kPanel);

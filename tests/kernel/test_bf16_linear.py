@@ -43,6 +43,20 @@ def test_the_product_is_the_exact_one_rounded_once(tiles, rows, n, k, with_bias)
     assert_rounded_product(linear(x), x, w, bias)
 
 
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize(("rows", "k"), [(300, 1024), (150, 1000), (97, 2048)])
+def test_row_groups_cover_every_block(tiles, rows, k):
+    """Rows past one L2 group of row blocks (x's rows of K=1,024 and up fill a group in
+    a block or two): every group, the last one partial, against every panel pair."""
+    torch.manual_seed(rows + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    w = torch.randn(72, k).to(torch.bfloat16)
+    bias = torch.randn(72).to(torch.bfloat16)
+    linear = PackedBf16Linear(w, bias)
+    linear._tiles = tiles
+    assert_rounded_product(linear(x), x, w, bias)
+
+
 def test_leading_dimensions_and_strided_rows():
     torch.manual_seed(3)
     w = torch.randn(48, 64).to(torch.bfloat16)
