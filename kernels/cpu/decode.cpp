@@ -35,6 +35,7 @@
 // activation after the product is added.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -235,10 +236,12 @@ void linear(const Linear& l, const float* x, int64_t rows, float* out, bool gate
 }
 
 // The step's work buffers, carved from one allocation: the fp32 ones first (a bf16 step
-// runs its attention in fp32), then those in the model's dtype T. decode.py sizes the
-// allocation as work_bytes says.
+// runs its attention in fp32), then those in the model's dtype T.
 template <typename T>
 struct Work {
+  static constexpr bool kHalf = std::is_same_v<T, Bf16>;
+  static constexpr int kBuffers = 12;
+
   float* queries;    // (S, Hq, D) fp32 queries for the attention (bf16 only)
   float* attn_fp32;  // (S, Hq, D) its fp32 output (bf16 only)
   T* hidden;         // (S, H)
@@ -254,21 +257,31 @@ struct Work {
   T* mlp;            // (S, I)
   T* pre;            // (S, 2 I) gate and up before the activation (bf16 only)
 
-  Work(void* base, int64_t seqs, const Dims& d) {
-    const bool half = std::is_same_v<T, Bf16>;
+  // Per sequence: each fp32 buffer's floats, and each T buffer's elements, in order.
+  static int64_t floats(const Dims& d) { return kHalf ? d.num_heads * d.head_dim : 0; }
+  static std::array<int64_t, kBuffers> sizes(const Dims& d) {
     const int64_t q = d.num_heads * d.head_dim, kv = d.num_kv_heads * d.head_dim;
-    float* f = static_cast<float*>(base);
-    queries = f;
-    attn_fp32 = queries + (half ? seqs * q : 0);
-    T* t = reinterpret_cast<T*>(attn_fp32 + (half ? seqs * q : 0));
-    const int64_t sizes[] = {d.hidden, d.hidden, d.head_dim / 2, d.head_dim / 2, d.hidden,
-                             d.hidden, q + 2 * kv, q + kv, q, d.hidden, d.intermediate,
-                             half ? 2 * d.intermediate : 0};
-    T** regions[] = {&hidden, &residual, &cos, &sin, &normed, &x,
-                     &qkv,    &rotated,  &attn, &o,  &mlp,    &pre};
-    for (int i = 0; i < 12; ++i) {
+    return {d.hidden, d.hidden, d.head_dim / 2, d.head_dim / 2, d.hidden,
+            d.hidden, q + 2 * kv, q + kv, q, d.hidden, d.intermediate,
+            kHalf ? 2 * d.intermediate : 0};
+  }
+  static int64_t bytes(int64_t seqs, const Dims& d) {
+    int64_t elements = 0;
+    for (const int64_t size : sizes(d)) elements += size;
+    return seqs * (2 * floats(d) * static_cast<int64_t>(sizeof(float)) +
+                   elements * static_cast<int64_t>(sizeof(T)));
+  }
+
+  Work(void* base, int64_t seqs, const Dims& d) {
+    queries = static_cast<float*>(base);
+    attn_fp32 = queries + seqs * floats(d);
+    T* t = reinterpret_cast<T*>(attn_fp32 + seqs * floats(d));
+    T** regions[kBuffers] = {&hidden, &residual, &cos, &sin, &normed, &x,
+                             &qkv,    &rotated,  &attn, &o,  &mlp,    &pre};
+    const auto each = sizes(d);
+    for (int i = 0; i < kBuffers; ++i) {
       *regions[i] = t;
-      t += seqs * sizes[i];
+      t += seqs * each[i];
     }
   }
 };
@@ -429,9 +442,5 @@ extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
 extern "C" int64_t lamina_decode_work_bytes(int64_t seqs, const int64_t* dims, int dtype) {
   Dims d;
   std::memcpy(&d, dims, sizeof(d));
-  const int64_t q = d.num_heads * d.head_dim, kv = d.num_kv_heads * d.head_dim;
-  const int64_t elements = 5 * d.hidden + d.head_dim + 3 * q + 3 * kv + d.intermediate;
-  if (dtype != 1) return seqs * elements * static_cast<int64_t>(sizeof(float));
-  return seqs * (2 * q * static_cast<int64_t>(sizeof(float)) +
-                 (elements + 2 * d.intermediate) * static_cast<int64_t>(sizeof(Bf16)));
+  return dtype == 1 ? Work<Bf16>::bytes(seqs, d) : Work<float>::bytes(seqs, d);
 }
