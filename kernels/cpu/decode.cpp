@@ -403,7 +403,8 @@ int decode_logits(const int64_t* layers, int64_t num_layers, const Dims& d, floa
 // NULL. work: lamina_decode_work_bytes(S, dims, dtype) bytes.
 // Returns 0; the attention kernel's error (1: the query heads do not share the KV heads
 // evenly); 3 for a token id or a position outside the tables (nothing is read then); or 4
-// for adapters or per-head norms in a bf16 step.
+// for a linear not in the dtype's format (kBf16Pairs in bf16, no other), or adapters or
+// per-head norms in a bf16 step (nothing is run then).
 extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
                                     const int64_t* dims, int dtype, float eps, float sm_scale,
                                     int64_t seqs, const int64_t* ids, const int64_t* positions,
@@ -415,7 +416,21 @@ extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
                                     const int64_t* lora_slots, void* work, void* logits) {
   Dims d;
   std::memcpy(&d, dims, sizeof(d));
-  if (dtype != 1)
+  const bool half = dtype == 1;
+  auto fits = [&](const Linear& l) { return (l.format == kBf16Pairs) == half; };
+  for (int64_t n = 0; n < num_layers; ++n) {  // each linear in the dtype's format
+    Layer layer;
+    std::memcpy(&layer, layers + n * kLayerFields, sizeof(layer));
+    if (!(fits(layer.qkv) && fits(layer.o) && fits(layer.gate_up) && fits(layer.down)))
+      return 4;
+    if (half && layer.qk_norm) return 4;
+  }
+  if (head) {
+    Linear lm_head;
+    std::memcpy(&lm_head, head, sizeof(lm_head));
+    if (!fits(lm_head)) return 4;
+  }
+  if (!half)
     return decode_logits<float>(layers, num_layers, d, eps, sm_scale, seqs, ids, positions,
                                 static_cast<const float*>(embed),
                                 static_cast<const float*>(cos_table),
@@ -424,11 +439,6 @@ extern "C" int lamina_decode_logits(const int64_t* layers, int64_t num_layers,
                                 table_stride, contexts, lora, lora_slots, work,
                                 static_cast<float*>(logits));
   if (lora) return 4;
-  for (int64_t n = 0; n < num_layers; ++n) {
-    Layer layer;
-    std::memcpy(&layer, layers + n * kLayerFields, sizeof(layer));
-    if (layer.qk_norm) return 4;
-  }
   return decode_logits<Bf16>(layers, num_layers, d, eps, sm_scale, seqs, ids, positions,
                              static_cast<const Bf16*>(embed), static_cast<const Bf16*>(cos_table),
                              static_cast<const Bf16*>(sin_table),

@@ -175,6 +175,8 @@ class DecodeStep:
         )
         if status == 3:
             raise ValueError("a token id or position is outside the model's tables")
-        if status:  # (4, adapters or per-head norms in bf16, is refused above)
+        if status == 4:
+            raise ValueError(f"a layer does not fit a {self._dtype} native decode step")
+        if status:
             raise ValueError("query heads do not share the KV heads evenly")
         return (logits if self._python_head is None else self._python_head(logits)).float()

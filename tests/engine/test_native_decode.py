@@ -120,3 +120,24 @@ def test_the_native_step_refuses_a_token_or_position_outside_its_tables(
     for ids, position in (([vocab], [0]), ([-1], [0]), ([0], [positions])):
         with pytest.raises(ValueError, match="outside the model's tables"):
             model.decode_logits(np.array(ids), np.array(position), one, table, one, caches)
+
+
+def test_the_native_step_refuses_a_linear_not_in_its_dtypes_format(make_checkpoint, monkeypatch):
+    """``decode.cpp`` checks each linear's format against the step's dtype before it runs
+    anything (a bf16 pair-packed weight in an fp32 step would be read as fp32 panels)."""
+    import numpy as np
+
+    from lamina.kernels.cpu.bf16_linear import NATIVE_FORMAT
+
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")
+    monkeypatch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)
+    engine = make_engine(make_checkpoint("llama"))
+    model, caches = engine.runner.model, engine.runner.kv_caches
+    one = np.zeros(1, dtype=np.int64)
+    table = np.zeros((1, 1), dtype=np.int64)
+    model.decode_logits(one, one, one, table, one, caches)  # makes the step
+    step = model._native[1]
+    with torch.inference_mode():  # (the table was made in it)
+        step._table[0, 1] = NATIVE_FORMAT  # layer 0's Q/K/V format field
+    with pytest.raises(ValueError, match="does not fit"):
+        model.decode_logits(one, one, one, table, one, caches)
