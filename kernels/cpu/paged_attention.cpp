@@ -63,8 +63,9 @@ struct Fp8Table {
 };
 const Fp8Table kFp8;
 
-// The tile's key and value rows of KV head h: pointers into the cache when it is fp32 or
-// bf16, else rows converted to fp32, scaled, into `scratch` (2 * tile rows of d).
+// The tile's key and value rows of KV head h: pointers into the cache where RowOf reads
+// its rows in place, else rows converted to fp32, scaled, into `scratch` (2 * tile rows
+// of d).
 template <int Kind>
 inline void tile_rows(const void* cache, const float* scales, const int64_t* table,
                       int64_t first_block, int64_t n, int64_t block_size, int64_t block_stride,
