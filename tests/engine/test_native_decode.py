@@ -102,6 +102,19 @@ def test_the_layer_by_layer_forward_runs_where_the_native_step_does_not_apply(
     assert fp32.runner.model._native[1] is None
 
 
+def _one_decode(make_checkpoint, monkeypatch):
+    """A Llama with every weight packed, and one decode's arguments for its native step
+    (a token, its position, its slot and context all 0, one block): (model, arguments)."""
+    import numpy as np
+
+    monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")
+    monkeypatch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)
+    engine = make_engine(make_checkpoint("llama"))
+    one = np.zeros(1, dtype=np.int64)
+    table = np.zeros((1, 1), dtype=np.int64)
+    return engine.runner.model, (one, one, one, table, one, engine.runner.kv_caches)
+
+
 def test_the_native_step_refuses_a_token_or_position_outside_its_tables(
     make_checkpoint, monkeypatch
 ):
@@ -109,35 +122,22 @@ def test_the_native_step_refuses_a_token_or_position_outside_its_tables(
     the vocabulary or a position past the rotary table is an error, not a read past them."""
     import numpy as np
 
-    monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")
-    monkeypatch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)
-    engine = make_engine(make_checkpoint("llama"))
-    model, caches = engine.runner.model, engine.runner.kv_caches
-    one = np.zeros(1, dtype=np.int64)
-    table = np.zeros((1, 1), dtype=np.int64)
-    assert model.decode_logits(one, one, one, table, one, caches).shape == (1, model.embed.shape[0])
+    model, arguments = _one_decode(make_checkpoint, monkeypatch)
+    assert model.decode_logits(*arguments).shape == (1, model.embed.shape[0])
     vocab, positions = model.embed.shape[0], model.cos.shape[0]
     for ids, position in (([vocab], [0]), ([-1], [0]), ([0], [positions])):
         with pytest.raises(ValueError, match="outside the model's tables"):
-            model.decode_logits(np.array(ids), np.array(position), one, table, one, caches)
+            model.decode_logits(np.array(ids), np.array(position), *arguments[2:])
 
 
 def test_the_native_step_refuses_a_linear_not_in_its_dtypes_format(make_checkpoint, monkeypatch):
     """``decode.cpp`` checks each linear's format against the step's dtype before it runs
     anything (a bf16 pair-packed weight in an fp32 step would be read as fp32 panels)."""
-    import numpy as np
-
     from lamina.kernels.cpu.bf16_linear import NATIVE_FORMAT
 
-    monkeypatch.setenv("LAMINA_CPU_LINEAR", "native")
-    monkeypatch.setattr("lamina.kernels.linear.NATIVE_MIN_ELEMENTS", 0)
-    engine = make_engine(make_checkpoint("llama"))
-    model, caches = engine.runner.model, engine.runner.kv_caches
-    one = np.zeros(1, dtype=np.int64)
-    table = np.zeros((1, 1), dtype=np.int64)
-    model.decode_logits(one, one, one, table, one, caches)  # makes the step
-    step = model._native[1]
+    model, arguments = _one_decode(make_checkpoint, monkeypatch)
+    model.decode_logits(*arguments)  # makes the step
     with torch.inference_mode():  # (the table was made in it)
-        step._table[0, 1] = NATIVE_FORMAT  # layer 0's Q/K/V format field
+        model._native[1]._table[0, 1] = NATIVE_FORMAT  # layer 0's Q/K/V format field
     with pytest.raises(ValueError, match="does not fit"):
-        model.decode_logits(one, one, one, table, one, caches)
+        model.decode_logits(*arguments)
