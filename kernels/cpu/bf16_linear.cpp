@@ -13,10 +13,12 @@
 // panels) in four accumulator tiles; per k block, two tiles of x (16 rows x 32 k each,
 // straight from x where the block has 32 rows and K whole blocks, else from a zero-padded
 // copy: from 8 to 31 rows the weights' bytes bound a step, not the tiles' arithmetic)
-// and two weight blocks, four tile products. Below 8 rows, or without AMX: up to 8 rows
+// and two weight blocks, four tile products; the row blocks run in groups that fit L2,
+// every panel pair over a group before the next. Below 8 rows, or without AMX: up to 8 rows
 // against two panels in sixteen 512-bit accumulators, each weight row loaded once for
 // all of them, the next two panels prefetched meanwhile (memory-bound there: more streams
-// in flight, 1.15-1.5x at 1-6 rows). The sums are rounded to bf16 once, after the bias is added in fp32.
+// in flight, 1.15-1.5x at 1-6 rows). The sums are rounded to bf16 once, after the bias
+// is added in fp32.
 
 #include <ATen/Parallel.h>
 #if defined(__x86_64__)

@@ -341,7 +341,8 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
     }
     if (status) return status;
     linear(layer.o, w.attn, seqs, w.o, false, w.pre);
-    if constexpr (!kHalf) add_lora(adapters.o, w.attn, q_size, seqs, w.o, d.hidden, d.hidden, lora_slots);
+    if constexpr (!kHalf)
+      add_lora(adapters.o, w.attn, q_size, seqs, w.o, d.hidden, d.hidden, lora_slots);
     lamina_rms_norm(w.o, d.hidden, w.residual, d.hidden, layer.post_norm, eps, seqs, d.hidden,
                     w.x, w.residual, dtype);
     if constexpr (!kHalf) {

@@ -43,6 +43,8 @@ using lamina::Bf16;
 // other rows converted to fp32 as a tile is gathered.
 template <int Kind>
 using RowOf = std::conditional_t<Kind == kBf16 && LAMINA_AVX2, Bf16, float>;
+template <int Kind>
+constexpr bool kInPlace = Kind == kFloat32 || !std::is_same_v<RowOf<Kind>, float>;
 
 struct Fp8Table {
   float value[256];
@@ -63,8 +65,8 @@ struct Fp8Table {
 };
 const Fp8Table kFp8;
 
-// The tile's key and value rows of KV head h: pointers into the cache where RowOf reads
-// its rows in place, else rows converted to fp32, scaled, into `scratch` (2 * tile rows
+// The tile's key and value rows of KV head h: pointers into the cache where they are read
+// in place (kInPlace), else rows converted to fp32, scaled, into `scratch` (2 * tile rows
 // of d).
 template <int Kind>
 inline void tile_rows(const void* cache, const float* scales, const int64_t* table,
@@ -85,7 +87,7 @@ inline void tile_rows(const void* cache, const float* scales, const int64_t* tab
     }
     for (int64_t j = j0; j < std::min(n, j0 + block_size); ++j) {
       const int64_t offset = block_offset + (j - j0) * token_stride;
-      if constexpr (Kind == kFloat32 || !std::is_same_v<RowOf<Kind>, float>) {
+      if constexpr (kInPlace<Kind>) {
         keys[j] = static_cast<const RowOf<Kind>*>(cache) + offset;
         values[j] = static_cast<const RowOf<Kind>*>(cache) + values_offset + offset;
       } else {
@@ -356,7 +358,7 @@ void attend(const float* q, const void* cache, const float* scales, const int64_
   const int64_t block_stride = block_size * token_stride;
   const int64_t values_offset = num_blocks * block_stride;
   const int64_t tile = block_size * std::max<int64_t>(1, 64 / block_size);
-  const int64_t scratch_rows = std::is_same_v<RowOf<Kind>, float> && Kind != kFloat32 ? 2 * tile : 0;
+  const int64_t scratch_rows = kInPlace<Kind> ? 0 : 2 * tile;
   buf.resize(heads * d * 2 + heads * tile + heads * 2 + scratch_rows * d);
   rows.resize(2 * tile);
   float* qs = buf.data();  // scaled queries
