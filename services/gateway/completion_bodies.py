@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from lamina.schemas.v1.generate import TokenLogprob, Usage
 from lamina.services.gateway.text_stream import ScoredPrompt, TextDelta
 from lamina.services.gateway.tokenizer import ModelTokenizer
@@ -41,6 +43,28 @@ class Reply:
 def indexed(choice: dict[str, Any], index: int) -> dict[str, Any]:
     choice["index"] = index
     return choice
+
+
+_json = msgspec.json.Encoder()
+_MARK = "\x00text\x00"
+"""Stands for a chunk's text while :class:`TextChunks` encodes the rest of it."""
+
+
+class TextChunks:
+    """One streamed choice's chunks that carry text and nothing else (no finish, logprobs,
+    token ids, usage or tool calls): most of a stream's. The chunk ``Reply.build`` writes
+    is encoded once around a marker, so each one then costs the encoding of its text."""
+
+    def __init__(self, response: Reply, index: int) -> None:
+        marked = TextDelta(_MARK, [], None)
+        chunk = response.build(marked, response.id, response.created, streaming=True)
+        chunk["choices"] = [indexed(chunk["choices"][0], index)]
+        self._head, mark, self._tail = _json.encode(chunk).partition(_json.encode(_MARK))
+        assert mark, "the builder wrote a chunk without the delta's text"
+
+    def encode(self, text: str) -> bytes:
+        """The chunk of ``text``, as JSON."""
+        return self._head + _json.encode(text) + self._tail
 
 
 def sum_usage(usages: list[Usage | None], n: int = 1) -> Usage | None:

@@ -41,6 +41,7 @@ from lamina.services.gateway.beam_search import Found, search
 from lamina.services.gateway.completion_bodies import (
     Bodies,
     Reply,
+    TextChunks,
     add_token_ids,
     indexed,
     sum_usage,
@@ -527,6 +528,9 @@ class CompletionsApi:
             opened[index] = True
             return chunk
 
+        # Without token ids or running usage, most chunks carry text alone: pre-encoded.
+        plain = not response.token_ids and not continuous
+        texts = [TextChunks(response, i) for i in range(len(streams))] if plain else None
         usages: list[Usage | None] = [None] * len(streams)
         try:
             if response.chat:  # OpenAI opens a chat stream with the role
@@ -545,6 +549,15 @@ class CompletionsApi:
                 async for index, delta in deltas:
                     usages[index] = delta.usage or usages[index]
                     if (
+                        texts
+                        and delta.text
+                        and delta.logprobs is None
+                        and not (delta.finish_reason or delta.tool_calls)
+                    ):
+                        written[index] += len(delta.text)
+                        opened[index] = True
+                        await send_event(send, texts[index].encode(delta.text))
+                    elif (
                         delta.text
                         or delta.finish_reason
                         or delta.logprobs

@@ -87,10 +87,15 @@ class TextStream:
         """The prompt's tokens and those generated up to the last delta."""
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
 
-    async def deltas(self) -> AsyncIterator[TextDelta]:
+    def deltas(self) -> AsyncIterator[TextDelta]:
+        """The stream's deltas, each through :attr:`tool_parser` where one is set (without
+        one, no generator stands between a token and its reader)."""
         parser = self.tool_parser
+        return self._deltas() if parser is None else self._parsed(parser)
+
+    async def _parsed(self, parser: ToolParser) -> AsyncIterator[TextDelta]:
         async for delta in self._deltas():
-            yield delta if parser is None else parser.apply(delta)
+            yield parser.apply(delta)
 
     async def _deltas(self) -> AsyncIterator[TextDelta]:
         detok = self.detokenizer
