@@ -30,7 +30,7 @@ Triton W8A16 / W4A16 kernel with the ``triton`` backend on CUDA
 The MLP's gate and up projections are one :data:`GatedLinear`, ``silu(x @ gate.T) * (x @
 up.T)`` (:func:`gated_linear_factory`): with the native fp32 matmul, one fused call
 (:class:`~lamina.kernels.cpu.linear.PackedSiluMul`) that never makes the ``(T, 2I)``
-intermediate; with the native bf16 matmul, that matmul and the native ``silu_and_mul``
+intermediate, and likewise with the native bf16 matmul
 (:class:`~lamina.kernels.cpu.bf16_linear.PackedBf16SiluMul`, which ``decode.cpp`` runs
 too); elsewhere the linear followed by the backend's ``silu_and_mul``.
 """

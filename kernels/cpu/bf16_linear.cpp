@@ -19,6 +19,12 @@
 // all of them, the next two panels prefetched meanwhile (memory-bound there: more streams
 // in flight, 1.15-1.5x at 1-6 rows). The sums are rounded to bf16 once, after the bias
 // is added in fp32.
+//
+// Gated (the MLP's gate and up projections in one weight): the panels alternate 16 of
+// gate's columns and the same 16 of up's, so each panel pair's sums are both halves of
+// silu(gate) * up for 16 outputs, which are written instead of the sums (rounded as the
+// matmul's output and then silu_and_mul's would be), and the (m, 2I) intermediate is never
+// made.
 
 #include <ATen/Parallel.h>
 #if defined(__x86_64__)
@@ -62,6 +68,40 @@ void write_sums(const float* sums, int64_t lds, int64_t rows, int64_t cols, cons
   for (int64_t i = 0; i < rows; i++)
     for (int64_t j = 0; j < cols; j++)
       out[i * ldo + j] = lamina::round_to<Bf16>(sums[i * lds + j] + (bias ? bias[j] : 0.0f));
+}
+
+// The same for a gated pair of panels: sums' columns [0, 16) are gate's, [16, 32) up's,
+// for outputs [0, cols) of out: each sum with its bias rounded to bf16 (the matmul's
+// output), then silu(gate) * up as silu_and_mul computes it on those.
+void write_gated(const float* sums, int64_t lds, int64_t rows, int64_t cols, const float* bias,
+                 Bf16* out, int64_t ldo) {
+  Bf16 gate[kPanel], up[kPanel];
+  int64_t i = 0;
+#if LAMINA_AVX2
+  if (cols == kPanel) {  // a whole panel: the same roundings, 8 lanes at a time
+    using lamina::rounded8;
+    __m256 bias8[4];
+    for (int h = 0; h < 4; h++)
+      bias8[h] = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
+    for (; i < rows; i++) {
+      const float* s = sums + i * lds;
+      for (int h = 0; h < 2; h++) {
+        const __m256 g = rounded8(_mm256_add_ps(_mm256_loadu_ps(s + 8 * h), bias8[h]));
+        const __m256 u =
+            rounded8(_mm256_add_ps(_mm256_loadu_ps(s + kPanel + 8 * h), bias8[2 + h]));
+        lamina::store8(out + i * ldo + 8 * h, _mm256_mul_ps(rounded8(lamina::silu8(g)), u));
+      }
+    }
+  }
+#endif
+  for (; i < rows; i++) {
+    const float* s = sums + i * lds;
+    for (int64_t j = 0; j < cols; j++) {
+      gate[j] = lamina::round_to<Bf16>(s[j] + (bias ? bias[j] : 0.0f));
+      up[j] = lamina::round_to<Bf16>(s[kPanel + j] + (bias ? bias[kPanel + j] : 0.0f));
+    }
+    lamina::silu_mul_row(gate, up, out + i * ldo, cols);
+  }
 }
 
 #if defined(__x86_64__)
@@ -180,26 +220,34 @@ void lamina_pack_weight_pairs(const uint16_t* weight, int64_t n, int64_t k, uint
 
 // out (m, n) = x (m, k; row stride ldx) @ weight^T (+ bias, fp32 or NULL), all bf16 but the
 // bias. tiles: use AMX from 8 rows on (the caller checked the CPU has it; AVX-512 BF16 is
-// needed either way).
+// needed either way). gated: the weight's panels alternate gate's and up's (and the bias
+// likewise, 32 a pair), and out (m, n) is silu(gate) * up.
 void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
                         const uint16_t* packed, int64_t n, const float* bias, uint16_t* out,
-                        int tiles) {
+                        int tiles, int gated) {
+  const int64_t outs = gated ? kPanel : 2 * kPanel;  // outputs a panel pair writes
 #if !defined(__x86_64__)
   // Python runs this kernel only where the CPU has AVX-512 BF16; elsewhere it is this
   // plain loop, correct and slow, over the same packed layout.
-  const int64_t blocks = blocks_of(k);
+  const int64_t blocks = blocks_of(k), pairs = (n + outs - 1) / outs;
   Bf16* y = reinterpret_cast<Bf16*>(out);
+  float sums[2 * kPanel];
   for (int64_t i = 0; i < m; i++)
-    for (int64_t c = 0; c < n; c++) {
-      const uint16_t* panel = packed + (c / kPanel) * blocks * kBlock;
-      float sum = bias ? bias[c] : 0.0f;
-      for (int64_t kk = 0; kk < k; kk++)
-        sum += lamina::load(Bf16{x[i * ldx + kk]}) * lamina::load(Bf16{panel[pair_at(c, kk)]});
-      y[i * n + c] = lamina::round_to<Bf16>(sum);
+    for (int64_t p = 0; p < pairs; p++) {
+      for (int64_t c = 0; c < 2 * kPanel; c++) {
+        const uint16_t* panel = packed + (2 * p + c / kPanel) * blocks * kBlock;
+        float sum = 0.0f;
+        for (int64_t kk = 0; kk < k; kk++)
+          sum += lamina::load(Bf16{x[i * ldx + kk]}) * lamina::load(Bf16{panel[pair_at(c, kk)]});
+        sums[c] = sum;
+      }
+      const int64_t cols = std::min(outs, n - p * outs);
+      const float* b = bias ? bias + 2 * p * kPanel : nullptr;
+      (gated ? write_gated : write_sums)(sums, 0, 1, cols, b, y + i * n + p * outs, 0);
     }
   (void)tiles;
 #else
-  const int64_t blocks = blocks_of(k), pairs = panels_of(n) / 2;
+  const int64_t blocks = blocks_of(k), pairs = (n + outs - 1) / outs;
   const bool amx = tiles && m >= kRows && tiles_permitted();
   const int64_t row_blocks = amx ? (m + 31) / 32 : 1;
   Bf16* y = reinterpret_cast<Bf16*>(out);
@@ -227,20 +275,22 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
       const int64_t p = at / size, r = (first + at % size) * 32;
       const uint16_t* panel0 = packed + 2 * p * blocks * kBlock;
       const uint16_t* panel1 = panel0 + blocks * kBlock;
-      const int64_t cols = std::min<int64_t>(32, n - 2 * p * kPanel);
+      const int64_t cols = std::min(outs, n - p * outs);
       const float* b = bias ? bias + 2 * p * kPanel : nullptr;
+      Bf16* const at_p = y + p * outs;
+      const auto write = gated ? write_gated : write_sums;
       if (amx) {
         const int64_t rows = std::min<int64_t>(32, m - r);
         if (r < copied)
           tile_block(x + r * ldx, ldx, blocks, panel0, panel1, sums);
         else
           tile_block(padded.data() + (r - copied) * lda, lda, blocks, panel0, panel1, sums);
-        write_sums(sums, 32, rows, cols, b, y + r * n + 2 * p * kPanel, n);
+        write(sums, 32, rows, cols, b, at_p + r * n, n);
       } else {
         for (int64_t r0 = 0; r0 < m; r0 += kRows) {
           const int64_t rows = std::min<int64_t>(kRows, m - r0);
           kPairRows[rows - 1](x + r0 * ldx, ldx, k, panel0, panel1, sums);
-          write_sums(sums, 32, rows, cols, b, y + r0 * n + 2 * p * kPanel, n);
+          write(sums, 32, rows, cols, b, at_p + r0 * n, n);
         }
       }
     }

@@ -9,7 +9,7 @@ import torch
 
 from lamina.kernels.cpu import hugepages
 from lamina.kernels.cpu.build import load_library, ptr, vectorized
-from lamina.kernels.cpu.elementwise import silu_and_mul
+from lamina.kernels.cpu.linear import gated_rows, ungated
 
 BLOCK = 512
 """bf16 elements in one packed block: 16 output columns by 32 of K (1 KB)."""
@@ -51,6 +51,9 @@ class PackedBf16Linear:
         self._after_x = (self.in_features, ptr(self.packed), self.out_features, ptr(self.bias))
         self._tiles = int(torch.cpu._is_amx_tile_supported())
         """Whether the kernel may use AMX (from 8 rows); else AVX-512 BF16 alone."""
+        self._gated = 0
+        """Whether the panels alternate gate's and up's and the kernel writes silu(gate) *
+        up (:class:`PackedBf16SiluMul`)."""
 
     def native_fields(self) -> tuple[int, ...]:
         """This linear as ``decode.cpp``'s ``Linear`` reads it: format, packed weight, no
@@ -69,32 +72,43 @@ class PackedBf16Linear:
             return self(flat).view(*lead, self.out_features)
         rows = x.shape[0]
         out = torch.empty((rows, self.out_features), dtype=torch.bfloat16)
-        self._matmul(x.data_ptr(), x.stride(0), rows, *self._after_x, out.data_ptr(), self._tiles)
+        self._matmul(
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            *self._after_x,
+            out.data_ptr(),
+            self._tiles,
+            self._gated,
+        )
         return out
 
 
-class PackedBf16SiluMul:
-    """The MLP's gated input projection for a bf16 model: for ``gate_up`` ``(2I, K)``
-    holding ``[gate; up]`` (and a bias ``(2I,)`` likewise), :class:`PackedBf16Linear` over
-    it, then the native ``silu_and_mul`` on the ``(..., 2I)`` result, rounded where the
-    reference's bf16 ops round."""
+class PackedBf16SiluMul(PackedBf16Linear):
+    """The MLP's gated input projection for a bf16 model in one native matmul: for
+    ``gate_up`` ``(2I, K)`` holding ``[gate; up]`` (and a bias ``(2I,)`` likewise),
+    ``silu_and_mul(x @ gate_up.T + bias)``, ``(..., I)``, rounded where the reference's
+    bf16 ops round (each sum with its bias, the activation, the product), without making
+    the ``(..., 2I)`` intermediate: the packed panels alternate 16 of gate's columns and
+    the same 16 of up's, and the kernel writes each pair's outputs from its two sums."""
 
     def __init__(self, gate_up: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.linear = PackedBf16Linear(gate_up, bias)
-        self.in_features = self.linear.in_features
-        self.out_features = self.linear.out_features // 2
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``(T, K)`` bf16; returns ``(T, I)`` bf16."""
-        return silu_and_mul(self.linear(x))
+        half = gate_up.shape[0] // 2
+        arranged_bias = None if bias is None else gated_rows(bias)
+        super().__init__(gated_rows(gate_up), arranged_bias)
+        self._plain = self._after_x  # the arranged weight's whole matmul
+        self.out_features = half
+        self._after_x = (*self._after_x[:2], half, self._after_x[3])
+        self._gated = 1
 
     def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
-        """``[gate; up]`` before the activation (what a LoRA adds to)."""
-        return self.linear(x)
-
-    def native_fields(self) -> tuple[int, ...]:
-        """:meth:`PackedBf16Linear.native_fields` with the gated outputs (``I``), as
-        ``decode.cpp`` reads a gated linear."""
-        fields = list(self.linear.native_fields())
-        fields[6] = self.out_features
-        return tuple(fields)
+        """``[gate; up]`` ``(T, 2I)`` before the activation (what a LoRA adds to): the plain
+        matmul on the same packed weight, its interleaved panels put back in order."""
+        x = x.reshape(-1, self.in_features)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty((x.shape[0], self._plain[2]), dtype=torch.bfloat16)
+        self._matmul(
+            x.data_ptr(), x.stride(0), x.shape[0], *self._plain, out.data_ptr(), self._tiles, 0
+        )
+        return ungated(out, self.out_features)

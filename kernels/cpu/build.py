@@ -56,7 +56,10 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "lamina_pack_weight_halves": ([_P, _I64, _I64, _P], None),
     "lamina_pack_weight_int4": ([_P, _I64, _I64, _P], None),
     "lamina_pack_weight_pairs": ([_P, _I64, _I64, _P], None),
-    "lamina_bf16_linear": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int], None),
+    "lamina_bf16_linear": (
+        [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int, ctypes.c_int],
+        None,
+    ),
     "lamina_packed_linear_q": (
         [_P, _I64, _I64, _I64, _P, ctypes.c_int, _P, _P, _I64, _I64, _P, _P],
         None,

@@ -17,9 +17,9 @@
 //   hidden = silu(x @ Wgate^T) * (x @ Wup^T) @ Wdown^T (+ biases)
 // then logits = rms_norm(hidden + residual) @ Whead^T.
 //
-// In fp32 or bf16 (the model's dtype): a bf16 model's step runs its linears on
-// bf16_linear.cpp's matmul and its norms, rotary and activation on elementwise.cpp's bf16
-// kernels, rounding where its Python forward's ops round (the attention widens the
+// In fp32 or bf16 (the model's dtype): a bf16 model's step runs its linears (the gated one
+// with its activation) on bf16_linear.cpp's matmul and its norms and rotary on
+// elementwise.cpp's bf16 kernels, rounding where its Python forward's ops round (the attention widens the
 // queries to fp32 and rounds its output once, as attention.py does), so both compute the
 // same logits. A bf16 step takes no adapters and no per-head norms (decode.py refuses
 // them; the Python forward runs those).
@@ -63,10 +63,9 @@ void lamina_packed_silu_mul_q(const float* x, int64_t x_stride, int64_t m, int64
                               const void* packed, int format, const float* scale,
                               const float* zero, int64_t group, int64_t n, const float* bias,
                               float* out);
-void lamina_silu_and_mul(const void* x, int64_t rows, int64_t half, void* out, int dtype);
 void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
                         const uint16_t* packed, int64_t n, const float* bias, uint16_t* out,
-                        int tiles);
+                        int tiles, int gated);
 void lamina_lora_bgmv(float* out, int64_t out_stride, const float* x, int64_t x_stride,
                       int64_t rows, int64_t k, const float* a, const float* b, int64_t n,
                       int64_t width, const int64_t* slots);
@@ -215,24 +214,12 @@ void head_norm(float* x, int64_t stride, int64_t rows, int64_t heads, int64_t di
     }
 }
 
-// A bf16 model's linear on bf16_linear.cpp's matmul; gated: n is the intermediate size,
-// the matmul's output [gate | up] goes through `pre` (rows x 2n) to the activation.
-void linear(const Linear& l, const Bf16* x, int64_t rows, Bf16* out, bool gated, Bf16* pre) {
-  const auto* packed = static_cast<const uint16_t*>(l.packed);
-  const auto* in = reinterpret_cast<const uint16_t*>(x);
-  const int tiles = static_cast<int>(l.group);
-  if (!gated) {
-    lamina_bf16_linear(in, l.k, rows, l.k, packed, l.n, l.bias,
-                       reinterpret_cast<uint16_t*>(out), tiles);
-    return;
-  }
-  lamina_bf16_linear(in, l.k, rows, l.k, packed, 2 * l.n, l.bias,
-                     reinterpret_cast<uint16_t*>(pre), tiles);
-  lamina_silu_and_mul(pre, rows, l.n, out, kDtype<Bf16>);
-}
-
-void linear(const Linear& l, const float* x, int64_t rows, float* out, bool gated, float*) {
-  linear(l, x, rows, out, gated);
+// A bf16 model's linear on bf16_linear.cpp's matmul (gated: its panels alternate gate's
+// and up's, and n is the intermediate size).
+void linear(const Linear& l, const Bf16* x, int64_t rows, Bf16* out, bool gated) {
+  lamina_bf16_linear(reinterpret_cast<const uint16_t*>(x), l.k, rows, l.k,
+                     static_cast<const uint16_t*>(l.packed), l.n, l.bias,
+                     reinterpret_cast<uint16_t*>(out), static_cast<int>(l.group), gated);
 }
 
 // The step's work buffers, carved from one allocation: the fp32 ones first (a bf16 step
@@ -240,7 +227,7 @@ void linear(const Linear& l, const float* x, int64_t rows, float* out, bool gate
 template <typename T>
 struct Work {
   static constexpr bool kHalf = std::is_same_v<T, Bf16>;
-  static constexpr int kBuffers = 12;
+  static constexpr int kBuffers = 11;
 
   float* queries;    // (S, Hq, D) fp32 queries for the attention (bf16 only)
   float* attn_fp32;  // (S, Hq, D) its fp32 output (bf16 only)
@@ -255,15 +242,13 @@ struct Work {
   T* attn;           // (S, Hq, D)
   T* o;              // (S, H)
   T* mlp;            // (S, I)
-  T* pre;            // (S, 2 I) gate and up before the activation (bf16 only)
 
   // Per sequence: each fp32 buffer's floats, and each T buffer's elements, in order.
   static int64_t floats(const Dims& d) { return kHalf ? d.num_heads * d.head_dim : 0; }
   static std::array<int64_t, kBuffers> sizes(const Dims& d) {
     const int64_t q = d.num_heads * d.head_dim, kv = d.num_kv_heads * d.head_dim;
     return {d.hidden, d.hidden, d.head_dim / 2, d.head_dim / 2, d.hidden,
-            d.hidden, q + 2 * kv, q + kv, q, d.hidden, d.intermediate,
-            kHalf ? 2 * d.intermediate : 0};
+            d.hidden, q + 2 * kv, q + kv, q, d.hidden, d.intermediate};
   }
   static int64_t bytes(int64_t seqs, const Dims& d) {
     int64_t elements = 0;
@@ -277,7 +262,7 @@ struct Work {
     attn_fp32 = queries + seqs * floats(d);
     T* t = reinterpret_cast<T*>(attn_fp32 + seqs * floats(d));
     T** regions[kBuffers] = {&hidden, &residual, &cos, &sin, &normed, &x,
-                             &qkv,    &rotated,  &attn, &o,  &mlp,    &pre};
+                             &qkv,    &rotated,  &attn, &o,  &mlp};
     const auto each = sizes(d);
     for (int i = 0; i < kBuffers; ++i) {
       *regions[i] = t;
@@ -311,7 +296,7 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
       lamina_rms_norm(w.hidden, d.hidden, w.residual, d.hidden, layer.input_norm, eps, seqs,
                       d.hidden, w.x, w.residual, dtype);
     }
-    linear(layer.qkv, w.x, seqs, w.qkv, false, w.pre);
+    linear(layer.qkv, w.x, seqs, w.qkv, false);
     if constexpr (!kHalf) {
       add_lora(adapters.qkv, w.x, d.hidden, seqs, w.qkv, qkv_width, qkv_width, lora_slots);
       if (layer.qk_norm) head_norm(w.qkv, qkv_width, seqs, hq + hkv, hd, layer.qk_norm, eps);
@@ -340,21 +325,20 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
           contexts, seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn);
     }
     if (status) return status;
-    linear(layer.o, w.attn, seqs, w.o, false, w.pre);
+    linear(layer.o, w.attn, seqs, w.o, false);
     if constexpr (!kHalf)
       add_lora(adapters.o, w.attn, q_size, seqs, w.o, d.hidden, d.hidden, lora_slots);
     lamina_rms_norm(w.o, d.hidden, w.residual, d.hidden, layer.post_norm, eps, seqs, d.hidden,
                     w.x, w.residual, dtype);
     if constexpr (!kHalf) {
-      if (adapters.gate_up.a) {
+      if (adapters.gate_up.a)
         gated_with_lora(layer.gate_up, adapters.gate_up, w.x, seqs, w.mlp, lora_slots);
-      } else {
+      else
         linear(layer.gate_up, w.x, seqs, w.mlp, true);
-      }
     } else {
-      linear(layer.gate_up, w.x, seqs, w.mlp, true, w.pre);
+      linear(layer.gate_up, w.x, seqs, w.mlp, true);
     }
-    linear(layer.down, w.mlp, seqs, w.hidden, false, w.pre);
+    linear(layer.down, w.mlp, seqs, w.hidden, false);
     if constexpr (!kHalf)
       add_lora(adapters.down, w.mlp, d.intermediate, seqs, w.hidden, d.hidden, d.hidden,
                lora_slots);
@@ -386,7 +370,7 @@ int decode_logits(const int64_t* layers, int64_t num_layers, const Dims& d, floa
   if (head) {
     Linear lm_head;
     std::memcpy(&lm_head, head, sizeof(lm_head));
-    linear(lm_head, w.normed, seqs, logits, false, w.pre);
+    linear(lm_head, w.normed, seqs, logits, false);
   }
   return 0;
 }

@@ -149,6 +149,27 @@ class PackedQuantLinear(PackedLinear):
         return (fmt, packed, scale, zero or 0, group, bias or 0, n, self.in_features, order)
 
 
+def gated_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``[gate; up]`` rows ``(2I, ...)`` (a weight's, a bias's) in a gated packing's order:
+    per panel of :data:`PANEL` outputs, gate's rows, then up's same ones (zero rows to a
+    whole panel)."""
+    if rows.shape[0] % 2:
+        raise ValueError(f"gate_up has an odd number of rows ({rows.shape[0]})")
+    half = rows.shape[0] // 2
+    groups = -(-half // PANEL)
+    tail = [0, 0] * (rows.dim() - 1) + [0, groups * PANEL - half]  # zero rows to a panel
+    gate, up = (F.pad(part, tail).view(groups, PANEL, -1) for part in (rows[:half], rows[half:]))
+    return torch.stack([gate, up], dim=1).reshape(2 * groups * PANEL, *rows.shape[1:])
+
+
+def ungated(out: torch.Tensor, half: int) -> torch.Tensor:
+    """A matmul's outputs ``(T, 2 * panels * PANEL)`` over weight rows in
+    :func:`gated_rows` order, put back in order: ``[gate; up]`` ``(T, 2 * half)``."""
+    rows, groups = out.shape[0], out.shape[1] // (2 * PANEL)
+    out = out.view(rows, groups, 2, PANEL).transpose(1, 2).reshape(rows, 2, -1)
+    return out[:, :, :half].reshape(rows, 2 * half)
+
+
 class _GatedRows:
     """The row order of a packed gated projection (see :class:`PackedSiluMul`)."""
 
@@ -170,8 +191,7 @@ class _GatedRows:
         out = torch.empty((rows, 2 * groups * PANEL))
         matmul = getattr(load_library(), self._plain_kernel)
         matmul(x.data_ptr(), x.stride(0), rows, self.in_features, *pointers, out.data_ptr())
-        out = out.view(rows, groups, 2, PANEL).transpose(1, 2).reshape(rows, 2, -1)
-        return out[:, :, :half].reshape(rows, 2 * half)
+        return ungated(out, half)
 
     def _outputs(self, weight: torch.Tensor) -> int:
         if weight.shape[0] % 2:
@@ -179,15 +199,7 @@ class _GatedRows:
         return weight.shape[0] // 2
 
     def _arrange(self, rows: torch.Tensor | None) -> torch.Tensor | None:
-        if rows is None:
-            return None
-        half = rows.shape[0] // 2
-        groups = -(-half // PANEL)
-        tail = [0, 0] * (rows.dim() - 1) + [0, groups * PANEL - half]  # zero rows to a panel
-        gate, up = (
-            F.pad(part, tail).view(groups, PANEL, -1) for part in (rows[:half], rows[half:])
-        )
-        return torch.stack([gate, up], dim=1).reshape(2 * groups * PANEL, *rows.shape[1:])
+        return None if rows is None else gated_rows(rows)
 
 
 class PackedSiluMul(_GatedRows, PackedLinear):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lamina.kernels.cpu.bf16_linear import PackedBf16Linear, available
+from lamina.kernels.cpu.bf16_linear import PackedBf16Linear, PackedBf16SiluMul, available
+from lamina.kernels.cpu.elementwise import silu_and_mul
 
 pytestmark = pytest.mark.skipif(
     not available(), reason="the bf16 matmul needs a CPU with AVX-512 BF16"
@@ -55,6 +56,28 @@ def test_row_groups_cover_every_block(tiles, rows, k):
     linear = PackedBf16Linear(w, bias)
     linear._tiles = tiles
     assert_rounded_product(linear(x), x, w, bias)
+
+
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("rows", [1, 5, 8, 33, 70])
+@pytest.mark.parametrize(("half", "k"), [(16, 32), (40, 63), (100, 172)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_gated_matmul_is_the_matmul_then_the_activation(tiles, rows, half, k, with_bias):
+    """With gate's and up's panels interleaved, the kernel writes silu(gate) * up from each
+    panel pair's sums: bit for bit what the matmul over ``[gate; up]`` and then the native
+    ``silu_and_mul`` give (the same sums, rounded at the same places), partial panels
+    included; its pre-activation is that matmul's output, back in ``[gate; up]`` order."""
+    torch.manual_seed(rows * 1000 + half + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    gate_up = torch.randn(2 * half, k).to(torch.bfloat16)
+    bias = torch.randn(2 * half).to(torch.bfloat16) if with_bias else None
+    plain, gated = PackedBf16Linear(gate_up, bias), PackedBf16SiluMul(gate_up, bias)
+    plain._tiles = gated._tiles = tiles
+    pre = plain(x)
+    assert torch.equal(gated.pre_activation(x), pre)
+    out = gated(x)
+    assert out.shape == (rows, half) and out.dtype == torch.bfloat16
+    assert torch.equal(out, silu_and_mul(pre))
 
 
 def test_leading_dimensions_and_strided_rows():
