@@ -55,7 +55,7 @@ from timing import pct, wait_for_workers
 
 from lamina.libs.nats_server import NatsServer, free_port
 from lamina.services.engine_worker.default_model import ensure_default_model
-from lamina.services.launcher import Stack
+from lamina.services.launcher import NATS_PROCS, Stack
 
 HERE = Path(__file__).resolve().parent
 HEALTHY_P99_MS = 50
@@ -296,12 +296,16 @@ def main() -> None:
     parser.add_argument(
         "--floor", action="store_true", help="at each level, bus_relay.py's CPU per token too"
     )
+    parser.add_argument(
+        "--nats-procs", type=int, default=NATS_PROCS, help="nats-server's GOMAXPROCS (0: Go's)"
+    )
     args = parser.parse_args()
     model = ensure_default_model(args.preset)
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))
     monitor_port = free_port()
     monitor = f"http://127.0.0.1:{monitor_port}"
-    with tempfile.TemporaryDirectory() as tmp, NatsServer(monitor_port=monitor_port) as nats:
+    bus = NatsServer(monitor_port=monitor_port, procs=args.nats_procs or None)
+    with tempfile.TemporaryDirectory() as tmp, bus as nats:
         stack = Stack(
             model=model,
             nats_url=nats.url,

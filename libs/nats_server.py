@@ -4,6 +4,7 @@ or as one node of a cluster (:class:`NatsCluster`)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -97,6 +98,7 @@ class NatsServer:
         tls: tuple[str, str] | None = None,
         cluster: NatsCluster | None = None,
         monitor_port: int | None = None,
+        procs: int | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -112,6 +114,9 @@ class NatsServer:
         self.monitor_port = monitor_port
         """Where the server's HTTP monitoring (``/varz``, ``/connz``) listens, on ``host``
         (None: nowhere). Benchmarks read message counts there."""
+        self.procs = procs
+        """Threads the server runs Go code on at once (``GOMAXPROCS``; None: Go's default,
+        one per CPU)."""
         self._store: tempfile.TemporaryDirectory | None = None
         self._proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
@@ -153,8 +158,10 @@ class NatsServer:
         # Its log goes to a file, not a pipe: nobody reads a pipe while the stack runs, and
         # a full one (64 KiB of warnings) would block the server and the whole bus with it.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        env = None if self.procs is None else {**os.environ, "GOMAXPROCS": str(self.procs)}
         self._proc = subprocess.Popen(
             args,
+            env=env,
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             start_new_session=True,

@@ -45,6 +45,12 @@ from lamina.services.engine_worker.engine.model_config import ModelConfig
 from lamina.services.gateway.config import GatewayOptions
 
 SERVICES = frozenset({"gateway", "scheduler", "telemetry", "worker"})
+NATS_PROCS = 1
+"""The embedded NATS server's Go threads. The bus carries a message per engine step per
+gateway and a few per request, a small share of one core; with a thread per CPU, Go wakes
+idle threads to look for work on each message, CPU the services next to it lose (on a
+2-vCPU host, 25-35% of nats-server's CPU a token: ``docs/performance.md``, "The data
+path, per hop")."""
 
 
 class StartStopped(Exception):
@@ -91,6 +97,8 @@ class Stack:
     ``worker`` among them."""
     nats_host: str = "127.0.0.1"
     """Address the embedded NATS server listens on."""
+    nats_procs: int = NATS_PROCS
+    """Threads the embedded NATS server runs Go code on (``GOMAXPROCS``; 0: one per CPU)."""
     cluster: NatsCluster | None = None
     """The embedded server's place in a NATS cluster (None: it stands alone)."""
     peer_urls: tuple[str, ...] = ()
@@ -255,7 +263,11 @@ class Stack:
         if self.nats_url is None:
             tls = self.nats_tls[:2] if self.nats_tls else None
             self.nats = NatsServer(
-                port=self.nats_port or None, host=self.nats_host, tls=tls, cluster=self.cluster
+                port=self.nats_port or None,
+                host=self.nats_host,
+                tls=tls,
+                cluster=self.cluster,
+                procs=self.nats_procs or None,
             )
             if self.credentials is not None:
                 store = CredentialStore(self.credentials)
@@ -395,6 +407,10 @@ class UpConfig:
     metrics_port: int = option(9400, "telemetry's HTTP port (/metrics, /v1/cluster)")
     nats_url: str = option("", "use this NATS server instead of starting one")
     nats_port: int = option(4222, "port of the embedded NATS server (0: any free port)")
+    nats_procs: int = option(
+        NATS_PROCS,
+        "threads the embedded NATS server runs Go code on (GOMAXPROCS; 0: one per CPU)",
+    )
     api_key: str = option("", "API keys the gateway requires (comma-separated; none: open)")
     api_key_file: str = option(
         "", "file of the gateway's API keys with their limits (lamina gateway's --api-key-file)"
@@ -526,6 +542,7 @@ def stack_of(config: UpConfig, model: Path, **placement: object) -> Stack:
         metrics_port=config.metrics_port,
         nats_url=config.nats_url or None,
         nats_port=config.nats_port,
+        nats_procs=config.nats_procs,
         credentials=lamina_home() / "nats" if config.nats_auth else None,
         nats_tls=(config.nats_tls_cert, config.nats_tls_key, config.nats_tls_ca)
         if config.nats_tls_cert

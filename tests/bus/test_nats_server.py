@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 from pathlib import Path
 
 import nats
@@ -14,6 +16,7 @@ from lamina.libs.nats_server import NatsServer, free_port
 from lamina.schemas.v1 import subjects
 from lamina.schemas.v1.control import Cancel
 from lamina.schemas.v1.records import BusHealth
+from lamina.services.launcher import NATS_PROCS, Stack
 
 
 def test_the_bus_reconnects_and_resubscribes_when_the_server_comes_back():
@@ -86,3 +89,22 @@ def test_jetstream_is_there_when_asked_for_and_its_store_goes_with_the_server():
 
     with NatsServer() as plain, pytest.raises(nats.errors.Error):  # no JetStream there
         asyncio.run(without(plain.url))
+
+
+def test_the_server_runs_its_go_code_on_the_threads_it_is_given():
+    """``procs`` is the server's ``GOMAXPROCS`` (its own ``/varz`` says so); without it Go
+    picks, and the launcher's stack gives its embedded server ``NATS_PROCS``."""
+
+    def gomaxprocs(server: NatsServer) -> int:
+        url = f"http://127.0.0.1:{server.monitor_port}/varz"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.load(response)["gomaxprocs"]
+
+    with NatsServer(monitor_port=free_port(), procs=1) as one:
+        assert gomaxprocs(one) == 1
+    with NatsServer(monitor_port=free_port()) as chosen:
+        assert gomaxprocs(chosen) >= 1
+    stack = Stack(model=Path("unused"), services=frozenset())  # its NATS server alone
+    with stack:
+        environ = Path(f"/proc/{stack.nats.pid}/environ").read_bytes().split(b"\0")
+    assert f"GOMAXPROCS={NATS_PROCS}".encode() in environ and NATS_PROCS == 1
