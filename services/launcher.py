@@ -49,7 +49,7 @@ NATS_PROCS = 1
 """The embedded NATS server's Go threads. The bus carries a message per engine step per
 gateway and a few per request, a small share of one core; with a thread per CPU, Go wakes
 idle threads to look for work on each message, CPU the services next to it lose (on a
-2-vCPU host, 25-35% of nats-server's CPU a token: ``docs/performance.md``, "The data
+2-vCPU host, a fifth to a third of nats-server's CPU a token: ``docs/performance.md``, "The data
 path, per hop")."""
 
 
@@ -445,6 +445,8 @@ def preflight(config: UpConfig, model: Path, ports: list[tuple[str, str, int]]) 
             return f"port {port} on {host} is in use ({flag})"
     if config.gateways < 1 or config.stream_interval < 1:
         return "--gateways and --stream-interval are at least 1"
+    if config.nats_procs < 0:
+        return f"--nats-procs {config.nats_procs}: 0 (one per CPU) or more"
     if not 0 <= config.prefill_workers <= config.workers:
         return f"--prefill-workers {config.prefill_workers}: 0 to --workers ({config.workers})"
     if WorkerRole(config.worker_role) == WorkerRole.UNKNOWN:

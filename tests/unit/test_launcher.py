@@ -102,3 +102,12 @@ def test_workers_roles_split_one_hosts_workers_or_give_them_all_one():
     assert refused is not None and "--worker-role" in refused
     refused = preflight(UpConfig(worker_role="both"), model, [])
     assert refused is not None and "mixed, prefill or decode" in refused
+
+
+def test_the_embedded_nats_servers_threads_reach_its_stack_and_a_negative_count_is_refused():
+    from lamina.services.launcher import NATS_PROCS, preflight
+
+    assert stack_of(UpConfig(), Path("model")).nats_procs == NATS_PROCS
+    assert stack_of(UpConfig(nats_procs=0), Path("model")).nats_procs == 0  # Go's default
+    refused = preflight(UpConfig(nats_procs=-1), Path(__file__), [])
+    assert refused is not None and "--nats-procs -1" in refused
