@@ -189,7 +189,8 @@ class Bus:
             bus.errors += 1
 
         async def on_disconnect() -> None:
-            if bus is not None:  # not the first connection's attempts, said once above
+            # Not the first connection's attempts (said once above), nor a close of ours.
+            if bus is not None and not client.is_closed:
                 log.warning("disconnected from nats")
                 bus.disconnects += 1
 

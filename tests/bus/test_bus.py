@@ -256,3 +256,17 @@ def test_an_unsampled_trace_crosses_the_bus_unchanged_and_makes_no_span(nats_url
         f"00-{0x5678:032x}-{0x42:016x}-00"
     ] * 2
     assert finished() == ()
+
+
+def test_closing_the_bus_is_not_a_lost_connection(nats_url, caplog):
+    """Only a connection lost counts (and warns) as a disconnect, not one the bus closed."""
+
+    async def main() -> int:
+        bus = await Bus.connect(nats_url, "test-close")
+        await bus.publish("t.close", Cancel(request_id="x"))
+        await bus.close()
+        return bus.disconnects
+
+    with caplog.at_level("WARNING", logger="lamina.bus"):
+        assert asyncio.run(main()) == 0
+    assert "disconnected from nats" not in caplog.text
