@@ -19,10 +19,10 @@
 //
 // In fp32 or bf16 (the model's dtype): a bf16 model's step runs its linears (the gated one
 // with its activation) on bf16_linear.cpp's matmul and its norms and rotary on
-// elementwise.cpp's bf16 kernels, rounding where its Python forward's ops round (the attention widens the
-// queries to fp32 and rounds its output once, as attention.py does), so both compute the
-// same logits. A bf16 step takes no adapters and no per-head norms (decode.py refuses
-// them; the Python forward runs those).
+// elementwise.cpp's bf16 kernels, rounding where its Python forward's ops round (the
+// attention widens the queries to fp32 and rounds its output once, as attention.py does),
+// so both compute the same logits. A bf16 step takes no adapters and no per-head norms
+// (decode.py refuses them; the Python forward runs those).
 //
 // Layers come as rows of int64 fields (pointers and sizes), built once at load by
 // kernels/cpu/decode.py, which names each field.
