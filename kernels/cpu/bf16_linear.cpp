@@ -77,7 +77,19 @@ void write_gated(const float* sums, int64_t lds, int64_t rows, int64_t cols, con
                  Bf16* out, int64_t ldo) {
   Bf16 gate[kPanel], up[kPanel];
   int64_t i = 0;
-#if LAMINA_AVX2
+#if LAMINA_AVX512
+  if (cols == kPanel) {  // a whole panel: the same roundings, 16 lanes at a time
+    using lamina::rounded16;
+    const __m512 gate_bias = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 up_bias = bias ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
+    for (; i < rows; i++) {
+      const float* s = sums + i * lds;
+      const __m512 g = rounded16(_mm512_add_ps(_mm512_loadu_ps(s), gate_bias));
+      const __m512 u = rounded16(_mm512_add_ps(_mm512_loadu_ps(s + kPanel), up_bias));
+      lamina::store16(out + i * ldo, _mm512_mul_ps(rounded16(lamina::silu16(g)), u));
+    }
+  }
+#elif LAMINA_AVX2
   if (cols == kPanel) {  // a whole panel: the same roundings, 8 lanes at a time
     using lamina::rounded8;
     __m256 bias8[4];

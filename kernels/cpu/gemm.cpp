@@ -168,10 +168,7 @@ inline __m512 load16(const Fp8* b) {  // as the two-register load16 widens e4m3
                                      _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
   return _mm512_cvtph_ps(h);
 }
-inline __m512 load16(const Bf16* b) {
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
+using lamina::load16;  // bf16's
 #endif
 #endif
 

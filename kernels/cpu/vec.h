@@ -7,6 +7,11 @@
 #else
 #define LAMINA_AVX2 0
 #endif
+#if LAMINA_AVX2 && defined(__AVX512F__)
+#define LAMINA_AVX512 1
+#else
+#define LAMINA_AVX512 0
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -116,9 +121,66 @@ inline void store8(Bf16* p, __m256 x) {
 
 #endif
 
+#if LAMINA_AVX512
+// The same on 16 lanes, instruction for instruction (so lane for lane the same results):
+// the activation is arithmetic-bound, and half the instructions a vector is what the
+// wider registers buy.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+inline __m512 silu16(__m512 g) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+inline __m512 load16(const Bf16* p) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+inline __m512i bf16_bits16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(sum, nan, _mm512_set1_epi32(0x7FC00000));
+}
+
+inline __m512 rounded16(__m512 x) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(bf16_bits16(x), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline void store16(Bf16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(x), 16)));
+}
+#endif
+
 // o[j] = silu(g[j]) * up[j] for j < n: the MLP's activation, wherever it runs.
 inline void silu_mul_row(const float* g, const float* up, float* o, int64_t n) {
   int64_t j = 0;
+#if LAMINA_AVX512
+  for (; j + 16 <= n; j += 16)
+    _mm512_storeu_ps(o + j,
+                     _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)), _mm512_loadu_ps(up + j)));
+#endif
 #if LAMINA_AVX2
   for (; j + 8 <= n; j += 8)
     _mm256_storeu_ps(o + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(up + j)));
@@ -130,6 +192,10 @@ inline void silu_mul_row(const float* g, const float* up, float* o, int64_t n) {
 // bf16(bf16(silu(g[j])) * up[j]).
 inline void silu_mul_row(const Bf16* g, const Bf16* up, Bf16* o, int64_t n) {
   int64_t j = 0;
+#if LAMINA_AVX512
+  for (; j + 16 <= n; j += 16)
+    store16(o + j, _mm512_mul_ps(rounded16(silu16(load16(g + j))), load16(up + j)));
+#endif
 #if LAMINA_AVX2
   for (; j + 8 <= n; j += 8)
     store8(o + j, _mm256_mul_ps(rounded8(silu8(load8(g + j))), load8(up + j)));

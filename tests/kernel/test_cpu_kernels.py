@@ -169,6 +169,21 @@ def test_rms_norm_per_head_weights_use_the_reference():
     torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-6)[0], ref.rms_norm(x, weight, 1e-6)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_computes_the_same_in_every_vector_width(dtype):
+    """A row of 24 runs its first 16 outputs on 16 lanes where the CPU has AVX-512 and the
+    next 8 on AVX2's 8: the same inputs in both places give the same bits."""
+    g = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(4096, 8, generator=g) * 6, torch.randn(4096, 8, generator=g) * 3
+    gate[0] = torch.tensor([-200.0, 200.0, 0.0, -0.0, 1e-39, -87.0, 88.0, float("nan")])
+    filler = torch.randn(4096, 8, generator=g)
+    x = torch.cat([gate, filler, gate, up, filler, up], dim=1).to(dtype)  # (4096, 2 * 24)
+    out = cpu.silu_and_mul(x)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # NaN's too
+    assert torch.equal(out[:, :8].view(bits), out[:, 16:].view(bits))
+    torch.testing.assert_close(out, ref.silu_and_mul(x), **BF16_STEP, equal_nan=True)
+
+
 @pytest.mark.parametrize("half", [1, 37, 1024])
 def test_silu_and_mul_matches_reference(half):
     x = torch.randn(9, 2 * half) * 6  # large magnitudes: exp's range ends
