@@ -177,15 +177,24 @@ alignas(64) const TileConfig kTiles = {
     1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
 // 32 rows of x (row stride ldx, k padded to whole blocks) against panels p and p + 1, by
-// AMX, into sums (32 x 32).
+// AMX, into sums (32 x 32); with `ahead`, the two panels from there are fetched into L2
+// meanwhile (past the weight's end: a no-op).
 __attribute__((target("amx-tile,amx-bf16")))
 void tile_block(const uint16_t* x, int64_t ldx, int64_t blocks, const uint16_t* panel0,
-                const uint16_t* panel1, float* sums) {
+                const uint16_t* panel1, float* sums, const uint16_t* ahead) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t b = 0; b < blocks; b++) {
+    if (ahead) {
+      const char* next0 = reinterpret_cast<const char*>(ahead + b * kBlock);
+      const char* next1 = next0 + 2 * blocks * kBlock;
+      for (int line = 0; line < 2 * kBlock; line += 64) {
+        _mm_prefetch(next0 + line, _MM_HINT_T1);
+        _mm_prefetch(next1 + line, _MM_HINT_T1);
+      }
+    }
     _tile_loadd(4, x + b * kDepth, ldx * 2);
     _tile_loadd(5, x + 16 * ldx + b * kDepth, ldx * 2);
     _tile_loadd(6, panel0 + b * kBlock, 64);
@@ -293,10 +302,12 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
       const auto write = gated ? write_gated : write_sums;
       if (amx) {
         const int64_t rows = std::min<int64_t>(32, m - r);
-        if (r < copied)
-          tile_block(x + r * ldx, ldx, blocks, panel0, panel1, sums);
-        else
-          tile_block(padded.data() + (r - copied) * lda, lda, blocks, panel0, panel1, sums);
+        // The group's first row block against this pair also fetches the next pair's
+        // weights into L2 (while decoding, the next item's): left to the hardware, the
+        // weights' tile loads wait on L3.
+        const uint16_t* ahead = at % size == 0 ? panel1 + blocks * kBlock : nullptr;
+        const uint16_t* rows_x = r < copied ? x + r * ldx : padded.data() + (r - copied) * lda;
+        tile_block(rows_x, r < copied ? ldx : lda, blocks, panel0, panel1, sums, ahead);
         write(sums, 32, rows, cols, b, at_p + r * n, n);
       } else {
         for (int64_t r0 = 0; r0 < m; r0 += kRows) {
