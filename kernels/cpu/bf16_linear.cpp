@@ -302,10 +302,11 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
       const auto write = gated ? write_gated : write_sums;
       if (amx) {
         const int64_t rows = std::min<int64_t>(32, m - r);
-        // The group's first row block against this pair also fetches the next pair's
-        // weights into L2 (while decoding, the next item's): left to the hardware, the
-        // weights' tile loads wait on L3.
-        const uint16_t* ahead = at % size == 0 ? panel1 + blocks * kBlock : nullptr;
+        // With one row block (decoding), the next item's weights (the next pair) are
+        // fetched into L2 while this pair's are multiplied: left to the hardware, the
+        // weights' tile loads wait on L3. (With more row blocks the weights are reused
+        // from L2, and the same fetch slowed 128 rows.)
+        const uint16_t* ahead = row_blocks == 1 ? panel1 + blocks * kBlock : nullptr;
         const uint16_t* rows_x = r < copied ? x + r * ldx : padded.data() + (r - copied) * lda;
         tile_block(rows_x, r < copied ? ldx : lda, blocks, panel0, panel1, sums, ahead);
         write(sums, 32, rows, cols, b, at_p + r * n, n);
