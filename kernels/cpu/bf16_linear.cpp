@@ -14,11 +14,13 @@
 // straight from x where the block has 32 rows and K whole blocks, else from a zero-padded
 // copy: from 8 to 31 rows the weights' bytes bound a step, not the tiles' arithmetic)
 // and two weight blocks, four tile products; the row blocks run in groups that fit L2,
-// every panel pair over a group before the next. Below 8 rows, or without AMX: up to 8 rows
-// against two panels in sixteen 512-bit accumulators, each weight row loaded once for
-// all of them, the next two panels prefetched meanwhile (memory-bound there: more streams
-// in flight, 1.15-1.5x at 1-6 rows). The sums are rounded to bf16 once, after the bias
-// is added in fp32.
+// every panel pair over a group before the next; each block's sums are written (rounded,
+// or gated) by the vector units during the next block's tile products, and with one block
+// of rows the next pair's weights are fetched into L2 meanwhile. Below 8 rows, or without
+// AMX: up to 8 rows against two panels in sixteen 512-bit accumulators, each weight row
+// loaded once for all of them, the next two panels prefetched meanwhile (memory-bound
+// there: more streams in flight, 1.15-1.5x at 1-6 rows). The sums are rounded to bf16
+// once, after the bias is added in fp32.
 //
 // Gated (the MLP's gate and up projections in one weight): the panels alternate 16 of
 // gate's columns and the same 16 of up's, so each panel pair's sums are both halves of
@@ -176,16 +178,37 @@ struct TileConfig {
 alignas(64) const TileConfig kTiles = {
     1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
+using Write = void (*)(const float*, int64_t, int64_t, int64_t, const float*, Bf16*, int64_t);
+
+// A finished AMX block's sums, not yet written (rounded, with the bias, or gated): the next
+// block's tile loop writes them a few rows after each k block's products, so the vector
+// units round (and activate) while the tile unit multiplies, where written after the loop
+// they ran with the tiles idle (a gated block's activation costs ~40% of its products).
+struct Pending {
+  Write write = nullptr;
+  const float* sums = nullptr;
+  int64_t rows = 0, cols = 0;
+  const float* bias = nullptr;
+  Bf16* out = nullptr;
+  int64_t ldo = 0;
+  void run(int64_t from, int64_t to) const {
+    to = std::min(to, rows);
+    if (from < to) write(sums + from * 32, 32, to - from, cols, bias, out + from * ldo, ldo);
+  }
+};
+
 // 32 rows of x (row stride ldx, k padded to whole blocks) against panels p and p + 1, by
 // AMX, into sums (32 x 32); with `ahead`, the two panels from there are fetched into L2
-// meanwhile (past the weight's end: a no-op).
+// meanwhile (past the weight's end: a no-op), and `pending` is written meanwhile.
 __attribute__((target("amx-tile,amx-bf16")))
 void tile_block(const uint16_t* x, int64_t ldx, int64_t blocks, const uint16_t* panel0,
-                const uint16_t* panel1, float* sums, const uint16_t* ahead) {
+                const uint16_t* panel1, float* sums, const uint16_t* ahead,
+                const Pending& pending) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+  const int64_t step = (pending.rows + blocks - 1) / blocks;  // pending rows a block
   for (int64_t b = 0; b < blocks; b++) {
     if (ahead) {
       const char* next0 = reinterpret_cast<const char*>(ahead + b * kBlock);
@@ -203,6 +226,7 @@ void tile_block(const uint16_t* x, int64_t ldx, int64_t blocks, const uint16_t* 
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
+    if (pending.write) pending.run(b * step, (b + 1) * step);
   }
   _tile_stored(0, sums, 32 * 4);
   _tile_stored(1, sums + 16, 32 * 4);
@@ -288,7 +312,8 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
   // of x read x again from memory for every pair once it outgrew L2.
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (32 * lda * 2));
   at::parallel_for(0, pairs * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[32 * 32];
+    alignas(64) float sums[2][32 * 32];  // this block's, and the last one's until written
+    Pending pending;
     if (amx) tiles_on();
     for (int64_t item = begin; item < end; item++) {
       const int64_t g = item / (group * pairs), first = g * group;
@@ -308,17 +333,21 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
         // from L2, and the same fetch slowed 128 rows.)
         const uint16_t* ahead = row_blocks == 1 ? panel1 + blocks * kBlock : nullptr;
         const uint16_t* rows_x = r < copied ? x + r * ldx : padded.data() + (r - copied) * lda;
-        tile_block(rows_x, r < copied ? ldx : lda, blocks, panel0, panel1, sums, ahead);
-        write(sums, 32, rows, cols, b, at_p + r * n, n);
+        float* block = sums[item % 2];
+        tile_block(rows_x, r < copied ? ldx : lda, blocks, panel0, panel1, block, ahead, pending);
+        pending = Pending{write, block, rows, cols, b, at_p + r * n, n};
       } else {
         for (int64_t r0 = 0; r0 < m; r0 += kRows) {
           const int64_t rows = std::min<int64_t>(kRows, m - r0);
-          kPairRows[rows - 1](x + r0 * ldx, ldx, k, panel0, panel1, sums);
-          write(sums, 32, rows, cols, b, at_p + r0 * n, n);
+          kPairRows[rows - 1](x + r0 * ldx, ldx, k, panel0, panel1, sums[0]);
+          write(sums[0], 32, rows, cols, b, at_p + r0 * n, n);
         }
       }
     }
-    if (amx) tiles_off();
+    if (amx) {
+      pending.run(0, pending.rows);  // the thread's last block
+      tiles_off();
+    }
   });
 #endif
 }
