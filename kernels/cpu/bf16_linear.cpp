@@ -14,9 +14,9 @@
 // straight from x where the block has 32 rows and K whole blocks, else from a zero-padded
 // copy: from 8 to 31 rows the weights' bytes bound a step, not the tiles' arithmetic)
 // and two weight blocks, four tile products; the row blocks run in groups that fit L2,
-// every panel pair over a group before the next; each block's sums are written (rounded,
-// or gated) by the vector units during the next block's tile products, and with one block
-// of rows the next pair's weights are fetched into L2 meanwhile. Below 8 rows, or without
+// every panel pair over a group before the next; a gated block's activation runs on the
+// vector units during the next block's tile products, and with one block of rows the next
+// pair's weights are fetched into L2 meanwhile. Below 8 rows, or without
 // AMX: up to 8 rows against two panels in sixteen 512-bit accumulators, each weight row
 // loaded once for all of them, the next two panels prefetched meanwhile (memory-bound
 // there: more streams in flight, 1.15-1.5x at 1-6 rows). The sums are rounded to bf16
@@ -178,14 +178,13 @@ struct TileConfig {
 alignas(64) const TileConfig kTiles = {
     1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
-using Write = void (*)(const float*, int64_t, int64_t, int64_t, const float*, Bf16*, int64_t);
-
-// A finished AMX block's sums, not yet written (rounded, with the bias, or gated): the next
-// block's tile loop writes them a few rows after each k block's products, so the vector
-// units round (and activate) while the tile unit multiplies, where written after the loop
-// they ran with the tiles idle (a gated block's activation costs ~40% of its products).
+// A finished gated AMX block's sums, not yet written: the next block's tile loop writes
+// them (rounded, activated, multiplied) a few rows after each k block's products, so the
+// vector units do the activation's arithmetic while the tile unit multiplies. Written
+// after the loop, with the tiles idle, it cost ~40% on top of the block's products. (A
+// plain block's rounding deferred the same way made the plain matmul slower at 128-512
+// rows, so those are written at once.)
 struct Pending {
-  Write write = nullptr;
   const float* sums = nullptr;
   int64_t rows = 0, cols = 0;
   const float* bias = nullptr;
@@ -193,7 +192,7 @@ struct Pending {
   int64_t ldo = 0;
   void run(int64_t from, int64_t to) const {
     to = std::min(to, rows);
-    if (from < to) write(sums + from * 32, 32, to - from, cols, bias, out + from * ldo, ldo);
+    if (from < to) write_gated(sums + from * 32, 32, to - from, cols, bias, out + from * ldo, ldo);
   }
 };
 
@@ -226,7 +225,7 @@ void tile_block(const uint16_t* x, int64_t ldx, int64_t blocks, const uint16_t* 
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
-    if (pending.write) pending.run(b * step, (b + 1) * step);
+    pending.run(b * step, (b + 1) * step);
   }
   _tile_stored(0, sums, 32 * 4);
   _tile_stored(1, sums + 16, 32 * 4);
@@ -312,7 +311,7 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
   // of x read x again from memory for every pair once it outgrew L2.
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (32 * lda * 2));
   at::parallel_for(0, pairs * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[2][32 * 32];  // this block's, and the last one's until written
+    alignas(64) float sums[2][32 * 32];  // this block's, and a gated last one's until written
     Pending pending;
     if (amx) tiles_on();
     for (int64_t item = begin; item < end; item++) {
@@ -335,7 +334,10 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
         const uint16_t* rows_x = r < copied ? x + r * ldx : padded.data() + (r - copied) * lda;
         float* block = sums[item % 2];
         tile_block(rows_x, r < copied ? ldx : lda, blocks, panel0, panel1, block, ahead, pending);
-        pending = Pending{write, block, rows, cols, b, at_p + r * n, n};
+        if (gated)
+          pending = Pending{block, rows, cols, b, at_p + r * n, n};
+        else
+          write_sums(block, 32, rows, cols, b, at_p + r * n, n);
       } else {
         for (int64_t r0 = 0; r0 < m; r0 += kRows) {
           const int64_t rows = std::min<int64_t>(kRows, m - r0);
@@ -345,7 +347,7 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
       }
     }
     if (amx) {
-      pending.run(0, pending.rows);  // the thread's last block
+      pending.run(0, pending.rows);  // the thread's last gated block
       tiles_off();
     }
   });
