@@ -16,11 +16,11 @@
 // and two weight blocks, four tile products; the row blocks run in groups that fit L2,
 // every panel pair over a group before the next; a gated block's activation runs on the
 // vector units during the next block's tile products, and with one block of rows the next
-// pair's weights are fetched into L2 meanwhile. Below 8 rows, or without
-// AMX: up to 8 rows against two panels in sixteen 512-bit accumulators, each weight row
-// loaded once for all of them, the next two panels prefetched meanwhile (memory-bound
-// there: more streams in flight, 1.15-1.5x at 1-6 rows). The sums are rounded to bf16
-// once, after the bias is added in fp32.
+// pair's weights are fetched into L2 meanwhile. Below 8 rows, or without AMX: up to 8
+// rows against two panels in sixteen 512-bit accumulators, each weight row loaded once
+// for all of them, the next two panels prefetched meanwhile (memory-bound there: more
+// streams in flight, 1.15-1.5x at 1-6 rows). The sums are rounded to bf16 once, after
+// the bias is added in fp32.
 //
 // Gated (the MLP's gate and up projections in one weight): the panels alternate 16 of
 // gate's columns and the same 16 of up's, so each panel pair's sums are both halves of
