@@ -2,7 +2,8 @@
 (gather the blocks into a padded tensor, then ``scaled_dot_product_attention``), on the
 same paged cache in one run, across batch sizes and context lengths. Prints median
 milliseconds of ``--runs`` repetitions per layer call, the native kernel's effective
-bandwidth over the K/V bytes it reads, and the ratio.
+bandwidth over the K/V bytes it reads, and the ratio. In bf16 on a CPU with AMX, also the
+kernel with its tiles off (the fp32 path on the widened values) and what the tiles gain.
 
     .venv/bin/python benchmarks/cpu_attention.py    # the 'small' preset's heads: 8 / 2 x 64
     .venv/bin/python benchmarks/cpu_attention.py --dtype bfloat16   # a bf16 model's
@@ -21,8 +22,11 @@ from lamina.kernels import reference as ref
 from lamina.kernels.reference import AttentionMetadata
 
 
-def case(batch: int, context: int, args: argparse.Namespace) -> tuple[float, float, float]:
-    """(reference ms, native ms, K/V megabytes read) for ``batch`` decodes at ``context``."""
+def case(
+    batch: int, context: int, args: argparse.Namespace
+) -> tuple[float, float, float, float | None]:
+    """(reference ms, native ms, K/V megabytes read, native ms without AMX tiles or None)
+    for ``batch`` decodes at ``context``."""
     bs, hq, hkv, d = args.block_size, args.hq, args.hkv, args.head_dim
     per_seq = -(-(context + 1) // bs)
     num_blocks = batch * per_seq
@@ -43,7 +47,12 @@ def case(batch: int, context: int, args: argparse.Namespace) -> tuple[float, flo
     scale = d**-0.5
     t_ref = median_ms(lambda: ref.paged_attention(q, kv, kv, cache, dense, scale), args.runs, 3)
     t_cpu = median_ms(lambda: cpu.paged_attention(q, kv, kv, cache, flat, scale), args.runs, 3)
-    return t_ref, t_cpu, batch * (context + 1) * hkv * d * cache.element_size() * 2 / 1e6
+    t_wide = None
+    if dtype == torch.bfloat16 and cpu.attention.AMX:
+        lens, blocks = flat.context_lens, flat.block_table
+        wide = lambda: cpu.decode_attention(q, cache, blocks, lens, scale, tiles=False)  # noqa: E731
+        t_wide = median_ms(wide, args.runs, 3)
+    return t_ref, t_cpu, batch * (context + 1) * hkv * d * cache.element_size() * 2 / 1e6, t_wide
 
 
 def main() -> None:
@@ -62,13 +71,17 @@ def main() -> None:
         f"decode attention, {args.dtype}, {args.hq} query / {args.hkv} KV heads x {args.head_dim}, "
         f"block {args.block_size}, {torch.get_num_threads()} threads; median of {args.runs}"
     )
-    print(f"{'batch':>5} {'context':>7} {'reference ms':>12} {'native ms':>9} {'GB/s':>5} ratio")
+    print(
+        f"{'batch':>5} {'context':>7} {'reference ms':>12} {'native ms':>9} {'GB/s':>5} ratio"
+        "  (no tiles ms, tiles' gain)"
+    )
     for batch in args.batches:
         for context in args.contexts:
-            t_ref, t_cpu, mb = case(batch, context, args)
+            t_ref, t_cpu, mb, t_wide = case(batch, context, args)
+            tiles = "" if t_wide is None else f"  {t_wide:.3f} {t_wide / t_cpu:.2f}x"
             print(
                 f"{batch:5d} {context:7d} {t_ref:12.3f} {t_cpu:9.3f} {mb / t_cpu:5.1f} "
-                f"{t_ref / t_cpu:.2f}x",
+                f"{t_ref / t_cpu:.2f}x{tiles}",
                 flush=True,
             )
 

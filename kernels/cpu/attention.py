@@ -20,6 +20,9 @@ _CACHE_KINDS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.int8: 2, torch.b
 """The caches the kernel reads, by its ``cache_kind`` argument (a bf16 cache belongs to a
 bf16 model)."""
 
+AMX = bool(torch.cpu._is_amx_tile_supported())
+"""Whether this CPU has AMX tiles (a bf16 cache's decodes multiply on them by default)."""
+
 
 def decode_attention(
     q: torch.Tensor,
@@ -29,19 +32,22 @@ def decode_attention(
     scale: float,
     kv_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    tiles: bool = AMX,
 ) -> torch.Tensor:
     """Attention of one query ``(Hq, D)`` per sequence over its cached context and its
     own new token (already written): ``context_lens[s] + 1`` tokens. ``q`` ``(S, Hq, D)``
     (rows may be strided; heads contiguous), ``block_table`` ``(S, W)`` int64,
     ``context_lens`` ``(S,)`` int64, as in :class:`AttentionMetadata`. Returns ``(S, Hq,
-    D)`` (written into ``out`` if given). The kernel computes in fp32: bf16 queries (a
+    D)`` (written into ``out`` if given). The kernel takes fp32 queries: bf16 ones (a
     bf16 model's, over its bf16 cache) are widened for it and its result rounded back
-    once, as SDPA's bf16 kernel rounds its result."""
+    once, as SDPA's bf16 kernel rounds its result. Over a bf16 cache with ``tiles`` it
+    multiplies on AMX, its softmax weights rounded to bf16 as SDPA's are (else in fp32:
+    exactly what the fp32 cache of the same values gives)."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     if q.dtype == torch.bfloat16:
         result = decode_attention(
-            q.float(), kv_cache, block_table, context_lens, scale, kv_scales
+            q.float(), kv_cache, block_table, context_lens, scale, kv_scales, tiles=tiles
         ).to(torch.bfloat16)
         return result if out is None else out.copy_(result)
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -74,6 +80,7 @@ def decode_attention(
         head_dim,
         scale,
         ptr(out),
+        int(tiles),
     )
     if status:
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")

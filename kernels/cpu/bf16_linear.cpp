@@ -31,8 +31,6 @@
 #include <ATen/Parallel.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -40,6 +38,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 
 using lamina::Bf16;
@@ -167,15 +166,8 @@ using PairRows = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, co
 constexpr PairRows kPairRows[kRows] = {pair_rows<1>, pair_rows<2>, pair_rows<3>, pair_rows<4>,
                                        pair_rows<5>, pair_rows<6>, pair_rows<7>, pair_rows<8>};
 
-// The tile configuration (palette 1): tiles 0-7 of 16 rows of 64 bytes. In memory, as
-// ldtilecfg reads it (a local copy's stores were optimized away before the load).
-struct TileConfig {
-  uint8_t palette, start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-alignas(64) const TileConfig kTiles = {
+// The tile configuration: tiles 0-7 of 16 rows of 64 bytes.
+alignas(64) const lamina::TileConfig kTiles = {
     1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
 // A finished gated AMX block's sums, not yet written: the next block's tile loop writes
@@ -239,13 +231,6 @@ void tiles_on() { _tile_loadconfig(&kTiles); }
 __attribute__((target("amx-tile")))
 void tiles_off() { _tile_release(); }
 
-// Whether this process may use AMX's tile registers (Linux asks each process to request
-// them once: ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
-bool tiles_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return permitted;
-}
-
 #endif  // __x86_64__
 
 }  // namespace
@@ -292,7 +277,7 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
   (void)tiles;
 #else
   const int64_t blocks = blocks_of(k), pairs = (n + outs - 1) / outs;
-  const bool amx = tiles && m >= kRows && tiles_permitted();
+  const bool amx = tiles && m >= kRows && lamina::tiles_permitted();
   const int64_t row_blocks = amx ? (m + 31) / 32 : 1;
   Bf16* y = reinterpret_cast<Bf16*>(out);
   // The tiles read whole blocks of 32 rows and 32 k: rows from `copied` on (the last

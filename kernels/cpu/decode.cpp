@@ -74,7 +74,7 @@ int lamina_paged_decode_attention(const float* q, int64_t q_stride, const void* 
                                   int64_t table_stride, const int64_t* contexts,
                                   int64_t num_seqs, int64_t num_blocks, int64_t block_size,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  float sm_scale, float* out);
+                                  float sm_scale, float* out, int tiles);
 }
 
 namespace {
@@ -316,13 +316,14 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
           w.queries[s * q_size + i] = lamina::load(w.rotated[s * (hq + hkv) * hd + i]);
       status = lamina_paged_decode_attention(
           w.queries, q_size, cache, kCacheKind<T>, nullptr, tables, table_stride, contexts,
-          seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn_fp32);
+          seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn_fp32,
+          static_cast<int>(layer.qkv.group));
       for (int64_t i = 0; i < seqs * q_size; ++i)
         w.attn[i] = lamina::round_to<Bf16>(w.attn_fp32[i]);
     } else {
       status = lamina_paged_decode_attention(
           w.rotated, (hq + hkv) * hd, cache, kCacheKind<T>, nullptr, tables, table_stride,
-          contexts, seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn);
+          contexts, seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn, 0);
     }
     if (status) return status;
     linear(layer.o, w.attn, seqs, w.o, false);

@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 
 namespace {
@@ -320,10 +321,22 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   return sum;
 }
 
+// The largest of x[t] for t < n (NaNs skipped). In vectors: the compiler leaves the loop
+// a chain of scalar maxes (a reduction over floats it may not reorder).
 inline float max_of(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t t = 0; t < n; ++t) m = std::max(m, x[t]);
+  int64_t t = 0;
+#if LAMINA_AVX2
+  __m256 a = _mm256_set1_ps(m), b = a;
+  for (; t + 16 <= n; t += 16) {  // max(x, m) is m where x is NaN
+    a = _mm256_max_ps(_mm256_loadu_ps(x + t), a);
+    b = _mm256_max_ps(_mm256_loadu_ps(x + t + 8), b);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_max_ps(a, b));
+  for (const float lane : lanes) m = std::max(m, lane);
+#endif
+  for (; t < n; ++t) m = std::max(m, x[t]);
   return m;
 }
 
@@ -412,20 +425,278 @@ void attend(const float* q, const void* cache, const float* scales, const int64_
   }
 }
 
+#if LAMINA_AVX512
+// A bf16 cache on AMX (where the CPU has it; bf16 queries, a bf16 model's): per sequence,
+// two passes over its tokens, each KV head in turn.
+//   1. Scores: 16 tokens a tile product, their key rows read in place as the A tile (16
+//      rows of 32 dims at the cache's token stride) against the G query heads that share
+//      the KV head, pair-interleaved and padded to 16 columns, as B: 16 tokens x 16 scores.
+//   2. The softmax of each head's scores in fp32 (their sum too), its weights rounded to
+//      bf16, as SDPA's bf16 kernel rounds them; then the output, 32 tokens a step: the G
+//      heads' weights as A against the value rows, repacked two tokens to a row, as B, into
+//      four accumulator tiles of G x 16 dims, 64 dims a pass.
+// The products of bf16 are exact and the tiles sum them in fp32: the scores are the fp32
+// path's up to the order of the sums, and the output differs from it by the weights'
+// rounding (a bf16 step of each weight at most).
+//
+// The passes use two tile configurations, so that each has registers to alternate: a tile
+// loaded while the product before it still reads that register waits for it.
+//   scores (kScoreTiles, 16 x 64 bytes each): 0-1 key rows (32 dims), 2-5 the queries
+//           (32 dims each: up to 128), 6-7 the scores of 16 tokens
+//   values (kValueTiles[G]): 0-3 G x 16 fp32 accumulators, 4-5 16 token pairs x 16 dims
+//           of values, 6-7 G heads x 32 tokens of weights
+alignas(64) constexpr lamina::TileConfig kScoreTiles = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+constexpr lamina::TileConfig value_tiles(int group) {
+  lamina::TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = t == 4 || t == 5 ? 16 : group;
+  }
+  return c;
+}
+
+struct ValueTiles {
+  alignas(64) lamina::TileConfig by_group[17];
+  constexpr ValueTiles() : by_group{} {
+    for (int g = 1; g <= 16; ++g) by_group[g] = value_tiles(g);
+  }
+};
+constexpr ValueTiles kValueTiles;
+
+// Whether the AMX path takes these shapes: whole 16-token tiles inside a block, 64 or 128
+// dims (whole passes of the output's four tiles), at most 16 query heads a KV head.
+inline bool amx_fits(int64_t block_size, int64_t d, int64_t group) {
+  return block_size % 16 == 0 && (d == 64 || d == 128) && group >= 1 && group <= 16;
+}
+
+__attribute__((target("amx-tile")))
+void load_tiles(const lamina::TileConfig* config) { _tile_loadconfig(config); }
+
+__attribute__((target("amx-tile")))
+void release_tiles() { _tile_release(); }
+
+// score_tile_S<Chunks>: 16 tokens' scores from the key rows at k (token stride `stride`
+// elements) into tile S, the queries' Chunks x 32 dims in tiles 2.. (loaded), then stored
+// at `scores`. (A macro: the tile intrinsics take their register as a literal.)
+#define LAMINA_SCORE_TILE(S)                                                   \
+  template <int Chunks>                                                        \
+  __attribute__((target("amx-tile,amx-bf16"))) inline void score_tile_##S(     \
+      const Bf16* k, int64_t stride, float* scores) {                          \
+    _tile_zero(S);                                                             \
+    _tile_loadd(0, k, stride * 2);                                             \
+    _tile_dpbf16ps(S, 0, 2);                                                   \
+    _tile_loadd(1, k + 32, stride * 2);                                        \
+    _tile_dpbf16ps(S, 1, 3);                                                   \
+    if constexpr (Chunks > 2) {                                                \
+      _tile_loadd(0, k + 64, stride * 2);                                      \
+      _tile_dpbf16ps(S, 0, 4);                                                 \
+      _tile_loadd(1, k + 96, stride * 2);                                      \
+      _tile_dpbf16ps(S, 1, 5);                                                 \
+    }                                                                          \
+    _tile_stored(S, scores, 64);                                               \
+  }
+LAMINA_SCORE_TILE(6)
+LAMINA_SCORE_TILE(7)
+#undef LAMINA_SCORE_TILE
+
+// scores[t * 16 + g] = q_g . k_t for the n tokens (rounded up to 16; the rows past n are
+// of whatever the block holds there, and unused). `q_pairs` holds per 32 dims the tile B:
+// 16 rows of 16 heads' pairs (dims 2r, 2r + 1 of each; zero past the group's).
+template <int Chunks>
+__attribute__((target("amx-tile,amx-bf16")))
+void scores_amx(const uint16_t* q_pairs, const Bf16* keys, const int64_t* table, int64_t n,
+                int64_t block_size, int64_t block_stride, int64_t stride, float* scores) {
+  _tile_loadd(2, q_pairs, 64);
+  _tile_loadd(3, q_pairs + 512, 64);
+  if constexpr (Chunks > 2) {
+    _tile_loadd(4, q_pairs + 1024, 64);
+    _tile_loadd(5, q_pairs + 1536, 64);
+  }
+  auto rows = [&](int64_t t) {
+    return keys + table[t / block_size] * block_stride + t % block_size * stride;
+  };
+  int64_t t0 = 0;
+  for (; t0 + 16 < n; t0 += 32) {
+    score_tile_6<Chunks>(rows(t0), stride, scores + t0 * 16);
+    score_tile_7<Chunks>(rows(t0 + 16), stride, scores + (t0 + 16) * 16);
+  }
+  if (t0 < n) score_tile_6<Chunks>(rows(t0), stride, scores + t0 * 16);
+}
+
+// Token pairs (t0 + 2r, t0 + 2r + 1) of value rows, dims [c0, c0 + 64), as four B tiles of
+// 16 dims (pair r is row r: the two tokens' values of each dim side by side); tokens from
+// n on are zeros (the weights there are zero, and a row past the sequence may hold
+// anything, NaN included).
+inline void pack_values(const Bf16* values, const int64_t* table, int64_t t0, int64_t n,
+                        int64_t block_size, int64_t block_stride, int64_t stride, int64_t c0,
+                        uint16_t* packed) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5,
+                                                    37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  auto row = [&](int64_t t) {
+    return values + table[t / block_size] * block_stride + t % block_size * stride + c0;
+  };
+  for (int64_t r = 0; r < 16; ++r) {
+    const int64_t t = t0 + 2 * r;
+    const Bf16* a = t < n ? row(t) : nullptr;
+    const Bf16* b = t + 1 < n ? row(t + 1) : nullptr;
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512i x = a ? _mm512_loadu_si512(a + 32 * h) : _mm512_setzero_si512();
+      const __m512i y = b ? _mm512_loadu_si512(b + 32 * h) : _mm512_setzero_si512();
+      _mm512_store_si512(packed + (2 * h) * 512 + r * 32, _mm512_permutex2var_epi16(x, low, y));
+      _mm512_store_si512(packed + (2 * h + 1) * 512 + r * 32,
+                         _mm512_permutex2var_epi16(x, high, y));
+    }
+  }
+}
+
+// value_step_P: one 32-token step of the output: the weights at w (row stride ld
+// elements) into tile P, against the four packed value tiles.
+#define LAMINA_VALUE_STEP(P)                                                             \
+  __attribute__((target("amx-tile,amx-bf16"))) inline void value_step_##P(               \
+      const uint16_t* w, int64_t ld, const uint16_t* tiles) {                            \
+    _tile_loadd(P, w, ld * 2);                                                           \
+    _tile_loadd(4, tiles, 64);                                                           \
+    _tile_dpbf16ps(0, P, 4);                                                             \
+    _tile_loadd(5, tiles + 512, 64);                                                     \
+    _tile_dpbf16ps(1, P, 5);                                                             \
+    _tile_loadd(4, tiles + 1024, 64);                                                    \
+    _tile_dpbf16ps(2, P, 4);                                                             \
+    _tile_loadd(5, tiles + 1536, 64);                                                    \
+    _tile_dpbf16ps(3, P, 5);                                                             \
+  }
+LAMINA_VALUE_STEP(6)
+LAMINA_VALUE_STEP(7)
+#undef LAMINA_VALUE_STEP
+
+// acc (group x d, fp32) = weights (group x n32 bf16, zero past n) @ the n value rows. `packed` holds two steps' value tiles (2 x 4 KB): the next step's are
+// packed while this step's multiply (a tile loaded right after the vector stores that
+// packed it waits for them to reach L1).
+__attribute__((target("amx-tile,amx-bf16")))
+void values_amx(const uint16_t* weights, int64_t n32, int64_t n, const Bf16* values,
+                const int64_t* table, int64_t block_size, int64_t block_stride,
+                int64_t stride, int64_t d, uint16_t* packed, float* acc) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    pack_values(values, table, 0, n, block_size, block_stride, stride, c0, packed);
+    for (int64_t t0 = 0; t0 < n; t0 += 32) {
+      const int64_t step = t0 / 32;
+      if (t0 + 32 < n)
+        pack_values(values, table, t0 + 32, n, block_size, block_stride, stride, c0,
+                    packed + (step + 1) % 2 * 2048);
+      if (step % 2)
+        value_step_7(weights + t0, n32, packed + 2048);
+      else
+        value_step_6(weights + t0, n32, packed);
+    }
+    _tile_stored(0, acc + c0, d * 4);
+    _tile_stored(1, acc + c0 + 16, d * 4);
+    _tile_stored(2, acc + c0 + 32, d * 4);
+    _tile_stored(3, acc + c0 + 48, d * 4);
+  }
+}
+
+// One work item on AMX: the query heads of `kv_heads` KV heads (from h0) of a sequence of
+// len tokens, as attend() computes them but for the weights' rounding (above).
+void attend_amx(const float* q, const Bf16* cache, const int64_t* table, int64_t len,
+                int64_t h0, int64_t kv_heads, int64_t num_blocks, int64_t block_size,
+                int64_t num_kv_heads, int64_t group, int64_t d, float sm_scale, float* out,
+                std::vector<float>& buf) {
+  const int64_t stride = num_kv_heads * d;  // between a block's token rows
+  const int64_t block_stride = block_size * stride;
+  const int64_t n16 = (len + 15) / 16 * 16, n32 = (len + 31) / 32 * 32;
+  // In floats: each KV head's scores (n16 x 16), one head's fp32 weights (n32), the
+  // output's sums (G x d); then in bf16 two steps' value tiles, the weights (G x n32)
+  // and the queries' pairs (d / 32 tiles of 16 x 32).
+  const int64_t floats = kv_heads * n16 * 16 + n32 + group * d;
+  const int64_t halves = 2 * 2048 + group * n32 + d * 16;
+  buf.resize(floats + halves / 2 + 16);
+  float* scores = buf.data();
+  float* row = scores + kv_heads * n16 * 16;
+  float* acc = row + n32;
+  const auto aligned = (reinterpret_cast<uintptr_t>(acc + group * d) + 63) & ~uintptr_t{63};
+  uint16_t* packed = reinterpret_cast<uint16_t*>(aligned);  // 64-byte aligned tile rows
+  uint16_t* weights = packed + 2 * 2048;
+  uint16_t* q_pairs = weights + group * n32;
+  load_tiles(&kScoreTiles);
+  for (int64_t kh = 0; kh < kv_heads; ++kh) {
+    const float* qh = q + kh * group * d;
+    std::fill(q_pairs, q_pairs + d * 16, uint16_t{0});
+    for (int64_t c = 0; c < d; c += 32)
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t e = 0; e < 2; ++e)
+            q_pairs[c * 16 + r * 32 + 2 * g + e] =
+                lamina::round_to<Bf16>(qh[g * d + c + 2 * r + e]).bits;
+    (d == 64 ? scores_amx<2> : scores_amx<4>)(q_pairs, cache + (h0 + kh) * d, table, len, block_size, block_stride,
+                        stride, scores + kh * n16 * 16);
+  }
+  load_tiles(&kValueTiles.by_group[group]);
+  for (int64_t kh = 0; kh < kv_heads; ++kh) {
+    const float* hs = scores + kh * n16 * 16;
+    float sums[16];
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t t = 0; t < len; ++t) row[t] = hs[t * 16 + g] * sm_scale;
+      sums[g] = exp_shifted(row, len, max_of(row, len));
+      uint16_t* wg = weights + g * n32;
+      int64_t t = 0;
+      for (; t + 16 <= len; t += 16)
+        lamina::store16(reinterpret_cast<Bf16*>(wg + t), _mm512_loadu_ps(row + t));
+      for (; t < len; ++t) wg[t] = lamina::round_to<Bf16>(row[t]).bits;
+      for (; t < n32; ++t) wg[t] = 0;
+    }
+    values_amx(weights, n32, len, cache + num_blocks * block_stride + (h0 + kh) * d, table,
+               block_size, block_stride, stride, d, packed, acc);
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.0f / sums[g];
+      float* o = out + (kh * group + g) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = acc[g * d + i] * inv;
+    }
+  }
+}
+#endif
+
 template <int Kind>
 void decode_attention(const float* q, int64_t q_stride, const void* cache, const float* scales,
                       const int64_t* tables, int64_t table_stride, const int64_t* contexts,
                       int64_t num_seqs, int64_t num_blocks, int64_t block_size,
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, float sm_scale,
-                      float* out) {
+                      float* out, bool tiles) {
   const int64_t group = num_heads / num_kv_heads;
   // A whole sequence per item reads each block's rows, all heads, as one contiguous run
   // (what the hardware prefetcher streams best); with fewer sequences than threads,
   // split the heads too so every thread has work.
   const int64_t split = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
   const int64_t kv_heads = num_kv_heads / split;
+#if LAMINA_AVX512
+  const bool amx = Kind == kBf16 && tiles && amx_fits(block_size, d, group) &&
+                   lamina::tiles_permitted();
+#else
+  (void)tiles;
+#endif
   at::parallel_for(0, num_seqs * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
+#if LAMINA_AVX512
+    if (amx) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t s = item / split, h0 = (item % split) * kv_heads;
+        attend_amx(q + s * q_stride + h0 * group * d, static_cast<const Bf16*>(cache),
+                   tables + s * table_stride, contexts[s] + 1, h0, kv_heads, num_blocks,
+                   block_size, num_kv_heads, group, d, sm_scale,
+                   out + (s * num_heads + h0 * group) * d, buf);
+      }
+      release_tiles();
+      return;
+    }
+#endif
     std::vector<const RowOf<Kind>*> rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / split, h0 = (item % split) * kv_heads;
@@ -439,34 +710,21 @@ void decode_attention(const float* q, int64_t q_stride, const void* cache, const
 
 }  // namespace
 
+// tiles: whether a bf16 cache may attend on AMX (where the CPU has it; see attend_amx).
 extern "C" int lamina_paged_decode_attention(
     const float* q, int64_t q_stride, const void* cache, int cache_kind, const float* scales,
     const int64_t* tables, int64_t table_stride, const int64_t* contexts, int64_t num_seqs,
     int64_t num_blocks, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, float sm_scale, float* out) {
+    int64_t head_dim, float sm_scale, float* out, int tiles) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
-  switch (cache_kind) {
-    case kFloat32:
-      decode_attention<kFloat32>(q, q_stride, cache, scales, tables, table_stride, contexts,
-                                 num_seqs, num_blocks, block_size, num_heads, num_kv_heads,
-                                 head_dim, sm_scale, out);
-      return 0;
-    case kFp8E4M3:
-      decode_attention<kFp8E4M3>(q, q_stride, cache, scales, tables, table_stride, contexts,
-                                 num_seqs, num_blocks, block_size, num_heads, num_kv_heads,
-                                 head_dim, sm_scale, out);
-      return 0;
-    case kInt8:
-      decode_attention<kInt8>(q, q_stride, cache, scales, tables, table_stride, contexts,
-                              num_seqs, num_blocks, block_size, num_heads, num_kv_heads,
-                              head_dim, sm_scale, out);
-      return 0;
-    case kBf16:
-      decode_attention<kBf16>(q, q_stride, cache, scales, tables, table_stride, contexts,
-                              num_seqs, num_blocks, block_size, num_heads, num_kv_heads,
-                              head_dim, sm_scale, out);
-      return 0;
-    default:
-      return 2;
-  }
+  using Run = void (*)(const float*, int64_t, const void*, const float*, const int64_t*,
+                       int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, float, float*, bool);
+  constexpr Run kRuns[] = {decode_attention<kFloat32>, decode_attention<kFp8E4M3>,
+                           decode_attention<kInt8>, decode_attention<kBf16>};
+  if (cache_kind < kFloat32 || cache_kind > kBf16) return 2;
+  kRuns[cache_kind](q, q_stride, cache, scales, tables, table_stride, contexts, num_seqs,
+                    num_blocks, block_size, num_heads, num_kv_heads, head_dim, sm_scale, out,
+                    tiles != 0);
+  return 0;
 }

@@ -88,15 +88,55 @@ def test_quantized_caches_match_reference(kind, seqs):
 @pytest.mark.parametrize("seqs", [DECODES, MIXED], ids=["decodes", "mixed"])
 def test_bf16_caches_match_reference(seqs):
     """A bf16 model's queries over its bf16 cache, against the reference's bf16 SDPA (its
-    sums in another order: a bf16 step apart at most). Decodes are the fp32 kernel on the
-    values widened, its result rounded once."""
+    sums in another order: a bf16 step apart at most). Without AMX tiles, decodes are the
+    fp32 kernel on the values widened, its result rounded once."""
     (q, k, v, cache, _, meta), want = _case(seqs, 8, 2, 64, seed=5, model_dtype=torch.bfloat16)
     got = cpu.paged_attention(q, k, v, cache, meta, 64**-0.5)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, atol=2e-2, rtol=1 / 128)
     if seqs is DECODES:
+        lens, table = meta.context_lens, meta.block_table
+        widened = cpu.decode_attention(q, cache, table, lens, 0.125, tiles=False)
         fp32 = cpu.paged_attention(q.float(), k.float(), v.float(), cache.float(), meta, 0.125)
-        assert torch.equal(got, fp32.bfloat16())
+        assert torch.equal(widened, fp32.bfloat16())
+
+
+def _rounded_weights_attention(q, cache, table, lens, scale):
+    """Decode attention as the AMX path defines it, in torch: fp32 scores and softmax, the
+    weights rounded to bf16 before they weight the values, the sum of the unrounded ones."""
+    _, _, bs, hkv, d = cache.shape
+    out = []
+    for s in range(q.shape[0]):
+        n = int(lens[s]) + 1
+        blocks = table[s, : -(-n // bs)]
+        keys, values = (cache[i, blocks].reshape(-1, hkv, d)[:n].float() for i in (0, 1))
+        queries = q[s].float().view(hkv, -1, d)  # (Hkv, G, D)
+        scores = torch.einsum("hgd,thd->hgt", queries, keys) * scale
+        weights = (scores - scores.amax(-1, keepdim=True)).exp()
+        o = torch.einsum("hgt,thd->hgd", weights.bfloat16().float(), values)
+        out.append((o / weights.sum(-1, keepdim=True)).reshape(-1, d))
+    return torch.stack(out)
+
+
+@pytest.mark.skipif(not cpu.attention.AMX, reason="the CPU has no AMX tiles")
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs", [(8, 2, 64, 16), (8, 8, 64, 32), (16, 2, 128, 16), (16, 1, 64, 16)]
+)
+def test_bf16_caches_on_amx_round_the_weights_as_sdpa_does(hq, hkv, d, bs):
+    """The AMX path over a bf16 cache: scores as the fp32 path's (their sums in another
+    order), the softmax weights rounded to bf16. Contexts end inside 16- and 32-token tiles
+    and blocks whose unwritten slots hold NaN, which must not reach any output."""
+    seqs = [(n, 1) for n in (0, 14, 15, 16, 31, 32, 47, 200)]
+    (q, _, _, cache, _, meta), _ = _case(seqs, hq, hkv, d, bs=bs, model_dtype=torch.bfloat16)
+    lens, table = meta.context_lens, meta.block_table
+    for s, (n, _) in enumerate(seqs):  # every slot past each sequence's last token
+        last = int(table[s, n // bs])
+        cache[:, last, (n + 1) % bs or bs :] = float("nan")
+    got = cpu.decode_attention(q.float(), cache, table, lens, d**-0.5, tiles=True)
+    want = _rounded_weights_attention(q, cache, table, lens, d**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    widened = cpu.decode_attention(q.float(), cache, table, lens, d**-0.5, tiles=False)
+    assert (got - widened).abs().max() > 1e-4  # the weights' rounding shows
 
 
 def test_long_context_decode():
