@@ -11,6 +11,8 @@
 // converted row by row as the tile is gathered (fp8 e4m3 through a 256-entry table, int8
 // as is), with their scale applied; a bf16 cache's rows are read in place and widened
 // as they are loaded (exactly, by a shift: it attends as the fp32 cache of its values).
+// Where the CPU has AMX and the caller allows it (`tiles`), a bf16 cache multiplies on the
+// tile registers instead (attend_amx), its softmax weights rounded to bf16 as SDPA's are.
 //
 // Layouts (all contiguous unless a stride is given):
 //   q        (num_seqs, num_heads, head_dim) fp32, token stride q_stride
