@@ -17,6 +17,7 @@ from lamina.kernels.reference import (
     silu_and_mul,
     write_kv_cache,
 )
+from lamina.kernels.reference.attention import _runs
 
 
 def naive_attention(q, k, v, context_len):
@@ -34,12 +35,15 @@ def naive_attention(q, k, v, context_len):
 # (context, query) per sequence: decodes first (query 1), then prefill chunks, with
 # contexts that end on and off block boundaries, and a chunk with no context.
 MIXED = [(0, 1), (7, 1), (8, 1), (12, 5), (0, 9), (3, 1 + 3)]
+# Fresh prompts in runs of one length (one SDPA call each run), between other lengths and
+# a chunk with context.
+FRESH_RUNS = [(0, 1), (0, 6), (0, 6), (0, 6), (0, 5), (0, 6), (4, 6), (0, 6), (0, 6)]
 # Enough decodes of spread lengths to be split into several padded groups.
 MANY_DECODES = [(n, 1) for n in (0, 2, 3, 5, 8, 9, 11, 15, 16, 17, 20, 23, 24, 30, 31, 40, 47)]
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1), (8, 2)])
-@pytest.mark.parametrize("seqs", [MIXED, MANY_DECODES, [*MANY_DECODES, (5, 6)]])
+@pytest.mark.parametrize("seqs", [MIXED, FRESH_RUNS, MANY_DECODES, [*MANY_DECODES, (5, 6)]])
 def test_paged_attention_mixed_batch_matches_naive(hq, hkv, seqs):
     torch.manual_seed(0)
     bs, d, num_blocks = 4, 16, 256
@@ -81,6 +85,12 @@ def test_paged_attention_mixed_batch_matches_naive(hq, hkv, seqs):
         [naive_attention(qi, full_k[i], full_v[i], seqs[i][0]) for i, qi in enumerate(qs)]
     )
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fresh_prompts_of_one_length_share_a_call():
+    contexts = [None, None, None, None, "chunk", None, None]
+    runs = [(n, c, count) for n, c, count in _runs([6, 6, 6, 5, 6, 6, 6], contexts)]
+    assert runs == [(6, None, 3), (5, None, 1), (6, "chunk", 1), (6, None, 2)]
 
 
 def test_single_fresh_prefill_uses_causal_path():
