@@ -38,20 +38,27 @@ def decode_attention(
     own new token (already written): ``context_lens[s] + 1`` tokens. ``q`` ``(S, Hq, D)``
     (rows may be strided; heads contiguous), ``block_table`` ``(S, W)`` int64,
     ``context_lens`` ``(S,)`` int64, as in :class:`AttentionMetadata`. Returns ``(S, Hq,
-    D)`` (written into ``out`` if given). The kernel takes fp32 queries: bf16 ones (a
-    bf16 model's, over its bf16 cache) are widened for it and its result rounded back
-    once, as SDPA's bf16 kernel rounds its result. Over a bf16 cache with ``tiles`` it
-    multiplies on AMX, its softmax weights rounded to bf16 as SDPA's are (else in fp32:
-    exactly what the fp32 cache of the same values gives)."""
+    D)`` in ``q``'s dtype (written into ``out``, contiguous, if given). fp32 queries, or
+    bf16 ones (a bf16 model's) whose result the kernel rounds once, as SDPA's bf16 kernel
+    rounds its result; over an 8-bit cache bf16 queries are widened for it. Over a bf16
+    cache with ``tiles`` it multiplies on AMX, its softmax weights rounded to bf16 as SDPA's
+    are (else in fp32: exactly what the fp32 cache of the same values gives)."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-    if q.dtype == torch.bfloat16:
+    in_bf16 = q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16
+    if q.dtype == torch.bfloat16 and not in_bf16:
         result = decode_attention(
             q.float(), kv_cache, block_table, context_lens, scale, kv_scales, tiles=tiles
         ).to(torch.bfloat16)
         return result if out is None else out.copy_(result)
-    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
+    if (
+        q.dtype not in (torch.float32, torch.bfloat16)
+        or q.stride(2) != 1
+        or q.stride(1) != head_dim
+    ):
         raise ValueError("decode_attention needs fp32 or bf16 queries with contiguous heads")
+    if out is not None and (out.dtype != q.dtype or not out.is_contiguous()):
+        raise ValueError("decode_attention writes a contiguous output in the queries' dtype")
     contiguous = kv_cache.is_contiguous() and context_lens.is_contiguous()
     if not (contiguous and block_table.stride(1) == 1):
         raise ValueError("decode_attention needs a contiguous cache, table rows and lengths")
@@ -81,6 +88,7 @@ def decode_attention(
         scale,
         ptr(out),
         int(tiles),
+        int(in_bf16),
     )
     if status:
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")

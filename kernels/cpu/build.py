@@ -80,7 +80,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
         ctypes.c_int,
     ),
     "lamina_paged_decode_attention": (
-        [_P, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, *[_I64] * 6, _F32, _P, ctypes.c_int],
+        [_P, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, *[_I64] * 6, _F32, _P, *[ctypes.c_int] * 2],
         ctypes.c_int,
     ),
 }

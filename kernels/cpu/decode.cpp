@@ -20,8 +20,8 @@
 // In fp32 or bf16 (the model's dtype): a bf16 model's step runs its linears (the gated one
 // with its activation) on bf16_linear.cpp's matmul and its norms and rotary on
 // elementwise.cpp's bf16 kernels, rounding where its Python forward's ops round (the
-// attention widens the queries to fp32 and rounds its output once, as attention.py does),
-// so both compute the same logits. A bf16 step takes no adapters and no per-head norms
+// attention takes the bf16 queries and rounds its output once, as attention.py's call
+// does), so both compute the same logits. A bf16 step takes no adapters and no per-head norms
 // (decode.py refuses them; the Python forward runs those).
 //
 // Layers come as rows of int64 fields (pointers and sizes), built once at load by
@@ -69,12 +69,12 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
 void lamina_lora_bgmv(float* out, int64_t out_stride, const float* x, int64_t x_stride,
                       int64_t rows, int64_t k, const float* a, const float* b, int64_t n,
                       int64_t width, const int64_t* slots);
-int lamina_paged_decode_attention(const float* q, int64_t q_stride, const void* cache,
+int lamina_paged_decode_attention(const void* q, int64_t q_stride, const void* cache,
                                   int cache_kind, const float* scales, const int64_t* tables,
                                   int64_t table_stride, const int64_t* contexts,
                                   int64_t num_seqs, int64_t num_blocks, int64_t block_size,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  float sm_scale, float* out, int tiles);
+                                  float sm_scale, void* out, int tiles, int q_bf16);
 }
 
 namespace {
@@ -222,15 +222,11 @@ void linear(const Linear& l, const Bf16* x, int64_t rows, Bf16* out, bool gated)
                      reinterpret_cast<uint16_t*>(out), static_cast<int>(l.group), gated);
 }
 
-// The step's work buffers, carved from one allocation: the fp32 ones first (a bf16 step
-// runs its attention in fp32), then those in the model's dtype T.
+// The step's work buffers in the model's dtype T, carved from one allocation.
 template <typename T>
 struct Work {
-  static constexpr bool kHalf = std::is_same_v<T, Bf16>;
   static constexpr int kBuffers = 11;
 
-  float* queries;    // (S, Hq, D) fp32 queries for the attention (bf16 only)
-  float* attn_fp32;  // (S, Hq, D) its fp32 output (bf16 only)
   T* hidden;         // (S, H)
   T* residual;       // (S, H)
   T* cos;            // (S, D/2)
@@ -243,8 +239,7 @@ struct Work {
   T* o;              // (S, H)
   T* mlp;            // (S, I)
 
-  // Per sequence: each fp32 buffer's floats, and each T buffer's elements, in order.
-  static int64_t floats(const Dims& d) { return kHalf ? d.num_heads * d.head_dim : 0; }
+  // Per sequence: each buffer's elements, in order.
   static std::array<int64_t, kBuffers> sizes(const Dims& d) {
     const int64_t q = d.num_heads * d.head_dim, kv = d.num_kv_heads * d.head_dim;
     return {d.hidden, d.hidden, d.head_dim / 2, d.head_dim / 2, d.hidden,
@@ -253,14 +248,11 @@ struct Work {
   static int64_t bytes(int64_t seqs, const Dims& d) {
     int64_t elements = 0;
     for (const int64_t size : sizes(d)) elements += size;
-    return seqs * (2 * floats(d) * static_cast<int64_t>(sizeof(float)) +
-                   elements * static_cast<int64_t>(sizeof(T)));
+    return seqs * elements * static_cast<int64_t>(sizeof(T));
   }
 
   Work(void* base, int64_t seqs, const Dims& d) {
-    queries = static_cast<float*>(base);
-    attn_fp32 = queries + seqs * floats(d);
-    T* t = reinterpret_cast<T*>(attn_fp32 + seqs * floats(d));
+    T* t = static_cast<T*>(base);
     T** regions[kBuffers] = {&hidden, &residual, &cos, &sin, &normed, &x,
                              &qkv,    &rotated,  &attn, &o,  &mlp};
     const auto each = sizes(d);
@@ -309,22 +301,10 @@ int run_layers(const int64_t* layers, int64_t num_layers, const Dims& d, float e
       std::memcpy(keys + cache_half, w.qkv + s * qkv_width + q_size + kv_size,
                   sizeof(T) * kv_size);
     }
-    int status;
-    if constexpr (kHalf) {  // attention.py's bf16 path: fp32 queries, the output rounded
-      for (int64_t s = 0; s < seqs; ++s)
-        for (int64_t i = 0; i < q_size; ++i)
-          w.queries[s * q_size + i] = lamina::load(w.rotated[s * (hq + hkv) * hd + i]);
-      status = lamina_paged_decode_attention(
-          w.queries, q_size, cache, kCacheKind<T>, nullptr, tables, table_stride, contexts,
-          seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn_fp32,
-          static_cast<int>(layer.qkv.group));
-      for (int64_t i = 0; i < seqs * q_size; ++i)
-        w.attn[i] = lamina::round_to<Bf16>(w.attn_fp32[i]);
-    } else {
-      status = lamina_paged_decode_attention(
-          w.rotated, (hq + hkv) * hd, cache, kCacheKind<T>, nullptr, tables, table_stride,
-          contexts, seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn, 0);
-    }
+    const int status = lamina_paged_decode_attention(
+        w.rotated, (hq + hkv) * hd, cache, kCacheKind<T>, nullptr, tables, table_stride,
+        contexts, seqs, d.num_blocks, d.block_size, hq, hkv, hd, sm_scale, w.attn,
+        kHalf ? static_cast<int>(layer.qkv.group) : 0, kHalf);
     if (status) return status;
     linear(layer.o, w.attn, seqs, w.o, false);
     if constexpr (!kHalf)

@@ -363,10 +363,10 @@ inline void prefetch_tokens(const void* cache, const int64_t* table, int64_t sta
 }
 
 // One work item: query heads of `kv_heads` consecutive KV heads (from `h0`) of sequence s.
-template <int Kind>
-void attend(const float* q, const void* cache, const float* scales, const int64_t* table,
+template <int Kind, typename Q>
+void attend(const Q* q, const void* cache, const float* scales, const int64_t* table,
             int64_t len, int64_t h0, int64_t kv_heads, int64_t num_blocks, int64_t block_size,
-            int64_t num_kv_heads, int64_t group, int64_t d, float sm_scale, float* out,
+            int64_t num_kv_heads, int64_t group, int64_t d, float sm_scale, Q* out,
             std::vector<float>& buf, std::vector<const RowOf<Kind>*>& rows) {
   const int64_t heads = kv_heads * group;  // query heads, consecutive from h0 * group
   const int64_t token_stride = num_kv_heads * d;
@@ -385,7 +385,7 @@ void attend(const float* q, const void* cache, const float* scales, const int64_
   const RowOf<Kind>** keys = rows.data();
   const RowOf<Kind>** values = keys + tile;
   for (int64_t i = 0; i < heads * d; ++i) {
-    qs[i] = q[i] * sm_scale;
+    qs[i] = lamina::load(q[i]) * sm_scale;
     acc[i] = 0.0f;
   }
   for (int64_t g = 0; g < heads; ++g) {
@@ -423,7 +423,7 @@ void attend(const float* q, const void* cache, const float* scales, const int64_
   }
   for (int64_t g = 0; g < heads; ++g) {
     const float inv = 1.0f / run_sum[g];
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = acc[g * d + i] * inv;
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = lamina::round_to<Q>(acc[g * d + i] * inv);
   }
 }
 
@@ -608,9 +608,10 @@ void values_amx(const uint16_t* weights, int64_t n32, int64_t n, const Bf16* val
 
 // One work item on AMX: the query heads of `kv_heads` KV heads (from h0) of a sequence of
 // len tokens, as attend() computes them but for the weights' rounding (above).
-void attend_amx(const float* q, const Bf16* cache, const int64_t* table, int64_t len,
+template <typename Q>
+void attend_amx(const Q* q, const Bf16* cache, const int64_t* table, int64_t len,
                 int64_t h0, int64_t kv_heads, int64_t num_blocks, int64_t block_size,
-                int64_t num_kv_heads, int64_t group, int64_t d, float sm_scale, float* out,
+                int64_t num_kv_heads, int64_t group, int64_t d, float sm_scale, Q* out,
                 std::vector<float>& buf) {
   const int64_t stride = num_kv_heads * d;  // between a block's token rows
   const int64_t block_stride = block_size * stride;
@@ -630,14 +631,14 @@ void attend_amx(const float* q, const Bf16* cache, const int64_t* table, int64_t
   uint16_t* q_pairs = weights + group * n32;
   load_tiles(&kScoreTiles);
   for (int64_t kh = 0; kh < kv_heads; ++kh) {
-    const float* qh = q + kh * group * d;
+    const Q* qh = q + kh * group * d;
     std::fill(q_pairs, q_pairs + d * 16, uint16_t{0});
     for (int64_t c = 0; c < d; c += 32)
       for (int64_t r = 0; r < 16; ++r)
         for (int64_t g = 0; g < group; ++g)
           for (int64_t e = 0; e < 2; ++e)
             q_pairs[c * 16 + r * 32 + 2 * g + e] =
-                lamina::round_to<Bf16>(qh[g * d + c + 2 * r + e]).bits;
+                lamina::round_to<Bf16>(lamina::load(qh[g * d + c + 2 * r + e])).bits;
     (d == 64 ? scores_amx<2> : scores_amx<4>)(q_pairs, cache + (h0 + kh) * d, table, len, block_size, block_stride,
                         stride, scores + kh * n16 * 16);
   }
@@ -659,19 +660,19 @@ void attend_amx(const float* q, const Bf16* cache, const int64_t* table, int64_t
                block_size, block_stride, stride, d, packed, acc);
     for (int64_t g = 0; g < group; ++g) {
       const float inv = 1.0f / sums[g];
-      float* o = out + (kh * group + g) * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = acc[g * d + i] * inv;
+      Q* o = out + (kh * group + g) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = lamina::round_to<Q>(acc[g * d + i] * inv);
     }
   }
 }
 #endif
 
-template <int Kind>
-void decode_attention(const float* q, int64_t q_stride, const void* cache, const float* scales,
+template <int Kind, typename Q>
+void decode_attention(const Q* q, int64_t q_stride, const void* cache, const float* scales,
                       const int64_t* tables, int64_t table_stride, const int64_t* contexts,
                       int64_t num_seqs, int64_t num_blocks, int64_t block_size,
                       int64_t num_heads, int64_t num_kv_heads, int64_t d, float sm_scale,
-                      float* out, bool tiles) {
+                      Q* out, bool tiles) {
   const int64_t group = num_heads / num_kv_heads;
   // A whole sequence per item reads each block's rows, all heads, as one contiguous run
   // (what the hardware prefetcher streams best); with fewer sequences than threads,
@@ -702,7 +703,7 @@ void decode_attention(const float* q, int64_t q_stride, const void* cache, const
     std::vector<const RowOf<Kind>*> rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / split, h0 = (item % split) * kv_heads;
-      attend<Kind>(q + s * q_stride + h0 * group * d, cache, scales,
+      attend<Kind, Q>(q + s * q_stride + h0 * group * d, cache, scales,
                    tables + s * table_stride, contexts[s] + 1, h0, kv_heads, num_blocks,
                    block_size, num_kv_heads, group, d, sm_scale,
                    out + (s * num_heads + h0 * group) * d, buf, rows);
@@ -712,21 +713,30 @@ void decode_attention(const float* q, int64_t q_stride, const void* cache, const
 
 }  // namespace
 
-// tiles: whether a bf16 cache may attend on AMX (where the CPU has it; see attend_amx).
+// Queries and output are fp32, or bf16 (q_bf16; a bf16 cache's only: a bf16 model's, the
+// output rounded once). tiles: whether a bf16 cache may attend on AMX (where the CPU has
+// it; see attend_amx).
 extern "C" int lamina_paged_decode_attention(
-    const float* q, int64_t q_stride, const void* cache, int cache_kind, const float* scales,
+    const void* q, int64_t q_stride, const void* cache, int cache_kind, const float* scales,
     const int64_t* tables, int64_t table_stride, const int64_t* contexts, int64_t num_seqs,
     int64_t num_blocks, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, float sm_scale, float* out, int tiles) {
+    int64_t head_dim, float sm_scale, void* out, int tiles, int q_bf16) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+  if (cache_kind < kFloat32 || cache_kind > kBf16 || (q_bf16 && cache_kind != kBf16)) return 2;
+  if (q_bf16) {
+    decode_attention<kBf16>(static_cast<const Bf16*>(q), q_stride, cache, scales, tables,
+                            table_stride, contexts, num_seqs, num_blocks, block_size,
+                            num_heads, num_kv_heads, head_dim, sm_scale,
+                            static_cast<Bf16*>(out), tiles != 0);
+    return 0;
+  }
   using Run = void (*)(const float*, int64_t, const void*, const float*, const int64_t*,
                        int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                        int64_t, float, float*, bool);
   constexpr Run kRuns[] = {decode_attention<kFloat32>, decode_attention<kFp8E4M3>,
                            decode_attention<kInt8>, decode_attention<kBf16>};
-  if (cache_kind < kFloat32 || cache_kind > kBf16) return 2;
-  kRuns[cache_kind](q, q_stride, cache, scales, tables, table_stride, contexts, num_seqs,
-                    num_blocks, block_size, num_heads, num_kv_heads, head_dim, sm_scale, out,
-                    tiles != 0);
+  kRuns[cache_kind](static_cast<const float*>(q), q_stride, cache, scales, tables,
+                    table_stride, contexts, num_seqs, num_blocks, block_size, num_heads,
+                    num_kv_heads, head_dim, sm_scale, static_cast<float*>(out), tiles != 0);
   return 0;
 }
