@@ -5,7 +5,8 @@ Decode tokens read their keys and values in place from the paged cache
 (``paged_attention.cpp``): the reference path instead copies every block of every
 sequence into a padded tensor and runs ``scaled_dot_product_attention`` on the copy, which
 on a decode-heavy step spends most of attention's time moving memory. Prefill chunks are
-compute-bound and keep the reference path (SDPA, one call per chunk).
+compute-bound and keep the reference path (SDPA, one call per chunk or per run of fresh
+prompts of one length).
 """
 
 from __future__ import annotations
