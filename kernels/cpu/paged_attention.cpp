@@ -15,14 +15,15 @@
 // tile registers instead (attend_amx), its softmax weights rounded to bf16 as SDPA's are.
 //
 // Layouts (all contiguous unless a stride is given):
-//   q        (num_seqs, num_heads, head_dim) fp32, token stride q_stride
+//   q        (num_seqs, num_heads, head_dim) fp32, or bf16 over a bf16 cache (a bf16
+//            model's), token stride q_stride
 //   cache    (2, num_blocks, block_size, num_kv_heads, head_dim) fp32, fp8 bytes, int8 or
 //            bf16
 //   scales   fp8: (2, num_kv_heads); int8: (2, num_blocks, num_kv_heads); else unused
 //   tables   (num_seqs, table_stride) int64 block ids
 //   contexts (num_seqs,) int64 tokens cached before this step's one new token (which
 //            is already written: each sequence attends to contexts[s] + 1 tokens)
-//   out      (num_seqs, num_heads, head_dim) fp32
+//   out      (num_seqs, num_heads, head_dim) in q's dtype (bf16: rounded once)
 
 #include <ATen/Parallel.h>
 
