@@ -21,8 +21,8 @@
 // with its activation) on bf16_linear.cpp's matmul and its norms and rotary on
 // elementwise.cpp's bf16 kernels, rounding where its Python forward's ops round (the
 // attention takes the bf16 queries and rounds its output once, as attention.py's call
-// does), so both compute the same logits. A bf16 step takes no adapters and no per-head norms
-// (decode.py refuses them; the Python forward runs those).
+// does), so both compute the same logits. A bf16 step takes no adapters and no per-head
+// norms (decode.py refuses them; the Python forward runs those).
 //
 // Layers come as rows of int64 fields (pointers and sizes), built once at load by
 // kernels/cpu/decode.py, which names each field.
