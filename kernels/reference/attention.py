@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from lamina.kernels.reference import kv_quant
 from lamina.kernels.transfer import upload
 
-T = TypeVar("T")
+Context = TypeVar("Context")
 
 _DECODE_GROUPS = 4  # at most this many decode groups per step
 _MIN_GROUP = 8  # ... of at least this many sequences each
@@ -295,7 +295,7 @@ def prefill_attention(
     return out
 
 
-def _runs(lens: Sequence[int], contexts: Sequence[T]) -> Iterator[tuple[int, T, int]]:
+def _runs(lens: Sequence[int], contexts: Sequence[Context]) -> Iterator[tuple[int, Context, int]]:
     """(length, context, count) of each run of consecutive prefill chunks that one SDPA call
     takes: fresh prompts (no context) of one length together, every other chunk alone."""
     chunks = list(zip(lens, contexts, strict=True))
