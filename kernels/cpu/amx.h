@@ -3,6 +3,7 @@
 #pragma once
 
 #if defined(__x86_64__)
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -21,7 +22,18 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
+// Every tile 16 rows of 64 bytes, the most palette 1 allows.
+alignas(64) inline constexpr TileConfig kFullTiles = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
 #if defined(__x86_64__)
+// This thread's tiles shaped by `config` (zeroed), and given back when it is done.
+__attribute__((target("amx-tile"))) inline void load_tiles(const TileConfig* config) {
+  _tile_loadconfig(config);
+}
+
+__attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(); }
+
 // Whether this process may use AMX's tile registers (Linux asks each process to request
 // them once: ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; refused where the CPU has none).
 inline bool tiles_permitted() {

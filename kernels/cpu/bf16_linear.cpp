@@ -166,10 +166,6 @@ using PairRows = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, co
 constexpr PairRows kPairRows[kRows] = {pair_rows<1>, pair_rows<2>, pair_rows<3>, pair_rows<4>,
                                        pair_rows<5>, pair_rows<6>, pair_rows<7>, pair_rows<8>};
 
-// The tile configuration: tiles 0-7 of 16 rows of 64 bytes.
-alignas(64) const lamina::TileConfig kTiles = {
-    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-
 // A finished gated AMX block's sums, not yet written: the next block's tile loop writes
 // them (rounded, activated, multiplied) a few rows after each k block's products, so the
 // vector units do the activation's arithmetic while the tile unit multiplies. Written
@@ -224,12 +220,6 @@ void tile_block(const uint16_t* x, int64_t ldx, int64_t blocks, const uint16_t* 
   _tile_stored(2, sums + 16 * 32, 32 * 4);
   _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
 }
-
-__attribute__((target("amx-tile")))
-void tiles_on() { _tile_loadconfig(&kTiles); }
-
-__attribute__((target("amx-tile")))
-void tiles_off() { _tile_release(); }
 
 #endif  // __x86_64__
 
@@ -298,7 +288,7 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
   at::parallel_for(0, pairs * row_blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[2][32 * 32];  // this block's, and a gated last one's until written
     Pending pending;
-    if (amx) tiles_on();
+    if (amx) lamina::load_tiles(&lamina::kFullTiles);  // tiles 0-7 of 16 x 64 bytes
     for (int64_t item = begin; item < end; item++) {
       const int64_t g = item / (group * pairs), first = g * group;
       const int64_t size = std::min(group, row_blocks - first), at = item - first * pairs;
@@ -333,7 +323,7 @@ void lamina_bf16_linear(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
     }
     if (amx) {
       pending.run(0, pending.rows);  // the thread's last gated block
-      tiles_off();
+      lamina::release_tiles();
     }
   });
 #endif

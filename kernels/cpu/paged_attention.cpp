@@ -444,13 +444,10 @@ void attend(const Q* q, const void* cache, const float* scales, const int64_t* t
 //
 // The passes use two tile configurations, so that each has registers to alternate: a tile
 // loaded while the product before it still reads that register waits for it.
-//   scores (kScoreTiles, 16 x 64 bytes each): 0-1 key rows (32 dims), 2-5 the queries
+//   scores (lamina::kFullTiles, 16 x 64 bytes each): 0-1 key rows (32 dims), 2-5 the queries
 //           (32 dims each: up to 128), 6-7 the scores of 16 tokens
 //   values (kValueTiles[G]): 0-3 G x 16 fp32 accumulators, 4-5 16 token pairs x 16 dims
 //           of values, 6-7 G heads x 32 tokens of weights
-alignas(64) constexpr lamina::TileConfig kScoreTiles = {
-    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-
 constexpr lamina::TileConfig value_tiles(int group) {
   lamina::TileConfig c{};
   c.palette = 1;
@@ -474,12 +471,6 @@ constexpr ValueTiles kValueTiles;
 inline bool amx_fits(int64_t block_size, int64_t d, int64_t group) {
   return block_size % 16 == 0 && (d == 64 || d == 128) && group >= 1 && group <= 16;
 }
-
-__attribute__((target("amx-tile")))
-void load_tiles(const lamina::TileConfig* config) { _tile_loadconfig(config); }
-
-__attribute__((target("amx-tile")))
-void release_tiles() { _tile_release(); }
 
 // score_tile_S<Chunks>: 16 tokens' scores from the key rows at k (token stride `stride`
 // elements) into tile S, the queries' Chunks x 32 dims in tiles 2.. (loaded), then stored
@@ -630,7 +621,7 @@ void attend_amx(const Q* q, const Bf16* cache, const int64_t* table, int64_t len
   uint16_t* packed = reinterpret_cast<uint16_t*>(aligned);  // 64-byte aligned tile rows
   uint16_t* weights = packed + 2 * 2048;
   uint16_t* q_pairs = weights + group * n32;
-  load_tiles(&kScoreTiles);
+  lamina::load_tiles(&lamina::kFullTiles);
   for (int64_t kh = 0; kh < kv_heads; ++kh) {
     const Q* qh = q + kh * group * d;
     std::fill(q_pairs, q_pairs + d * 16, uint16_t{0});
@@ -643,7 +634,7 @@ void attend_amx(const Q* q, const Bf16* cache, const int64_t* table, int64_t len
     (d == 64 ? scores_amx<2> : scores_amx<4>)(q_pairs, cache + (h0 + kh) * d, table, len, block_size, block_stride,
                         stride, scores + kh * n16 * 16);
   }
-  load_tiles(&kValueTiles.by_group[group]);
+  lamina::load_tiles(&kValueTiles.by_group[group]);
   for (int64_t kh = 0; kh < kv_heads; ++kh) {
     const float* hs = scores + kh * n16 * 16;
     float sums[16];
@@ -697,7 +688,7 @@ void decode_attention(const Q* q, int64_t q_stride, const void* cache, const flo
                    block_size, num_kv_heads, group, d, sm_scale,
                    out + (s * num_heads + h0 * group) * d, buf);
       }
-      release_tiles();
+      lamina::release_tiles();
       return;
     }
 #endif
