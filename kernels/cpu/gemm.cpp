@@ -50,8 +50,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <unistd.h>
-
+#include "caches.h"
 #include "vec.h"
 
 namespace {
@@ -71,9 +70,7 @@ constexpr int64_t kFetchCalls = 3;  // see the panel prefetch in packed_matmul
 // AMD EPYC (512 KB, so 126 rows) 48-144 measured alike.
 int64_t block_rows() {
   static const int64_t rows = [] {
-    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    if (l2 <= 0) l2 = 512 * 1024;
-    const int64_t fit = l2 / 2 / (kKC * static_cast<int64_t>(sizeof(float)));
+    const int64_t fit = lamina::l2_bytes() / 2 / (kKC * static_cast<int64_t>(sizeof(float)));
     return std::clamp<int64_t>(fit / kMR * kMR, 72, 288);
   }();
   return rows;

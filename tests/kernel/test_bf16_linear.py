@@ -45,17 +45,24 @@ def test_the_product_is_the_exact_one_rounded_once(tiles, rows, n, k, with_bias)
 
 
 @pytest.mark.parametrize("tiles", TILES)
-@pytest.mark.parametrize(("rows", "k"), [(300, 1024), (150, 1000), (97, 2048)])
-def test_row_groups_cover_every_block(tiles, rows, k):
-    """Rows past one L2 group of row blocks (x's rows of K=1,024 and up fill a group in
-    a block or two): every group, the last one partial, against every panel pair."""
-    torch.manual_seed(rows + k)
+@pytest.mark.parametrize(("rows", "n", "k"), [(97, 300, 2048), (150, 600, 1000), (40, 1100, 512)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_pair_groups_cover_every_block(tiles, rows, n, k, gated):
+    """Weights past one L2 group of panel pairs (half of a core's L2: with 2 MB, four
+    pairs at K = 2,048, eight at 1,000, 32 at 512): every group, the last one partial,
+    against every row block, the last one partial."""
+    torch.manual_seed(rows + n + k)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    w = torch.randn(72, k).to(torch.bfloat16)
-    bias = torch.randn(72).to(torch.bfloat16)
-    linear = PackedBf16Linear(w, bias)
-    linear._tiles = tiles
-    assert_rounded_product(linear(x), x, w, bias)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    plain = PackedBf16Linear(w, bias)
+    plain._tiles = tiles
+    product = plain(x)
+    assert_rounded_product(product, x, w, bias)
+    if gated:  # gate's and up's panels interleaved: each group's pairs hold both halves
+        linear = PackedBf16SiluMul(w, bias)
+        linear._tiles = tiles
+        assert torch.equal(linear(x), silu_and_mul(product))
 
 
 @pytest.mark.parametrize("tiles", TILES)
