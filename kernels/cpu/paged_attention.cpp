@@ -625,12 +625,20 @@ void attend_amx(const Q* q, const Bf16* cache, const int64_t* table, int64_t len
   for (int64_t kh = 0; kh < kv_heads; ++kh) {
     const Q* qh = q + kh * group * d;
     std::fill(q_pairs, q_pairs + d * 16, uint16_t{0});
-    for (int64_t c = 0; c < d; c += 32)
-      for (int64_t r = 0; r < 16; ++r)
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t e = 0; e < 2; ++e)
-            q_pairs[c * 16 + r * 32 + 2 * g + e] =
-                lamina::round_to<Bf16>(lamina::load(qh[g * d + c + 2 * r + e])).bits;
+    if constexpr (std::is_same_v<Q, Bf16>) {  // each pair moves as one 32-bit word
+      const uint32_t* from = reinterpret_cast<const uint32_t*>(qh);
+      uint32_t* to = reinterpret_cast<uint32_t*>(q_pairs);
+      for (int64_t c = 0; c < d / 2; c += 16)
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t g = 0; g < group; ++g) to[c * 16 + r * 16 + g] = from[g * d / 2 + c + r];
+    } else {
+      for (int64_t c = 0; c < d; c += 32)
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t g = 0; g < group; ++g)
+            for (int64_t e = 0; e < 2; ++e)
+              q_pairs[c * 16 + r * 32 + 2 * g + e] =
+                  lamina::round_to<Bf16>(lamina::load(qh[g * d + c + 2 * r + e])).bits;
+    }
     (d == 64 ? scores_amx<2> : scores_amx<4>)(q_pairs, cache + (h0 + kh) * d, table, len, block_size, block_stride,
                         stride, scores + kh * n16 * 16);
   }
@@ -651,9 +659,15 @@ void attend_amx(const Q* q, const Bf16* cache, const int64_t* table, int64_t len
     values_amx(weights, n32, len, cache + num_blocks * block_stride + (h0 + kh) * d, table,
                block_size, block_stride, stride, d, packed, acc);
     for (int64_t g = 0; g < group; ++g) {
-      const float inv = 1.0f / sums[g];
+      const __m512 inv = _mm512_set1_ps(1.0f / sums[g]);
       Q* o = out + (kh * group + g) * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = lamina::round_to<Q>(acc[g * d + i] * inv);
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(acc + g * d + i), inv);
+        if constexpr (std::is_same_v<Q, Bf16>)
+          lamina::store16(o + i, v);
+        else
+          _mm512_storeu_ps(o + i, v);
+      }
     }
   }
 }

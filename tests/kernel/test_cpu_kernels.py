@@ -137,6 +137,9 @@ def test_bf16_caches_on_amx_round_the_weights_as_sdpa_does(hq, hkv, d, bs):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     widened = cpu.decode_attention(q.float(), cache, table, lens, d**-0.5, tiles=False)
     assert (got - widened).abs().max() > 1e-4  # the weights' rounding shows
+    # bf16 queries (a bf16 model's) are the same values: the output is got, rounded once
+    halves = cpu.decode_attention(q.bfloat16(), cache, table, lens, d**-0.5, tiles=True)
+    assert torch.equal(halves, got.bfloat16())
 
 
 def test_long_context_decode():
