@@ -301,13 +301,23 @@ inline void tile_values(const float* p, int64_t group, const E* const* v, int64_
   }
 }
 
-// x[t] = exp(x[t] - shift) for t < n; returns their sum.
+// x[t] = exp(x[t] - shift) for t < n; returns their sum (the same bits on 16 lanes as on
+// 8: each half of a 16-lane exp is added to the 8 lanes' totals in turn).
 inline float exp_shifted(float* x, int64_t n, float shift) {
   int64_t t = 0;
   float sum = 0.0f;
 #if LAMINA_AVX2
   const __m256 m = _mm256_set1_ps(shift);
   __m256 total = _mm256_setzero_ps();
+#if LAMINA_AVX512
+  const __m512 m16 = _mm512_set1_ps(shift);
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = lamina::exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), m16));
+    _mm512_storeu_ps(x + t, e);
+    total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+    total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+#endif
   for (; t + 8 <= n; t += 8) {
     const __m256 e = lamina::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), m));
     _mm256_storeu_ps(x + t, e);
@@ -514,8 +524,24 @@ void scores_amx(const uint16_t* q_pairs, const Bf16* keys, const int64_t* table,
   };
   int64_t t0 = 0;
   for (; t0 + 16 < n; t0 += 32) {
-    score_tile_6<Chunks>(rows(t0), stride, scores + t0 * 16);
-    score_tile_7<Chunks>(rows(t0 + 16), stride, scores + (t0 + 16) * 16);
+    if constexpr (Chunks == 2) {  // tiles 4-5 are free: the two tiles' products overlap
+      const Bf16 *k0 = rows(t0), *k1 = rows(t0 + 16);
+      _tile_zero(6);
+      _tile_zero(7);
+      _tile_loadd(0, k0, stride * 2);
+      _tile_loadd(4, k1, stride * 2);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_dpbf16ps(7, 4, 2);
+      _tile_loadd(1, k0 + 32, stride * 2);
+      _tile_loadd(5, k1 + 32, stride * 2);
+      _tile_dpbf16ps(6, 1, 3);
+      _tile_dpbf16ps(7, 5, 3);
+      _tile_stored(6, scores + t0 * 16, 64);
+      _tile_stored(7, scores + (t0 + 16) * 16, 64);
+    } else {
+      score_tile_6<Chunks>(rows(t0), stride, scores + t0 * 16);
+      score_tile_7<Chunks>(rows(t0 + 16), stride, scores + (t0 + 16) * 16);
+    }
   }
   if (t0 < n) score_tile_6<Chunks>(rows(t0), stride, scores + t0 * 16);
 }
