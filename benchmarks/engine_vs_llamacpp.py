@@ -24,8 +24,18 @@ Q8_0 matmul; there, reinstall it (``pip install --no-cache-dir --force-reinstall
 -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF
 -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF``. Not a test: run it by hand.
 
+During the stack's runs it also reads each process's CPU (``/proc``, as ``data_path.py``
+does) and prints it per streamed token: on a host whose cores the engine's threads fill,
+every microsecond the gateway, the bus, the worker's event loop and the client take is
+taken from a thread of the step's parallel regions, and adds to the TPOT one for one.
+``--threads`` runs both engines (in process and the worker's) on that many threads, so
+that the rest of the cores are left to the serving processes; ``--without-llamacpp``
+compares the engine and the stack alone (no GGUF, no ``llama-cpp-python``).
+
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --runs 3
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --runs 3 --stream-interval 4
+    .venv/bin/python benchmarks/engine_vs_llamacpp.py --runs 5 --without-llamacpp \
+        --only int8 --threads 1
 """
 
 from __future__ import annotations
@@ -39,11 +49,13 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
 import msgspec
 import torch
+from data_path import cpu_of
 
 from lamina.kernels.cpu import bf16_linear
 from lamina.libs.config import lamina_home
@@ -185,8 +197,19 @@ def main() -> None:
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="the worker's (tokens a chunk)"
     )
+    parser.add_argument(
+        "--threads", type=int, help="each engine's threads (default: torch's, all cores)"
+    )
+    parser.add_argument(
+        "--without-llamacpp", action="store_true", help="the engine and the stack only"
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=[pair[0] for pair in PAIRS], help="these rows only"
+    )
     args = parser.parse_args()
     model = args.model or ensure_default_model("small")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     gguf_dir = lamina_home() / "gguf"
     gguf_dir.mkdir(parents=True, exist_ok=True)
@@ -194,10 +217,14 @@ def main() -> None:
           f"{threads} threads; medians of {args.runs} runs of each side")  # fmt: skip
     results: dict[str, dict[str, float]] = {}
     for ours, outtype, quantization, dtype in PAIRS:
+        if args.only and ours not in args.only:
+            continue
         if dtype == "bfloat16" and not bf16_linear.available():
             print(f"{ours:>5}: skipped (this CPU has no bf16 matmul)")
             continue
-        gguf = to_gguf(model, outtype, gguf_dir / f"{model.name}-{outtype}.gguf")
+        gguf = None
+        if not args.without_llamacpp:
+            gguf = to_gguf(model, outtype, gguf_dir / f"{model.name}-{outtype}.gguf")
         config = EngineConfig(
             model=model,
             quantization=quantization,
@@ -220,34 +247,56 @@ def main() -> None:
                 log_dir=Path(logs),
                 credentials=Path(logs) / "nats",
                 worker_args=worker_args,
+                extra_env={"OMP_NUM_THREADS": str(threads)},
             ) as stack,
         ):
+            pids = {name: proc.pid for name, proc in stack.procs.items()}
+            if stack.nats is not None:
+                pids["nats-server"] = stack.nats.pid
             interval = args.stream_interval
             asyncio.run(stack_gaps(stack.http_host, stack.http_port, interval))  # warm-up
-            sides: dict[str, list[float]] = {"llama.cpp": [], "engine": [], "stack": []}
+            sides: dict[str, list[float]] = {"engine": [], "stack": []}
+            if gguf is not None:
+                sides["llama.cpp"] = []
+            cpu: Counter[str] = Counter()
             for _ in range(args.runs):  # interleaved, so drift falls on every side alike
-                sides["llama.cpp"].append(statistics.median(llamacpp_gaps(gguf, threads)))
+                if gguf is not None:
+                    sides["llama.cpp"].append(statistics.median(llamacpp_gaps(gguf, threads)))
                 sides["engine"].append(statistics.median(engine_gaps(engine)))
+                time.sleep(0.05)  # this process's OpenMP threads stop spinning: not the client's
+                before = cpu_of(pids)
                 gaps = asyncio.run(stack_gaps(stack.http_host, stack.http_port, interval))
+                cpu.update({k: v - before[k] for k, v in cpu_of(pids).items()})
                 sides["stack"].append(statistics.median(gaps))
         del engine
         results[ours] = {side: statistics.median(v) * 1e3 for side, v in sides.items()}
         spread = {side: f"{min(v) * 1e3:.2f}-{max(v) * 1e3:.2f}" for side, v in sides.items()}
         row = results[ours]
-        print(f"{ours:>5} vs llama.cpp {outtype}: TPOT ms (range) " + ", ".join(
+        peer = f" vs llama.cpp {outtype}" if gguf else ""
+        print(f"{ours:>5}{peer}: TPOT ms (range) " + ", ".join(
             f"{side} {row[side]:.2f} ({spread[side]})" for side in sides
         ))  # fmt: skip
-        print(f"       stack / llama.cpp {row['stack'] / row['llama.cpp']:.2f}, "
-              f"engine / llama.cpp {row['engine'] / row['llama.cpp']:.2f}")  # fmt: skip
-    fp32 = results["fp32"]
+        print(f"       stack / engine {row['stack'] / row['engine']:.2f}" + (
+            f", stack / llama.cpp {row['stack'] / row['llama.cpp']:.2f}, "
+            f"engine / llama.cpp {row['engine'] / row['llama.cpp']:.2f}" if gguf else ""
+        ))  # fmt: skip
+        streamed = args.runs * (TOKENS - 1)
+        print("       CPU µs a streamed token: " + ", ".join(
+            f"{name} {seconds / streamed * 1e6:.0f}" for name, seconds in cpu.items()
+        ))  # fmt: skip
+    fp32 = results.get("fp32")
     for ours, theirs in (("bf16", "BF16"), ("bf16a", "BF16"), ("int8", "Q8_0")):
-        if ours not in results:
+        if ours not in results or fp32 is None:
             continue
         row = results[ours]
+        peer = (
+            f" (llama.cpp {theirs} over f32: {fp32['llama.cpp'] / row['llama.cpp']:.2f}x)"
+            if "llama.cpp" in row
+            else ""
+        )
         print(
             f"{ours} tokens/s over fp32: engine {fp32['engine'] / row['engine']:.2f}x, "
-            f"stack {fp32['stack'] / row['stack']:.2f}x "
-            f"(llama.cpp {theirs} over f32: {fp32['llama.cpp'] / row['llama.cpp']:.2f}x)"
+            f"stack {fp32['stack'] / row['stack']:.2f}x{peer}"
         )
 
 
