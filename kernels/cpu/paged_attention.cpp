@@ -315,7 +315,8 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
     const __m512 e = lamina::exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), m16));
     _mm512_storeu_ps(x + t, e);
     total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
-    total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1));
+    total = _mm256_add_ps(total, high);
   }
 #endif
   for (; t + 8 <= n; t += 8) {
