@@ -48,8 +48,8 @@ def test_the_product_is_the_exact_one_rounded_once(tiles, rows, n, k, with_bias)
 @pytest.mark.parametrize(("rows", "n", "k"), [(97, 300, 2048), (150, 600, 1000), (40, 1100, 512)])
 @pytest.mark.parametrize("gated", [False, True])
 def test_pair_groups_cover_every_block(tiles, rows, n, k, gated):
-    """Weights past one L2 group of panel pairs (half of a core's L2: with 2 MB, four
-    pairs at K = 2,048, eight at 1,000, 32 at 512): every group, the last one partial,
+    """Weights past one L2 group of panel pairs (half of a core's L2: with 2 MB, eight
+    pairs at K = 2,048, sixteen at 1,000, 32 at 512): every group, the last one partial,
     against every row block, the last one partial."""
     torch.manual_seed(rows + n + k)
     x = torch.randn(rows, k).to(torch.bfloat16)
