@@ -456,7 +456,8 @@ void attend(const Q* q, const void* cache, const float* scales, const int64_t* t
 // The passes use two tile configurations, so that each has registers to alternate: a tile
 // loaded while the product before it still reads that register waits for it.
 //   scores (lamina::kFullTiles, 16 x 64 bytes each): 0-1 key rows (32 dims), 2-5 the queries
-//           (32 dims each: up to 128), 6-7 the scores of 16 tokens
+//           (32 dims each: up to 128; at 64 dims 4-5 hold the next 16 tokens' key rows),
+//           6-7 the scores of 16 tokens
 //   values (kValueTiles[G]): 0-3 G x 16 fp32 accumulators, 4-5 16 token pairs x 16 dims
 //           of values, 6-7 G heads x 32 tokens of weights
 constexpr lamina::TileConfig value_tiles(int group) {
