@@ -142,7 +142,11 @@ class SchedulerService:
         cfg = self.config
         if cfg.health_port:
             self.health = await HealthServer(cfg.health_host, cfg.health_port, self.ready).start()
-        self.bus = bus = await self.config.nats.connect(f"scheduler-{self.scheduler_id}")
+        # Not its own placement records back (it subscribes to its peers'): each would cost
+        # it a wake-up and a decode, only to be dropped.
+        self.bus = bus = await self.config.nats.connect(
+            f"scheduler-{self.scheduler_id}", no_echo=True
+        )
         bus.on_reconnect.append(self._resync_all)
         await bus.subscribe(subjects.WORKER_STATS_ALL, WorkerStats, self._on_stats, traced=False)
         await bus.subscribe(subjects.WORKER_KV_ALL, KvEventBatch, self._on_kv, traced=False)

@@ -26,6 +26,7 @@ from lamina.schemas.v1.generate import (
     Sla,
     StreamEvent,
 )
+from lamina.schemas.v1.records import PlacementRecord
 from lamina.schemas.v1.stats import ClusterStatus, ClusterStatusRequest
 from lamina.services.scheduler.service import SchedulerConfig, SchedulerService
 from tests.telemetry.helpers import make_stats
@@ -127,6 +128,49 @@ def test_replicas_form_a_queue_group_each_submit_is_placed_once(nats_url):
                 await scheduler.bus.drain()
             await h.bus.drain()
             assert sorted(ids) == sorted(f"q{i}" for i in range(20)) and h.forwarded.empty()
+
+    asyncio.run(main())
+
+
+def test_a_scheduler_hears_its_peers_placement_records_not_its_own(nats_url):
+    """Its own come back from the server only to be dropped (a wake-up each); a peer's
+    tell it of load placed since the worker's heartbeat."""
+
+    async def main() -> None:
+        async with Harness(nats_url, "bus-sched-echo", replicas=1) as h:
+            (scheduler,) = h.schedulers
+            records: asyncio.Queue[PlacementRecord] = asyncio.Queue()
+
+            async def on_record(record: PlacementRecord, _msg) -> None:
+                records.put_nowait(record)
+
+            await h.bus.subscribe(subjects.EVENTS_PLACEMENT, PlacementRecord, on_record)
+            await h.bus.flush()
+            received = scheduler.bus.nc.stats["in_msgs"]
+            for i in range(5):
+                await h.submit(request(f"e{i}"))
+            for _ in range(5):
+                await asyncio.wait_for(records.get(), 5)
+            # Anything the server sent the scheduler before answering this ping, an echo of
+            # a record published before it included, has been read when flush returns.
+            await scheduler.bus.flush()
+            assert scheduler.bus.nc.stats["in_msgs"] - received == 5  # the submits alone
+            assert scheduler.registry.candidates()[0].pending == 5
+            peer = PlacementRecord(
+                request_id="p1",
+                worker_id="bus-sched-echo",
+                reason="placed",
+                candidates=1,
+                scheduler_id="a-peer",
+                prompt_tokens=40,
+                timestamp_ms=int(time.time() * 1000) + 1,  # after the worker's heartbeat
+            )
+            await h.bus.publish(subjects.EVENTS_PLACEMENT, peer)
+            deadline = time.monotonic() + 5
+            while scheduler.registry.candidates()[0].pending == 5:
+                assert time.monotonic() < deadline, "the peer's placement was not counted"
+                await asyncio.sleep(0.01)
+            assert scheduler.bus.nc.stats["in_msgs"] - received == 6
 
     asyncio.run(main())
 
