@@ -57,6 +57,9 @@ while True:
 
 @dataclass(frozen=True, slots=True)
 class Run:
+    """One run of the load: its throughput, the engine's CPU (this process's, both of its
+    threads) a token, and the co-runner's measured share."""
+
     tokens_per_s: float
     cpu_us_per_token: float
     share: float
@@ -137,12 +140,12 @@ def main() -> None:
     for share in args.shares:
         beside = statistics.median(r.tokens_per_s for r in runs[share])
         measured = statistics.median(r.share for r in runs[share])
-        cost = cores * (1 - beside / alone) / measured
+        cost = f"{cores * (1 - beside / alone) / measured:.2f}" if measured > 0 else "n/a"
         print(
             f"beside {measured:.2f} of a core ({args.burst_ms:g} ms bursts): {beside:.1f} "
             f"tok/s ({beside / alone:.2f}x alone), engine CPU "
             f"{statistics.median(r.cpu_us_per_token for r in runs[share]):.0f} us/token; "
-            f"cost per co-runner us: {cost:.2f}"
+            f"cost per co-runner us: {cost}"
         )
 
 
