@@ -174,6 +174,13 @@ class GenerateRequest(Message):
     """Set by the scheduler only (it drops a gateway's): the worker fetches the
     request's leading KV blocks from this other worker before it runs the request, and
     computes them itself if the transfer fails."""
+    placed_by: Id | None = None
+    """Set by the scheduler only: the placer (one scheduler process) that sent it here."""
+    placement_seq: Count = 0
+    """Set by the scheduler only: its number among that placer's placements (counting
+    up from 1). The worker's heartbeat reports the last it received from each placer
+    (``WorkerStats.placements_seen``), so a scheduler knows exactly which of its
+    placements the heartbeat's counts include, and counts the rest as pending."""
 
 
 class Usage(msgspec.Struct, kw_only=True):

@@ -124,6 +124,11 @@ class PlacementRecord(Message):
     """Set when the request leaves the scheduler's queue: how long it waited there."""
     queue_depth: Count = 0
     """Requests in this replica's queue after the decision."""
+    placed_by: Id = ""
+    placement_seq: Count = 0
+    """The forward's ``GenerateRequest.placed_by`` and ``placement_seq`` (0: none):
+    another replica counts the placement as pending until the worker's heartbeat shows
+    it received it."""
 
 
 class ServiceStarted(Message):

@@ -62,6 +62,8 @@ class WorkerRole(OpenEnum):
 
 MAX_RANKS = 1024
 """Most ranks a heartbeat may list (a hostile one listing more fails to decode)."""
+MAX_PLACERS = 64
+"""Most placers (scheduler processes) a heartbeat may report on."""
 
 
 class Rank(msgspec.Struct, kw_only=True):
@@ -205,6 +207,10 @@ class WorkerStats(Message, gc=False):
     """Adapters of its running requests (vLLM's ``lora_requests_info``)."""
     waiting_lora_adapters: Annotated[list[Id], msgspec.Meta(max_length=MAX_LORAS)] = []
     """Adapters of its waiting requests."""
+    placements_seen: Annotated[dict[Id, Count], msgspec.Meta(max_length=MAX_PLACERS)] = {}
+    """The last ``GenerateRequest.placement_seq`` it received from each recent placer
+    (``placed_by``), as of this heartbeat: the placements its counts include. What a
+    scheduler placed here later is still on its way, and counted as pending."""
 
     def serves(self, model: str) -> bool:
         """Whether a request naming ``model`` may run here: its model or an adapter."""

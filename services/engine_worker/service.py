@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
 from lamina.libs import spans
+from lamina.libs.bounded import BoundedDict
 from lamina.libs.bus import Bus, NatsConfig
 from lamina.libs.cluster import FORGET_AFTER_S, MISSED_HEARTBEATS
 from lamina.libs.config import option
@@ -99,6 +100,10 @@ TRACE_HEARTBEAT_EVERY_S = 10.0
 
 SNAPSHOT_PART = 40_000
 """Block hashes per ``KvSnapshot`` message: ~20 bytes each in JSON, under 1 MiB."""
+
+MAX_PLACERS_REPORTED = 16
+"""Placers (scheduler processes) a heartbeat reports the last placement of: the most
+recent ones (replicas are a few; restarted ones fall out)."""
 
 ENGINE_CLOSE_S = 10.0
 """Most seconds closing waits for the engine thread to close its engine (a rank group
@@ -251,6 +256,9 @@ class WorkerService:
         self._fetching: dict[str, bool] = {}
         """Requests accepted that wait for their prefix's blocks -> cancelled meanwhile."""
         self._fetches: set[asyncio.Task] = set()
+        self._placements_seen: BoundedDict[str, int] = BoundedDict(MAX_PLACERS_REPORTED)
+        """Placer -> the last placement number it sent here that was handled: held since
+        (running, waiting or fetching), or refused (the heartbeat's report)."""
 
     def ready(self) -> bool:
         """Taking requests: loaded, ``ready`` and on the bus (the readiness probe)."""
@@ -370,6 +378,15 @@ class WorkerService:
 
     # ---------------------------------------------------------------------------- handlers
     async def _on_generate(self, request: GenerateRequest, msg: Msg) -> None:
+        try:
+            await self._take(request, msg)
+        finally:  # held now, or refused: the next heartbeat's counts show it
+            if request.placed_by:
+                seen = self._placements_seen.get(request.placed_by, 0)
+                self._placements_seen[request.placed_by] = max(seen, request.placement_seq)
+
+    async def _take(self, request: GenerateRequest, msg: Msg) -> None:
+        """Hand a placed request to the engine, or refuse it."""
         if not msg.reply:
             log.warning("generate request %s has no reply subject; dropped", request.request_id)
             return
@@ -686,7 +703,7 @@ class WorkerService:
 
     async def _prompt_heartbeats(self) -> None:
         """A heartbeat before the schedulers think this worker full when it is not. A
-        scheduler counts every request placed here since the last heartbeat as waiting
+        scheduler counts every request placed here that no heartbeat showed yet as waiting
         (``Placer.saturated``: full once those and the heartbeat's waiting ones reach
         ``max_num_seqs``), so between ``stats_interval`` heartbeats short requests that had
         long finished kept it full in their eyes, and new ones waited in the queue for
@@ -718,7 +735,7 @@ class WorkerService:
         if self.engine_thread is not None:
             # The engine's counts are as of its last stats (every 0.1 s) and leave out what
             # was handed over since: a scheduler that trusted them would over-place here.
-            held = self.engine_thread.num_requests
+            held = self.engine_thread.num_requests + len(self._fetching)
             waiting = max(held - counters.num_running, counters.num_waiting)
             counters = dataclasses.replace(counters, num_waiting=waiting)
         return WorkerStats(
@@ -747,6 +764,7 @@ class WorkerService:
             **(self.kv.stats() if self.kv is not None else {}),
             role=self.config.role,
             max_loras=config.max_loras if config.enable_lora else 0,
+            placements_seen=dict(self._placements_seen),
         )
 
     async def _publish_stats(self) -> None:

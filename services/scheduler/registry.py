@@ -1,5 +1,11 @@
 """The scheduler's registry: the cluster view, the cluster prefix index, and what was
-placed on each worker since its last heartbeat, by this replica or another (pure: no I/O).
+placed on each worker that its last heartbeat does not show yet, by this replica or
+another (pure: no I/O).
+
+A placement is numbered by its placer (``GenerateRequest.placement_seq``) and a heartbeat
+reports the last number the worker received from each placer, so a heartbeat taken while
+a forward was still on its way does not wipe that forward from the count: the worker
+would be sent more than it takes, and refuse the excess.
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from lamina.schemas.v1.records import PlacementRecord
 from lamina.schemas.v1.stats import WorkerStats
 from lamina.services.scheduler.prefix_index import PrefixIndex
 
+PENDING_MAX_AGE_S = 10.0
+"""A placement no heartbeat ever shows (its forward was lost, or its placer's number
+fell out of the worker's report) stops counting after this long."""
+
 
 @dataclass
 class Candidate:
@@ -20,12 +30,24 @@ class Candidate:
 
     stats: WorkerStats
     pending: int = 0
-    """Requests placed here since its last heartbeat (not yet in its stats)."""
+    """Requests placed here that its last heartbeat does not show yet."""
     pending_tokens: int = 0
     """Their uncached prompt tokens: prefill work not yet in its stats."""
     queued_tokens: float = 0.0
     """Prefill tokens queued there now, as a fluid estimate: what its heartbeat reported
     plus what was placed there since, draining at its measured prefill rate."""
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One placement a worker's heartbeat does not show yet."""
+
+    placer: str
+    seq: int
+    """Its number from ``placer`` (0: unnumbered, e.g. a prefill leg: the next heartbeat
+    supersedes it)."""
+    tokens: int
+    at: float
 
 
 class Registry:
@@ -42,16 +64,25 @@ class Registry:
         self.quarantined: set[str] = set()
         """Workers taken out of placement until they answer a ping (one did not accept a
         request it was sent; a forged heartbeat's worker never will)."""
-        self._pending: dict[str, Candidate] = {}
+        self._pending: dict[str, list[Placed]] = {}
         self._backlog: dict[str, tuple[float, float]] = {}  # worker -> (tokens, as of when)
 
     def heartbeat(self, stats: WorkerStats) -> bool:
-        """A heartbeat supersedes the estimate of what was placed before it. Returns True
-        when the index should ask this worker for a snapshot (never synced, or restarted
-        under the same id)."""
+        """A heartbeat supersedes the estimate of what was placed before it: what it
+        shows received stops counting as pending. Returns True when the index should ask
+        this worker for a snapshot (never synced, or restarted under the same id)."""
         self.view.heartbeat(stats)
-        self._pending.pop(stats.worker_id, None)
-        self._backlog[stats.worker_id] = (stats.num_queued_prefill_tokens, self.view.clock())
+        now = self.view.clock()
+        seen = stats.placements_seen
+        pending = [
+            placed
+            for placed in self._pending.pop(stats.worker_id, ())
+            if placed.seq > seen.get(placed.placer, 0) and now - placed.at < PENDING_MAX_AGE_S
+        ]
+        if pending:
+            self._pending[stats.worker_id] = pending
+        backlog = stats.num_queued_prefill_tokens + sum(placed.tokens for placed in pending)
+        self._backlog[stats.worker_id] = (backlog, now)
         kv = self.index.workers.get(stats.worker_id)
         if kv is not None and kv.incarnation != stats.incarnation:
             self.index.drop(stats.worker_id)  # a new process: its cache starts empty
@@ -87,15 +118,14 @@ class Registry:
             stats = entry.stats
             self.index.assume_synced(worker_id, stats.incarnation, stats.block_size)
 
-    def placed(self, worker_id: str, uncached_tokens: int) -> None:
-        """Count a request placed on ``worker_id`` until its next heartbeat shows it."""
-        entry = self.view.workers.get(worker_id)
-        if entry is None:
+    def placed(self, worker_id: str, uncached_tokens: int, placer: str = "", seq: int = 0) -> None:
+        """Count a request placed on ``worker_id`` (``seq``-th of ``placer``'s) until a
+        heartbeat shows it received."""
+        if worker_id not in self.view.workers:
             return
-        pending = self._pending.setdefault(worker_id, Candidate(entry.stats))
-        pending.pending += 1
-        pending.pending_tokens += uncached_tokens
         now = self.view.clock()
+        placed = Placed(placer, seq, uncached_tokens, now)
+        self._pending.setdefault(worker_id, []).append(placed)
         self._backlog[worker_id] = (self._queued(worker_id, now) + uncached_tokens, now)
 
     def _queued(self, worker_id: str, now: float) -> float:
@@ -107,13 +137,19 @@ class Registry:
 
     def placed_by_peer(self, record: PlacementRecord) -> None:
         """Count another replica's placement, unless the worker's heartbeat since then
-        already does."""
+        already does (by its number; an unnumbered record's, by the clocks)."""
         entry = self.view.workers.get(record.worker_id or "")
-        if entry is None or record.timestamp_ms <= entry.stats.timestamp_ms:
+        if entry is None:
             return
-        block_size = entry.stats.block_size
-        cached = min(record.prefix_hit_blocks * block_size, max(record.prompt_tokens - 1, 0))
-        self.placed(entry.stats.worker_id, record.prompt_tokens - cached)
+        stats = entry.stats
+        if record.placement_seq:
+            if record.placement_seq <= stats.placements_seen.get(record.placed_by, 0):
+                return
+        elif record.timestamp_ms <= stats.timestamp_ms:
+            return
+        cached = min(record.prefix_hit_blocks * stats.block_size, max(record.prompt_tokens - 1, 0))
+        tokens = record.prompt_tokens - cached
+        self.placed(stats.worker_id, tokens, record.placed_by, record.placement_seq)
 
     def candidates(self) -> list[Candidate]:
         """Every live worker not quarantined, with what was placed on it since its
@@ -128,7 +164,13 @@ class Registry:
         for entry in live:
             if entry.stats.worker_id in self.quarantined:
                 continue
-            candidate = self._pending.get(entry.stats.worker_id) or Candidate(entry.stats)
-            candidate.queued_tokens = self._queued(entry.stats.worker_id, now)
-            candidates.append(candidate)
+            pending = self._pending.get(entry.stats.worker_id, ())
+            candidates.append(
+                Candidate(
+                    entry.stats,
+                    pending=len(pending),
+                    pending_tokens=sum(placed.tokens for placed in pending),
+                    queued_tokens=self._queued(entry.stats.worker_id, now),
+                )
+            )
         return candidates

@@ -112,6 +112,10 @@ class SchedulerService:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.scheduler_id = config.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.placer_id = f"{self.scheduler_id}/{secrets.token_hex(4)}"
+        """This process's placements' ``placed_by``: unique to it, so a restart under the
+        same id counts from 1 without seeming already received."""
+        self._placement_seq = 0
         self.registry = Registry(prefill_rate_prior=config.prefill_rate_prior)
         cost = CostModel(config.prefill_rate_prior, config.decode_rate_prior, config.decode_weight)
         self.placer = Placer(
@@ -460,15 +464,20 @@ class SchedulerService:
                 ),
             )
         else:
-            forwarded = msgspec.structs.replace(
+            kv_source = await self._grant(request, decision)  # never the gateway's
+            # Numbered with no await before the publish: the numbers go out in order.
+            self._placement_seq += 1
+            request = msgspec.structs.replace(
                 request,
                 worker_id=decision.worker_id,
-                kv_source=await self._grant(request, decision),  # never the gateway's
+                kv_source=kv_source,
+                placed_by=self.placer_id,
+                placement_seq=self._placement_seq,
             )
             try:
                 await self.bus.publish(  # the worker's span is this one's child
                     subjects.worker_generate(decision.worker_id),
-                    forwarded,
+                    request,
                     subjects.worker_stream(reply, decision.worker_id),
                     traced=False,
                 )
@@ -494,7 +503,9 @@ class SchedulerService:
                     max(decision.prefix_hit_blocks, decision.fetch_blocks),
                     block_size,
                 )
-                self.registry.placed(decision.worker_id, uncached)
+                self.registry.placed(
+                    decision.worker_id, uncached, self.placer_id, request.placement_seq
+                )
                 if decision.prefill:  # its prefill leg's tokens are queued there
                     self.registry.placed(decision.fetch_from, decision.fetch_blocks * block_size)
                 self._placed_on[request.request_id] = decision.worker_id
@@ -530,6 +541,8 @@ class SchedulerService:
                 decision_s=decision.decision_s,
                 queued_s=queued_s,
                 queue_depth=len(self.queue),
+                placed_by=request.placed_by or "",
+                placement_seq=request.placement_seq,
             ),
             traced=False,  # a record for telemetry and the other replicas, not a hop
         )

@@ -178,8 +178,14 @@ def test_the_index_syncs_places_by_prefix_and_resyncs_after_gaps_and_restarts(na
     asyncio.run(main())
 
 
-def test_a_replica_counts_the_other_replicas_placements_as_pending(nats_url):
-    async def main() -> tuple[int, int]:
+def test_a_placement_counts_as_pending_at_both_replicas_until_a_heartbeat_shows_it(nats_url):
+    """The replica that placed a request counts it at once, the other from its record;
+    a heartbeat the worker sent before the forward reached it (its ``placements_seen``
+    short of the forward's number) leaves both counting it, and only one that shows it
+    received ends the count. (A heartbeat that wiped the count whatever it showed let a
+    burst send a worker more than it takes: it refused the excess with a 429.)"""
+
+    async def main() -> list[tuple[int, int]]:
         replicas = [
             SchedulerService(SchedulerConfig(nats=NatsConfig(nats_url), scheduler_id=f"s-peer-{i}"))
             for i in range(2)
@@ -195,24 +201,39 @@ def test_a_replica_counts_the_other_replicas_placements_as_pending(nats_url):
             for replica in replicas:
                 await until(lambda r=replica: "a" in r.registry.view.workers, "the heartbeat")
             await submit(bus, "burst-1")
-            await asyncio.wait_for(workers.forwarded.get(), 5)
+            _, forwarded = await asyncio.wait_for(workers.forwarded.get(), 5)
             record = await asyncio.wait_for(workers.records.get(), 5)
             placer = next(r for r in replicas if r.scheduler_id == record.scheduler_id)
             other = next(r for r in replicas if r is not placer)
+            assert forwarded.placed_by == record.placed_by == placer.placer_id
+            assert forwarded.placement_seq == record.placement_seq == 1
 
-            def pending(replica: SchedulerService) -> int:
-                (candidate,) = replica.registry.candidates()
-                return candidate.pending
+            def pending() -> tuple[int, int]:
+                return tuple(r.registry.candidates()[0].pending for r in (placer, other))
 
-            # The replica that placed it counts it at once; the other from its record.
-            await until(lambda: pending(other) == 1, "the peer's record")
-            return pending(placer), pending(other)
+            await until(lambda: pending()[1] == 1, "the peer's record")
+            counts = [pending()]
+
+            async def beat(seen: dict[str, int]) -> None:
+                await workers.heartbeat("a", placements_seen=seen)
+                for replica in replicas:
+                    await until(
+                        lambda r=replica: (
+                            r.registry.view.workers["a"].stats.placements_seen == seen
+                        ),
+                        "the heartbeat",
+                    )
+                counts.append(pending())
+
+            await beat({placer.placer_id: 0, "another-placer/1": 5})
+            await beat({forwarded.placed_by: forwarded.placement_seq})
+            return counts
         finally:
             await bus.drain()
             for replica in replicas:
                 await replica.close()
 
-    assert asyncio.run(main()) == (1, 1)
+    assert asyncio.run(main()) == [(1, 1), (1, 1), (0, 0)]
 
 
 def test_a_scheduler_that_reconnects_resyncs_every_worker():

@@ -524,8 +524,10 @@ def test_a_request_waiting_in_the_engine_gets_keep_alives_and_a_full_worker_refu
 ):
     """With one sequence running and one waiting (``max_num_seqs`` 1, one more may wait),
     the waiting one's stream hears empty ``Tokens`` until it runs, and a third request is
-    refused up front: ``overloaded``, retryable, with when to retry."""
+    refused up front: ``overloaded``, retryable, with when to retry. The heartbeat
+    reports the last placement it handled (held or refused) from each placer."""
     worker_id = "bus-full-worker"
+    seen: list[dict[str, int]] = []
 
     async def main() -> tuple[list, list, list]:
         engine = EngineConfig(model=tiny_model, max_num_seqs=1)
@@ -541,16 +543,21 @@ def test_a_request_waiting_in_the_engine_gets_keep_alives_and_a_full_worker_refu
                 model="lamina-tiny",
                 prompt_token_ids=[5, 6, 7, 8],
                 sampling=Sampling(max_tokens=400, ignore_eos=True),
+                placed_by="s-1/ab",
+                placement_seq=7,
             )
             running = asyncio.create_task(_stream(bus, long, worker_id))
             while not worker.engine_thread.num_requests:
                 await asyncio.sleep(0.01)
-            waiting = asyncio.create_task(
-                _stream(bus, msgspec.structs.replace(long, request_id="waiting"), worker_id)
-            )
+            seen.append(worker.worker_stats().placements_seen)
+            unplaced = msgspec.structs.replace(long, request_id="waiting", placed_by=None)
+            waiting = asyncio.create_task(_stream(bus, unplaced, worker_id))
             while worker.engine_thread.num_requests < 2:
                 await asyncio.sleep(0.01)
-            refused = await _stream(bus, msgspec.structs.replace(long, request_id="x"), worker_id)
+            seen.append(worker.worker_stats().placements_seen)
+            third = msgspec.structs.replace(long, request_id="x", placement_seq=8)
+            refused = await _stream(bus, third, worker_id)
+            seen.append(worker.worker_stats().placements_seen)
             return await running, await waiting, refused
         finally:
             await bus.close()
@@ -566,6 +573,7 @@ def test_a_request_waiting_in_the_engine_gets_keep_alives_and_a_full_worker_refu
     (rejected,) = refused
     assert isinstance(rejected, Rejected) and rejected.reason == RejectReason.OVERLOADED
     assert rejected.retryable and rejected.retry_after_s == 1.0
+    assert seen == [{"s-1/ab": 7}, {"s-1/ab": 7}, {"s-1/ab": 8}]
 
 
 def test_a_tensor_parallel_worker_reports_its_ranks_and_fails_as_a_group(nats_url, tiny_model):

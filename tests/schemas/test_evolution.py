@@ -212,6 +212,7 @@ def golden_instances() -> dict[str, Message]:
         max_loras=2,
         running_lora_adapters=["sql"],
         waiting_lora_adapters=["chat"],
+        placements_seen={"scheduler-0/5e1f09a2": 4182, "scheduler-1/0b7c33d4": 977},
     )
     timings = EngineTimings(queued_s=0.012, prefill_s=0.0705, decode_s=0.0488, num_preemptions=1)
     instances: list[Message] = [
@@ -268,6 +269,8 @@ def golden_instances() -> dict[str, Message]:
                 block_hashes=[4011226427183372811, 772199912007465535],
                 prefill=True,
             ),
+            placed_by="scheduler-0/5e1f09a2",
+            placement_seq=4182,
         ),
         Accepted(
             request_id=request_id, worker_id=worker_id, seq=0, numerics="cuda/bfloat16/int8/fp8"
@@ -411,6 +414,8 @@ def golden_instances() -> dict[str, Message]:
             decision_s=0.00018,
             queued_s=0.25,
             queue_depth=7,
+            placed_by="scheduler-0/5e1f09a2",
+            placement_seq=4182,
         ),
         stats,
         ClusterStatusRequest(),

@@ -19,7 +19,7 @@ from lamina.services.scheduler.placement import (
     kv_block_bytes,
     retry_after,
 )
-from lamina.services.scheduler.registry import Candidate, Registry
+from lamina.services.scheduler.registry import PENDING_MAX_AGE_S, Candidate, Registry
 from tests.telemetry.helpers import make_stats
 
 
@@ -431,10 +431,49 @@ def test_another_replicas_placement_counts_until_the_workers_next_heartbeat():
     registry.placed_by_peer(record)
     (candidate,) = registry.candidates()
     assert (candidate.pending, candidate.pending_tokens) == (1, 100 - 32)
-    # A heartbeat taken after the placement includes it; a record older than it is ignored.
+    # An unnumbered record (an older peer's): a heartbeat taken after it includes it, and
+    # a record older than the heartbeat is ignored.
     registry.heartbeat(stats("w", timestamp_ms=2_000))
     registry.placed_by_peer(record)
     assert registry.candidates()[0].pending == 0
+    # A numbered one counts until a heartbeat reports its number, whatever the clocks.
+    numbered = msgspec.structs.replace(record, placed_by="other/1", placement_seq=3)
+    registry.placed_by_peer(numbered)
+    registry.heartbeat(stats("w", timestamp_ms=3_000, placements_seen={"other/1": 2}))
+    assert registry.candidates()[0].pending == 1
+    registry.heartbeat(stats("w", timestamp_ms=3_500, placements_seen={"other/1": 3}))
+    registry.placed_by_peer(numbered)  # a record arriving after the heartbeat showing it
+    assert registry.candidates()[0].pending == 0
+
+
+def test_a_numbered_placement_counts_until_a_heartbeat_shows_it_received():
+    """A heartbeat built before a forward arrived leaves it pending (its tokens still in
+    the backlog); one that reports its number, or a later one of its placer's, ends it.
+    An unnumbered one (a prefill leg) ends at the next heartbeat, and one no heartbeat
+    ever shows (lost on the way) after ``PENDING_MAX_AGE_S``."""
+    clock = Clock()
+    registry = registry_at(clock)
+    registry.heartbeat(stats("w", prefill_tokens_per_s=1e-9))
+    registry.placed("w", 100, "s/1", 1)
+    registry.placed("w", 200, "s/1", 2)
+    registry.placed("w", 40, "t/1", 9)
+    registry.placed("w", 7)  # unnumbered
+
+    def pending() -> tuple[int, int, int]:
+        (candidate,) = registry.candidates()
+        return candidate.pending, candidate.pending_tokens, round(candidate.queued_tokens)
+
+    assert pending() == (4, 347, 347)
+    registry.heartbeat(stats("w", placements_seen={"s/1": 1}, num_queued_prefill_tokens=100))
+    assert pending() == (2, 240, 340)  # its 100 tokens now in the heartbeat's
+    registry.heartbeat(stats("w", placements_seen={"s/1": 5}))
+    assert pending() == (1, 40, 40)
+    clock.now = PENDING_MAX_AGE_S - 0.1
+    registry.heartbeat(stats("w"))
+    assert pending()[0] == 1
+    clock.now = PENDING_MAX_AGE_S
+    registry.heartbeat(stats("w"))
+    assert pending() == (0, 0, 0)
 
 
 def test_a_workers_backlog_drains_at_its_rate_between_heartbeats():
