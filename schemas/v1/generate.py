@@ -311,6 +311,10 @@ class Rejected(Message):
     retry_after_s: float | None = None
     """For ``overloaded`` and ``deadline_unmeetable``: when trying again is likely to
     work, from the cluster's measured drain rate."""
+    worker_id: Id = ""
+    """The worker that refused it (empty: a scheduler did). A worker's ``overloaded``
+    means it was placed there on a stale view: the gateway submits it again instead of
+    answering 429, and the scheduler, knowing more by then, queues it."""
 
 
 class Queued(Message):

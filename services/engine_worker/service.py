@@ -474,7 +474,13 @@ class WorkerService:
     async def _refuse(
         self, reply: str, request_id: str, reason: RejectReason, message: str, **fields: object
     ) -> None:
-        rejected = Rejected(request_id=request_id, reason=reason, message=message, **fields)
+        rejected = Rejected(
+            request_id=request_id,
+            reason=reason,
+            message=message,
+            worker_id=self.worker_id,
+            **fields,
+        )
         await self.bus.publish(reply, rejected)
 
     @property

@@ -19,7 +19,8 @@ _STATUS = {
 }
 
 #: Retryable reasons that another submission right away would meet again: the client is
-#: told when to retry (``Retry-After``) instead of the gateway retrying at once.
+#: told when to retry (``Retry-After``) instead of the gateway retrying at once. (From a
+#: scheduler; a worker's ``overloaded`` is a placement on a stale view, and retried.)
 CLIENT_RETRIES = (RejectReason.OVERLOADED, RejectReason.DEADLINE_UNMEETABLE)
 
 

@@ -236,7 +236,9 @@ class RemoteRequest:
                         "no scheduler is running (or the worker it chose is gone)",
                         retry_after_s=1.0,
                     )
-                case Rejected(retryable=True) if event.reason not in CLIENT_RETRIES:
+                case Rejected(retryable=True) if (
+                    event.reason not in CLIENT_RETRIES or event.worker_id  # a stale view
+                ):
                     self.queued = False
                     error = GenerationError.from_rejected(event)
                 case Rejected():

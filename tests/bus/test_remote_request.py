@@ -79,7 +79,9 @@ def queued() -> Script:
     return lambda r: [Queued(request_id=r.request_id, position=0)]
 
 
-def overloaded() -> Script:
+def overloaded(worker_id: str = "") -> Script:
+    """The scheduler's queue is full, or (``worker_id``) a worker placed on a stale view
+    holds its most."""
     return lambda r: [
         Rejected(
             request_id=r.request_id,
@@ -87,6 +89,7 @@ def overloaded() -> Script:
             message="queue full",
             retryable=True,
             retry_after_s=2.5,
+            worker_id=worker_id,
         )
     ]
 
@@ -306,6 +309,19 @@ def test_an_overloaded_cluster_is_not_retried_at_once_and_says_when(nats_url):
     assert (result.error.status, result.error.code) == (429, "overloaded")
     assert result.error.retry_after_s == 2.5
     assert result.record.outcome == Outcome.REJECTED
+
+
+def test_a_workers_refusal_on_a_stale_view_is_submitted_again_not_told_the_client(nats_url):
+    """A worker that holds its most refuses a request placed on a stale view; the
+    scheduler would have queued it, and does once asked again."""
+    served = then(accept("w2"), tokens(1, 40), finished(2, 1))
+    result = run(nats_url, [overloaded("w1"), then(queued(), served)])
+    assert result.error is None and len(result.submitted) == 2
+    assert (result.record.outcome, result.record.worker_id) == (Outcome.FINISHED, "w2")
+    # Within the attempts: then the client hears it, as from a scheduler.
+    result = run(nats_url, [overloaded("w1")] * 3)
+    assert len(result.submitted) == 3
+    assert (result.error.status, result.error.retry_after_s) == (429, 2.5)
 
 
 def test_a_client_that_hangs_up_while_queued_takes_the_request_out_of_the_queue(nats_url):

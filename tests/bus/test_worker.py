@@ -573,6 +573,7 @@ def test_a_request_waiting_in_the_engine_gets_keep_alives_and_a_full_worker_refu
     (rejected,) = refused
     assert isinstance(rejected, Rejected) and rejected.reason == RejectReason.OVERLOADED
     assert rejected.retryable and rejected.retry_after_s == 1.0
+    assert rejected.worker_id == worker_id  # the gateway submits it again
     assert seen == [{"s-1/ab": 7}, {"s-1/ab": 7}, {"s-1/ab": 8}]
 
 

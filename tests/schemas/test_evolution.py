@@ -304,6 +304,7 @@ def golden_instances() -> dict[str, Message]:
             retryable=False,
             param="max_tokens",
             retry_after_s=3.0,
+            worker_id=worker_id,
         ),
         Queued(request_id=request_id, position=4, max_wait_s=30.0),
         Failed(
