@@ -11,6 +11,11 @@ Not a test: run it by hand.
 
     .venv/bin/python benchmarks/crowd.py
     .venv/bin/python benchmarks/crowd.py --sizes 400 --runs 3 --max-tokens 64
+    .venv/bin/python benchmarks/crowd.py --sizes 64 --runs 3 --max-num-seqs 2
+
+``--max-num-seqs 2`` makes the burst the compose test sends, larger: workers that take
+two requests at a time (and hold two more waiting), so nearly every request waits in the
+scheduler's queue, and each placement made on a stale view is a worker's refusal.
 """
 
 from __future__ import annotations
@@ -164,7 +169,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="each worker's (default: the engine's)"
+    )
     args = parser.parse_args()
+    seqs = [] if args.max_num_seqs is None else ["--max-num-seqs", str(args.max_num_seqs)]
     model = args.model or ensure_default_model("tiny")
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(
@@ -173,6 +182,7 @@ def main() -> None:
             http_port=free_port(),
             metrics_port=free_port(),
             log_dir=Path(tmp) / "logs",
+            worker_args=seqs,
         )
         with stack:
             print(f"stack up: {args.workers} workers on {model.name}; logs in {tmp}/logs")

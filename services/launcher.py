@@ -163,6 +163,7 @@ class Stack:
             "LAMINA_NATS_TLS_CA": bus.nats_tls_ca,
             RESTARTS_ENV: str(self.restarts.get(name, 0)),  # telemetry counts them
             PARENT_ENV: str(os.getpid()),  # it dies with this process, however it ends
+            **(self.worker_env() if module == self.worker_module else {}),
             **self.extra_env,
         }
         out = None
@@ -178,6 +179,17 @@ class Stack:
         self.procs[name] = proc
         self.specs[name] = (module, args, identity)
         return proc
+
+    def worker_env(self) -> dict[str, str]:
+        """A worker's OpenMP threads, where this host runs several and nothing set them
+        (``OMP_NUM_THREADS``): its share of the CPUs this process may run on. Each engine
+        would otherwise start a thread per CPU, and every parallel region of one engine's
+        step would end waiting for a thread of its own that another engine's had taken
+        the core from (two workers of the tiny model on two cores, two requests each:
+        seven times as long as one thread each)."""
+        if self.workers < 2 or "OMP_NUM_THREADS" in os.environ:
+            return {}
+        return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // self.workers))}
 
     def supervise(self) -> list[str]:
         """Restart what exited, with back-off (1 s doubling to 30 s per service), the

@@ -111,3 +111,13 @@ def test_the_embedded_nats_servers_threads_reach_its_stack_and_a_negative_count_
     assert stack_of(UpConfig(nats_procs=0), Path("model")).nats_procs == 0  # Go's default
     refused = preflight(UpConfig(nats_procs=-1), Path(__file__), [])
     assert refused is not None and "--nats-procs -1" in refused
+
+
+def test_a_hosts_workers_split_its_cpus_unless_openmp_threads_are_set(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert Stack(model=Path("m"), workers=3).worker_env() == {"OMP_NUM_THREADS": "2"}
+    assert Stack(model=Path("m"), workers=16).worker_env() == {"OMP_NUM_THREADS": "1"}
+    assert Stack(model=Path("m"), workers=1).worker_env() == {}  # the machine is its own
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the operator's choice stands
+    assert Stack(model=Path("m"), workers=3).worker_env() == {}
