@@ -185,8 +185,8 @@ class Stack:
         (``OMP_NUM_THREADS``): its share of the CPUs this process may run on. Each engine
         would otherwise start a thread per CPU, and every parallel region of one engine's
         step would end waiting for a thread of its own that another engine's had taken
-        the core from (two workers of the tiny model on two cores, two requests each:
-        seven times as long as one thread each)."""
+        the core from (two workers of the tiny model on two cores, 16 requests at once:
+        1.0-2.5 s against 0.26-0.30 s with one thread each)."""
         if self.workers < 2 or "OMP_NUM_THREADS" in os.environ:
             return {}
         return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // self.workers))}

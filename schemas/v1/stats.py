@@ -207,10 +207,11 @@ class WorkerStats(Message, gc=False):
     """Adapters of its running requests (vLLM's ``lora_requests_info``)."""
     waiting_lora_adapters: Annotated[list[Id], msgspec.Meta(max_length=MAX_LORAS)] = []
     """Adapters of its waiting requests."""
-    placements_seen: Annotated[dict[Id, Count], msgspec.Meta(max_length=MAX_PLACERS)] = {}
+    placements_seen: Annotated[dict[Id, Count], msgspec.Meta(max_length=MAX_PLACERS)] | None = None
     """The last ``GenerateRequest.placement_seq`` it received from each recent placer
     (``placed_by``), as of this heartbeat: the placements its counts include. What a
-    scheduler placed here later is still on its way, and counted as pending."""
+    scheduler placed here later is still on its way, and counted as pending. None: a
+    worker that predates the numbers (each heartbeat ends every count, as it did)."""
 
     def serves(self, model: str) -> bool:
         """Whether a request naming ``model`` may run here: its model or an adapter."""

@@ -77,7 +77,9 @@ class Registry:
         pending = [
             placed
             for placed in self._pending.pop(stats.worker_id, ())
-            if placed.seq > seen.get(placed.placer, 0) and now - placed.at < PENDING_MAX_AGE_S
+            if seen is not None
+            and placed.seq > seen.get(placed.placer, 0)
+            and now - placed.at < PENDING_MAX_AGE_S
         ]
         if pending:
             self._pending[stats.worker_id] = pending
@@ -137,13 +139,14 @@ class Registry:
 
     def placed_by_peer(self, record: PlacementRecord) -> None:
         """Count another replica's placement, unless the worker's heartbeat since then
-        already does (by its number; an unnumbered record's, by the clocks)."""
+        already does (by its number; an unnumbered record's, or an older worker's, by
+        the clocks)."""
         entry = self.view.workers.get(record.worker_id or "")
         if entry is None:
             return
-        stats = entry.stats
-        if record.placement_seq:
-            if record.placement_seq <= stats.placements_seen.get(record.placed_by, 0):
+        stats, seen = entry.stats, entry.stats.placements_seen
+        if record.placement_seq and seen is not None:
+            if record.placement_seq <= seen.get(record.placed_by, 0):
                 return
         elif record.timestamp_ms <= stats.timestamp_ms:
             return

@@ -438,6 +438,7 @@ def test_another_replicas_placement_counts_until_the_workers_next_heartbeat():
     assert registry.candidates()[0].pending == 0
     # A numbered one counts until a heartbeat reports its number, whatever the clocks.
     numbered = msgspec.structs.replace(record, placed_by="other/1", placement_seq=3)
+    registry.heartbeat(stats("w", timestamp_ms=2_500, placements_seen={}))
     registry.placed_by_peer(numbered)
     registry.heartbeat(stats("w", timestamp_ms=3_000, placements_seen={"other/1": 2}))
     assert registry.candidates()[0].pending == 1
@@ -450,10 +451,11 @@ def test_a_numbered_placement_counts_until_a_heartbeat_shows_it_received():
     """A heartbeat built before a forward arrived leaves it pending (its tokens still in
     the backlog); one that reports its number, or a later one of its placer's, ends it.
     An unnumbered one (a prefill leg) ends at the next heartbeat, and one no heartbeat
-    ever shows (lost on the way) after ``PENDING_MAX_AGE_S``."""
+    ever shows (lost on the way) after ``PENDING_MAX_AGE_S``. A worker that predates the
+    numbers (no ``placements_seen``) ends every count with each heartbeat, as before."""
     clock = Clock()
     registry = registry_at(clock)
-    registry.heartbeat(stats("w", prefill_tokens_per_s=1e-9))
+    registry.heartbeat(stats("w", prefill_tokens_per_s=1e-9, placements_seen={}))
     registry.placed("w", 100, "s/1", 1)
     registry.placed("w", 200, "s/1", 2)
     registry.placed("w", 40, "t/1", 9)
@@ -469,10 +471,13 @@ def test_a_numbered_placement_counts_until_a_heartbeat_shows_it_received():
     registry.heartbeat(stats("w", placements_seen={"s/1": 5}))
     assert pending() == (1, 40, 40)
     clock.now = PENDING_MAX_AGE_S - 0.1
-    registry.heartbeat(stats("w"))
+    registry.heartbeat(stats("w", placements_seen={}))
     assert pending()[0] == 1
     clock.now = PENDING_MAX_AGE_S
-    registry.heartbeat(stats("w"))
+    registry.heartbeat(stats("w", placements_seen={}))
+    assert pending() == (0, 0, 0)
+    registry.placed("w", 100, "s/1", 6)
+    registry.heartbeat(stats("w"))  # an older worker's
     assert pending() == (0, 0, 0)
 
 
