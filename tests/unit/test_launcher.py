@@ -121,3 +121,16 @@ def test_a_hosts_workers_split_its_cpus_unless_openmp_threads_are_set(monkeypatc
     assert Stack(model=Path("m"), workers=1).worker_env() == {}  # the machine is its own
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the operator's choice stands
     assert Stack(model=Path("m"), workers=3).worker_env() == {}
+
+
+def test_a_workers_ranks_split_its_share_of_the_cpus(monkeypatch):
+    from lamina.services.engine_worker.engine.rank_group import rank_threads
+
+    config = EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert rank_threads(config) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "2,1")  # nested levels: the first is the team
+    assert rank_threads(config) == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 12)
+    assert rank_threads(config) == 3

@@ -563,9 +563,13 @@ def make_segments(
 
 
 def rank_threads(config: EngineConfig) -> int:
-    """Torch threads per rank on CPU: the cores split between the ranks."""
+    """Torch threads per rank on CPU: the worker's CPUs split between its ranks (its
+    ``OMP_NUM_THREADS`` where set, as ``lamina up`` sets it for each of several workers;
+    else the host's)."""
     ranks = config.tensor_parallel_size * config.pipeline_parallel_size
-    return max(1, (os.cpu_count() or 1) // ranks)
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    budget = int(first) if first.isdigit() and int(first) > 0 else os.cpu_count() or 1
+    return max(1, budget // ranks)
 
 
 def _free_port(address: str) -> int:
