@@ -31,6 +31,15 @@ Not a test: run it by hand on an otherwise idle machine::
 ``--lean`` clients read each response as raw bytes, for the most tokens/s the stack
 sustains before ``/health``'s p99 passes 50 ms (printed last); with httpx the client
 itself fills this machine's two cores near 3,000 tokens/s.
+
+One gateway's own ceiling needs a core the rest of the stack does not take: with
+``--gateway-core`` the gateway runs on the last CPU alone and every other process (the
+services, nats-server, the clients) on the others, and ``--null-engine`` leaves out the
+engine's bookkeeping (``free_worker.NullEngine``: the worker shell alone), which at
+these rates would take most of a core itself::
+
+    .venv/bin/python -u benchmarks/data_path.py --lean --null-engine --gateway-core \
+        --step-ms 2 --concurrency 128 256 384
     .venv/bin/python -u benchmarks/data_path.py --concurrency 1 32 256 --step-ms 10 --profile
 """
 
@@ -49,6 +58,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import uvloop
 from bus_relay import SUBJECT, TOKEN
 from nats import connect as bus_connect
 from timing import pct, wait_for_workers
@@ -199,6 +209,15 @@ async def lean_stream(base_url: str, body: dict, stop: float) -> tuple[int, int]
     return received, retried
 
 
+def pin_gateways(pids: dict[str, int], cpu: int) -> None:
+    """Every thread of each gateway process onto ``cpu`` (threads it starts later
+    inherit it)."""
+    for name, pid in pids.items():
+        if name.startswith("gateway"):
+            for thread in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(thread), {cpu})
+
+
 def published(monitor: str) -> Counter[str]:
     """Messages each connection has published so far (nats-server's ``/connz``), by the
     connection's name (``Bus.connect``'s: the service)."""
@@ -215,12 +234,15 @@ def measure(
 ) -> tuple[dict[str, float], Counter[str]]:
     """One level: the idle window (heartbeats, stats, and the ``/health`` probe), then
     the loaded one; and the messages each service published during the loaded one."""
+    # The lean clients run on uvloop, as the gateway does: the client shares its cores with
+    # the rest of the stack, so the less it costs a token, the further the stack is driven.
+    run = uvloop.run if args.lean else asyncio.run
     before = cpu_of(pids)
-    asyncio.run(load(stack.base_url, 0, args.tokens, args.seconds))  # the probe alone
+    run(load(stack.base_url, 0, args.tokens, args.seconds))  # the probe alone
     idle = {name: value - before[name] for name, value in cpu_of(pids).items()}
     before, sent = cpu_of(pids), published(monitor)
     started = time.perf_counter()
-    tokens, health, retried, first_tokens = asyncio.run(
+    tokens, health, retried, first_tokens = run(
         load(stack.base_url, clients, args.tokens, args.seconds, args.lean)
     )
     elapsed = time.perf_counter() - started
@@ -299,7 +321,18 @@ def main() -> None:
     parser.add_argument(
         "--nats-procs", type=int, default=NATS_PROCS, help="nats-server's GOMAXPROCS (0: Go's)"
     )
+    parser.add_argument(
+        "--null-engine", action="store_true", help="the worker shell without engine bookkeeping"
+    )
+    parser.add_argument(
+        "--gateway-core", action="store_true", help="the gateway alone on the last CPU"
+    )
     args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.gateway_core:  # this process and all it starts on the others
+        if len(cpus) < 2 or args.gateways != 1:
+            parser.error("--gateway-core: one gateway, on a machine of two CPUs or more")
+        os.sched_setaffinity(0, cpus[:-1])
     model = ensure_default_model(args.preset)
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))
     monitor_port = free_port()
@@ -318,15 +351,22 @@ def main() -> None:
                 *["--stream-interval", str(args.stream_interval)],
             ],
             gateways=args.gateways,
-            extra_env={"PYTHONPATH": path, "LAMINA_FREE_STEP_MS": str(args.step_ms)},
+            extra_env={
+                "PYTHONPATH": path,
+                "LAMINA_FREE_STEP_MS": str(args.step_ms),
+                "LAMINA_FREE_ENGINE": "null" if args.null_engine else "",
+            },
         )
         with stack:
             pids = {name: proc.pid for name, proc in stack.procs.items()}
+            if args.gateway_core:
+                pin_gateways(pids, cpus[-1])
             pids["nats-server"] = nats.pid
             wait_for_workers(stack.metrics_url, 1)
             time.sleep(1.0)  # its first heartbeats settle
             print(
-                f"{os.cpu_count()} cores; free engine, a {args.step_ms:g} ms step; "
+                f"{len(cpus)} cores{'; the gateway alone on the last' * args.gateway_core}; "
+                f"{'null' if args.null_engine else 'free'} engine, a {args.step_ms:g} ms step; "
                 f"{args.gateways} gateway(s), stream interval {args.stream_interval}; "
                 f"{args.tokens}-token completions, {args.seconds:g} s per level; CPU us per "
                 "streamed token (idle subtracted), tokens/s, /health p99, bus messages "
@@ -357,10 +397,15 @@ def main() -> None:
                 print(f"messages published at {clients} streams: {top}")
             if healthy:
                 rate, clients, p99 = max(healthy)
+                bound = (
+                    "the gateway on a core of its own"
+                    if args.gateway_core
+                    else "this machine's cores are shared by every process, so this bounds "
+                    "the stack here, not one gateway alone"
+                )
                 print(
                     f"most tokens/s with /health p99 <= {HEALTHY_P99_MS} ms: {rate:.0f} "
-                    f"({clients} streams, p99 {p99:.0f} ms; this machine's cores are shared "
-                    "by every process, so this bounds the stack here, not one gateway alone)"
+                    f"({clients} streams, p99 {p99:.0f} ms; {bound})"
                 )
             if args.profile:
                 profile(stack, pids, args, args.concurrency[-1], Path(tmp))

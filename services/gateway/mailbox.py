@@ -50,6 +50,14 @@ class Mailbox:
             self._waiter = None
         return self._items.popleft() if self._items else None
 
+    def peek(self) -> object | None:
+        """The oldest item, left where it is; None if there is none."""
+        return self._items[0] if self._items else None
+
+    def skip(self) -> None:
+        """Drop the oldest item (one :meth:`peek` returned)."""
+        self._items.popleft()
+
     def close(self) -> None:
         """Drop the timer (nothing waits any more)."""
         if self._timer is not None:

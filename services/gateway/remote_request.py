@@ -316,7 +316,8 @@ class RemoteRequest:
                 case Tokens(token_ids=[], logprobs=None):  # a keep-alive: it waits there
                     expected += 1
                 case Tokens():
-                    expected += 1
+                    assert self._queue is not None
+                    event, expected = with_queued_tokens(event, expected + 1, self._queue)
                     self._note_tokens(event.token_ids)
                     yield event
                 case Finished():
@@ -484,6 +485,33 @@ def _largest_part(request: GenerateRequest) -> tuple[str, int]:
     sizes = {name: len(msgspec.json.encode(value)) for name, value in parts.items()}
     name = max(sizes, key=sizes.__getitem__)
     return name, sizes[name]
+
+
+def with_queued_tokens(event: Tokens, expected: int, queue: Mailbox) -> tuple[Tokens, int]:
+    """``event`` as one event with the ``Tokens`` already queued behind it in ``queue``,
+    and the ``seq`` expected after them (``expected``: the one after ``event``'s).
+
+    A reader that fell behind (a gateway loop busy with many streams) then sends what came
+    meanwhile as one chunk instead of a chunk a token, so it catches up instead of falling
+    further behind, as vLLM's API server merges the outputs a slow reader has not taken
+    yet; a reader that keeps up finds nothing queued and streams token by token. Only
+    events in ``seq`` order merge (a gap is left for the reader to find), and only with
+    logprobs alike; keep-alives between them are dropped."""
+    token_ids, logprobs = event.token_ids, event.logprobs
+    while isinstance(queued := queue.peek(), Tokens) and queued.seq == expected:
+        if queued.token_ids and (queued.logprobs is None) != (logprobs is None):
+            break
+        queue.skip()
+        expected += 1
+        token_ids = token_ids + queued.token_ids
+        if logprobs is not None and queued.logprobs is not None:
+            logprobs = logprobs + queued.logprobs
+    if expected - 1 == event.seq:
+        return event, expected
+    merged = msgspec.structs.replace(
+        event, seq=expected - 1, token_ids=token_ids, logprobs=logprobs
+    )
+    return merged, expected
 
 
 def _unexpected(event: object) -> GenerationError:
