@@ -88,6 +88,15 @@ async def send_event(send: Send, payload: Any) -> None:
     await send({"type": "http.response.body", "body": event, "more_body": True})
 
 
+async def end_events(send: Send, *payloads: Any) -> None:
+    """Send the last events of a response opened by :func:`start_events` (as
+    :func:`send_event` would) and end it, all in one message."""
+    body = b"".join(
+        b"data: " + (p if isinstance(p, bytes) else _json.encode(p)) + b"\n\n" for p in payloads
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
 async def end_body(send: Send) -> None:
     """End a response opened by :func:`start_events`."""
     await send({"type": "http.response.body", "body": b""})

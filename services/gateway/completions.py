@@ -32,6 +32,7 @@ from lamina.services.gateway.asgi import (
     ClientDisconnected,
     ClientWatch,
     end_body,
+    end_events,
     read_body,
     send_event,
     send_json,
@@ -298,7 +299,7 @@ class CompletionsApi:
                 else:  # a bug: a 500 in OpenAI's shape (this route is not Litestar's)
                     log.exception("%s failed", scope["path"])
                     status, payload = 500, error_body("api_error", "the gateway failed (logged)")
-        if client.disconnected:
+        if client.disconnected or streaming:  # (a stream ends its response itself)
             return
         if payload is None:
             await end_body(send)
@@ -532,6 +533,9 @@ class CompletionsApi:
         plain = not response.token_ids and not continuous
         texts = [TextChunks(response, i) for i in range(len(streams))] if plain else None
         usages: list[Usage | None] = [None] * len(streams)
+        # The stream's last events (its finish, the usage, an error) and the response's
+        # end go in one write: each write to a client's socket costs a system call.
+        last: list[Any] = []
         try:
             if response.chat:  # OpenAI opens a chat stream with the role
                 role = {"role": "assistant", "content": ""}
@@ -557,6 +561,8 @@ class CompletionsApi:
                         written[index] += len(delta.text)
                         opened[index] = True
                         await send_event(send, texts[index].encode(delta.text))
+                    elif delta.finish_reason and len(streams) == 1:
+                        last.append(chunk_of(delta, index))  # written with the end
                     elif (
                         delta.text
                         or delta.finish_reason
@@ -566,8 +572,7 @@ class CompletionsApi:
                     ):
                         await send_event(send, chunk_of(delta, index))
             if body.include_usage:
-                await send_event(
-                    send,
+                last.append(
                     {
                         "id": response.id,
                         "object": self.bodies.chunk_object(response.chat),
@@ -575,11 +580,11 @@ class CompletionsApi:
                         "model": response.model,
                         "choices": [],
                         "usage": usage_body(sum_usage(usages, body.n)),
-                    },
+                    }
                 )
         except GenerationError as exc:
-            await send_event(send, error_of(exc))
+            last.append(error_of(exc))
         finally:
             for stream in streams:
                 self.intake.close_later(stream)
-        await send_event(send, b"[DONE]")
+        await end_events(send, *last, b"[DONE]")

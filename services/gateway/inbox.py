@@ -124,25 +124,29 @@ class Inbox:
     async def _route(self, event: StreamEvent | StreamBatch | BadMessage, msg: Msg) -> None:
         key, sender = self._parse(msg.subject)
         if not isinstance(event, StreamBatch):
-            await self._deliver(key, sender, event)
+            if not self._deliver(key, sender, event):
+                await self._late(key, sender, event)
         elif key == subjects.STREAM_BATCH and sender is not None:  # only a worker batches
             for item in event.events:
-                await self._deliver(item.attempt, sender, item.event)
+                if not self._deliver(item.attempt, sender, item.event):
+                    await self._late(item.attempt, sender, item.event)
         else:
             self.bus.refused += 1
 
-    async def _deliver(self, key: str, sender: str | None, event: StreamEvent | BadMessage) -> None:
-        """``event`` on attempt ``key``'s subject of ``sender`` (None: the scheduler's)."""
+    def _deliver(self, key: str, sender: str | None, event: StreamEvent | BadMessage) -> bool:
+        """``event`` on attempt ``key``'s subject of ``sender`` (None: the scheduler's);
+        False if no attempt of that key is open (:meth:`_late`'s then)."""
         attempt = self._attempts.get(key)
         if attempt is None:
-            await self._late(key, sender, event)
-        elif _believed(attempt, event, sender):
+            return False
+        if _believed(attempt, event, sender):
             if isinstance(event, Accepted):
                 attempt.worker_id = sender
                 self._held[(sender, attempt.request_id)] += 1
             attempt.queue.put_nowait(event)
         else:
             self._refuse(attempt, event, sender)
+        return True
 
     def _refuse(self, attempt: _Attempt, event: object, sender: str | None) -> None:
         self.bus.refused += 1

@@ -208,9 +208,16 @@ class Intake:
         ]
         for stream in streams:
             await stream.remote.__aenter__()
-        started = await asyncio.gather(
-            *(stream.remote.start() for stream in streams), return_exceptions=True
-        )
+        if len(streams) == 1:  # (most requests: no task to run one start)
+            started: list[object] = [None]
+            try:
+                await streams[0].remote.start()
+            except Exception as exc:
+                started = [exc]
+        else:
+            started = await asyncio.gather(
+                *(stream.remote.start() for stream in streams), return_exceptions=True
+            )
         failure = next((e for e in started if isinstance(e, BaseException)), None)
         if failure is not None:
             for stream in streams:
@@ -361,6 +368,8 @@ class Intake:
         """Each prompt's token ids; a prompt given several times (a prompt's ``n``
         sequences) is tokenized once."""
         once = {id(p): p for p in prompts}
+        if len(once) == 1:  # (most requests: no task to tokenize one prompt)
+            return [await self._prompt_ids(prompts[0])] * len(prompts)
         ids = await asyncio.gather(*(self._prompt_ids(p) for p in once.values()))
         by_prompt = dict(zip(once, ids, strict=True))
         return [by_prompt[id(p)] for p in prompts]
