@@ -271,6 +271,7 @@ class CompletionsApi:
         if scope.get(REQUEST_ID) is None:  # no x-request-id of the client's: its body's, or ours
             scope[REQUEST_ID] = body.request_id or response_key
         status, payload = 200, None
+        ending: list[Any] | None = None  # a stream's last events
         chat = isinstance(body, ChatCompletionRequest)
         build = self.bodies.chat if chat else self.bodies.completion
         if body.return_tokens_as_token_ids:
@@ -287,7 +288,7 @@ class CompletionsApi:
                     payload = self._beam_payload(*beams, body, response)
                 elif body.stream:
                     streaming = True
-                    await self._stream(streams, body, response, send, headers)
+                    ending = await self._stream(streams, body, response, send, headers)
                 else:
                     status, payload = await self._collect(streams, body, response)
             except Exception as exc:
@@ -299,9 +300,11 @@ class CompletionsApi:
                 else:  # a bug: a 500 in OpenAI's shape (this route is not Litestar's)
                     log.exception("%s failed", scope["path"])
                     status, payload = 500, error_body("api_error", "the gateway failed (logged)")
-        if client.disconnected or streaming:  # (a stream ends its response itself)
+        if client.disconnected:
             return
-        if payload is None:
+        if ending is not None:  # one write: each to a client's socket is a system call
+            await end_events(send, *ending)
+        elif payload is None:
             await end_body(send)
         else:
             await send_json(send, status, payload, headers)
@@ -501,11 +504,14 @@ class CompletionsApi:
         response: Reply,
         send: Send,
         headers: list[tuple[bytes, bytes]],
-    ) -> None:
-        """Send the events of a streaming response, up to ``data: [DONE]``: each stream's
-        chunks as they come, under its choice's ``index`` (after its echo, if any). With
-        ``return_token_ids``, each chunk's tokens, and a completion choice's first chunk
-        its prompt's; with ``continuous_usage_stats``, each chunk its choice's usage."""
+    ) -> list[Any]:
+        """Send the events of a streaming response: each stream's chunks as they come,
+        under its choice's ``index`` (after its echo, if any). With ``return_token_ids``,
+        each chunk's tokens, and a completion choice's first chunk its prompt's; with
+        ``continuous_usage_stats``, each chunk its choice's usage. Return its last events
+        (one stream's finish, the usage, an error, ``[DONE]``): the caller sends them with
+        the response's end (:func:`end_events`, one write), once it stopped watching for a
+        disconnect, which the server reports for a completed response too."""
         await start_events(send, headers)
         options = body.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
@@ -533,9 +539,7 @@ class CompletionsApi:
         plain = not response.token_ids and not continuous
         texts = [TextChunks(response, i) for i in range(len(streams))] if plain else None
         usages: list[Usage | None] = [None] * len(streams)
-        # The stream's last events (its finish, the usage, an error) and the response's
-        # end go in one write: each write to a client's socket costs a system call.
-        last: list[Any] = []
+        last: list[Any] = []  # (the caller sends them with the response's end)
         try:
             if response.chat:  # OpenAI opens a chat stream with the role
                 role = {"role": "assistant", "content": ""}
@@ -587,4 +591,4 @@ class CompletionsApi:
         finally:
             for stream in streams:
                 self.intake.close_later(stream)
-        await end_events(send, *last, b"[DONE]")
+        return [*last, b"[DONE]"]

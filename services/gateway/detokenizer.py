@@ -47,7 +47,10 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.tokens += token_ids
-        new = self._stream.step(self.tokenizer.tokenizer, token_ids)
+        # One id as an int: the tokenizer's binding then makes no list of it (a third of
+        # the call, on a path every streamed token takes).
+        ids = token_ids[0] if len(token_ids) == 1 else token_ids
+        new = self._stream.step(self.tokenizer.tokenizer, ids)
         if new is not None:
             self.text += new
             self._read_offset = len(self.tokens)
