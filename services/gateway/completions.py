@@ -31,7 +31,6 @@ from lamina.services.gateway.asgi import (
     BodyTooLarge,
     ClientDisconnected,
     ClientWatch,
-    end_body,
     end_events,
     read_body,
     send_event,
@@ -304,8 +303,6 @@ class CompletionsApi:
             return
         if ending is not None:  # one write: each to a client's socket is a system call
             await end_events(send, *ending)
-        elif payload is None:
-            await end_body(send)
         else:
             await send_json(send, status, payload, headers)
 
