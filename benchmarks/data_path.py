@@ -31,6 +31,7 @@ Not a test: run it by hand on an otherwise idle machine::
 ``--lean`` clients read each response as raw bytes, for the most tokens/s the stack
 sustains before ``/health``'s p99 passes 50 ms (printed last); with httpx the client
 itself fills this machine's two cores near 3,000 tokens/s.
+    .venv/bin/python -u benchmarks/data_path.py --concurrency 1 32 256 --step-ms 10 --profile
 
 One gateway's own ceiling needs a core the rest of the stack does not take: with
 ``--gateway-core`` the gateway runs on the last CPU alone and every other process (the
@@ -40,7 +41,6 @@ these rates would take most of a core itself::
 
     .venv/bin/python -u benchmarks/data_path.py --lean --null-engine --gateway-core \
         --step-ms 2 --concurrency 128 256 384
-    .venv/bin/python -u benchmarks/data_path.py --concurrency 1 32 256 --step-ms 10 --profile
 """
 
 from __future__ import annotations

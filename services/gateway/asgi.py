@@ -81,20 +81,20 @@ async def start_events(send: Send, headers: list[tuple[bytes, bytes]] | None = N
     await send({"type": "http.response.start", "status": 200, "headers": headers})
 
 
-async def send_event(send: Send, payload: Any) -> None:
+def _event(payload: Any) -> bytes:
     """One server-sent event, ``data: <payload as JSON>`` (bytes are sent as they are)."""
-    data = payload if isinstance(payload, bytes) else _json.encode(payload)
-    event = b"data: " + data + b"\n\n"
-    await send({"type": "http.response.body", "body": event, "more_body": True})
+    return b"data: " + (payload if isinstance(payload, bytes) else _json.encode(payload)) + b"\n\n"
+
+
+async def send_event(send: Send, payload: Any) -> None:
+    """Send one server-sent event (:func:`_event`)."""
+    await send({"type": "http.response.body", "body": _event(payload), "more_body": True})
 
 
 async def end_events(send: Send, *payloads: Any) -> None:
-    """Send the last events of a response opened by :func:`start_events` (as
-    :func:`send_event` would) and end it, all in one message."""
-    body = b"".join(
-        b"data: " + (p if isinstance(p, bytes) else _json.encode(p)) + b"\n\n" for p in payloads
-    )
-    await send({"type": "http.response.body", "body": body})
+    """Send the last events of a response opened by :func:`start_events` and end it, all
+    in one message."""
+    await send({"type": "http.response.body", "body": b"".join(map(_event, payloads))})
 
 
 async def end_body(send: Send) -> None:
