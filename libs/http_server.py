@@ -12,6 +12,13 @@ a server exposed to clients needs and that protocol lacks.
 - A bound on open connections: beyond ``max_connections`` a new connection is answered
   503 and closed at once, so a crowd of idle sockets cannot take every file descriptor
   (uvicorn's ``limit_concurrency`` answers 503 only once a request arrives).
+- A kept-alive connection whose next request came in time is not closed under it. When
+  the loop stalls past a keep-alive deadline (a busy loop, a stopped or descheduled
+  process), uvloop runs the due timers before it reads the sockets, so uvicorn's
+  keep-alive timeout closed connections whose next request had arrived before the
+  deadline but was not read yet: the client saw the connection reset or "Server
+  disconnected without sending a response". The timeout now closes a connection only
+  when nothing is waiting to be read on it.
 - HTTP/1.0 framing: the protocol frames a response without ``Content-Length`` (a stream)
   as chunked whatever the client's version, and an HTTP/1.0 client does not know chunked
   encoding. For such a client the body is sent as it is and the connection closes after it,
@@ -108,12 +115,33 @@ class Protocol(HttpToolsProtocol):
         else:
             self._timer = self.loop.call_at(due, self._check_body)
 
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's keep-alive timeout, but a request already waiting in the socket keeps
+        the connection (the module's docstring): the next read delivers it."""
+        if _unread(self.transport):
+            self.timeout_keep_alive_task = None
+            return
+        super().timeout_keep_alive_handler()
+
     def _refuse(self, response: bytes) -> None:
         self._timer = None
         if not self.transport.is_closing():
             with contextlib.suppress(Exception):
                 self.transport.write(response)
             self.transport.close()
+
+
+def _unread(transport: asyncio.Transport) -> bool:
+    """Whether bytes wait to be read on ``transport``'s socket (a peek: nothing is taken)."""
+    if transport.is_closing() or (fd := transport.get_extra_info("socket").fileno()) < 0:
+        return False
+    peek = socket.socket(fileno=fd)  # uvloop's socket object cannot recv; this one borrows the fd
+    try:
+        return bool(peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing to read (BlockingIOError), or the connection is gone
+        return False
+    finally:
+        peek.detach()
 
 
 def _frame_for_http10(cycle: Any) -> None:

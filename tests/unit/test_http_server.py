@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 import uvicorn
@@ -175,3 +179,45 @@ def test_connections_beyond_the_bound_are_refused_at_once_and_others_served_afte
     refused, served = asyncio.run(main())
     assert all(r.startswith(b"HTTP/1.1 503") for r in refused)
     assert served.endswith(b"ok")
+
+
+SERVER = """
+import sys, uvicorn, uvloop
+from lamina.libs.http_server import server_config
+from tests.unit.test_http_server import app
+config = server_config(app, "127.0.0.1", int(sys.argv[1]), 10.0, log_level="error",
+                       timeout_keep_alive=1)
+uvloop.run(uvicorn.Server(config).serve())
+"""
+
+
+def test_a_request_sent_in_time_is_answered_when_the_server_wakes_past_the_keep_alive():
+    """A kept-alive connection's next request arrives within the keep-alive timeout while
+    the server process is stopped (SIGSTOP; descheduled or frozen in the field) until
+    after it. On uvloop, as the gateway runs, the due timer ran before the socket was read
+    and the connection was closed under the request (the client: reset, or "Server
+    disconnected without sending a response"); it is answered."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
+    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    try:
+        for _ in range(3000):  # until it listens
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                break
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as kept:
+            kept.sendall(request)
+            assert kept.recv(4096).endswith(b"ok")  # the keep-alive timer is armed now
+            server.send_signal(signal.SIGSTOP)
+            kept.sendall(request)  # in time: well within the second
+            time.sleep(1.5)  # the timer falls due while the server is stopped
+            server.send_signal(signal.SIGCONT)
+            try:
+                answer = kept.recv(4096)
+            except ConnectionResetError:
+                answer = b"<reset>"
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok"), answer
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.terminate()
+        server.wait(30)

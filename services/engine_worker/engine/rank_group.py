@@ -102,6 +102,9 @@ MAX_SEGMENT_SLOT = 64 << 20
 START_TIMEOUT_S = 900.0
 """Most seconds a rank may take to start, load its shard or size its pool (a large
 model's shard loads for minutes; a rank that exits is seen at once)."""
+FAILURE_LOOK_S = 2.0
+"""Most seconds a failed step looks for the rank that exited before it reports the
+error alone (``RankGroup._failure``)."""
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -472,12 +475,19 @@ class RankGroup:
         raise RankStartError(self.who(rank), f"its process (pid {proc.pid}) {_how(proc)}")
 
     def _failure(self, exc: Exception) -> RankGroupFailure:
-        """What a failed step means: a rank that exited if one did, else the error."""
-        time.sleep(0.05)  # a rank killed mid-step may still be on its way out
-        for rank in range(1, self.size):
-            gone = self._gone(rank)
-            if gone is not None:
-                return RankGroupFailure(gone)
+        """What a failed step means: a rank that exited if one did, else the error. It
+        looks for up to :data:`FAILURE_LOOK_S`: a rank killed mid-step may still be on its
+        way out, and while the heartbeat's :meth:`check` reaps it on the loop's thread,
+        this thread's ``exitcode`` reads None (its ``waitpid`` finds no child)."""
+        deadline = time.monotonic() + FAILURE_LOOK_S
+        while True:
+            time.sleep(0.05)
+            for rank in range(1, self.size):
+                gone = self._gone(rank)
+                if gone is not None:
+                    return RankGroupFailure(gone)
+            if time.monotonic() >= deadline:
+                break
         return RankGroupFailure(
             f"a parallel step failed ({type(exc).__name__}: {exc}); the ranks' "
             "collectives are out of step and the group's KV is lost"
