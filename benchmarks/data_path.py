@@ -27,11 +27,11 @@ Not a test: run it by hand on an otherwise idle machine::
     .venv/bin/python -u benchmarks/data_path.py --stream-interval 4 --gateways 2
     .venv/bin/python -u benchmarks/data_path.py --floor
     .venv/bin/python -u benchmarks/data_path.py --lean --step-ms 2 --concurrency 16 32 64 128
+    .venv/bin/python -u benchmarks/data_path.py --concurrency 1 32 256 --step-ms 10 --profile
 
 ``--lean`` clients read each response as raw bytes, for the most tokens/s the stack
 sustains before ``/health``'s p99 passes 50 ms (printed last); with httpx the client
 itself fills this machine's two cores near 3,000 tokens/s.
-    .venv/bin/python -u benchmarks/data_path.py --concurrency 1 32 256 --step-ms 10 --profile
 
 One gateway's own ceiling needs a core the rest of the stack does not take: with
 ``--gateway-core`` the gateway runs on the last CPU alone and every other process (the

@@ -583,8 +583,8 @@ inline void widen_panel(const Int4* b, int64_t kc, int64_t depth, const float* s
 
 // x rows [0, rows) x depth [p, p + kc) into panels of kMR rows, k-major; the last panel
 // has the rows that are left (rows % kMR of them, if any).
-// A whole panel's rows are written a k at a time, so that its stores are contiguous (each
-// row's loop, a store every kMR floats, took a tenth of a prefill's matmul time).
+// A whole panel's rows are written a k at a time, so that its stores are contiguous (a
+// row at a time stores one float every kMR).
 inline void pack_rows(const float* x, int64_t x_stride, int64_t rows, int64_t p, int64_t kc,
                       float* dst) {
   int64_t r = 0;
