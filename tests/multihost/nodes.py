@@ -68,6 +68,13 @@ def running(
     with :func:`converge`."""
     home = tmp / "home"
     env = {**os.environ, "LAMINA_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    # The test hosts share this machine's CPUs: each worker gets its share of threads, as
+    # ``lamina up`` gives each of several workers on one host (``Launcher.worker_env``).
+    # With a thread per CPU each, three workers on two cores stall every step's parallel
+    # regions on threads descheduled for another's: moved streams then took 16-25 s to
+    # finish, not 4-6 s, and a loaded CI machine ran past the tests' bounds.
+    cpus = len(os.sched_getaffinity(0))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // len(workers_of(roles)))))
     identities = [f"worker.{w}" for w in sorted(workers_of(roles))]
     subprocess.run(
         [*LAMINA, "creds", "init", *identities], env=env, check=True, capture_output=True
