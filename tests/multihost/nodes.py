@@ -68,14 +68,15 @@ def running(
     with :func:`converge`."""
     home = tmp / "home"
     env = {**os.environ, "LAMINA_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    workers = sorted(workers_of(roles))
     # The test hosts share this machine's CPUs: each worker gets its share of threads, as
-    # ``lamina up`` gives each of several workers on one host (``Launcher.worker_env``).
-    # With a thread per CPU each, three workers on two cores stall every step's parallel
-    # regions on threads descheduled for another's: moved streams then took 16-25 s to
-    # finish, not 4-6 s, and a loaded CI machine ran past the tests' bounds.
+    # ``lamina up`` gives each of several workers on one host (``Stack.worker_env``). With
+    # a thread per CPU each, every step's parallel regions would wait on threads
+    # descheduled for another worker's: several times slower, past the tests' bounds on
+    # a loaded machine.
     cpus = len(os.sched_getaffinity(0))
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // len(workers_of(roles)))))
-    identities = [f"worker.{w}" for w in sorted(workers_of(roles))]
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, len(workers)))))
+    identities = [f"worker.{w}" for w in workers]
     subprocess.run(
         [*LAMINA, "creds", "init", *identities], env=env, check=True, capture_output=True
     )
